@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the whole suite).
+# Both create or reuse the virtual environment in .venv, pinned by constraints.txt.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvcache lab
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_cache_append.py
+
+clean:
+	rm -rf $(VENV)

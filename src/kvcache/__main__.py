@@ -1,0 +1,5 @@
+"""`python -m kvcache` is the `kvcache` command."""
+
+from kvcache.cli import main
+
+raise SystemExit(main())
