@@ -1,0 +1,56 @@
+"""The `kvcache` command line. This package is the only place that parses arguments or prints.
+
+Each command lives in its own module here with two functions: `add_parser(subparsers)` and
+`run(args) -> int` (the exit status). Modules are imported when their command runs, so
+`kvcache count` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module under kvcache.cli, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "count": ("count", "count multiplications per token with and without a KV cache"),
+    "memory": ("memory", "KV-cache memory for a model shape or a config.json, and capacity"),
+    "lab": ("lab", "the whole KV-cache lab: equality, counts, rounding, memory"),
+    "generate": ("generate", "generate text with a local checkpoint, streamed, with timings"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per command."""
+    parser = argparse.ArgumentParser(
+        prog="kvcache",
+        description="Key-value caching for transformer inference.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = _command_module(module_name)
+        if module is None:
+            continue
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.add_parser(sub)
+    return parser
+
+
+def _command_module(module_name: str):
+    try:
+        return importlib.import_module(f"kvcache.cli.{module_name}")
+    except ModuleNotFoundError as error:
+        if error.name == f"kvcache.cli.{module_name}":
+            return None  # command not built yet
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `kvcache` command with `argv` (default: sys.argv[1:]); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    module = _command_module(COMMANDS[args.command][0])
+    return int(module.run(args) or 0)
