@@ -1,0 +1,222 @@
+"""KV-cache memory accounting and capacity planning (standard library only).
+
+    elements = 2 (K and V) × layers × kv_heads × tokens × head_dim (× batch)
+    bytes    = elements × bytes per element of the dtype
+
+A layer with a sliding window holds at most `window` tokens. Shapes come from numbers or from
+a Hugging Face `config.json` (`KVShape.from_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# bits per stored element; int4 packs two elements per byte.
+DTYPE_BITS: dict[str, int] = {
+    "float64": 64,
+    "float32": 32,
+    "float16": 16,
+    "bfloat16": 16,
+    "float8_e4m3fn": 8,
+    "float8_e5m2": 8,
+    "int8": 8,
+    "int4": 4,
+}
+_DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+                  "half": "float16", "float": "float32", "double": "float64", "fp8": "float8_e4m3fn"}
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def dtype_bits(dtype: str) -> int:
+    """Bits per element of a dtype name ("bfloat16", "int4", "torch.float16" …)."""
+    name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BITS:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BITS)}")
+    return DTYPE_BITS[name]
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be ≥ 0, got {value}")
+
+
+def kv_cache_elements(n_layers: int, n_heads: int, seq_len: int, head_dim: int, batch: int = 1) -> int:
+    """2 · layers · kv_heads · tokens · head_dim · batch: elements held by a full KV cache."""
+    _check_sizes(n_layers=n_layers, n_heads=n_heads, seq_len=seq_len, head_dim=head_dim, batch=batch)
+    return 2 * n_layers * n_heads * seq_len * head_dim * batch
+
+
+def kv_cache_bytes(n_layers: int, n_heads: int, seq_len: int, head_dim: int, batch: int = 1,
+                   dtype: str = "float16") -> int:
+    """Bytes of a full KV cache: elements × bytes per element (int4: half a byte; exact,
+    since the element count is even)."""
+    bits = dtype_bits(dtype)
+    return kv_cache_elements(n_layers, n_heads, seq_len, head_dim, batch) * bits // 8
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The numbers that set a model's KV-cache size.
+
+    `layer_types` gives each layer's kind ("full_attention" or "sliding_attention"); a sliding
+    layer holds at most `sliding_window` tokens. `None` means every layer is full.
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_sizes(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries but layers={self.layers}")
+            unknown = set(self.layer_types) - {FULL, SLIDING}
+            if unknown:
+                raise ValueError(f"unknown layer types {sorted(unknown)}; known: {FULL}, {SLIDING}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding layers but sliding_window is not set")
+
+    def tokens_held(self, seq_len: int) -> list[int]:
+        """Tokens each layer holds after `seq_len` tokens (sliding layers cap at the window)."""
+        _check_sizes(seq_len=seq_len)
+        types = self.layer_types or (FULL,) * self.layers
+        return [min(seq_len, self.sliding_window) if kind == SLIDING else seq_len for kind in types]
+
+    def bytes(self, seq_len: int, batch: int = 1, dtype: str = "float16") -> int:
+        """KV bytes for `batch` sequences of `seq_len` tokens each."""
+        held = sum(self.tokens_held(seq_len))
+        return kv_cache_bytes(1, self.kv_heads, held, self.head_dim, batch, dtype)
+
+    def bytes_per_token(self, dtype: str = "float16") -> int:
+        """Bytes one more token costs while every layer is still growing (before any window)."""
+        return kv_cache_bytes(self.layers, self.kv_heads, 1, self.head_dim, 1, dtype)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> KVShape:
+        """From a Hugging Face config (a dict, or a path to config.json or its folder).
+
+        Uses num_hidden_layers, num_key_value_heads (else num_attention_heads), head_dim (else
+        hidden_size / num_attention_heads), sliding_window (ignored when use_sliding_window is
+        false) and layer_types. A multimodal config's `text_config` is used when present.
+        """
+        source = "config"
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            source = path
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    config = json.load(handle)
+            except FileNotFoundError:
+                raise ValueError(f"no config.json at {path}") from None
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} is not valid JSON: {error}") from None
+            if not isinstance(config, Mapping):
+                raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+        if "num_hidden_layers" not in config and isinstance(config.get("text_config"), Mapping):
+            config = config["text_config"]
+        return cls._from_mapping(config, source)
+
+    @classmethod
+    def _from_mapping(cls, config: Mapping[str, Any], source: str) -> KVShape:
+        missing = [k for k in ("num_hidden_layers", "num_attention_heads") if config.get(k) is None]
+        if config.get("head_dim") is None and config.get("hidden_size") is None:
+            missing.append("head_dim or hidden_size")
+        if missing:
+            raise ValueError(f"{source} lacks the fields needed for KV memory: {', '.join(missing)}")
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            hidden = int(config["hidden_size"])
+            if hidden % heads:
+                raise ValueError(
+                    f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+            head_dim = hidden // heads
+        window = config.get("sliding_window")
+        if config.get("use_sliding_window") is False:
+            window = None
+        layer_types = config.get("layer_types")
+        if layer_types is not None:
+            layer_types = tuple(layer_types)
+            if window is None:  # no window in force: sliding layers behave as full ones
+                layer_types = tuple(FULL for _ in layer_types)
+        elif window is not None:
+            layer_types = (SLIDING,) * layers
+        return cls(layers, kv_heads, int(head_dim), int(window) if window else None, layer_types)
+
+
+def max_tokens(shape: KVShape, budget_bytes: int, batch: int = 1, dtype: str = "float16") -> int | None:
+    """The longest context (tokens per sequence) whose KV cache for `batch` sequences fits in
+    `budget_bytes`; None when there is no limit (every layer sliding, and the window fits)."""
+    _check_sizes(budget_bytes=budget_bytes, batch=batch)
+
+    def fits(tokens: int) -> bool:
+        return shape.bytes(tokens, batch, dtype) <= budget_bytes
+
+    if shape.layer_types and FULL not in shape.layer_types and fits(shape.sliding_window):
+        return None
+    if shape.bytes(1, batch, dtype) == 0:
+        return None  # zero-sized shape: nothing ever grows
+    high = 1
+    while fits(high):  # bytes grow with tokens (some layer is full), so this ends
+        high *= 2
+    low = high // 2 if high > 1 else 0  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def max_sequences(shape: KVShape, budget_bytes: int, seq_len: int, dtype: str = "float16") -> int:
+    """How many sequences of `seq_len` tokens fit in `budget_bytes` of KV cache."""
+    _check_sizes(budget_bytes=budget_bytes, seq_len=seq_len)
+    one = shape.bytes(seq_len, 1, dtype)
+    if one == 0:
+        raise ValueError("a sequence of 0 bytes: every sequence fits; give seq_len ≥ 1")
+    return budget_bytes // one
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """"24GiB" -> 25769803776. Units: B, KB, MB, GB, TB (powers of 1000), KiB … TiB (1024)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read size {text!r}: expected a number and a unit such as 24GiB, 512MB, 1.5TB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(count: float) -> str:
+    """Bytes in binary units with 3 significant figures: 1536 -> '1.50 KiB'."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    exponent = 0
+    while count >= 1024 and exponent < len(units) - 1:
+        count /= 1024
+        exponent += 1
+    return f"{int(count)} B" if exponent == 0 else f"{count:.3g} {units[exponent]}"
+
+
+def memory_table(shape: KVShape, lengths: Sequence[int], dtypes: Sequence[str],
+                 batch: int = 1) -> list[dict[str, int]]:
+    """Rows of {"tokens": T, dtype: bytes, …} for each length."""
+    return [{"tokens": t, **{d: shape.bytes(t, batch, d) for d in dtypes}} for t in lengths]
