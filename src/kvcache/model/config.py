@@ -1,0 +1,232 @@
+"""The model configuration: a frozen dataclass read from a checkpoint's `config.json`.
+
+One class covers the Llama family we run (`llama`, `mistral`, `qwen2`); the differences are
+fields (`qkv_bias`, `sliding_window`, `layer_types`, `rope_scaling`). Anything the model would
+otherwise ignore (an unknown architecture, activation or RoPE scaling type) is refused here
+with a `ConfigError` that says what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+class ConfigError(ValueError):
+    """A config.json the model cannot run as written."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `rope_type` is one of SUPPORTED_ROPE_TYPES other than default."""
+
+    rope_type: str
+    factor: float
+    # llama3 only
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the decoder needs to know, with Hugging Face's field names where they exist."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q_proj, k_proj, v_proj carry a bias (qwen2; llama attention_bias)
+    o_bias: bool = False  # o_proj carries a bias (llama attention_bias)
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    # one entry per layer: "full_attention" or "sliding_attention"
+    layer_types: tuple[str, ...] = field(default=())
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers="
+                f"{self.num_hidden_layers}"
+            )
+        for kind in self.layer_types:
+            if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ConfigError(
+                    f"layer type {kind!r} is not supported; expected {FULL_ATTENTION!r} or "
+                    f"{SLIDING_ATTENTION!r}"
+                )
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types has sliding_attention layers but no sliding_window")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @property
+    def num_key_value_groups(self) -> int:
+        """Query heads per key/value head (1 = multi-head attention, >1 = grouped-query)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Read a parsed config.json; unsupported settings raise ConfigError."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported; expected one of "
+                f"{SUPPORTED_MODEL_TYPES}"
+            )
+        _require(raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads")
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ConfigError(f"hidden_act {hidden_act!r} is not supported; expected 'silu'")
+        num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        num_layers = raw["num_hidden_layers"]
+        rope_theta, rope_scaling = _rope_settings(raw)
+        if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
+
+        sliding_window, layer_types = _attention_layout(raw, model_type, num_layers)
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        elif model_type == "llama":
+            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        else:
+            qkv_bias = o_bias = False
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)) if model_type == "llama" else False,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos_ids,
+            pad_token_id=raw.get("pad_token_id"),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` (or a folder holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json at {path}")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} is not valid JSON: {error}") from error
+        return cls.from_dict(raw)
+
+
+def _require(raw: dict[str, Any], *names: str) -> None:
+    missing = [name for name in names if raw.get(name) is None]
+    if missing:
+        raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
+
+
+def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """rope_theta and scaling, from the newer `rope_parameters` or the older `rope_scaling`."""
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    for key, value in legacy.items():
+        params.setdefault(key, value)
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if not math.isfinite(theta) or theta <= 0:
+        raise ConfigError(f"rope_theta must be positive, got {theta}")
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"rope scaling type {rope_type!r} is not supported; expected one of "
+            f"{SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "default":
+        return theta, None
+    factor = params.get("factor")
+    if factor is None or float(factor) < 1.0:
+        raise ConfigError(f"rope scaling {rope_type!r} needs factor >= 1, got {factor!r}")
+    if rope_type != "llama3":
+        return theta, RopeScaling(rope_type, float(factor))
+    _require(params, "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if float(params["high_freq_factor"]) <= float(params["low_freq_factor"]):
+        raise ConfigError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    return theta, RopeScaling(
+        "llama3",
+        float(factor),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _attention_layout(
+    raw: dict[str, Any], model_type: str, num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window (or None) and each layer's attention type, as transformers reads them."""
+    window = raw.get("sliding_window")
+    if model_type == "llama":
+        window = None
+    elif model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        window = None
+    if raw.get("layer_types") is not None:
+        layer_types = tuple(raw["layer_types"])
+        if window is None:  # transformers does the same: no window, no sliding layers
+            layer_types = tuple(FULL_ATTENTION for _ in layer_types)
+        return window, layer_types
+    if window is None:
+        return None, (FULL_ATTENTION,) * num_layers
+    if model_type == "qwen2":
+        first_sliding = raw.get("max_window_layers", num_layers)
+        return window, tuple(
+            SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)
+        )
+    return window, (SLIDING_ATTENTION,) * num_layers

@@ -1,0 +1,212 @@
+"""The Llama-family decoder (llama, mistral, qwen2) in one file.
+
+Module names equal the Hugging Face checkpoint keys (`model.layers.3.self_attn.q_proj.weight`),
+so loading is a strict name-for-name copy. The model talks to its cache only through the seam
+(`update`, `get_seq_length`, `attention_masks`) and never asks what kind of cache it has: the
+no-cache path is `NoCache`, an object that keeps nothing.
+
+Per token and layer, the forward does: RMSNorm -> q/k/v projections -> RoPE on q, k ->
+cache.update(k, v) -> SDPA over the visible keys (GQA: kv heads shared by query groups) ->
+o_proj -> residual; RMSNorm -> SwiGLU MLP -> residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.model.config import ModelConfig
+from kvcache.model.rope import RotaryEmbedding, apply_rope
+
+
+class CacheInTrainingError(RuntimeError):
+    """A KV cache was asked for while the model trains with gradients on."""
+
+
+@dataclass
+class CausalLMOutput:
+    """What a forward returns: logits (B, T_new, vocab) and the cache that now holds the keys."""
+
+    logits: torch.Tensor
+    past_key_values: object | None = None
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the statistics in float32 whatever the activations' dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE; keys and values go through the cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_width, kv_width = config.hidden_size, self.num_heads * self.head_dim, (
+            self.kv_heads * self.head_dim
+        )
+        self.q_proj = nn.Linear(hidden, q_width, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_width, hidden, bias=config.o_bias)
+
+    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        batch, new_tokens, _ = x.shape  # (B, T, hidden)
+        q = self.q_proj(x).view(batch, new_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, new_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, new_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        # q: (B, H, T, D); k, v: (B, H_kv, T, D)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        keys, values = cache.update(k, v, self.layer_idx)  # (B, H_kv, T_visible, D)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads
+        )  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(batch, new_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM, called like Hugging Face's:
+
+    `model(input_ids, attention_mask=None, past_key_values=None, use_cache=None,
+    position_ids=None)` -> CausalLMOutput(logits (B, T_new, vocab), past_key_values).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """Run T_new new tokens (B, T_new) on top of what `past_key_values` holds.
+
+        attention_mask: (B, past + T_new), 1 = token, 0 = left padding. use_cache=None means
+        "cache unless training": a new DynamicCache is made when none is given. With
+        use_cache=False nothing is kept (NoCache). Positions, unless given, are counted from
+        the mask (so left padding does not shift them) or else from the cache length.
+        """
+        from kvcache.cache import NoCache, make_cache
+
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be (batch, new_tokens), got shape {tuple(input_ids.shape)}"
+            )
+        training = self.training and torch.is_grad_enabled()
+        if training and (use_cache or past_key_values is not None):
+            raise CacheInTrainingError(
+                "a KV cache is for inference only: call model.eval() or run under "
+                "torch.no_grad(), or pass use_cache=False and no past_key_values to train"
+            )
+        if use_cache is None:
+            use_cache = not training
+        cache = past_key_values
+        if cache is None:
+            cache = (
+                make_cache("dynamic", config=self.config, dtype=self.dtype, device=self.device)
+                if use_cache
+                else NoCache()
+            )
+
+        batch, new_tokens = input_ids.shape
+        past = cache.get_seq_length()
+        if attention_mask is not None:
+            if attention_mask.shape != (batch, past + new_tokens):
+                raise ValueError(
+                    f"attention_mask must be (batch, past + new) = ({batch}, {past + new_tokens}), "
+                    f"got {tuple(attention_mask.shape)}: append a 1 per generated token"
+                )
+        if position_ids is None:
+            position_ids = self._positions(attention_mask, past, new_tokens, input_ids.device)
+        masks = cache.attention_masks(new_tokens, attention_mask)
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, T, D)
+        for layer, mask in zip(self.model.layers, masks, strict=True):
+            x = layer(x, cos, sin, mask, cache)
+        logits = self.lm_head(self.model.norm(x))  # (B, T, vocab)
+        return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
+
+    @staticmethod
+    def _positions(attention_mask, past: int, new_tokens: int, device) -> torch.Tensor:
+        """(B or 1, T_new) position of each new token: real tokens before it (padding skipped)."""
+        if attention_mask is None:
+            return torch.arange(past, past + new_tokens, device=device).unsqueeze(0)
+        counted = attention_mask.long().cumsum(-1) - 1  # (B, past + T)
+        return counted[:, past:].clamp(min=0)

@@ -1,0 +1,197 @@
+"""Strict loading of a local Hugging Face checkpoint folder into `LlamaForCausalLM`.
+
+Reads config.json, then the safetensors headers (single file or shards with their index),
+checks every tensor's name and shape against the model before reading any data, and only then
+builds the model on the meta device and assigns the loaded tensors name for name. Nothing is
+downloaded: a path that is not a local folder is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvcache.model.config import ModelConfig
+from kvcache.model.llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+# old checkpoints sometimes carry RoPE tables; they are derived from the config, never loaded
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded exactly as the model expects."""
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype, a name like "bfloat16", or None (keep the stored dtype)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """The folder as a Path, or a CheckpointError saying why it is not a usable local folder."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise CheckpointError(
+            f"{str(path)!r} is not a local folder. kvcache loads checkpoints from disk only "
+            "(no hub downloads): download it first, e.g. `huggingface-cli download "
+            f"{path} --local-dir DIR`, and pass DIR"
+        )
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file; pass the checkpoint folder that holds it")
+    return folder
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, name -> shape (lm_head omitted when tied)."""
+    hidden, inner, dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_width, kv_width = config.num_attention_heads * dim, config.num_key_value_heads * dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        for name, shape in (("q_proj", (q_width, hidden)), ("k_proj", (kv_width, hidden)),
+                            ("v_proj", (kv_width, hidden)), ("o_proj", (hidden, q_width))):
+            shapes[f"{prefix}self_attn.{name}.weight"] = shape
+        if config.qkv_bias:
+            shapes[prefix + "self_attn.q_proj.bias"] = (q_width,)
+            shapes[prefix + "self_attn.k_proj.bias"] = (kv_width,)
+            shapes[prefix + "self_attn.v_proj.bias"] = (kv_width,)
+        if config.o_bias:
+            shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
+        for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden)),
+                            ("down_proj", (hidden, inner))):
+            shapes[f"{prefix}mlp.{name}.weight"] = shape
+        if config.mlp_bias:
+            shapes[prefix + "mlp.gate_proj.bias"] = (inner,)
+            shapes[prefix + "mlp.up_proj.bias"] = (inner,)
+            shapes[prefix + "mlp.down_proj.bias"] = (hidden,)
+    return shapes
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """name -> safetensors file holding it, from the single file or the shard index."""
+    from safetensors import safe_open
+
+    index = folder / SHARD_INDEX
+    single = folder / SINGLE_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        located = {name: folder / file for name, file in weight_map.items()}
+        for file in sorted(set(located.values())):
+            if not file.is_file():
+                raise CheckpointError(f"{index} names shard {file.name}, which is missing")
+            with safe_open(str(file), framework="pt") as handle:
+                in_file = set(handle.keys())
+            listed = {name for name, where in located.items() if where == file}
+            if listed - in_file:
+                raise CheckpointError(
+                    f"{file.name} lacks tensor(s) the index puts there: "
+                    f"{sorted(listed - in_file)[:5]}"
+                )
+        return located
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    if others:
+        raise CheckpointError(
+            f"{folder} has {others} but neither {SINGLE_FILE} nor {SHARD_INDEX}"
+        )
+    pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in folder.glob(pattern))
+    if pickles:
+        raise CheckpointError(
+            f"{folder} holds only PyTorch pickle weights ({', '.join(pickles[:3])}); kvcache loads "
+            "safetensors only. Convert once with transformers: AutoModelForCausalLM."
+            "from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)"
+        )
+    raise CheckpointError(f"{folder} holds no weights ({SINGLE_FILE} or {SHARD_INDEX})")
+
+
+def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> dict[str, Path]:
+    """The tensors to load; every mismatch with the model is an error naming the tensor."""
+    from safetensors import safe_open
+
+    expected = expected_shapes(config)
+    wanted = {name: file for name, file in located.items() if not name.endswith(_DERIVED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        wanted.pop("lm_head.weight", None)  # a stored copy of the tied embedding is not used
+    missing = sorted(set(expected) - set(wanted))
+    unexpected = sorted(set(wanted) - set(expected))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:8]}"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} tensor(s) the model does not know: {unexpected[:8]}"
+        )
+    for file in sorted(set(wanted.values())):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name not in wanted:
+                    continue
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"tensor {name} in {file.name} has shape {shape}, expected "
+                        f"{expected[name]} from config.json"
+                    )
+    return wanted
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """Load a local llama / mistral / qwen2 checkpoint folder, strictly, in eval mode.
+
+    dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype);
+    otherwise every tensor is converted to it.
+    """
+    from safetensors import safe_open
+
+    folder = checkpoint_folder(path)
+    config = ModelConfig.from_file(folder)
+    dtype = resolve_dtype(dtype)
+    wanted = _check_names_and_shapes(config, tensor_files(folder))
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(set(wanted.values())):
+        with safe_open(str(file), framework="pt", device=str(device)) as handle:
+            for name in handle.keys():
+                if name in wanted:
+                    state[name] = handle.get_tensor(name)
+    target = dtype or state["model.embed_tokens.weight"].dtype
+    state = {name: tensor.to(target) for name, tensor in state.items()}
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(device)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left_empty = [name for name, param in model.named_parameters() if param.is_meta]
+    if left_empty:
+        raise CheckpointError(f"tensor(s) not loaded: {left_empty[:8]}")
+    return model.eval()
