@@ -1,0 +1,49 @@
+"""Argument types shared by the commands: each error names what was expected and what was given."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """"1,2,4,...,256" -> [1, 2, 4, 8, …, 256]. A comma list of positive integers; `...` doubles
+    when the two numbers before it double, else repeats their step, up to the number after it."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    values: list[int] = []
+    for index, part in enumerate(parts):
+        if part == "...":
+            if len(values) < 2 or index + 1 >= len(parts):
+                raise argparse.ArgumentTypeError(
+                    f"'...' needs two numbers before it and one after, in {text!r}")
+            end = positive_int(parts[index + 1])
+            a, b = values[-2], values[-1]
+            while True:
+                nxt = b * 2 if b == 2 * a else b + (b - a)
+                if nxt >= end or nxt <= b:
+                    break
+                values.append(nxt)
+                a, b = b, nxt
+            continue
+        values.append(positive_int(part))
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    """A comma list of numbers."""
+    try:
+        return [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None

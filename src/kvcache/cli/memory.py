@@ -1,0 +1,85 @@
+"""`kvcache memory`: KV-cache bytes for a shape or a config.json, and what fits in a budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvcache.cli._args import positive_int
+from kvcache.memory import DTYPE_BITS, KVShape, format_bytes, max_sequences, max_tokens, parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    shape = parser.add_argument_group("model shape (give --config, or all three numbers)")
+    shape.add_argument("--config", help="a Hugging Face config.json (or the folder holding it)")
+    shape.add_argument("--layers", type=positive_int, help="number of layers")
+    shape.add_argument("--kv-heads", type=positive_int, help="key/value heads per layer")
+    shape.add_argument("--head-dim", type=positive_int, help="dimension of one head")
+    shape.add_argument("--window", type=positive_int, help="sliding window applied to every layer")
+    parser.add_argument("--tokens", type=positive_int, required=True, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BITS),
+                        help="element type of the cache (default bfloat16)")
+    parser.add_argument("--budget", type=_size,
+                        help="memory budget such as 24GiB: report the longest context for --batch "
+                             "and the most sequences of --tokens that fit")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def _shape(args: argparse.Namespace) -> KVShape:
+    if args.config:
+        if any(v is not None for v in (args.layers, args.kv_heads, args.head_dim)):
+            raise ValueError("give either --config or --layers/--kv-heads/--head-dim, not both")
+        return KVShape.from_config(args.config)
+    missing = [f"--{n}" for n, v in (("layers", args.layers), ("kv-heads", args.kv_heads),
+                                     ("head-dim", args.head_dim)) if v is None]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (or give --config)")
+    layer_types = ("sliding_attention",) * args.layers if args.window else None
+    return KVShape(args.layers, args.kv_heads, args.head_dim, args.window, layer_types)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shape = _shape(args)
+    except ValueError as error:
+        print(f"kvcache memory: error: {error}", file=sys.stderr)
+        return 2
+    total = shape.bytes(args.tokens, args.batch, args.dtype)
+    result = {
+        "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+        "sliding_window": shape.sliding_window, "tokens": args.tokens, "batch": args.batch,
+        "dtype": args.dtype, "bytes_per_token": shape.bytes_per_token(args.dtype),
+        "bytes_per_sequence": shape.bytes(args.tokens, 1, args.dtype), "bytes": total,
+    }
+    if args.budget is not None:
+        result["budget_bytes"] = args.budget
+        result["max_tokens_for_batch"] = max_tokens(shape, args.budget, args.batch, args.dtype)
+        result["max_sequences_of_tokens"] = max_sequences(shape, args.budget, args.tokens, args.dtype)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    window = f", sliding window {shape.sliding_window}" if shape.sliding_window else ""
+    print(f"KV cache: {shape.layers} layers × {shape.kv_heads} kv heads × {shape.head_dim} "
+          f"head dim{window}, {args.dtype}")
+    print(f"  per token (all layers growing): {result['bytes_per_token']:,} B "
+          f"({format_bytes(result['bytes_per_token'])})")
+    print(f"  one sequence of {args.tokens:,} tokens: {result['bytes_per_sequence']:,} B "
+          f"({format_bytes(result['bytes_per_sequence'])})")
+    print(f"  batch of {args.batch}: {total:,} B ({format_bytes(total)})")
+    if args.budget is not None:
+        longest = result["max_tokens_for_batch"]
+        longest_text = "no limit (every layer keeps at most the window)" if longest is None \
+            else f"{longest:,} tokens"
+        print(f"  in a budget of {format_bytes(args.budget)}: longest context for a batch of "
+              f"{args.batch}: {longest_text}; sequences of {args.tokens:,} tokens: "
+              f"{result['max_sequences_of_tokens']:,}")
+    return 0

@@ -1,0 +1,86 @@
+"""The command line: count, memory and lab print what the library computes; errors are clear."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvcache import reference as ref
+from kvcache.cli import main
+from kvcache.cli._args import int_list
+
+
+def test_int_list_expands_doubling_and_steps():
+    assert int_list("1,2,4,...,256") == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert int_list("10,30,...,70") == [10, 30, 50, 70]
+    assert int_list("16,32,...,100") == [16, 32, 64, 100]
+    assert int_list("3") == [3]
+
+
+def test_count_json_rows_are_the_counted_table(capsys):
+    assert main(["count", "--d", "4", "--lengths", "1,2,...,8", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rows"] == ref.mul_table([1, 2, 4, 8], 4)
+
+
+def test_count_markdown_has_a_row_per_length(capsys):
+    assert main(["count", "--d", "2", "--lengths", "1,3"]) == 0
+    out = capsys.readouterr().out
+    # d=2, n=3: no cache (3·4 + 2·2)·(1+2+3) = 96; cached 3·4·3 + 2·2·(1+2+3) = 60
+    assert "| 3 | 96 | 60 | 1.6× | 48 (36 + 12) | 24 (12 + 12) |" in out
+
+
+def test_count_rejects_non_positive_length(capsys):
+    with pytest.raises(SystemExit):
+        main(["count", "--lengths", "0"])
+    assert "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_memory_from_numbers_and_budget(capsys):
+    argv = ["memory", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--tokens", "4096",
+            "--batch", "2", "--dtype", "bfloat16", "--budget", "24GiB", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_sequence"] == 512 * 2**20
+    assert out["bytes"] == 1024 * 2**20
+    assert out["max_sequences_of_tokens"] == 48
+    assert out["max_tokens_for_batch"] == 24 * 2**30 // (2 * 131072)
+
+
+def test_memory_from_config(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "hidden_size": 64, "sliding_window": 8}))
+    assert main(["memory", "--config", str(config), "--tokens", "100", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding window 8" in out
+    assert f"{2 * 2 * 4 * 8 * 16 * 4:,} B" in out
+
+
+def test_memory_errors_name_the_missing_arguments(capsys):
+    assert main(["memory", "--tokens", "4", "--layers", "2"]) == 2
+    assert "missing --kv-heads, --head-dim" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["memory", "--tokens", "4", "--budget", "lots"])
+    assert "cannot read size" in capsys.readouterr().err
+
+
+def test_lab_writes_markdown_and_json(tmp_path, capsys):
+    out_file = tmp_path / "lab.md"
+    assert main(["lab", "--lengths", "1,2,4", "--tokens", "6", "--out", str(out_file)]) == 0
+    printed = capsys.readouterr().out
+    assert out_file.read_text() == printed
+    assert "## 1. The cache is exact" in printed and "leaves it" in printed
+    assert main(["lab", "--lengths", "1,2", "--tokens", "4", "--decimals", "12,1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert all(row["within"] and row["max_abs_diff"] == 0.0 for row in result["equality"])
+    assert [r["within"] for r in result["rounding"]["rows"]] == [True, False]
+
+
+def test_python_dash_m_kvcache_runs_the_cli():
+    done = subprocess.run([sys.executable, "-m", "kvcache", "count", "--lengths", "1,2"],
+                          capture_output=True, text=True, check=True)
+    assert "| 2 |" in done.stdout
+    bare = subprocess.run([sys.executable, "-m", "kvcache"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "COMMAND" in bare.stderr
