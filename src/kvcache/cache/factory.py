@@ -1,0 +1,65 @@
+"""make_cache: build a cache by name ("dynamic" | "static" | "sliding" | "none")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Cache
+from .dynamic import DynamicCache
+from .errors import CacheConfigError
+from .nocache import NoCache
+from .sliding import SlidingWindowCache
+from .static import StaticCache
+
+KINDS = ("dynamic", "static", "sliding", "none")
+
+
+def make_cache(
+    kind: str,
+    *,
+    config: Any = None,
+    num_layers: int | None = None,
+    max_batch_size: int | None = None,
+    max_cache_len: int | None = None,
+    window: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Cache:
+    """A cache of the given kind for a model described by `config` and/or explicit sizes.
+
+    config: object or dict with num_hidden_layers, num_key_value_heads, head_dim,
+    sliding_window (may be None), layer_types ("full_attention"/"sliding_attention" per layer,
+    or None). In "dynamic" and "static" caches, sliding-attention layers get a ring of the
+    window; "sliding" windows every layer (and refuses a config with full-attention layers).
+    "none" keeps nothing (`NoCache`).
+
+    Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
+    """
+    if kind == "dynamic":
+        return DynamicCache(num_layers, config=config, window=window, device=device)
+    if kind == "static":
+        if max_cache_len is None:
+            raise CacheConfigError("make_cache('static') needs max_cache_len")
+        return StaticCache(
+            max_cache_len,
+            max_batch_size,
+            config=config,
+            num_layers=num_layers,
+            window=window,
+            dtype=dtype,
+            device=device,
+        )
+    if kind == "sliding":
+        return SlidingWindowCache(
+            window,
+            max_batch_size,
+            config=config,
+            num_layers=num_layers,
+            dtype=dtype,
+            device=device,
+        )
+    if kind == "none":
+        return NoCache(device=device)
+    raise CacheConfigError(f"cache kind must be one of {KINDS}, got {kind!r}")

@@ -1,0 +1,53 @@
+"""Boolean attention masks from absolute positions.
+
+A layer describes the keys it will return by their absolute positions (-1 for an empty slot)
+and the queries of a chunk by theirs; the mask is then one formula for every cache kind:
+causal, optionally within a window, minus padding columns, and never a fully masked row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import CacheShapeError
+
+
+def build_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    *,
+    window: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean mask, True = may attend.
+
+    Args:
+        query_positions: (T_new,) long, absolute position of each query of the chunk.
+        key_positions: (T_kv,) long, absolute position of each key row; -1 marks an empty slot.
+        window: if given, a query at q sees keys in (q - window, q] (itself and window-1 before).
+        attention_mask: (B, L) with 1 = real token, 0 = padding, indexed by absolute position;
+            positions >= L count as padding.
+
+    Returns:
+        (B or 1, 1, T_new, T_kv) bool. The key at the query's own position is always allowed, so
+        no row is fully masked (a padding query attends to itself) and SDPA never yields NaN.
+    """
+    q = query_positions[:, None]  # (T_new, 1)
+    kpos = key_positions[None, :]  # (1, T_kv)
+    allowed = (kpos <= q) & (kpos >= 0)  # (T_new, T_kv)
+    if window is not None:
+        allowed = allowed & (kpos > q - window)
+    own = kpos == q  # (T_new, T_kv)
+    if attention_mask is None:
+        return (allowed | own)[None, None]  # (1, 1, T_new, T_kv)
+    if attention_mask.dim() != 2:
+        raise CacheShapeError(
+            f"attention_mask must be 2-D (batch, past + new_tokens), "
+            f"got shape {tuple(attention_mask.shape)}"
+        )
+    length = attention_mask.shape[1]
+    index = key_positions.clamp(0, length - 1)  # (T_kv,)
+    real = attention_mask.to(torch.bool).index_select(1, index)  # (B, T_kv)
+    real = real & (key_positions >= 0) & (key_positions < length)
+    mask = allowed[None] & real[:, None, :]  # (B, T_new, T_kv)
+    return (mask | own[None])[:, None]  # (B, 1, T_new, T_kv)

@@ -1,0 +1,275 @@
+"""SlidingWindowLayer: a ring buffer holding the last `window` positions of each sequence.
+
+A query at position q sees the keys at (q - window, q]: itself and the window-1 before it.
+Position p lives in slot p % capacity (capacity = window + max_rollback), so after wrap-around
+the slots are out of order; the layer reports each returned row's absolute position and the
+mask is built from positions, never from slot indices.
+
+A single new token is written into the ring and the ring is returned. A chunk of several
+tokens that crosses the ring's end is returned as (ring, chunk) concatenated, because its early
+queries still need rows the chunk will overwrite; that also covers a chunk longer than the
+window (prefill), after which the ring keeps the chunk's last rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from .base import Cache, check_crop, is_compiling
+from .config import read_geometry
+from .errors import CacheConfigError, CacheCropError
+from .fixed import FixedCapacityLayer
+
+
+def ring_positions(last: int | torch.Tensor, capacity: int, slots: torch.Tensor) -> torch.Tensor:
+    """Absolute position held by each slot when `last` is the newest position written.
+
+    slots: (S,) long slot indices. Returns (S,) long; negative = never written.
+    """
+    return last - torch.remainder(last - slots, capacity)
+
+
+class SlidingWindowLayer(FixedCapacityLayer):
+    """A fixed ring of `window + max_rollback` rows that keeps the last positions.
+
+    Args:
+        window: a query sees itself and the window-1 keys before it.
+        max_rollback: extra rows kept so that `crop` can roll back up to max_rollback + 1
+            tokens after the ring has wrapped (speculative decoding); 0 keeps exactly `window`.
+        batch_size, kv_heads, head_dim, dtype, device: as for `StaticLayer`.
+    """
+
+    def __init__(
+        self,
+        window: int,
+        *,
+        max_rollback: int = 0,
+        batch_size: int | None = None,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise CacheConfigError(f"window must be an int >= 1, got {window!r}")
+        if max_rollback < 0:
+            raise CacheConfigError(f"max_rollback must be >= 0, got {max_rollback}")
+        super().__init__(
+            window + max_rollback,
+            batch_size=batch_size,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.window = window
+        self.max_rollback = max_rollback
+
+    # ---- geometry: which rows update() returns ----------------------------------------------
+    def _returns_prefix(self, past: int, new_tokens: int) -> bool:
+        """Eager and not yet wrapped: update returns slots [0, past + new_tokens)."""
+        return past + new_tokens <= self.capacity
+
+    def mask_key(self, new_tokens: int) -> Hashable:
+        """Ring size, past (eager only) and chunk length determine the mask."""
+        if is_compiling():
+            return ("ring-compiled", self.capacity, new_tokens)
+        return ("ring", self.capacity, self._length.get(), new_tokens)
+
+    def mask_positions(
+        self, new_tokens: int, device: torch.device | str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries at past + (0..T_new-1) (T_new,); keys at the absolute positions of the rows
+        the next update returns (T_kv,), -1 for a slot never written."""
+        capacity = self.capacity
+        if is_compiling() and self._length.tensor is not None:
+            past: int | torch.Tensor = self._length.tensor
+            device = self._length.tensor.device
+            slots = torch.arange(capacity, device=device)  # (C,)
+        else:
+            past = self._length.get()
+            if self._returns_prefix(past, new_tokens):
+                key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
+                return key_positions[past:], key_positions
+            slots = torch.arange(min(past, capacity), device=device)  # (C or past,)
+        query_positions = past + torch.arange(new_tokens, device=device)  # (T_new,)
+        if new_tokens == 1:
+            # written into the ring first, so the newest position is the query's own
+            return query_positions, ring_positions(past, capacity, slots)
+        ring = ring_positions(past - 1, capacity, slots)
+        return query_positions, torch.cat([ring, query_positions])  # (C + T_new,)
+
+    # ---- update ---------------------------------------------------------------------------------
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T_new, D); keep the last `capacity` positions.
+
+        Returns K, V whose rows sit at the positions `mask_positions` reported:
+        not yet wrapped (eager): slots [0, past + T_new); one token: the whole ring (C rows);
+        several tokens otherwise: the ring before the write, then the chunk (C' + T_new rows).
+        """
+        self._check_and_allocate(k, v)
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None
+        new_tokens = k.shape[2]
+        if is_compiling():
+            return self._update_compiled(k, v, keys, values)
+        past = self._length.get()
+        end = past + new_tokens
+        if self._returns_prefix(past, new_tokens):
+            keys.narrow(2, past, new_tokens).copy_(k)
+            values.narrow(2, past, new_tokens).copy_(v)
+            self._length.set(end)
+            return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+        if new_tokens == 1:
+            slot = past % self.capacity
+            keys.narrow(2, slot, 1).copy_(k)
+            values.narrow(2, slot, 1).copy_(v)
+            self._length.set(end)
+            return keys, values
+        held = min(past, self.capacity)
+        out_keys = torch.cat([keys.narrow(2, 0, held), k], dim=2)  # (B, H_kv, held + T_new, D)
+        out_values = torch.cat([values.narrow(2, 0, held), v], dim=2)  # (B, H_kv, held+T_new, D_v)
+        self._write_tail(k, v, past)
+        self._length.set(end)
+        return out_keys, out_values
+
+    def _write_tail(self, k: torch.Tensor, v: torch.Tensor, past: int) -> None:
+        """Write the last min(T_new, C) rows of the chunk into their slots (at most two runs)."""
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None
+        capacity = self.capacity
+        kept = min(k.shape[2], capacity)
+        first = past + k.shape[2] - kept  # absolute position of the first kept row
+        done = 0
+        while done < kept:
+            slot = (first + done) % capacity
+            run = min(kept - done, capacity - slot)
+            source = k.shape[2] - kept + done
+            keys.narrow(2, slot, run).copy_(k.narrow(2, source, run))
+            values.narrow(2, slot, run).copy_(v.narrow(2, source, run))
+            done += run
+
+    def _update_compiled(
+        self, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same rows as eager, without reading the length as a Python int."""
+        past = self._length.tensor
+        assert past is not None
+        new_tokens = k.shape[2]
+        kept = min(new_tokens, self.capacity)
+        positions = past + torch.arange(new_tokens - kept, new_tokens, device=past.device)
+        slots = torch.remainder(positions, self.capacity)  # (kept,)
+        if new_tokens == 1:
+            keys.index_copy_(2, slots, k)
+            values.index_copy_(2, slots, v)
+            self._length.advance_compiled(new_tokens)
+            return keys, values
+        out_keys = torch.cat([keys, k], dim=2)  # (B, H_kv, C + T_new, D)
+        out_values = torch.cat([values, v], dim=2)  # (B, H_kv, C + T_new, D_v)
+        keys.index_copy_(2, slots, k.narrow(2, new_tokens - kept, kept))
+        values.index_copy_(2, slots, v.narrow(2, new_tokens - kept, kept))
+        self._length.advance_compiled(new_tokens)
+        return out_keys, out_values
+
+    # ---- views and bookkeeping -------------------------------------------------------------
+    def _ordered(self, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        if buffer is None:
+            return None
+        length = self._length.get()
+        held = min(length, self.window)
+        first = length - held
+        slots = torch.remainder(
+            torch.arange(first, length, device=buffer.device), self.capacity
+        )  # (held,)
+        return buffer.index_select(2, slots)  # (B, H_kv, held, D)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The last min(T, window) keys (B, H_kv, T_held, D) in position order (a copy)."""
+        return self._ordered(self._keys)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The last min(T, window) values (B, H_kv, T_held, D_v) in position order (a copy)."""
+        return self._ordered(self._values)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute positions (T_held,) of the rows `keys`/`values` show."""
+        length = self._length.get()
+        return torch.arange(length - min(length, self.window), length)
+
+    def _rows_held(self) -> int:
+        return min(self._length.get(), self.window)
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens.
+
+        Once positions have left the ring, rolling back more than max_rollback + 1 tokens
+        would need evicted rows and raises `CacheCropError`.
+        """
+        check_crop(max_length)
+        length = self._length.get()
+        if max_length >= length:
+            return
+        limit = self.max_rollback + 1
+        if length > self.capacity and length - max_length > limit:
+            raise CacheCropError(
+                f"sliding layer{'' if self.layer_idx is None else f' {self.layer_idx}'} holds "
+                f"positions {length - self.capacity}..{length - 1} (window {self.window}, "
+                f"max_rollback {self.max_rollback}); crop({max_length}) rolls back "
+                f"{length - max_length} tokens, at most {limit} are possible; "
+                f"build the layer with a larger max_rollback"
+            )
+        self._length.set(max_length)
+
+
+class SlidingWindowCache(Cache):
+    """A cache whose every layer is a `SlidingWindowLayer` of `window` rows.
+
+    For a model whose layer_types mix full and sliding attention use `StaticCache` or
+    `DynamicCache`, which give each layer its kind; a config with full-attention layers is
+    refused here rather than silently windowed.
+    """
+
+    def __init__(
+        self,
+        window: int | None = None,
+        max_batch_size: int | None = None,
+        *,
+        config: object = None,
+        num_layers: int | None = None,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        max_rollback: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        geometry = read_geometry(
+            config, num_layers=num_layers, window=window, kv_heads=kv_heads, head_dim=head_dim
+        )
+        size = geometry.require_window()
+        if geometry.layer_kinds is not None and "full" in geometry.layer_kinds:
+            full = [i for i, kind in enumerate(geometry.layer_kinds) if kind == "full"]
+            raise CacheConfigError(
+                f"a sliding cache windows every layer, but the config marks layers {full} as "
+                f"full attention; use make_cache('static' or 'dynamic'), which keeps them full"
+            )
+
+        def make() -> SlidingWindowLayer:
+            return SlidingWindowLayer(
+                size,
+                max_rollback=max_rollback,
+                batch_size=max_batch_size,
+                kv_heads=geometry.kv_heads,
+                head_dim=geometry.head_dim,
+                dtype=dtype,
+                device=device,
+            )
+
+        if geometry.num_layers is None:
+            super().__init__(layer_factory=make, device=device)
+        else:
+            super().__init__([make() for _ in range(geometry.num_layers)], device=device)
