@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(VENV)/bin/kvcache lab
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff check .
 
 test: lint
 	$(PY) -m pytest -q
