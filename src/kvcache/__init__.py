@@ -20,6 +20,9 @@ _LAZY = {
     "SlidingWindowCache": "kvcache.cache",
     "NoCache": "kvcache.cache",
     "make_cache": "kvcache.cache",
+    "load_model": "kvcache.model",
+    "load_tokenizer": "kvcache.tokenizer",
+    "generate": "kvcache.generation",
 }
 
 __all__ = ["__version__", *_LAZY]

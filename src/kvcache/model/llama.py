@@ -22,6 +22,22 @@ from kvcache.model.config import ModelConfig
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
 
+def no_cache(config: ModelConfig):
+    """A cache object that keeps nothing past this forward, for the model's `config`.
+
+    SEAM WORKAROUND (remove when fixed in kvcache.cache): `NoCache` takes no config, so its
+    masks are plain causal and a sliding-window layer (mistral, qwen2 with a window) would
+    attend past its window on the no-cache path. Until `make_cache("none", config=...)`
+    windows its masks per layer, a model with sliding layers gets a fresh DynamicCache, which
+    is dropped after the forward: the same "nothing kept" semantics, the right masks.
+    """
+    from kvcache.cache import make_cache
+
+    if config.sliding_window is not None and "sliding_attention" in config.layer_types:
+        return make_cache("dynamic", config=config)
+    return make_cache("none", config=config)
+
+
 class CacheInTrainingError(RuntimeError):
     """A KV cache was asked for while the model trains with gradients on."""
 
@@ -154,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         past_key_values=None,
         use_cache: bool | None = None,
         position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> CausalLMOutput:
         """Run T_new new tokens (B, T_new) on top of what `past_key_values` holds.
 
@@ -161,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
         "cache unless training": a new DynamicCache is made when none is given. With
         use_cache=False nothing is kept (NoCache). Positions, unless given, are counted from
         the mask (so left padding does not shift them) or else from the cache length.
+        logits_to_keep=n > 0 scores only the last n positions (0 = all).
         """
-        from kvcache.cache import NoCache, make_cache
+        from kvcache.cache import make_cache
 
         if input_ids.dim() != 2:
             raise ValueError(
@@ -181,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             cache = (
                 make_cache("dynamic", config=self.config, dtype=self.dtype, device=self.device)
                 if use_cache
-                else NoCache()
+                else no_cache(self.config)
             )
 
         batch, new_tokens = input_ids.shape
@@ -198,9 +216,11 @@ class LlamaForCausalLM(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, T, D)
-        for layer, mask in zip(self.model.layers, masks, strict=True):
-            x = layer(x, cos, sin, mask, cache)
-        logits = self.lm_head(self.model.norm(x))  # (B, T, vocab)
+        for layer_idx, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, masks[layer_idx], cache)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # only the last positions are scored (prefill)
+        logits = self.lm_head(self.model.norm(x))  # (B, T or logits_to_keep, vocab)
         return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
 
     @staticmethod
