@@ -36,8 +36,8 @@ class SlidingWindowLayer(FixedCapacityLayer):
 
     Args:
         window: a query sees itself and the window-1 keys before it.
-        max_rollback: extra rows kept so that `crop` can roll back up to max_rollback + 1
-            tokens after the ring has wrapped (speculative decoding); 0 keeps exactly `window`.
+        max_rollback: extra rows kept so that `crop` can roll back up to max_rollback tokens
+            after the ring has wrapped (speculative decoding); 0 keeps exactly `window`.
         batch_size, kv_heads, head_dim, dtype, device: as for `StaticLayer`.
     """
 
@@ -207,14 +207,15 @@ class SlidingWindowLayer(FixedCapacityLayer):
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens.
 
-        Once positions have left the ring, rolling back more than max_rollback + 1 tokens
-        would need evicted rows and raises `CacheCropError`.
+        Once positions have left the ring, rolling back more than max_rollback tokens would
+        need evicted rows (the last `window` positions must stay held) and raises
+        `CacheCropError`.
         """
         check_crop(max_length)
         length = self._length.get()
         if max_length >= length:
             return
-        limit = self.max_rollback + 1
+        limit = self.max_rollback
         if length > self.capacity and length - max_length > limit:
             raise CacheCropError(
                 f"sliding layer{'' if self.layer_idx is None else f' {self.layer_idx}'} holds "

@@ -1,0 +1,122 @@
+"""Property tests: random streams of updates, crops and batch reorders for every layer kind,
+checked against a naive history concatenated from scratch (K/V rows, lengths, positions,
+masks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_reference import NaiveHistory, check_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.cache import (
+    CacheCropError,
+    CacheOverflowError,
+    DynamicCache,
+    DynamicLayer,
+    SlidingWindowLayer,
+    StaticLayer,
+)
+from kvcache.cache.base import Cache
+
+WINDOW = 4
+STATIC_LEN = 24
+BATCH, HEADS, DIM = 2, 2, 3
+# chunk lengths that sit on every boundary: 1, W-1, W, W+1, 2W+1, growth steps of 4, 6, 9 rows
+BOUNDARY_CHUNKS = [1, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 1, 4, 6, 9]
+
+LAYERS = {
+    "dynamic": lambda: DynamicLayer(step=4, growth=1.5),
+    "static": lambda: StaticLayer(STATIC_LEN),
+    "sliding": lambda: SlidingWindowLayer(WINDOW),
+    "sliding_rollback": lambda: SlidingWindowLayer(WINDOW, max_rollback=3),
+}
+
+update_op = st.tuples(
+    st.just("update"), st.one_of(st.sampled_from(BOUNDARY_CHUNKS), st.integers(1, 12))
+)
+crop_op = st.tuples(st.just("crop"), st.integers(0, 30))
+reorder_op = st.tuples(st.just("reorder"), st.permutations(range(BATCH)))
+operations = st.lists(
+    st.one_of(update_op, update_op, update_op, crop_op, reorder_op), min_size=1, max_size=14
+)
+
+
+def crop_allowed(layer, length: int, target: int) -> bool:
+    if not isinstance(layer, SlidingWindowLayer) or target >= length:
+        return True
+    return length <= layer.capacity or length - target <= layer.max_rollback
+
+
+def run_stream(kind: str, ops, seed: int) -> None:
+    cache = Cache([LAYERS[kind]()])
+    layer = cache.layers[0]
+    window = layer.window
+    history = NaiveHistory()
+    generator = torch.Generator().manual_seed(seed)
+    for op, arg in ops:
+        if op == "update":
+            shape = (BATCH, HEADS, arg, DIM)
+            k = torch.randn(shape, generator=generator)
+            v = torch.randn(shape, generator=generator)
+            if kind == "static" and history.length + arg > STATIC_LEN:
+                with pytest.raises(CacheOverflowError) as caught:
+                    cache.update(k, v, 0)
+                assert caught.value.capacity == STATIC_LEN
+                assert caught.value.requested == history.length + arg
+                continue
+            positions = layer.mask_positions(arg, None)
+            mask = cache.attention_masks(arg)[0]
+            keys, values = cache.update(k, v, 0)
+            history.append(k, v)
+            check_step(positions, mask, keys, values, history, window)
+        elif op == "crop":
+            if crop_allowed(layer, history.length, arg):
+                cache.crop(arg)
+                history.crop(arg)
+            else:
+                with pytest.raises(CacheCropError):
+                    cache.crop(arg)
+        else:
+            index = torch.tensor(arg)
+            cache.reorder(index)
+            history.select(index)
+        assert cache.get_seq_length() == history.length
+        shown = layer.keys
+        if history.keys is None:
+            continue
+        held = history.length if window is None else min(history.length, window)
+        assert shown is not None and shown.shape[2] == held
+        assert torch.equal(shown, history.keys[:, :, history.length - held :])
+        assert torch.equal(layer.values, history.values[:, :, history.length - held :])
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+@settings(max_examples=40, deadline=None)
+@given(ops=operations, seed=st.integers(0, 2**16))
+def test_random_streams_match_naive_history(kind, ops, seed):
+    run_stream(kind, ops, seed)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+@pytest.mark.parametrize("prefill", [1, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 1])
+def test_prefill_then_decode_crosses_every_boundary(kind, prefill):
+    ops = [("update", prefill)] + [("update", 1)] * (STATIC_LEN - prefill)
+    run_stream(kind, ops, seed=prefill)
+
+
+def test_dynamic_cache_batch_operations_follow_the_reference():
+    cache = DynamicCache()
+    history = NaiveHistory()
+    generator = torch.Generator().manual_seed(3)
+    k = torch.randn(3, 2, 5, 4, generator=generator)  # (B, H_kv, T, D)
+    v = torch.randn(3, 2, 5, 4, generator=generator)
+    cache.update(k, v, 0)
+    history.append(k, v)
+    cache.select(torch.tensor([2, 0]))
+    history.select(torch.tensor([2, 0]))
+    cache.repeat_interleave(2)
+    history.select(torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(cache.layers[0].keys, history.keys)
+    assert torch.equal(cache.layers[0].values, history.values)
