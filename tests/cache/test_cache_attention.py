@@ -126,3 +126,24 @@ def test_sliding_prefill_longer_than_window_matches_full():
     )
     assert cache.layers[0].keys.shape[2] == WINDOW
     assert torch.equal(cache.layers[0].keys, k[:, :, -WINDOW:])
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_nocache_from_mixed_config_windows_its_sliding_layers(padded):
+    generator = torch.Generator().manual_seed(10)
+    total = 2 * WINDOW + 1
+    padding = torch.ones(2, total, dtype=torch.long)
+    if padded:
+        padding[1, :2] = 0
+    cache = make_cache("none", config=CONFIG)
+    masks = cache.attention_masks(total, padding if padded else None)
+    assert len(masks) == 3
+    for layer, window in enumerate(windows("mixed")):
+        q = torch.randn(2, Q_HEADS, total, DIM, generator=generator)
+        k = torch.randn(2, KV_HEADS, total, DIM, generator=generator)
+        v = torch.randn(2, KV_HEADS, total, DIM, generator=generator)
+        keys, values = cache.update(k, v, layer)
+        expected = attend(q, k, v, full_mask(total, window, padding if padded else None))
+        got = attend(q, keys, values, masks[layer])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert masks[0] is masks[2]  # layers of the same kind share one tensor

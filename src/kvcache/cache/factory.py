@@ -33,7 +33,7 @@ def make_cache(
     sliding_window (may be None), layer_types ("full_attention"/"sliding_attention" per layer,
     or None). In "dynamic" and "static" caches, sliding-attention layers get a ring of the
     window; "sliding" windows every layer (and refuses a config with full-attention layers).
-    "none" keeps nothing (`NoCache`).
+    "none" keeps nothing (`NoCache`), its masks still windowed on sliding layers.
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
@@ -61,5 +61,5 @@ def make_cache(
             device=device,
         )
     if kind == "none":
-        return NoCache(device=device)
+        return NoCache(config=config, num_layers=num_layers, window=window, device=device)
     raise CacheConfigError(f"cache kind must be one of {KINDS}, got {kind!r}")

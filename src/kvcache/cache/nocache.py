@@ -1,6 +1,7 @@
 """NoCache: the cache that keeps nothing, so the model has one code path with or without one.
 
-`update` returns k, v unchanged and masks are plain causal over the new tokens (+ padding).
+`update` returns k, v unchanged and masks are causal over the new tokens (+ padding); built
+from a config with sliding layers, those layers' masks are also windowed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from .base import Cache, LayerMasks, check_crop, check_kv_pair, check_new_tokens
+from .config import read_geometry
 from .errors import CacheShapeError, LayerIndexError
 from .masks import build_mask
 
@@ -18,11 +20,27 @@ class NoCache(Cache):
     """Keeps nothing: every forward sees only its own tokens (use_cache=False).
 
     Args:
+        config: optional model config (as for `make_cache`); its sliding-attention layers get
+            causal ∩ window masks, the others plain causal.
+        num_layers, window: explicit sizes, merged with the config.
         device: where masks are built when no attention_mask is given (default CPU).
     """
 
-    def __init__(self, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        config: object = None,
+        num_layers: int | None = None,
+        window: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__(device=device)
+        geometry = read_geometry(config, num_layers=num_layers, window=window)
+        kinds = geometry.layer_kinds
+        self._windows = None if kinds is None else [
+            geometry.window if kind == "sliding" else None for kind in kinds
+        ]
+        self._default_window = geometry.window if geometry.default_kind == "sliding" else None
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, layer_idx: int
@@ -46,7 +64,8 @@ class NoCache(Cache):
         *,
         device: torch.device | str | None = None,
     ) -> list[torch.Tensor]:
-        """Causal masks (B or 1, 1, T_new, T_new) over the new tokens, any layer index.
+        """Causal masks (B or 1, 1, T_new, T_new) over the new tokens (∩ window on sliding
+        layers); without a config every layer index gets the same mask.
 
         attention_mask, if given, is (B, T_new) with 1 = real token, 0 = padding.
         """
@@ -61,8 +80,18 @@ class NoCache(Cache):
         else:
             where = torch.device(device) if device is not None else self._device
         positions = torch.arange(new_tokens, device=where or torch.device("cpu"))  # (T_new,)
-        mask = build_mask(positions, positions, attention_mask=attention_mask)
-        return LayerMasks([], default=mask)
+        shared: dict[int | None, torch.Tensor] = {}
+
+        def mask_for(window: int | None) -> torch.Tensor:
+            if window not in shared:
+                shared[window] = build_mask(
+                    positions, positions, window=window, attention_mask=attention_mask
+                )
+            return shared[window]
+
+        if self._windows is None:
+            return LayerMasks([], default=mask_for(self._default_window))
+        return LayerMasks([mask_for(window) for window in self._windows])
 
     def crop(self, max_length: int) -> None:
         """Nothing to crop (a negative length still raises)."""
