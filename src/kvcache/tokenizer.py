@@ -212,7 +212,10 @@ def _compile_template(source: str):
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # jinja's own tojson escapes HTML characters, which chat templates do not expect
         return json.dumps(
-            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
             sort_keys=sort_keys,
         )
 
@@ -241,14 +244,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise TokenizerError(
-            f"{str(path)!r} is not a local folder; kvcache reads tokenizers from disk only"
-        )
+        raise TokenizerError(f"{str(path)!r} is not a local folder; kvcache reads tokenizers from disk only")
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
-        hint = " (a sentencepiece tokenizer.model alone is not supported)" if (
-            folder / "tokenizer.model"
-        ).is_file() else ""
+        hint = (
+            " (a sentencepiece tokenizer.model alone is not supported)"
+            if (folder / "tokenizer.model").is_file()
+            else ""
+        )
         raise TokenizerError(f"{folder} has no tokenizer.json{hint}")
     backend = Backend.from_file(str(tokenizer_file))
 

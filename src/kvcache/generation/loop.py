@@ -64,9 +64,7 @@ def build_cache(model, kind, batch_size: int, max_length: int):
     if not isinstance(kind, str):
         return kind  # a cache object supplied by the caller
     if kind not in CACHE_KINDS:
-        raise ValueError(
-            f"cache must be one of {CACHE_KINDS}, None, or a Cache object; got {kind!r}"
-        )
+        raise ValueError(f"cache must be one of {CACHE_KINDS}, None, or a Cache object; got {kind!r}")
     options: dict = {"config": model.config, "dtype": model.dtype, "device": model.device}
     if kind in ("static", "sliding"):
         options.update(max_batch_size=batch_size, max_cache_len=max_length)
@@ -107,10 +105,21 @@ def generate(
     streamer: called after every step with that step's (B,) tokens (pad for stopped rows).
     """
     steps = stream_generate(
-        model, input_ids, attention_mask, max_new_tokens=max_new_tokens, cache=cache,
-        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        stop_strings=stop_strings, tokenizer=tokenizer, prefill_chunk_size=prefill_chunk_size,
+        model,
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        cache=cache,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        stop_strings=stop_strings,
+        tokenizer=tokenizer,
+        prefill_chunk_size=prefill_chunk_size,
     )
     while True:
         try:
@@ -242,7 +251,10 @@ def _forward_last(model, input_ids, attention_mask, cache) -> torch.Tensor:
     if cache is None:
         cache = no_cache(model.config)
     out = model(
-        input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+        input_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
         logits_to_keep=1,
     )
     return out.logits[:, -1].float()
@@ -257,9 +269,7 @@ def _prefill(model, input_ids, attention_mask, cache, chunk_size) -> torch.Tenso
     logits = None
     for start in range(0, prompt_length, chunk_size):
         end = min(start + chunk_size, prompt_length)
-        logits = _forward_last(
-            model, input_ids[:, start:end], attention_mask[:, : past + end], cache
-        )
+        logits = _forward_last(model, input_ids[:, start:end], attention_mask[:, : past + end], cache)
     return logits
 
 

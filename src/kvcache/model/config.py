@@ -65,8 +65,15 @@ class ModelConfig:
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -104,11 +111,11 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type {model_type!r} is not supported; expected one of "
-                f"{SUPPORTED_MODEL_TYPES}"
+                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
-        _require(raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads")
+        _require(
+            raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"
+        )
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ConfigError(f"hidden_act {hidden_act!r} is not supported; expected 'silu'")
@@ -186,8 +193,7 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
-            f"rope scaling type {rope_type!r} is not supported; expected one of "
-            f"{SUPPORTED_ROPE_TYPES}"
+            f"rope scaling type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
         )
     if rope_type == "default":
         return theta, None

@@ -76,8 +76,10 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        hidden, q_width, kv_width = config.hidden_size, self.num_heads * self.head_dim, (
-            self.kv_heads * self.head_dim
+        hidden, q_width, kv_width = (
+            config.hidden_size,
+            self.num_heads * self.head_dim,
+            (self.kv_heads * self.head_dim),
         )
         self.q_proj = nn.Linear(hidden, q_width, bias=config.qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
@@ -183,9 +185,7 @@ class LlamaForCausalLM(nn.Module):
         from kvcache.cache import make_cache
 
         if input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be (batch, new_tokens), got shape {tuple(input_ids.shape)}"
-            )
+            raise ValueError(f"input_ids must be (batch, new_tokens), got shape {tuple(input_ids.shape)}")
         training = self.training and torch.is_grad_enabled()
         if training and (use_cache or past_key_values is not None):
             raise CacheInTrainingError(

@@ -22,9 +22,13 @@ SHARD_INDEX = "model.safetensors.index.json"
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -69,8 +73,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         prefix = f"model.layers.{i}."
         shapes[prefix + "input_layernorm.weight"] = (hidden,)
         shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        for name, shape in (("q_proj", (q_width, hidden)), ("k_proj", (kv_width, hidden)),
-                            ("v_proj", (kv_width, hidden)), ("o_proj", (hidden, q_width))):
+        for name, shape in (
+            ("q_proj", (q_width, hidden)),
+            ("k_proj", (kv_width, hidden)),
+            ("v_proj", (kv_width, hidden)),
+            ("o_proj", (hidden, q_width)),
+        ):
             shapes[f"{prefix}self_attn.{name}.weight"] = shape
         if config.qkv_bias:
             shapes[prefix + "self_attn.q_proj.bias"] = (q_width,)
@@ -78,8 +86,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "self_attn.v_proj.bias"] = (kv_width,)
         if config.o_bias:
             shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
-        for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden)),
-                            ("down_proj", (hidden, inner))):
+        for name, shape in (
+            ("gate_proj", (inner, hidden)),
+            ("up_proj", (inner, hidden)),
+            ("down_proj", (hidden, inner)),
+        ):
             shapes[f"{prefix}mlp.{name}.weight"] = shape
         if config.mlp_bias:
             shapes[prefix + "mlp.gate_proj.bias"] = (inner,)
@@ -107,8 +118,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
             listed = {name for name, where in located.items() if where == file}
             if listed - in_file:
                 raise CheckpointError(
-                    f"{file.name} lacks tensor(s) the index puts there: "
-                    f"{sorted(listed - in_file)[:5]}"
+                    f"{file.name} lacks tensor(s) the index puts there: {sorted(listed - in_file)[:5]}"
                 )
         return located
     if single.is_file():
@@ -116,9 +126,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
             return {name: single for name in handle.keys()}
     others = sorted(p.name for p in folder.glob("*.safetensors"))
     if others:
-        raise CheckpointError(
-            f"{folder} has {others} but neither {SINGLE_FILE} nor {SHARD_INDEX}"
-        )
+        raise CheckpointError(f"{folder} has {others} but neither {SINGLE_FILE} nor {SHARD_INDEX}")
     pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in folder.glob(pattern))
     if pickles:
         raise CheckpointError(
@@ -140,9 +148,7 @@ def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> di
     missing = sorted(set(expected) - set(wanted))
     unexpected = sorted(set(wanted) - set(expected))
     if missing:
-        raise CheckpointError(
-            f"checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:8]}"
-        )
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:8]}")
     if unexpected:
         raise CheckpointError(
             f"checkpoint has {len(unexpected)} tensor(s) the model does not know: {unexpected[:8]}"

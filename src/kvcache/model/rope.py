@@ -60,9 +60,7 @@ class RotaryEmbedding(nn.Module):
             else None
         )
 
-    def forward(
-        self, position_ids: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.limit is not None and int(position_ids.max()) >= self.limit:
             raise ConfigError(
                 f"dynamic RoPE scaling beyond max_position_embeddings={self.limit} is not "

@@ -1,0 +1,137 @@
+"""Helpers for the model tests: tiny local checkpoints with random weights, written by
+`transformers` (no hub), and a byte-level BPE tokenizer with a Llama-2 chat template, built
+with the `tokenizers` library.
+
+Each checkpoint folder holds config.json, model.safetensors, tokenizer.json and
+tokenizer_config.json, like a folder downloaded from the hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 272  # > the tokenizer's 259 tokens
+WINDOW = 4  # mistral's sliding window: shorter than every test sequence
+
+LLAMA2_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}"
+    "{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+CORPUS = [
+    "Hello, what's your name?",
+    "My name is LLaMA and I keep keys and values in a cache.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Attention looks back at every earlier token; the cache keeps them.",
+]
+
+_SMALL = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    vocab_size=VOCAB,
+    initializer_range=0.2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=None,  # tests that want an EOS pass one explicitly
+    pad_token_id=None,
+)
+
+
+def hf_model(arch: str, **overrides):
+    """A random-weight transformers model of `arch`, norms and biases randomised too."""
+    import transformers
+
+    if arch == "llama":
+        config = transformers.LlamaConfig(**{**_SMALL, **overrides})
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**{**_SMALL, "sliding_window": WINDOW, **overrides})
+        model = transformers.MistralForCausalLM(config)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**{**_SMALL, "tie_word_embeddings": True, **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "qwen2_mixed":  # layer 0 full attention, layer 1 sliding
+        settings = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
+        config = transformers.Qwen2Config(**{**_SMALL, **settings, **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+def write_tokenizer(folder: Path) -> None:
+    """tokenizer.json (byte-level BPE, BOS added) and tokenizer_config.json with a template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=259,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": LLAMA2_CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
+
+
+def save_checkpoint(model, folder: Path, **save_options) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True, **save_options)
+    write_tokenizer(folder)
+    return folder
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed")
+
+
+def left_padded_batch(lengths=(10, 7, 4), seed: int = 0):
+    """input_ids (B, T) with row b's prompt right-aligned, and the (B, T) attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 259, (len(lengths), width), generator=generator)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+        ids[row, : width - length] = 0  # pad id; masked out anyway
+    return ids, mask
+
+
+def hf_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as transformers.generate derives them from a left-padded mask."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)

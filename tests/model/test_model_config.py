@@ -1,0 +1,115 @@
+"""ModelConfig reads config.json as transformers does, and RoPE frequencies match its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_helpers import hf_model
+
+from kvcache.model import ConfigError, ModelConfig
+from kvcache.model.rope import RotaryEmbedding, inverse_frequencies
+
+
+def _raw(model) -> dict:
+    return json.loads(model.config.to_json_string())
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2_mixed"])
+def test_config_reads_layer_types_and_window_like_transformers(arch):
+    hf = hf_model(arch)
+    config = ModelConfig.from_dict(_raw(hf))
+    assert config.num_key_value_heads == 2 and config.head_dim == 16
+    assert config.num_key_value_groups == 2
+    expected_window = getattr(hf.config, "sliding_window", None)
+    assert config.sliding_window == expected_window
+    hf_types = getattr(hf.config, "layer_types", None) or (
+        ["sliding_attention" if expected_window else "full_attention"] * config.num_hidden_layers
+    )
+    assert list(config.layer_types) == list(hf_types)
+    assert config.qkv_bias == arch.startswith("qwen2") and not config.o_bias
+    assert config.tie_word_embeddings == (arch == "qwen2")
+
+
+def test_qwen2_window_is_off_unless_use_sliding_window():
+    raw = _raw(hf_model("qwen2"))
+    raw.update(sliding_window=4096, use_sliding_window=False, max_window_layers=1)
+    config = ModelConfig.from_dict(raw)
+    assert config.sliding_window is None
+    assert set(config.layer_types) == {"full_attention"}
+
+
+def test_config_is_frozen():
+    config = ModelConfig.from_dict(_raw(hf_model("llama")))
+    with pytest.raises(AttributeError):
+        config.hidden_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "longrope"}}, "rope scaling type 'longrope'"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+        ({"rope_parameters": {"rope_type": "linear"}}, "needs factor"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(change, named):
+    raw = {**_raw(hf_model("llama")), **change}
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_dict(raw)
+
+
+def test_legacy_rope_scaling_field_is_read():
+    raw = _raw(hf_model("llama"))
+    raw.pop("rope_parameters")
+    raw.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    config = ModelConfig.from_dict(raw)
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor == 2.0
+
+
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500000.0,
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_CASES))
+def test_rope_cos_sin_equal_transformers(kind):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = hf_model("llama", rope_parameters=dict(ROPE_CASES[kind]), max_position_embeddings=256)
+    config = ModelConfig.from_dict(_raw(hf))
+    theirs = LlamaRotaryEmbedding(hf.config)
+    positions = torch.arange(0, 200).unsqueeze(0)
+    cos, sin = RotaryEmbedding(config)(positions, torch.float32)
+    hf_cos, hf_sin = theirs(torch.zeros(1, dtype=torch.float32), positions)
+    torch.testing.assert_close(cos, hf_cos, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, hf_sin, atol=1e-6, rtol=0)
+    if kind == "llama3":  # the ramp really changes some frequencies
+        assert not torch.equal(inverse_frequencies(config), RotaryEmbedding(
+            ModelConfig.from_dict({**_raw(hf), "rope_parameters": ROPE_CASES["default"]})
+        ).inv_freq)
+
+
+def test_dynamic_rope_past_max_positions_is_refused():
+    hf = hf_model("llama", rope_parameters=dict(ROPE_CASES["dynamic"]), max_position_embeddings=32)
+    rope = RotaryEmbedding(ModelConfig.from_dict(_raw(hf)))
+    rope(torch.arange(32)[None], torch.float32)
+    with pytest.raises(ConfigError, match="dynamic RoPE scaling beyond max_position_embeddings=32"):
+        rope(torch.arange(33)[None], torch.float32)
