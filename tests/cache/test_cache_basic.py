@@ -118,3 +118,68 @@ def test_nocache_keeps_nothing_and_masks_causally():
 def test_make_cache_rejects_unknown_kind():
     with pytest.raises(CacheConfigError, match="paged"):
         make_cache("paged")
+
+
+MIXED = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "sliding_window": 4,
+    "layer_types": ("full_attention", "sliding_attention", "full_attention"),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "full_layer"), [("dynamic", "DynamicLayer"), ("static", "StaticLayer")]
+)
+def test_mixed_config_gets_a_layer_kind_per_layer(kind, full_layer):
+    cache = make_cache(kind, config=MIXED, max_cache_len=16)
+    names = [type(layer).__name__ for layer in cache.layers]
+    assert names == [full_layer, "SlidingWindowLayer", full_layer]
+    assert cache.layers[1].window == 4
+
+
+def test_mistral_style_config_without_layer_types_is_all_sliding():
+    config = {**MIXED, "layer_types": None}
+    names = {type(layer).__name__ for layer in make_cache("dynamic", config=config).layers}
+    assert names == {"SlidingWindowLayer"}
+    off = {**config, "use_sliding_window": False}
+    names = {type(layer).__name__ for layer in make_cache("dynamic", config=off).layers}
+    assert names == {"DynamicLayer"}
+
+
+def test_config_object_with_attributes_and_empty_layer_types():
+    class Config:
+        num_hidden_layers = 2
+        num_key_value_heads = 2
+        head_dim = 4
+        sliding_window = None
+        layer_types = ()
+
+    cache = make_cache("static", config=Config(), max_cache_len=8, max_batch_size=1,
+                       dtype=torch.float32)
+    assert len(cache.layers) == 2 and cache.layers[0].keys.shape == (1, 2, 0, 4)
+
+
+def test_nbytes_match_the_memory_planner():
+    from kvcache.memory import kv_cache_bytes
+
+    layers, heads, dim, batch = 3, 2, 4, 2
+    static = make_cache("static", config=MIXED | {"layer_types": None, "sliding_window": None},
+                        max_cache_len=16, max_batch_size=batch, dtype=torch.float32)
+    assert static.nbytes == kv_cache_bytes(layers, heads, 16, dim, batch, "float32")
+    dynamic = make_cache("dynamic", num_layers=layers)
+    for layer in range(layers):
+        dynamic.update(*kv(batch=batch, tokens=10), layer)
+    assert dynamic.nbytes_used == kv_cache_bytes(layers, heads, 10, dim, batch, "float32")
+    assert dynamic.nbytes >= dynamic.nbytes_used
+
+
+def test_reset_forgets_tokens_and_keeps_storage():
+    cache = make_cache("dynamic", num_layers=1)
+    cache.update(*kv(tokens=5), 0)
+    allocated = cache.nbytes
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes == allocated
+    keys, _ = cache.update(*kv(tokens=2, seed=4), 0)
+    assert keys.shape[2] == 2

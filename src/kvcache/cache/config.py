@@ -79,7 +79,7 @@ def read_geometry(
     head_dim = _merge("head_dim", head_dim, dim)
 
     default_kind = "full" if window is None else "sliding"
-    layer_types = _get(config, "layer_types")
+    layer_types = _get(config, "layer_types") or None  # () means "not given"
     if layer_types is not None:
         unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
         if unknown:
