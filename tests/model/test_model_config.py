@@ -102,9 +102,12 @@ def test_rope_cos_sin_equal_transformers(kind):
     torch.testing.assert_close(cos, hf_cos, atol=1e-6, rtol=0)
     torch.testing.assert_close(sin, hf_sin, atol=1e-6, rtol=0)
     if kind == "llama3":  # the ramp really changes some frequencies
-        assert not torch.equal(inverse_frequencies(config), RotaryEmbedding(
-            ModelConfig.from_dict({**_raw(hf), "rope_parameters": ROPE_CASES["default"]})
-        ).inv_freq)
+        assert not torch.equal(
+            inverse_frequencies(config),
+            RotaryEmbedding(
+                ModelConfig.from_dict({**_raw(hf), "rope_parameters": ROPE_CASES["default"]})
+            ).inv_freq,
+        )
 
 
 def test_dynamic_rope_past_max_positions_is_refused():

@@ -23,18 +23,9 @@ from kvcache.model.rope import RotaryEmbedding, apply_rope
 
 
 def no_cache(config: ModelConfig):
-    """A cache object that keeps nothing past this forward, for the model's `config`.
-
-    SEAM WORKAROUND (remove when fixed in kvcache.cache): `NoCache` takes no config, so its
-    masks are plain causal and a sliding-window layer (mistral, qwen2 with a window) would
-    attend past its window on the no-cache path. Until `make_cache("none", config=...)`
-    windows its masks per layer, a model with sliding layers gets a fresh DynamicCache, which
-    is dropped after the forward: the same "nothing kept" semantics, the right masks.
-    """
+    """A cache object that keeps nothing past this forward (masks still windowed per layer)."""
     from kvcache.cache import make_cache
 
-    if config.sliding_window is not None and "sliding_attention" in config.layer_types:
-        return make_cache("dynamic", config=config)
     return make_cache("none", config=config)
 
 
