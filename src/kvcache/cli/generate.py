@@ -1,0 +1,154 @@
+"""`kvcache generate`: stream text from a local checkpoint folder and print the timings.
+
+    kvcache generate --model DIR --chat "Hello, what's your name?" --max-new-tokens 32
+    kvcache generate --model DIR --prompt "Once upon a time" --cache static --compare-nocache
+
+torch is imported inside `run`, so building the command-line parser stays torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvcache.cli._args import positive_int
+
+CACHE_CHOICES = ("dynamic", "static", "sliding", "none")
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local checkpoint folder (config.json, safetensors)")
+    text = parser.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="plain text to continue")
+    text.add_argument("--chat", help="a user message, wrapped in the checkpoint's chat template")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
+    parser.add_argument("--cache", choices=CACHE_CHOICES, default="dynamic", help="default dynamic")
+    parser.add_argument(
+        "--compare-nocache",
+        action="store_true",
+        help="also generate without a cache; report whether the tokens are identical and the speed ratio",
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
+    parser.add_argument("--prefill-chunk", type=positive_int, help="prefill this many tokens at a time")
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=positive_int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
+
+
+def _eos_ids(folder: Path, model, tokenizer) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, in that order."""
+    ids = list(model.config.eos_token_id)
+    generation_config = folder / "generation_config.json"
+    if generation_config.is_file():
+        extra = json.loads(generation_config.read_text(encoding="utf-8")).get("eos_token_id")
+        ids += extra if isinstance(extra, list) else [] if extra is None else [extra]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+class _TextStream:
+    """Prints the text of new tokens as they come, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer, out) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.tokens: list[int] = []
+        self.printed = ""
+        self.done = False
+
+    def __call__(self, step_tokens) -> None:
+        if self.done:
+            return
+        token = int(step_tokens[0])
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # part of a multi-byte character: wait for the rest
+        self.out.write(text[len(self.printed) :])
+        self.out.flush()
+        self.printed = text
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.generation import generate
+    from kvcache.model import load_model
+    from kvcache.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = Path(args.model)
+    try:
+        model = load_model(folder, dtype=args.dtype)
+        tokenizer = load_tokenizer(folder)
+        if args.chat is not None:
+            messages = [{"role": "user", "content": args.chat}]
+            input_ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt"
+            )
+        else:
+            input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    except (ValueError, OSError) as error:
+        print(f"kvcache generate: error: {error}", file=sys.stderr)
+        return 2
+
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=_eos_ids(folder, model, tokenizer),
+        stop_strings=args.stop or None,
+        tokenizer=tokenizer,
+        prefill_chunk_size=args.prefill_chunk,
+    )
+    cache = None if args.cache == "none" else args.cache
+    stream = _TextStream(tokenizer, sys.stdout)
+    try:
+        result = generate(
+            model,
+            input_ids,
+            cache=cache,
+            streamer=stream,
+            generator=torch.Generator().manual_seed(args.seed),
+            **options,
+        )
+    except ValueError as error:
+        print(f"\nkvcache generate: error: {error}", file=sys.stderr)
+        return 2
+    new = result.new_tokens[0]
+    print()
+    print(
+        f"[{len(new)} new tokens after a {input_ids.shape[1]}-token prompt; stopped by "
+        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}]"
+    )
+    print(_timing_line(result))
+    if args.compare_nocache:
+        plain = generate(
+            model, input_ids, cache=None, generator=torch.Generator().manual_seed(args.seed), **options
+        )
+        same = plain.new_tokens[0] == new
+        print(f"no cache: {_timing_line(plain)}")
+        print(f"tokens identical to the no-cache run: {'yes' if same else 'NO'}")
+        if plain.decode_tokens_per_s > 0 and result.decode_tokens_per_s > 0:
+            ratio = result.decode_tokens_per_s / plain.decode_tokens_per_s
+            print(f"decode speed, cache {args.cache} / no cache: {ratio:.2f}x")
+        if not same:
+            return 1
+    return 0
+
+
+def _timing_line(result) -> str:
+    return (
+        f"time to first token {result.time_to_first_token_s * 1000:.1f} ms, "
+        f"decode {result.decode_tokens_per_s:.1f} tokens/s over {result.decode_steps} steps"
+    )

@@ -1,0 +1,61 @@
+"""`kvcache generate` streams text, prints timings, and compares with the no-cache path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvcache.cli import main
+
+
+def test_generate_chat_streams_and_compares_with_no_cache(llama_dir, capsys):
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(llama_dir),
+            "--chat",
+            "Hello, what's your name.",
+            "--max-new-tokens",
+            "6",
+            "--compare-nocache",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "new tokens after a" in out and "cache dynamic" in out
+    assert "time to first token" in out and "tokens/s" in out
+    assert "tokens identical to the no-cache run: yes" in out
+    assert "decode speed, cache dynamic / no cache:" in out
+
+
+def test_generate_prompt_with_each_cache_kind(checkpoints, capsys):
+    for arch, kind in (("llama", "static"), ("mistral", "sliding"), ("qwen2", "none")):
+        folder = checkpoints[arch][0]
+        code = main(
+            [
+                "generate",
+                "--model",
+                str(folder),
+                "--prompt",
+                "The quick",
+                "--max-new-tokens",
+                "4",
+                "--cache",
+                kind,
+            ]
+        )
+        assert code == 0, arch
+        assert f"cache {kind}" in capsys.readouterr().out
+
+
+def test_generate_errors_are_one_line_and_exit_2(llama_dir, tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "absent"), "--prompt", "x"]) == 2
+    assert "not a local folder" in capsys.readouterr().err
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "x", "--cache", "sliding"]) == 2
+    assert "sliding_window" in capsys.readouterr().err
+
+
+def test_building_the_parser_does_not_import_torch():
+    code = "import sys, kvcache.cli; kvcache.cli.build_parser(); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
