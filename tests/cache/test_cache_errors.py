@@ -100,7 +100,8 @@ def test_negative_crop(kind):
 def test_static_overflow_states_capacity_and_requested_length():
     cache = StaticCache(8, num_layers=1)
     cache.update(*kv(tokens=6), 0)
-    with pytest.raises(CacheOverflowError, match="capacity is 8 tokens, requested length is 9") as e:
+    message = "capacity is 8 tokens, requested length is 9"
+    with pytest.raises(CacheOverflowError, match=message) as e:
         cache.update(*kv(tokens=3), 0)
     assert (e.value.capacity, e.value.requested, e.value.layer_idx) == (8, 9, 0)
     assert cache.get_seq_length() == 6  # nothing silently written or truncated
@@ -163,3 +164,30 @@ def test_config_contradictions_are_refused():
         make_cache("sliding", config=mixed)
     with pytest.raises(CacheConfigError, match="chunked_attention"):
         make_cache("dynamic", config={**mixed, "layer_types": ["chunked_attention"] * 2})
+
+
+MIXED = {
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "sliding_window": 4,
+    "layer_types": ["full_attention", "sliding_attention"],
+}
+
+
+def test_refused_crop_changes_no_layer():
+    cache = make_cache("dynamic", config=MIXED)
+    for layer in range(2):
+        cache.update(*kv(tokens=7), layer)
+    with pytest.raises(CacheCropError, match="sliding layer 1"):
+        cache.crop(6)
+    assert [cache.get_seq_length(i) for i in range(2)] == [7, 7]
+
+
+def test_max_rollback_lets_a_mixed_cache_roll_back():
+    cache = make_cache("dynamic", config=MIXED, max_rollback=3)
+    for layer in range(2):
+        cache.update(*kv(tokens=7), layer)
+    cache.crop(4)
+    assert [cache.get_seq_length(i) for i in range(2)] == [4, 4]
+    assert cache.layers[1].keys.shape[2] == 4

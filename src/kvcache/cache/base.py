@@ -80,6 +80,10 @@ class CacheLayer:
         """Keep the first `max_length` tokens (a no-op if fewer are held)."""
         raise NotImplementedError
 
+    def validate_crop(self, max_length: int) -> None:
+        """Raise `CacheCropError` if `crop(max_length)` is impossible; change nothing."""
+        check_crop(max_length)
+
     def reset(self) -> None:
         """Forget every token; allocated storage is kept for reuse."""
         raise NotImplementedError
@@ -375,11 +379,16 @@ class Cache:
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens of every layer (speculative-decoding rollback)."""
         check_crop(max_length)
+        for layer in self.layers:  # all or nothing: check every layer before changing one
+            layer.validate_crop(max_length)
         for layer in self.layers:
             layer.crop(max_length)
 
     def select(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep batch rows `indices` (1-D, in that order) in every layer."""
+        for layer in self.layers:  # all or nothing
+            if layer.batch_size is not None and layer.device is not None:
+                check_batch_index(indices, layer.batch_size, layer.device)
         for layer in self.layers:
             layer.select(indices)
 
@@ -392,7 +401,7 @@ class Cache:
                     f"beam_idx must have one entry per batch row ({batch}), got {len(beam_idx)}; "
                     f"use select() to change the batch size"
                 )
-            layer.select(beam_idx)
+        self.select(beam_idx)
 
     def repeat_interleave(self, repeats: int) -> None:
         """Repeat each batch row `repeats` times (B → B × repeats) in every layer."""

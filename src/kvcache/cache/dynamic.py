@@ -115,7 +115,9 @@ class DynamicCache(Cache):
         num_layers: layer count; if None (and no config), layers are created on first use.
         config: model config (object or dict) with num_hidden_layers, sliding_window,
             layer_types; see `kvcache.cache.config.read_geometry`.
-        window: sliding window for the sliding layers (overrides config.sliding_window).
+        window: sliding window for the sliding layers (must agree with config.sliding_window).
+        max_rollback: extra ring rows of the sliding layers, so `crop` can roll back that many
+            tokens after the window has filled (speculative decoding).
         device: where masks are built while the cache is empty.
         step, growth: passed to each `DynamicLayer`.
     """
@@ -127,6 +129,7 @@ class DynamicCache(Cache):
         config: object = None,
         window: int | None = None,
         device: torch.device | str | None = None,
+        max_rollback: int = 0,
         step: int = 256,
         growth: float = 1.5,
     ) -> None:
@@ -138,14 +141,18 @@ class DynamicCache(Cache):
         if geometry.layer_kinds is None:
             if geometry.default_kind == "sliding":
                 window_size = geometry.require_window()
-                super().__init__(
-                    layer_factory=lambda: SlidingWindowLayer(window_size), device=device
-                )
+
+                def sliding() -> CacheLayer:
+                    return SlidingWindowLayer(window_size, max_rollback=max_rollback)
+
+                super().__init__(layer_factory=sliding, device=device)
             else:
                 super().__init__(layer_factory=full, device=device)
             return
         layers = [
-            SlidingWindowLayer(geometry.require_window()) if kind == "sliding" else full()
+            SlidingWindowLayer(geometry.require_window(), max_rollback=max_rollback)
+            if kind == "sliding"
+            else full()
             for kind in geometry.layer_kinds
         ]
         super().__init__(layers, device=device)

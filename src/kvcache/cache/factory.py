@@ -26,6 +26,7 @@ def make_cache(
     window: int | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    max_rollback: int = 0,
 ) -> Cache:
     """A cache of the given kind for a model described by `config` and/or explicit sizes.
 
@@ -34,11 +35,15 @@ def make_cache(
     or None). In "dynamic" and "static" caches, sliding-attention layers get a ring of the
     window; "sliding" windows every layer (and refuses a config with full-attention layers).
     "none" keeps nothing (`NoCache`), its masks still windowed on sliding layers.
+    max_rollback: extra ring rows per sliding layer so that `crop` can roll back that many
+    tokens once the window has filled (speculative decoding); 0 keeps exactly the window.
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
     if kind == "dynamic":
-        return DynamicCache(num_layers, config=config, window=window, device=device)
+        return DynamicCache(
+            num_layers, config=config, window=window, device=device, max_rollback=max_rollback
+        )
     if kind == "static":
         if max_cache_len is None:
             raise CacheConfigError("make_cache('static') needs max_cache_len")
@@ -48,6 +53,7 @@ def make_cache(
             config=config,
             num_layers=num_layers,
             window=window,
+            max_rollback=max_rollback,
             dtype=dtype,
             device=device,
         )
@@ -57,6 +63,7 @@ def make_cache(
             max_batch_size,
             config=config,
             num_layers=num_layers,
+            max_rollback=max_rollback,
             dtype=dtype,
             device=device,
         )

@@ -211,6 +211,11 @@ class SlidingWindowLayer(FixedCapacityLayer):
         need evicted rows (the last `window` positions must stay held) and raises
         `CacheCropError`.
         """
+        self.validate_crop(max_length)
+        self._length.set(min(max_length, self._length.get()))
+
+    def validate_crop(self, max_length: int) -> None:
+        """Raise `CacheCropError` if crop(max_length) would need rows the ring has evicted."""
         check_crop(max_length)
         length = self._length.get()
         if max_length >= length:
@@ -224,7 +229,6 @@ class SlidingWindowLayer(FixedCapacityLayer):
                 f"{length - max_length} tokens, at most {limit} are possible; "
                 f"build the layer with a larger max_rollback"
             )
-        self._length.set(max_length)
 
 
 class SlidingWindowCache(Cache):

@@ -126,6 +126,7 @@ class StaticCache(Cache):
     Layers whose config marks them "sliding_attention" get a `SlidingWindowLayer` instead.
     kv_heads and head_dim come from `config` or are given; with batch, heads, dim and dtype
     all known the buffers are allocated now, otherwise by each layer's first update.
+    max_rollback: extra ring rows of the sliding layers (see `SlidingWindowLayer`).
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class StaticCache(Cache):
         kv_heads: int | None = None,
         head_dim: int | None = None,
         window: int | None = None,
+        max_rollback: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -156,7 +158,9 @@ class StaticCache(Cache):
 
         def make(kind: str) -> CacheLayer:
             if kind == "sliding":
-                return SlidingWindowLayer(geometry.require_window(), **sizes)
+                return SlidingWindowLayer(
+                    geometry.require_window(), max_rollback=max_rollback, **sizes
+                )
             return StaticLayer(max_cache_len, **sizes)
 
         if geometry.layer_kinds is None:
