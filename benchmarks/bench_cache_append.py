@@ -4,7 +4,7 @@ transformers' DynamicLayer (torch.cat onto the history), side by side in one run
 A "step" is one decoded token through every layer: `layers` updates of one (B, H_kv, 1, D)
 key/value row each. For each length L, a fresh cache of each implementation is prefilled with
 L - window tokens in one chunk, then `window` single-token steps are timed one by one, the
-three implementations taking turns step by step (noise from other processes hits them alike).
+implementations taking turns in blocks, in an order that rotates from pass to pass.
 The figure at L is over the steps that bring the cache to lengths L-window+1 .. L; a growth
 copy of our DynamicLayer that falls in the window shows in the mean, not in the median. A first
 pass is a discarded warm-up (page faults, allocator growth), so every figure is warm; the table
@@ -60,10 +60,15 @@ IMPLEMENTATIONS = {
 }
 
 
-def time_steps(caches: dict[str, list], args: argparse.Namespace, length: int) -> dict:
+def time_steps(
+    caches: dict[str, list], args: argparse.Namespace, length: int, first: int
+) -> dict[str, list[int]]:
     """Prefill every cache to length - window in one chunk, then time `window` single-token
-    steps, the implementations taking turns step by step so that noise from other processes
-    hits them alike. Returns {name: [ns per step]}."""
+    steps of each implementation in turn (a block each, starting with number `first`).
+
+    Blocks rather than step-by-step turns: transformers' torch.cat streams the whole history
+    through the CPU caches on every step, which would make the next implementation's step run
+    cold. Returns {name: [ns per step]}."""
     prefill = length - args.window
     step_key = torch.randn(args.batch, args.kv_heads, 1, args.head_dim)  # (B, H_kv, 1, D)
     step_value = torch.randn(args.batch, args.kv_heads, 1, args.head_dim)
@@ -75,10 +80,9 @@ def time_steps(caches: dict[str, list], args: argparse.Namespace, length: int) -
     clock: Callable[[], int] = time.perf_counter_ns
     times: dict[str, list[int]] = {name: [] for name in caches}
     names = list(caches)
-    for step in range(args.window):
-        shift = step % len(names)
-        for name in names[shift:] + names[:shift]:
-            layers = caches[name]
+    for name in names[first:] + names[:first]:
+        layers = caches[name]
+        for _ in range(args.window):
             start = clock()
             for layer in layers:
                 layer.update(step_key, step_value)
@@ -109,9 +113,9 @@ def run(args: argparse.Namespace) -> dict:
         name: {length: [] for length in lengths} for name in names
     }
     for repeat in range(args.repeats + 1):  # pass 0 is the warm-up, discarded
-        for length in lengths:
+        for position, length in enumerate(lengths):
             caches = {name: make_layers(name, args) for name in names}
-            times = time_steps(caches, args, length)
+            times = time_steps(caches, args, length, (repeat + position) % len(names))
             del caches
             if repeat:
                 for name in names:
@@ -180,8 +184,7 @@ def markdown(result: dict) -> str:
         f"Per-step append cost, µs (median; one token through {shape['layers']} layers × "
         f"{shape['kv_heads']} kv heads × {shape['head_dim']} dims, batch {shape['batch']}, "
         f"fp32, warm, {result['threads']} thread(s); per length the lowest of "
-        f"{result['repeats']} passes' medians over the {result['window']} steps ending there, "
-        f"implementations taking turns step by step). "
+        f"{result['repeats']} passes' medians over the {result['window']} steps ending there). "
         f"`{result['command']}`, torch {result['environment']['torch']}, "
         f"{result['environment']['processor']}.",
         "",

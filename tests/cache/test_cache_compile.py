@@ -58,3 +58,20 @@ def test_compiled_decode_matches_eager_and_compiles_once(kind):
     torch.testing.assert_close(compiled.layers[0].keys, eager.layers[0].keys)
     inputs = sample(3)
     torch.testing.assert_close(decode_step(compiled, *inputs), decode_step(eager, *inputs))
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding"])
+def test_compiled_chunk_after_wraparound_matches_eager(kind):
+    torch._dynamo.reset()
+    eager, compiled = make(kind), make(kind)
+    step = torch.compile(decode_step, backend="aot_eager", fullgraph=True)
+    generator = torch.Generator().manual_seed(1)
+    for tokens in (6, 3, 5):  # chunks that cross the ring's end (window 4)
+        q = torch.randn(1, KV_HEADS, tokens, DIM, generator=generator)
+        k = torch.randn(LAYERS, 1, KV_HEADS, tokens, DIM, generator=generator)
+        v = torch.randn(LAYERS, 1, KV_HEADS, tokens, DIM, generator=generator)
+        torch.testing.assert_close(
+            step(compiled, q, k, v), decode_step(eager, q, k, v), atol=1e-5, rtol=0
+        )
+    assert compiled.get_seq_length() == 14
+    torch.testing.assert_close(compiled.layers[1].values, eager.layers[1].values)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvcache.cache import (
+    Cache,
     CacheConfigError,
     CacheCropError,
     CacheDeviceError,
@@ -20,7 +21,6 @@ from kvcache.cache import (
     StaticLayer,
     make_cache,
 )
-from kvcache.cache.base import Cache
 
 
 def kv(batch=1, heads=2, tokens=1, dim=4, dtype=torch.float32, device="cpu"):

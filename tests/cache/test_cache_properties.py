@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.cache import (
+    Cache,
     CacheCropError,
     CacheOverflowError,
     DynamicCache,
@@ -18,7 +19,6 @@ from kvcache.cache import (
     SlidingWindowLayer,
     StaticLayer,
 )
-from kvcache.cache.base import Cache
 
 WINDOW = 4
 STATIC_LEN = 24
@@ -120,3 +120,27 @@ def test_dynamic_cache_batch_operations_follow_the_reference():
     history.select(torch.tensor([0, 0, 1, 1]))
     assert torch.equal(cache.layers[0].keys, history.keys)
     assert torch.equal(cache.layers[0].values, history.values)
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding"])
+def test_fixed_layers_select_and_repeat_change_the_batch(kind):
+    layer = LAYERS[kind]()
+    cache = Cache([layer])
+    history = NaiveHistory()
+    generator = torch.Generator().manual_seed(5)
+    for tokens in (3, 1, 4):
+        k = torch.randn(3, HEADS, tokens, DIM, generator=generator)
+        v = torch.randn(3, HEADS, tokens, DIM, generator=generator)
+        cache.update(k, v, 0)
+        history.append(k, v)
+    cache.select(torch.tensor([2, 0]))
+    history.select(torch.tensor([2, 0]))
+    cache.repeat_interleave(2)
+    history.select(torch.tensor([0, 0, 1, 1]))
+    k = torch.randn(4, HEADS, 1, DIM, generator=generator)
+    v = torch.randn(4, HEADS, 1, DIM, generator=generator)
+    positions = layer.mask_positions(1, None)
+    mask = cache.attention_masks(1)[0]
+    keys, values = cache.update(k, v, 0)
+    history.append(k, v)
+    check_step(positions, mask, keys, values, history, layer.window)

@@ -1,9 +1,9 @@
-"""The seam between model and cache: `CacheLayer` (one layer's keys and values) and `Cache`.
+"""The seam between model and cache: `Cache`, an ordered list of `CacheLayer`s.
 
-A `Cache` is an ordered list of layers. The model calls `attention_masks(new_tokens)` once per
-forward, then `update(k, v, layer_idx)` once per layer; a layer's length moves only inside its
-`update`. Every layer kind answers the same questions (its length, the absolute positions of
-the rows it will return), so the model never branches on the kind of cache.
+The model calls `attention_masks(new_tokens)` once per forward, then `update(k, v, layer_idx)`
+once per layer; a layer's length moves only inside its `update`. Every layer kind answers the
+same questions (its length, the absolute positions of the rows it will return), so the model
+never branches on the kind of cache.
 """
 
 from __future__ import annotations
@@ -12,229 +12,17 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from .errors import (
-    CacheCropError,
-    CacheDeviceError,
-    CacheDtypeError,
-    CacheShapeError,
-    LayerIndexError,
+from .checks import (
+    check_attention_mask,
+    check_batch_index,
+    check_crop,
+    check_new_tokens,
 )
+from .errors import CacheShapeError, LayerIndexError
+from .layer import CacheLayer, is_compiling
 from .masks import build_mask
 
-
-def is_compiling() -> bool:
-    """True while torch.compile traces the code (then no Python int may track the length)."""
-    return torch.compiler.is_compiling()
-
-
-class CacheLayer:
-    """Keys and values of one attention layer, stored as (B, H_kv, T, D) after RoPE.
-
-    Subclasses implement `update`, `get_seq_length`, `mask_key`, `mask_positions`, the
-    `keys`/`values` views and `crop`. Storage is allocated lazily by the first update unless a
-    subclass was given every size up front.
-    """
-
-    #: a query at q sees keys in (q - window, q]; None = plain causal.
-    window: int | None = None
-
-    def __init__(self) -> None:
-        self.layer_idx: int | None = None  # set by Cache, only for error messages
-        self._keys: torch.Tensor | None = None  # (B, H_kv, capacity, D)
-        self._values: torch.Tensor | None = None  # (B, H_kv, capacity, D_v)
-
-    # ---- the seam -------------------------------------------------------------------------
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, H_kv, T_new, D) and return K, V (B, H_kv, T_visible, D) to attend."""
-        raise NotImplementedError
-
-    def get_seq_length(self) -> int:
-        """Tokens this layer has seen so far (absolute, including evicted ones)."""
-        raise NotImplementedError
-
-    def mask_key(self, new_tokens: int) -> Hashable:
-        """A key equal for two layers exactly when their masks for this chunk are equal."""
-        raise NotImplementedError
-
-    def mask_positions(
-        self, new_tokens: int, device: torch.device | str | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions for the next update of `new_tokens` rows, asked before that update.
-
-        Returns (query_positions (T_new,), key_positions (T_kv,)) long tensors, where T_kv is the
-        length of K the next update returns and -1 marks a key slot that holds no token.
-        """
-        raise NotImplementedError
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """The visible keys (B, H_kv, T, D) in position order; None before the first update."""
-        raise NotImplementedError
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """The visible values (B, H_kv, T, D_v) in position order; None before the first update."""
-        raise NotImplementedError
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` tokens (a no-op if fewer are held)."""
-        raise NotImplementedError
-
-    def validate_crop(self, max_length: int) -> None:
-        """Raise `CacheCropError` if `crop(max_length)` is impossible; change nothing."""
-        check_crop(max_length)
-
-    def reset(self) -> None:
-        """Forget every token; allocated storage is kept for reuse."""
-        raise NotImplementedError
-
-    # ---- shared -----------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device | None:
-        """Device of the stored tensors, None before allocation."""
-        return None if self._keys is None else self._keys.device
-
-    @property
-    def batch_size(self) -> int | None:
-        """Batch size of the stored tensors, None before allocation."""
-        return None if self._keys is None else self._keys.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for keys and values (capacity, not just the rows in use)."""
-        if self._keys is None or self._values is None:
-            return 0
-        return self._keys.nbytes + self._values.nbytes
-
-    @property
-    def nbytes_used(self) -> int:
-        """Bytes of the rows that hold live tokens: B × H_kv × T_held × (D + D_v) × itemsize."""
-        if self._keys is None or self._values is None:
-            return 0
-        capacity = self._keys.shape[2]
-        per_row = (self._keys.nbytes + self._values.nbytes) // capacity
-        return self._rows_held() * per_row
-
-    def _rows_held(self) -> int:
-        """Rows of storage that hold live tokens."""
-        raise NotImplementedError
-
-    def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise a named error unless k, v fit each other and what is stored."""
-        stored, stored_values = self._keys, self._values
-        if stored is not None and stored_values is not None and type(k) is type(v) is torch.Tensor:
-            # fast path of the decode loop: one pass of comparisons, no messages built
-            ks, vs, sk, sv = k.shape, v.shape, stored.shape, stored_values.shape
-            if (
-                len(ks) == 4
-                and len(vs) == 4
-                and ks[0] == vs[0] == sk[0]
-                and ks[1] == vs[1] == sk[1]
-                and ks[2] == vs[2] >= 1
-                and ks[3] == sk[3]
-                and vs[3] == sv[3]
-                and k.dtype == v.dtype == stored.dtype
-                and k.device == v.device == stored.device
-            ):
-                return
-        check_kv_pair(k, v, self.layer_idx)
-        stored = self._keys
-        if stored is None or self._values is None:
-            return
-        where = _where(self.layer_idx)
-        if k.shape[0] != stored.shape[0] or k.shape[1] != stored.shape[1]:
-            raise CacheShapeError(
-                f"k{where} has batch {k.shape[0]} and {k.shape[1]} kv heads; the cache holds "
-                f"batch {stored.shape[0]} and {stored.shape[1]} kv heads"
-            )
-        if k.shape[3] != stored.shape[3] or v.shape[3] != self._values.shape[3]:
-            raise CacheShapeError(
-                f"k, v{where} have head dims {k.shape[3]}, {v.shape[3]}; the cache holds "
-                f"{stored.shape[3]}, {self._values.shape[3]}"
-            )
-        if k.dtype != stored.dtype or v.dtype != stored.dtype:
-            raise CacheDtypeError(
-                f"k, v{where} have dtypes {k.dtype}, {v.dtype}; the cache stores {stored.dtype}"
-            )
-        if k.device != stored.device or v.device != stored.device:
-            raise CacheDeviceError(
-                f"k, v{where} are on {k.device}, {v.device}; the cache is on {stored.device}"
-            )
-
-    def select(self, indices: torch.Tensor) -> None:
-        """Keep the batch rows `indices` (1-D long, in that order, repeats allowed)."""
-        if self._keys is None or self._values is None:
-            return
-        index = check_batch_index(indices, self._keys.shape[0], self._keys.device)
-        self._keys = self._keys.index_select(0, index)  # (B', H_kv, capacity, D)
-        self._values = self._values.index_select(0, index)  # (B', H_kv, capacity, D_v)
-
-    def repeat_interleave(self, repeats: int) -> None:
-        """Repeat each batch row `repeats` times in place (B → B × repeats), e.g. for beams."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise CacheShapeError(f"repeats must be an int >= 1, got {repeats!r}")
-        if self._keys is None or self._values is None:
-            return
-        self._keys = self._keys.repeat_interleave(repeats, dim=0)  # (B·r, H_kv, capacity, D)
-        self._values = self._values.repeat_interleave(repeats, dim=0)  # (B·r, H_kv, cap, D_v)
-
-
-def _where(layer_idx: int | None) -> str:
-    return "" if layer_idx is None else f" (layer {layer_idx})"
-
-
-def check_kv_pair(k: torch.Tensor, v: torch.Tensor, layer_idx: int | None = None) -> None:
-    """Raise `CacheShapeError` unless k, v are (B, H_kv, T_new, D) tensors that agree."""
-    where = _where(layer_idx)
-    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-        raise CacheShapeError(
-            f"k and v{where} must be tensors, got {type(k).__name__}, {type(v).__name__}"
-        )
-    if k.dim() != 4 or v.dim() != 4:
-        raise CacheShapeError(
-            f"k and v{where} must be 4-D (batch, kv_heads, new_tokens, head_dim), "
-            f"got shapes {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if k.shape[:3] != v.shape[:3]:
-        raise CacheShapeError(
-            f"k and v{where} must agree on (batch, kv_heads, new_tokens), "
-            f"got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if k.shape[2] < 1:
-        raise CacheShapeError(f"k and v{where} carry no new tokens: shape {tuple(k.shape)}")
-    if k.dtype != v.dtype or k.device != v.device:
-        raise CacheDtypeError(
-            f"k and v{where} must share dtype and device, got {k.dtype} on {k.device} "
-            f"and {v.dtype} on {v.device}"
-        )
-
-
-def check_batch_index(
-    indices: torch.Tensor | Sequence[int], batch: int, device: torch.device
-) -> torch.Tensor:
-    """Return `indices` as a 1-D long tensor on `device`; raise unless each is in [0, batch)."""
-    index = torch.as_tensor(indices, device=device)
-    if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
-        raise CacheShapeError(
-            f"batch indices must be a 1-D integer tensor, got shape {tuple(index.shape)} "
-            f"and dtype {index.dtype}"
-        )
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= batch):
-        raise CacheShapeError(
-            f"batch indices must lie in [0, {batch}), got min {int(index.min())} "
-            f"and max {int(index.max())}"
-        )
-    return index.to(torch.int64)
-
-
-def check_crop(max_length: int) -> None:
-    """Raise `CacheCropError` unless max_length is an int >= 0."""
-    if isinstance(max_length, bool) or not isinstance(max_length, int):
-        raise CacheCropError(f"crop length must be an int, got {type(max_length).__name__}")
-    if max_length < 0:
-        raise CacheCropError(
-            f"crop length must be >= 0 (keep the first n tokens), got {max_length}"
-        )
+__all__ = ["Cache", "CacheLayer", "LayerMasks", "is_compiling"]
 
 
 class LayerMasks(list):
@@ -432,29 +220,6 @@ class Cache:
         return (
             f"{type(self).__name__}({len(self.layers)} layers [{kinds}{more}], "
             f"seq_length={self.get_seq_length() if self.layers else 0})"
-        )
-
-
-def check_new_tokens(new_tokens: int) -> None:
-    """Raise `CacheShapeError` unless new_tokens is an int >= 1."""
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise CacheShapeError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
-
-
-def check_attention_mask(attention_mask: torch.Tensor, layer: CacheLayer, new_tokens: int) -> None:
-    """Raise `CacheShapeError` unless attention_mask is (B, past + new_tokens) for `layer`."""
-    past = layer.get_seq_length()
-    shape = tuple(attention_mask.shape)
-    if attention_mask.dim() != 2 or shape[1] != past + new_tokens:
-        raise CacheShapeError(
-            f"attention_mask must be (batch, past + new_tokens) = (batch, {past + new_tokens}) "
-            f"with past={past}{_where(layer.layer_idx)}, got shape {shape}"
-        )
-    batch = layer.batch_size
-    if batch is not None and shape[0] != batch:
-        raise CacheShapeError(
-            f"attention_mask has batch {shape[0]}; the cache holds batch {batch}"
-            f"{_where(layer.layer_idx)}"
         )
 
 

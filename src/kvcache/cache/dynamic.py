@@ -11,8 +11,10 @@ from collections.abc import Hashable
 
 import torch
 
-from .base import Cache, CacheLayer, check_crop
+from .base import Cache
+from .checks import check_crop
 from .config import read_geometry
+from .layer import CacheLayer
 from .sliding import SlidingWindowLayer
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import CacheLayer
 from .errors import CacheConfigError, CacheDeviceError, CacheDtypeError, CacheShapeError
+from .layer import CacheLayer
 from .length import LengthTracker
 
 

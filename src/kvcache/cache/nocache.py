@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Cache, LayerMasks, check_crop, check_kv_pair, check_new_tokens
+from .base import Cache, LayerMasks
+from .checks import check_crop, check_kv_pair, check_new_tokens
 from .config import read_geometry
 from .errors import CacheShapeError, LayerIndexError
 from .masks import build_mask

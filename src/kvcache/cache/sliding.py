@@ -17,10 +17,12 @@ from collections.abc import Hashable
 
 import torch
 
-from .base import Cache, check_crop, is_compiling
+from .base import Cache
+from .checks import check_crop
 from .config import read_geometry
 from .errors import CacheConfigError, CacheCropError
 from .fixed import FixedCapacityLayer
+from .layer import is_compiling
 
 
 def ring_positions(last: int | torch.Tensor, capacity: int, slots: torch.Tensor) -> torch.Tensor:

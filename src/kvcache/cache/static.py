@@ -12,10 +12,12 @@ from collections.abc import Hashable
 
 import torch
 
-from .base import Cache, CacheLayer, check_crop, is_compiling
+from .base import Cache
+from .checks import check_crop
 from .config import read_geometry
 from .errors import CacheConfigError, CacheOverflowError
 from .fixed import FixedCapacityLayer
+from .layer import CacheLayer, is_compiling
 from .sliding import SlidingWindowLayer
 
 
