@@ -98,8 +98,12 @@ def test_masks_drop_padding_columns_but_never_a_whole_row():
 
 def test_masks_for_lazy_cache_cover_any_layer_index():
     cache = DynamicCache()
-    masks = cache.attention_masks(2)
+    masks = cache.attention_masks(2, torch.ones(1, 2))
     assert masks[0].shape == masks[7].shape == (1, 1, 2, 2)
+    for layer in range(3):
+        cache.update(*kv(tokens=2), layer)
+    masks = cache.attention_masks(1, torch.ones(1, 3))  # past 2 + 1 new
+    assert len(masks) == 3 and masks[2].shape == masks[9].shape == (1, 1, 1, 3)
 
 
 def test_nocache_keeps_nothing_and_masks_causally():

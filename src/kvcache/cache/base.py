@@ -132,7 +132,9 @@ class Cache:
         ]
         default = None
         if self._layer_factory is not None:
-            default = self._mask_for(
+            # layers not created yet: like the last one (they all see the same tokens), or
+            # like a fresh layer before the first update
+            default = masks[-1] if masks else self._mask_for(
                 self._layer_factory(), new_tokens, attention_mask, fallback, shared
             )
         return LayerMasks(masks, default)
