@@ -187,3 +187,13 @@ def test_reset_forgets_tokens_and_keeps_storage():
     assert cache.get_seq_length() == 0 and cache.nbytes == allocated
     keys, _ = cache.update(*kv(tokens=2, seed=4), 0)
     assert keys.shape[2] == 2
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "none"])
+def test_positions_of_the_next_chunk(kind):
+    cache = make_cache(kind, num_layers=2, max_cache_len=16, window=4)
+    assert cache.positions(3).tolist() == [0, 1, 2]
+    for layer in range(2):
+        cache.update(*kv(tokens=6), layer)
+    expected = [0, 1] if kind == "none" else [6, 7]
+    assert cache.positions(2).tolist() == expected

@@ -15,7 +15,10 @@ CONFIG = {"num_hidden_layers": LAYERS, "num_key_value_heads": KV_HEADS, "head_di
 
 
 def decode_step(cache, q, k, v):
-    """One forward through every layer: masks first, then update + attention per layer."""
+    """One forward through every layer: positions and masks first, then update + attention
+    per layer. The positions scale q, standing in for RoPE."""
+    positions = cache.positions(q.shape[2])  # (T_new,)
+    q = q * (1.0 + positions.to(q.dtype)[:, None] / 64)
     masks = cache.attention_masks(q.shape[2])
     outputs = []
     for layer in range(len(cache.layers)):

@@ -104,6 +104,23 @@ class Cache:
         layer = self._layer(layer_idx, create=False)
         return 0 if layer is None else layer.get_seq_length()
 
+    def positions(
+        self, new_tokens: int, layer_idx: int = 0, *, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Absolute positions past .. past + new_tokens - 1 of the next chunk, (T_new,) long.
+
+        The same as torch.arange(past, past + new_tokens), but under torch.compile a static or
+        sliding layer derives it from its position tensor, so a compiled step that needs the
+        positions (e.g. for RoPE without padding) does not specialise on the length the way
+        reading get_seq_length() (a Python int) would.
+        """
+        check_new_tokens(new_tokens)
+        layer = self._layer(layer_idx, create=False)
+        if layer is None:
+            return torch.arange(new_tokens, device=device or self._device)
+        query_positions, _ = layer.mask_positions(new_tokens, layer.device or device)
+        return query_positions
+
     def attention_masks(
         self,
         new_tokens: int,
