@@ -36,10 +36,11 @@ LAYERS = {
 update_op = st.tuples(
     st.just("update"), st.one_of(st.sampled_from(BOUNDARY_CHUNKS), st.integers(1, 12))
 )
+padded_update_op = st.tuples(st.just("padded_update"), st.sampled_from(BOUNDARY_CHUNKS))
 crop_op = st.tuples(st.just("crop"), st.integers(0, 30))
 reorder_op = st.tuples(st.just("reorder"), st.permutations(range(BATCH)))
 operations = st.lists(
-    st.one_of(update_op, update_op, update_op, crop_op, reorder_op), min_size=1, max_size=14
+    st.one_of(update_op, update_op, padded_update_op, crop_op, reorder_op), min_size=1, max_size=14
 )
 
 
@@ -56,7 +57,7 @@ def run_stream(kind: str, ops, seed: int) -> None:
     history = NaiveHistory()
     generator = torch.Generator().manual_seed(seed)
     for op, arg in ops:
-        if op == "update":
+        if op in ("update", "padded_update"):
             shape = (BATCH, HEADS, arg, DIM)
             k = torch.randn(shape, generator=generator)
             v = torch.randn(shape, generator=generator)
@@ -66,11 +67,19 @@ def run_stream(kind: str, ops, seed: int) -> None:
                 assert caught.value.capacity == STATIC_LEN
                 assert caught.value.requested == history.length + arg
                 continue
+            padded = op == "padded_update"
+            # any pattern of padding columns, new ones drawn for this chunk
+            real = (torch.rand(BATCH, arg, generator=generator) > 0.3).long()
             positions = layer.mask_positions(arg, None)
-            mask = cache.attention_masks(arg)[0]
+            if padded:
+                assert history.real is not None or history.length == 0
+                so_far = history.real if history.real is not None else real[:, :0]
+                mask = cache.attention_masks(arg, torch.cat([so_far, real], dim=1))[0]
+            else:
+                mask = cache.attention_masks(arg)[0]
             keys, values = cache.update(k, v, 0)
-            history.append(k, v)
-            check_step(positions, mask, keys, values, history, window)
+            history.append(k, v, real if padded else None)
+            check_step(positions, mask, keys, values, history, window, padded)
         elif op == "crop":
             if crop_allowed(layer, history.length, arg):
                 cache.crop(arg)
