@@ -197,3 +197,16 @@ def test_positions_of_the_next_chunk(kind):
         cache.update(*kv(tokens=6), layer)
     expected = [0, 1] if kind == "none" else [6, 7]
     assert cache.positions(2).tolist() == expected
+
+
+def test_dynamic_default_growth_crosses_step_boundaries_without_losing_rows():
+    layer = DynamicLayer()  # step 256, growth 1.5
+    chunks = [kv(tokens=t, seed=i) for i, t in enumerate([255, 1, 1, 255, 1, 300])]
+    capacities = []
+    for k, v in chunks:
+        keys, values = layer.update(k, v)
+        capacities.append(layer.capacity)
+    assert capacities == [256, 256, 512, 512, 768, 1280]  # 257 → 384 rounded up to 512
+    assert torch.equal(keys, torch.cat([k for k, _ in chunks], dim=2))
+    assert torch.equal(values, torch.cat([v for _, v in chunks], dim=2))
+    assert keys.data_ptr() == layer._keys.data_ptr()  # a view of the buffer, not a copy
