@@ -9,7 +9,7 @@ import torch
 from model_helpers import hf_model
 
 from kvcache.model import ConfigError, ModelConfig
-from kvcache.model.rope import RotaryEmbedding, inverse_frequencies
+from kvcache.model.rope import RotaryEmbedding, apply_rope, inverse_frequencies
 
 
 def _raw(model) -> dict:
@@ -91,16 +91,18 @@ ROPE_CASES = {
 
 @pytest.mark.parametrize("kind", sorted(ROPE_CASES))
 def test_rope_cos_sin_equal_transformers(kind):
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     hf = hf_model("llama", rope_parameters=dict(ROPE_CASES[kind]), max_position_embeddings=256)
     config = ModelConfig.from_dict(_raw(hf))
     theirs = LlamaRotaryEmbedding(hf.config)
     positions = torch.arange(0, 200).unsqueeze(0)
-    cos, sin = RotaryEmbedding(config)(positions, torch.float32)
+    cos, signed_sin = RotaryEmbedding(config)(positions, torch.float32)
     hf_cos, hf_sin = theirs(torch.zeros(1, dtype=torch.float32), positions)
-    torch.testing.assert_close(cos, hf_cos, atol=1e-6, rtol=0)
-    torch.testing.assert_close(sin, hf_sin, atol=1e-6, rtol=0)
+    torch.testing.assert_close(cos[:, 0], hf_cos, atol=1e-6, rtol=0)
+    x = torch.randn(1, 3, positions.shape[1], config.head_dim)
+    rotated, _ = apply_rotary_pos_emb(x, x, hf_cos, hf_sin)
+    torch.testing.assert_close(apply_rope(x, cos, signed_sin), rotated, atol=1e-5, rtol=0)
     if kind == "llama3":  # the ramp really changes some frequencies
         assert not torch.equal(
             inverse_frequencies(config),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.model.config import ModelConfig
+from kvcache.model.kernels import FusedLinear, linear
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -77,24 +78,34 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_width, hidden, bias=config.o_bias)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+    fused_qkv: FusedLinear | None = None  # set by kernels.fuse_projections
+
+    def _qkv(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        """(B, T, hidden) -> (B, T, (H + 2·H_kv)·D): q, k, v side by side."""
+        fused = self.fused_qkv
+        if fused is not None and not torch.is_grad_enabled() and fused.is_intact():
+            return linear(x, fused.weight, fused.bias, backend)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def forward(self, x, cos, sin, mask, cache, backend: str = "torch") -> torch.Tensor:
         batch, new_tokens, _ = x.shape  # (B, T, hidden)
-        q = self.q_proj(x).view(batch, new_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, new_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, new_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        # q: (B, H, T, D); k, v: (B, H_kv, T, D)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        heads = self._qkv(x, backend).view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
+        # heads: (B, H + 2·H_kv, T, D); RoPE turns q and k in one op, v is left as it is
+        qk = apply_rope(heads[:, : self.num_heads + self.kv_heads], cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # (B, H, T, D), (B, H_kv, T, D)
+        v = heads[:, self.num_heads + self.kv_heads :]  # (B, H_kv, T, D)
         keys, values = cache.update(k, v, self.layer_idx)  # (B, H_kv, T_visible, D)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads
         )  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(batch, new_tokens, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        return linear(out, self.o_proj.weight, self.o_proj.bias, backend)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    fused_gate_up: FusedLinear | None = None  # set by kernels.fuse_projections
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -103,8 +114,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        fused = self.fused_gate_up
+        if fused is not None and not torch.is_grad_enabled() and fused.is_intact():
+            gate, up = linear(x, fused.weight, fused.bias, backend).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias, backend)
 
 
 class DecoderLayer(nn.Module):
@@ -115,9 +131,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, mask, cache, backend: str = "torch") -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x), backend)
 
 
 class DecoderModel(nn.Module):
@@ -139,6 +155,9 @@ class LlamaForCausalLM(nn.Module):
     `model(input_ids, attention_mask=None, past_key_values=None, use_cache=None,
     position_ids=None)` -> CausalLMOutput(logits (B, T_new, vocab), past_key_values).
     """
+
+    #: matrix-vector kernel for decode rows: "torch" or "numpy" (see kernels.choose_backend)
+    matvec_backend: str = "torch"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -207,11 +226,12 @@ class LlamaForCausalLM(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, T, D)
+        backend = self.matvec_backend
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, masks[layer_idx], cache)
+            x = layer(x, cos, sin, masks[layer_idx], cache, backend)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # only the last positions are scored (prefill)
-        logits = self.lm_head(self.model.norm(x))  # (B, T or logits_to_keep, vocab)
+        logits = linear(self.model.norm(x), self.lm_head.weight, None, backend)  # (B, T, vocab)
         return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
 
     @staticmethod

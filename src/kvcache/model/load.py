@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kvcache.model.config import ModelConfig
+from kvcache.model.kernels import BACKENDS, choose_backend, fuse_projections
 from kvcache.model.llama import LlamaForCausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -168,13 +169,21 @@ def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> di
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    matvec: str = "torch",
 ) -> LlamaForCausalLM:
     """Load a local llama / mistral / qwen2 checkpoint folder, strictly, in eval mode.
 
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype);
     otherwise every tensor is converted to it.
+    matvec: kernel for decode rows, "torch", "numpy" (float32 on CPU) or "auto" (time both
+    on this machine and keep the faster; see kvcache.model.kernels).
+    q/k/v and gate/up weights are stored fused (the parameters are views), same names.
     """
+    if matvec not in (*BACKENDS, "auto"):
+        raise ValueError(f"matvec must be one of {(*BACKENDS, 'auto')}, got {matvec!r}")
     from safetensors import safe_open
 
     folder = checkpoint_folder(path)
@@ -200,4 +209,9 @@ def load_model(
     left_empty = [name for name, param in model.named_parameters() if param.is_meta]
     if left_empty:
         raise CheckpointError(f"tensor(s) not loaded: {left_empty[:8]}")
+    fuse_projections(model)
+    if matvec == "auto":
+        choose_backend(model)
+    else:
+        model.matvec_backend = matvec
     return model.eval()

@@ -47,7 +47,7 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Turns position ids (B, T) into cos, sin (B, T, head_dim) in the activations' dtype."""
+    """Turns position ids (B, T) into cos and signed sin (B, 1, T, head_dim), activation dtype."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -68,14 +68,17 @@ class RotaryEmbedding(nn.Module):
                 "already in the cache"
             )
         angles = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        # the first half of each head is rotated by -sin, the second by +sin (rotate_half)
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)  # (B, T, D)
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # (B, T, D)
+        return cos.unsqueeze(1), signed_sin.unsqueeze(1)  # (B, 1, T, D)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by the angles in cos, sin (B, T, D)."""
-    cos = cos.unsqueeze(1)  # (B, 1, T, D)
-    sin = sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (B, H, T, D)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by the angles of RotaryEmbedding's cos, signed_sin (B, 1, T, D).
+
+    Pairs are (i, i + D/2): x_i' = x_i·cos - x_{i+D/2}·sin, x_{i+D/2}' = x_{i+D/2}·cos + x_i·sin.
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (B, H, T, D): halves exchanged
+    return x * cos + swapped * signed_sin

@@ -1,0 +1,281 @@
+"""Decode speed of kvcache.generate against transformers' generate on the same weights.
+
+    .venv/bin/python benchmarks/bench_generate.py            # both models, ~5 minutes
+    .venv/bin/python benchmarks/bench_generate.py --models small --new-tokens 32
+
+For each model (a ~100M random Llama and a ~3M one, float32, saved once with transformers'
+save_pretrained) every configuration runs in its own process (so numpy's and torch's thread
+pools never meet, and peak memory is that configuration's own): kvcache with a dynamic cache
+(torch and numpy matrix-vector kernels), a static cache, and no cache; transformers with its
+dynamic cache, static cache and no cache. Each process warms up once, then times `--repeats`
+runs and keeps the fastest. Figures: time to first token, decode tokens/s (after the first
+token), the weight bandwidth that decode speed implies, and peak resident memory.
+Results: benchmarks/results/generate.json and generate.md. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {
+    "100m": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=512,
+    ),
+}
+# (library, cache, kernel); kernel only matters for kvcache
+CONFIGS = [
+    ("kvcache", "dynamic", "torch"),
+    ("kvcache", "dynamic", "numpy"),
+    ("kvcache", "static", "torch"),
+    ("kvcache", "none", "torch"),
+    ("transformers", "dynamic", None),
+    ("transformers", "static", None),
+    ("transformers", "none", None),
+]
+RESULTS = Path(__file__).parent / "results"
+
+
+def build_checkpoint(name: str, folder: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MODELS[name], eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Run one configuration; print one JSON line."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(1)
+    new_tokens = args.nocache_new_tokens if args.cache == "none" else args.new_tokens
+    if args.library == "kvcache":
+        from kvcache import generate, load_model
+
+        model = load_model(args.checkpoint, dtype=torch.float32, matvec=args.kernel)
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator)
+
+        def run():
+            result = generate(
+                model,
+                prompt,
+                max_new_tokens=new_tokens,
+                cache=None if args.cache == "none" else args.cache,
+                eos_token_id=(),
+            )
+            return result.time_to_first_token_s, result.decode_tokens_per_s, result.new_tokens[0]
+    else:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator)
+        options = {"use_cache": False} if args.cache == "none" else {}
+        if args.cache == "static":
+            options["cache_implementation"] = "static"
+
+        def run():
+            stamps = _Stamps()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    prompt,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    streamer=stamps,
+                    pad_token_id=0,
+                    **options,
+                )
+            first, last = stamps.times[1], stamps.times[-1]  # times[0] is the prompt
+            steps = len(stamps.times) - 2
+            return first - started, steps / (last - first), out[0, args.prompt_tokens :].tolist()
+
+    run()  # warm-up: allocator growth, thread pools, first-call paths
+    best = None
+    for _ in range(args.repeats):
+        ttft, tokens_per_s, tokens = run()
+        if best is None or tokens_per_s > best[1]:
+            best = (ttft, tokens_per_s, tokens)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = (
+        model.get_input_embeddings().weight
+        if hasattr(model, "get_input_embeddings")
+        else (model.model.embed_tokens.weight)
+    )
+    # a decode step reads every matrix once except the embedding table (one row of it)
+    read_per_token = weight_bytes - embedding.numel() * embedding.element_size()
+    print(
+        json.dumps(
+            {
+                "library": args.library,
+                "cache": args.cache,
+                "kernel": args.kernel,
+                "new_tokens": new_tokens,
+                "ttft_ms": best[0] * 1000,
+                "decode_tokens_per_s": best[1],
+                "weight_gb_per_s": read_per_token * best[1] / 1e9,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "tokens": best[2],
+            }
+        )
+    )
+
+
+class _Stamps:
+    """A transformers streamer that only records when each put() happens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_config(checkpoint: Path, library: str, cache: str, kernel, args) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--checkpoint",
+        str(checkpoint),
+        "--library",
+        library,
+        "--cache",
+        cache,
+        "--kernel",
+        kernel or "torch",
+        "--threads",
+        str(args.threads),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--nocache-new-tokens",
+        str(args.nocache_new_tokens),
+        "--repeats",
+        str(args.repeats),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{library}/{cache} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict) -> str:
+    lines = []
+    for name, rows in results["models"].items():
+        params = rows[0]["parameters"]
+        lines += [
+            f"### {name} Llama ({params / 1e6:.1f}M parameters), prompt {results['prompt_tokens']}, "
+            f"batch 1, float32, {results['threads']} threads",
+            "",
+            "| library | cache | kernel | new tokens | decode tokens/s | weights GB/s | time to first token "
+            "| peak RSS | decode ours/theirs | same tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        theirs = {r["cache"]: r for r in rows if r["library"] == "transformers"}
+        for r in rows:
+            ref = theirs.get(r["cache"])
+            ratio = same = ""
+            if r["library"] == "kvcache" and ref:
+                ratio = f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}×"
+                same = "yes" if r["tokens"] == ref["tokens"] else "no"
+            lines.append(
+                f"| {r['library']} | {r['cache']} | {r['kernel'] if r['library'] == 'kvcache' else ''} "
+                f"| {r['new_tokens']} | {r['decode_tokens_per_s']:.1f} | {r['weight_gb_per_s']:.1f} "
+                f"| {r['ttft_ms']:.1f} ms | {r['peak_rss_mb']:.0f} MB | {ratio} | {same} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="100m,small", help="comma list of: " + ", ".join(MODELS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--nocache-new-tokens",
+        type=int,
+        default=32,
+        help="new tokens for the no-cache runs (each step re-reads the whole context)",
+    )
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--library", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
+    parser.add_argument("--kernel", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    results = {
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
+        "load_average_at_start": os.getloadavg(),
+        "threads": args.threads,
+        "prompt_tokens": args.prompt_tokens,
+        "models": {},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.models.split(","):
+            checkpoint = Path(scratch) / name
+            build_checkpoint(name, checkpoint)
+            rows = []
+            for library, cache, kernel in CONFIGS:
+                row = run_config(checkpoint, library, cache, kernel, args)
+                print(
+                    f"{name:6s} {library:12s} {cache:8s} {kernel or '':6s} "
+                    f"{row['decode_tokens_per_s']:8.1f} tok/s  ttft {row['ttft_ms']:7.1f} ms",
+                    flush=True,
+                )
+                rows.append(row)
+            results["models"][name] = rows
+    results["load_average_at_end"] = os.getloadavg()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "generate.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = table(results)
+    (args.out / "generate.md").write_text(
+        f"Measured with `{' '.join(['python', *sys.argv])}` on {results['machine']}; load average "
+        f"{results['load_average_at_start'][0]:.1f} at start, {results['load_average_at_end'][0]:.1f} at end "
+        "(the machine is shared: compare rows of one run, not runs).\n\n" + text
+    )
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
