@@ -1,0 +1,64 @@
+"""Fused projections and the matrix-vector backends change speed, never the answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import left_padded_batch
+from torch import nn
+
+from kvcache import generate, load_model
+from kvcache.model.kernels import BACKENDS, choose_backend, numpy_available
+
+
+def test_fused_weights_are_views_with_the_checkpoint_names(llama_dir):
+    model = load_model(llama_dir)
+    attn = model.model.layers[0].self_attn
+    fused = attn.fused_qkv
+    assert fused is not None and fused.is_intact()
+    base = fused.weight.untyped_storage().data_ptr()
+    assert all(p.weight.untyped_storage().data_ptr() == base for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert "model.layers.0.self_attn.q_proj.weight" in model.state_dict()
+    assert not any("fused" in name for name in model.state_dict())
+
+
+def test_replacing_a_weight_falls_back_to_the_separate_projections(llama_dir):
+    model = load_model(llama_dir)
+    ids = torch.randint(3, 259, (1, 6))
+    with torch.no_grad():
+        before = model(ids).logits
+        attn = model.model.layers[1].self_attn
+        attn.k_proj.weight = nn.Parameter(torch.zeros_like(attn.k_proj.weight))
+        assert not attn.fused_qkv.is_intact()
+        after = model(ids).logits
+        attn.fused_qkv = None  # the plain path, for reference
+        plain = model(ids).logits
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, plain, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not numpy_available(), reason="numpy not installed")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_numpy_backend_gives_the_same_tokens(checkpoints, arch):
+    ids, mask = left_padded_batch((8, 5), seed=21)
+    results = {}
+    for backend in BACKENDS:
+        model = load_model(checkpoints[arch][0], matvec=backend)
+        assert model.matvec_backend == backend
+        with torch.no_grad():
+            results[backend] = (
+                model(ids, attention_mask=mask).logits,
+                generate(model, ids, mask, max_new_tokens=8, eos_token_id=()).sequences,
+            )
+    torch.testing.assert_close(results["numpy"][0], results["torch"][0], atol=1e-4, rtol=0)
+    assert torch.equal(results["numpy"][1], results["torch"][1])
+
+
+def test_auto_backend_times_both_and_keeps_one(llama_dir):
+    model = load_model(llama_dir)
+    timings = choose_backend(model, repeats=2)
+    assert set(timings) <= set(BACKENDS) and "torch" in timings
+    assert model.matvec_backend == min(timings, key=timings.get)
+    assert load_model(llama_dir, dtype=torch.bfloat16, matvec="auto").matvec_backend == "torch"
+    with pytest.raises(ValueError, match="matvec must be one of"):
+        load_model(llama_dir, matvec="mkl")
