@@ -1,0 +1,334 @@
+"""Block bookkeeping of the paged cache in plain Python (no torch): which block holds what.
+
+A pool of `num_blocks` blocks of `block_size` token slots. Each sequence owns a block table
+(block ids in position order); token p of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size` of every layer's storage. Blocks carry a
+reference count, so sequences can share them (a fork, or a common prompt prefix). A full block
+whose token ids are known gets a hash chained from the prefix (its parent block's hash and its
+own token ids), so a later prompt that starts with the same tokens finds it. A block nobody
+uses any more but whose hash is registered stays in a pool of cached blocks (least recently
+freed evicted first) until a fresh block is needed. Tensor storage lives elsewhere
+(`kvcache.cache.paged`); this module returns block ids and the copies to make.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import CacheConfigError, CacheError
+
+ROOT_HASH = b""  # the parent hash of a sequence's first block
+
+
+class OutOfBlocksError(CacheError):
+    """The pool cannot supply the blocks asked for; nothing was changed."""
+
+    def __init__(self, requested: int, available: int, num_blocks: int) -> None:
+        super().__init__(
+            f"paged cache out of blocks: {requested} more block(s) needed, {available} available "
+            f"(free or cached) of {num_blocks}; free finished sequences, or build the cache with "
+            f"more blocks"
+        )
+        self.requested = requested
+        self.available = available
+        self.num_blocks = num_blocks
+
+
+class UnknownSequenceError(CacheError, KeyError):
+    """A sequence id the allocator does not hold (or one that it already holds, when adding)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a full block: blake2b over the parent block's hash and the block's token ids."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's view of the pool.
+
+    table: block ids in position order. num_tokens: positions written (or attached). token_ids:
+    the ids known for positions 0.. (may run ahead of num_tokens: a prompt declared before its
+    forward). hashes: chained hashes of the leading full blocks computed so far.
+    """
+
+    table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class BlockAllocator:
+    """Free list, reference counts, block tables and prefix hashes of a pool of blocks.
+
+    Every block is in exactly one state: free (empty), cached (unused, content still valid and
+    findable by its hash) or in use (reference count >= 1), so
+    `num_free + num_cached + num_in_use == num_blocks` at all times.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CacheConfigError(f"{name} must be an int >= 1, got {value!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self._by_hash: dict[bytes, int] = {}
+        self.sequences: dict[Hashable, SequenceBlocks] = {}
+
+    # ---- counts ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Empty blocks."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unused blocks that still hold a registered full block (evicted when space runs out)."""
+        return len(self._cached)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.num_free - self.num_cached
+
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks a new allocation may take: free ones, then cached ones by eviction."""
+        return self.num_free + self.num_cached
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens (the last one possibly partial)."""
+        return -(-num_tokens // self.block_size)
+
+    # ---- sequences ---------------------------------------------------------------------------
+    def sequence(self, seq_id: Hashable) -> SequenceBlocks:
+        """The state of `seq_id`; raises `UnknownSequenceError` if the allocator does not hold it."""
+        state = self.sequences.get(seq_id)
+        if state is None:
+            raise UnknownSequenceError(f"no sequence {seq_id!r} in the allocator")
+        return state
+
+    def add_sequence(
+        self, seq_id: Hashable, token_ids: Sequence[int] = (), *, reuse_prefix: bool = True
+    ) -> int:
+        """Start `seq_id`, declaring its first `token_ids`; return the tokens attached from cache.
+
+        With reuse_prefix, the longest run of cached full blocks matching the start of token_ids
+        is attached (shared, nothing copied), leaving at least the last token to compute (its
+        logits are what the caller wants). The caller then writes positions from the returned
+        count on.
+        """
+        if seq_id in self.sequences:
+            raise UnknownSequenceError(f"sequence {seq_id!r} is already in the allocator")
+        state = SequenceBlocks(token_ids=[int(t) for t in token_ids])
+        if reuse_prefix:
+            for block, digest in self._match(state.token_ids):
+                self._take(block)
+                state.table.append(block)
+                state.hashes.append(digest)
+            state.num_tokens = len(state.table) * self.block_size
+        self.sequences[seq_id] = state
+        return state.num_tokens
+
+    def match_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens at the start of `token_ids` that `add_sequence` would attach (changes nothing)."""
+        return len(self._match([int(t) for t in token_ids])) * self.block_size
+
+    def _match(self, token_ids: list[int]) -> list[tuple[int, bytes]]:
+        size = self.block_size
+        usable = (len(token_ids) - 1) // size if token_ids else 0  # keep >= 1 token to compute
+        found: list[tuple[int, bytes]] = []
+        parent = ROOT_HASH
+        for index in range(usable):
+            parent = block_hash(parent, token_ids[index * size : (index + 1) * size])
+            block = self._by_hash.get(parent)
+            if block is None:
+                break
+            found.append((block, parent))
+        return found
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start `child_id` as a copy of `parent_id` that shares all its blocks (copy on write)."""
+        parent = self.sequence(parent_id)
+        if child_id in self.sequences:
+            raise UnknownSequenceError(f"sequence {child_id!r} is already in the allocator")
+        for block in parent.table:
+            self.ref_counts[block] += 1
+        self.sequences[child_id] = SequenceBlocks(
+            list(parent.table), parent.num_tokens, list(parent.token_ids), list(parent.hashes)
+        )
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Drop `seq_id`; its blocks lose a reference (tail first, so tails are evicted first)."""
+        state = self.sequence(seq_id)
+        for block in reversed(state.table):
+            self._release(block)
+        del self.sequences[seq_id]
+
+    def declare_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
+        """Append token ids for the positions after those already known (they may run ahead of
+        the written positions); full written blocks whose ids are all known get hashed."""
+        state = self.sequence(seq_id)
+        state.token_ids.extend(int(t) for t in token_ids)
+        self._hash_full_blocks(state)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """New blocks `reserve(seq_id, num_tokens)` would take (including a copy on write)."""
+        state = self.sequence(seq_id)
+        needed = max(0, self.blocks_for(num_tokens) - len(state.table))
+        if self._needs_copy(state, num_tokens):
+            needed += 1
+        return needed
+
+    def _needs_copy(self, state: SequenceBlocks, num_tokens: int) -> bool:
+        """Whether the next write lands in a partial last block that another sequence shares."""
+        if num_tokens <= state.num_tokens or state.num_tokens % self.block_size == 0:
+            return False
+        last = state.table[state.num_tokens // self.block_size]
+        return self.ref_counts[last] > 1
+
+    def reserve(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Give each sequence room for `num_tokens` positions in total; all or nothing.
+
+        Returns the (source block, destination block) copies to make in storage before writing:
+        a shared partial last block is copied on write. Raises `OutOfBlocksError` (changing
+        nothing) when the pool cannot supply every block asked for.
+        """
+        states = [self.sequence(seq_id) for seq_id in seq_ids]
+        if len(set(seq_ids)) != len(states) or len(states) != len(num_tokens):
+            raise CacheError(f"reserve needs distinct sequences, one total each; got {list(seq_ids)}")
+        requested = sum(self.blocks_needed(seq_id, n) for seq_id, n in zip(seq_ids, num_tokens))
+        if requested > self.num_allocatable:
+            raise OutOfBlocksError(requested, self.num_allocatable, self.num_blocks)
+        copies: list[tuple[int, int]] = []
+        for state, total in zip(states, num_tokens):
+            if self._needs_copy(state, total):
+                index = state.num_tokens // self.block_size
+                source = state.table[index]
+                target = self._allocate()
+                self._release(source)
+                state.table[index] = target
+                copies.append((source, target))
+            while len(state.table) < self.blocks_for(total):
+                state.table.append(self._allocate())
+        return copies
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Record that positions up to `num_tokens` are written (after `reserve` made room)."""
+        state = self.sequence(seq_id)
+        if num_tokens > len(state.table) * self.block_size:
+            raise CacheError(
+                f"sequence {seq_id!r}: {num_tokens} positions committed but its blocks hold "
+                f"{len(state.table) * self.block_size}; reserve first"
+            )
+        state.num_tokens = max(state.num_tokens, num_tokens)
+        self._hash_full_blocks(state)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep the first `num_tokens` positions of `seq_id`; later blocks lose a reference."""
+        state = self.sequence(seq_id)
+        if num_tokens >= state.num_tokens:
+            return
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(state.table[keep:]):
+            self._release(block)
+        del state.table[keep:]
+        state.num_tokens = num_tokens
+        del state.token_ids[num_tokens:]
+        del state.hashes[num_tokens // self.block_size :]
+        if num_tokens % self.block_size:
+            last = state.table[-1]
+            if self.ref_counts[last] == 1:  # about to be rewritten in place: no longer findable
+                self._unregister(last)
+
+    def slots(self, seq_id: Hashable, start: int, stop: int) -> list[int]:
+        """Storage slots of positions start..stop-1 of `seq_id` (they must be reserved)."""
+        table, size = self.sequence(seq_id).table, self.block_size
+        if stop > len(table) * size or start < 0:
+            raise CacheError(
+                f"sequence {seq_id!r}: positions {start}..{stop - 1} asked, blocks hold "
+                f"{len(table) * size}"
+            )
+        return [table[pos // size] * size + pos % size for pos in range(start, stop)]
+
+    # ---- block states ------------------------------------------------------------------------
+    def _allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)  # least recently freed
+            self._unregister(block)
+        else:  # reserve() checked the count first
+            raise OutOfBlocksError(1, 0, self.num_blocks)
+        self.ref_counts[block] = 1
+        return block
+
+    def _take(self, block: int) -> None:
+        """One more reference to a block found by its hash (in use, or cached)."""
+        if self.ref_counts[block] == 0:
+            del self._cached[block]
+        self.ref_counts[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] > 0:
+            return
+        if self.block_hashes[block] is not None:
+            self._cached[block] = None  # keeps its content for a later prefix hit
+        else:
+            self._free.append(block)
+
+    def _unregister(self, block: int) -> None:
+        digest = self.block_hashes[block]
+        if digest is not None:
+            self.block_hashes[block] = None
+            if self._by_hash.get(digest) == block:
+                del self._by_hash[digest]
+
+    def _hash_full_blocks(self, state: SequenceBlocks) -> None:
+        size = self.block_size
+        known = min(state.num_tokens, len(state.token_ids)) // size
+        while len(state.hashes) < known:
+            index = len(state.hashes)
+            parent = state.hashes[-1] if state.hashes else ROOT_HASH
+            digest = block_hash(parent, state.token_ids[index * size : (index + 1) * size])
+            state.hashes.append(digest)
+            block = state.table[index]
+            if digest not in self._by_hash and self.block_hashes[block] is None:
+                self._by_hash[digest] = block
+                self.block_hashes[block] = digest
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping disagrees with itself (used by tests)."""
+        in_tables = [0] * self.num_blocks
+        for state in self.sequences.values():
+            assert len(state.table) >= self.blocks_for(state.num_tokens), "table too short"
+            for block in state.table:
+                in_tables[block] += 1
+        assert in_tables == self.ref_counts, "reference counts differ from the block tables"
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free) and not free & cached, "a block listed twice"
+        for block in range(self.num_blocks):
+            used = self.ref_counts[block] > 0
+            assert used + (block in free) + (block in cached) == 1, f"block {block} in 2 states"
+            if block in free:
+                assert self.block_hashes[block] is None, f"free block {block} still hashed"
+            if block in cached:
+                assert self.block_hashes[block] is not None, f"cached block {block} not hashed"
+        for digest, block in self._by_hash.items():
+            assert self.block_hashes[block] == digest, "hash index points at the wrong block"
+        assert self.num_free + self.num_cached + self.num_in_use == self.num_blocks

@@ -1,0 +1,478 @@
+"""PagedCache: keys and values in fixed-size blocks of one pool, shared between sequences.
+
+Each layer stores (num_blocks, block_size, H_kv, D); a `BlockAllocator` (plain Python) says
+which blocks each sequence (batch row) owns. Token p of a row lives in slot
+`table[p // block_size] * block_size + p % block_size`. `update` writes the new rows to their
+slots and gathers each row's visible keys and values, right-padded to the longest row, with a
+mask that hides the padding. Rows may hold different numbers of tokens: padding columns of an
+HF-style attention_mask are not stored at all, so a row's token p always sits at position p,
+and a prompt prefix cached in full blocks can be attached to a new row instead of recomputed.
+
+The gather copies every visible row once per layer and step (what a paged attention kernel
+avoids by reading the blocks in place); on CPU at these sizes it costs about what `torch.cat`
+costs in a growing cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from itertools import count
+
+import torch
+
+from .base import Cache, LayerMasks
+from .blocks import BlockAllocator, OutOfBlocksError
+from .checks import check_batch_index, check_crop, check_kv_pair, check_new_tokens, where
+from .config import read_geometry
+from .errors import CacheConfigError, CacheDeviceError, CacheDtypeError, CacheShapeError
+from .layer import CacheLayer
+
+__all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer"]
+
+
+@dataclass
+class _Step:
+    """Where one forward's rows go, computed once and used by every layer's update."""
+
+    step_id: int
+    new_tokens: int  # T_new, columns of this forward
+    batch: int
+    totals: list[int]  # tokens per row after this forward
+    write_slots: torch.Tensor  # (N_real,) slot of each stored new token, row-major
+    source_rows: torch.Tensor | None  # (N_real,) index into the (B·T_new) new rows; None = all
+    read_slots: torch.Tensor  # (B·T_kv,) slot of each visible row, right-padded per row
+    visible: int  # T_kv = max(totals)
+    pending: bool = True  # layer 0 has not written it yet
+
+
+class PagedLayer(CacheLayer):
+    """One layer's block storage (num_blocks, block_size, H_kv, D); the owning `PagedCache`
+    decides where rows go, so a layer is only usable inside its cache."""
+
+    def __init__(self, cache: PagedCache) -> None:
+        super().__init__()
+        self._cache = cache
+        self._columns = 0  # columns of the batch timeline this layer has seen
+        self._last_step = -1
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T_new, D); return K, V (B, H_kv, T_kv, D), rows right-padded."""
+        return self._cache._update_layer(self, k, v)
+
+    def get_seq_length(self) -> int:
+        """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
+        return self._columns
+
+    def mask_key(self, new_tokens: int) -> Hashable:
+        return ("paged", self._cache._step_counter, new_tokens)
+
+    def mask_positions(self, new_tokens, device):
+        past = self._cache._equal_length("mask_positions")
+        key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
+        return key_positions[past:], key_positions
+
+    @property
+    def batch_size(self) -> int | None:
+        return len(self._cache.rows) or None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Each row's keys (B, H_kv, T, D) gathered from its blocks, right-padded with zeros."""
+        return self._cache._gather_now(self._keys)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Each row's values (B, H_kv, T, D_v) gathered from its blocks, right-padded with zeros."""
+        return self._cache._gather_now(self._values)
+
+    def _rows_held(self) -> int:
+        return self._cache.allocator.num_in_use * self._cache.block_size
+
+    @property
+    def nbytes_used(self) -> int:
+        """Bytes of the blocks in use (whole blocks: a partial last block counts in full)."""
+        if self._keys is None or self._values is None:
+            return 0
+        slots = self._keys.shape[0] * self._keys.shape[1]
+        return self._rows_held() * ((self._keys.nbytes + self._values.nbytes) // slots)
+
+    def crop(self, max_length: int) -> None:
+        self._cache.crop(max_length)
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+
+class PagedCache(Cache):
+    """A cache of `num_blocks` blocks of `block_size` tokens shared by its rows (sequences).
+
+    Plugs into the model like any cache: an empty PagedCache given to `generate` makes one row
+    per batch row. To reuse cached prompt prefixes, add rows yourself with `add_sequence`
+    (see `kvcache.prefix`), then run only the tokens that were not attached.
+
+    Args:
+        num_blocks: blocks in the pool (each layer stores num_blocks × block_size rows).
+        block_size: tokens per block.
+        config: model config (object or dict) giving num_hidden_layers, num_key_value_heads,
+            head_dim; every layer must be full attention.
+        num_layers, kv_heads, head_dim: explicit sizes, merged with the config.
+        dtype, device: storage is allocated now when heads, dim and dtype are known, else by
+            the first update (with k's dtype and device).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        config: object = None,
+        num_layers: int | None = None,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        geometry = read_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
+        if geometry.num_layers is None:
+            raise CacheConfigError("PagedCache needs the layer count: pass num_layers= or config=")
+        if geometry.layer_kinds is not None and "sliding" in geometry.layer_kinds:
+            raise CacheConfigError(
+                "PagedCache holds full-attention layers only; this config has sliding-window "
+                "layers (use the dynamic or sliding cache for it)"
+            )
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.rows: list[int] = []  # allocator sequence id of each batch row
+        self._seq_ids = count()
+        self._step: _Step | None = None
+        self._step_counter = 0
+        super().__init__([PagedLayer(self) for _ in range(geometry.num_layers)], device=device)
+        if geometry.kv_heads and geometry.head_dim and dtype is not None:
+            shape = (num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
+            for layer in self.layers:
+                self._allocate(layer, shape, shape, dtype, self._device or torch.device("cpu"))
+
+    # ---- pool ----------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def row_lengths(self) -> list[int]:
+        """Tokens stored per row (padding excluded)."""
+        return [self.allocator.sequence(seq).num_tokens for seq in self.rows]
+
+    @staticmethod
+    def _allocate(layer: CacheLayer, key_shape, value_shape, dtype, device) -> None:
+        # zeros, not empty: gathered padding slots are masked, but a masked NaN still poisons
+        # SDPA (0 · NaN), so storage must never hold non-finite garbage
+        layer._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (N, S, H_kv, D)
+        layer._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (N, S, H_kv, D_v)
+
+    def _storage_device(self, fallback: torch.device | None = None) -> torch.device:
+        keys = self.layers[0]._keys
+        if keys is not None:
+            return keys.device
+        return fallback or self._device or torch.device("cpu")
+
+    # ---- rows ----------------------------------------------------------------------------------
+    def add_sequence(self, token_ids: Sequence[int] = (), *, reuse_prefix: bool = True) -> int:
+        """Add a row, declaring its first `token_ids`; return how many were attached from cache.
+
+        The attached tokens (whole cached blocks matching the start of token_ids, at most
+        len(token_ids) - 1) need no forward: run token_ids[attached:] through the model.
+        """
+        seq = next(self._seq_ids)
+        attached = self.allocator.add_sequence(seq, token_ids, reuse_prefix=reuse_prefix)
+        self.rows.append(seq)
+        self._set_columns(max(self.get_seq_length(), attached))
+        return attached
+
+    def declare_tokens(self, row: int, token_ids: Sequence[int]) -> None:
+        """Tell the cache the token ids of row `row`'s next positions (e.g. generated tokens),
+        so its full blocks become findable by later prompts that start the same way."""
+        self.allocator.declare_tokens(self._row_seq(row), token_ids)
+
+    def token_ids(self, row: int) -> list[int]:
+        """The token ids declared for row `row` (may run ahead of the positions stored)."""
+        return list(self.allocator.sequence(self._row_seq(row)).token_ids)
+
+    def fork(self, row: int) -> int:
+        """Add a row that shares row `row`'s blocks (copied on write); return its index."""
+        seq = next(self._seq_ids)
+        self.allocator.fork(self._row_seq(row), seq)
+        self.rows.append(seq)
+        return len(self.rows) - 1
+
+    def _row_seq(self, row: int) -> int:
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self.rows):
+            raise CacheShapeError(f"row must be in [0, {len(self.rows)}), got {row!r}")
+        return self.rows[row]
+
+    def _set_columns(self, columns: int) -> None:
+        for layer in self.layers:
+            layer._columns = columns
+
+    def _equal_length(self, what: str) -> int:
+        lengths = set(self.row_lengths)
+        columns = self.get_seq_length()
+        if lengths and lengths != {columns}:
+            raise CacheShapeError(
+                f"{what}: rows hold different token counts {self.row_lengths} over "
+                f"{columns} columns; pass an attention_mask (1 = token) so each row's "
+                f"positions are counted from its own tokens"
+            )
+        return columns
+
+    # ---- the seam --------------------------------------------------------------------------------
+    def positions(self, new_tokens, layer_idx=0, *, device=None) -> torch.Tensor:
+        """Positions past .. past + new_tokens - 1 (T_new,); rows must hold equal lengths."""
+        check_new_tokens(new_tokens)
+        past = self._equal_length("positions")
+        return torch.arange(past, past + new_tokens, device=device or self._storage_device())
+
+    def attention_masks(self, new_tokens, attention_mask=None, *, device=None) -> list[torch.Tensor]:
+        """One mask (B or 1, 1, T_new, T_kv) for every layer; also reserves this forward's blocks
+        (raising `OutOfBlocksError` before anything is written).
+
+        attention_mask: optional (B, columns + T_new), 1 = token, 0 = padding (not stored).
+        """
+        check_new_tokens(new_tokens)
+        fallback = attention_mask.device if attention_mask is not None else (
+            torch.device(device) if device is not None else None
+        )
+        where_ = self._storage_device(fallback)
+        batch = attention_mask.shape[0] if attention_mask is not None and attention_mask.dim() == 2 \
+            else (len(self.rows) or None)
+        if batch is None:  # rows are made by the first update, which gives the batch size
+            self._step = None
+            positions = torch.arange(new_tokens, device=where_)  # (T_new,)
+            mask = positions[None, :] <= positions[:, None]  # (T_new, T_new)
+            return LayerMasks([mask[None, None]] * len(self.layers))  # (1, 1, T_new, T_new)
+        step, mask = self._begin(new_tokens, attention_mask, batch, where_)
+        self._step = step
+        return LayerMasks([mask] * len(self.layers))
+
+    def _begin(
+        self, new_tokens: int, attention_mask: torch.Tensor | None, batch: int, device: torch.device
+    ) -> tuple[_Step, torch.Tensor]:
+        """Reserve blocks for this forward and compute its slots and mask."""
+        if not self.rows:
+            for _ in range(batch):
+                self.add_sequence()
+        if batch != len(self.rows):
+            raise CacheShapeError(f"the forward has batch {batch}; the cache holds {len(self.rows)} rows")
+        lengths = self.row_lengths
+        columns = self.get_seq_length()
+        if attention_mask is None:
+            self._equal_length("a forward without attention_mask")
+            real = None
+            counts = [new_tokens] * batch
+        else:
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, columns + new_tokens):
+                raise CacheShapeError(
+                    f"attention_mask must be (batch, columns + new_tokens) = "
+                    f"({batch}, {columns + new_tokens}), got shape {tuple(attention_mask.shape)}"
+                )
+            given = attention_mask.to(device=device, dtype=torch.bool)
+            held = given[:, :columns].sum(1).tolist()
+            if held != lengths:
+                raise CacheShapeError(
+                    f"attention_mask counts {held} earlier tokens per row; the cache holds "
+                    f"{lengths}: the mask must describe the tokens the cache holds"
+                )
+            real = given[:, columns:]  # (B, T_new)
+            counts = real.sum(1).tolist()
+            if all(c == new_tokens for c in counts):
+                real = None
+        totals = [held + new for held, new in zip(lengths, counts)]
+        copies = self.allocator.reserve(self.rows, totals)
+        for source, target in copies:  # a shared partial block is copied before it is written
+            for layer in self.layers:
+                for storage in (layer._keys, layer._values):
+                    if storage is not None:
+                        storage[target].copy_(storage[source])
+        visible = max(totals)
+        slots = self._slot_table(totals, visible, device)  # (B, T_kv)
+        past = torch.tensor(lengths, device=device)[:, None]  # (B, 1)
+        if real is None:
+            query = past + torch.arange(new_tokens, device=device)  # (B, T_new)
+            write_slots = slots.gather(1, query).flatten()  # (B·T_new,)
+            source_rows = None
+        else:
+            query = past + real.long().cumsum(1) - 1  # (B, T_new), position of each real token
+            write_slots = slots.gather(1, query.clamp(min=0))[real]  # (N_real,)
+            source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,)
+            query = query.masked_fill(~real, -1)
+        key_positions = torch.arange(visible, device=device)  # (T_kv,)
+        if real is None and len(set(lengths)) == 1:
+            mask = (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
+        else:
+            allowed = key_positions[None, None, :] <= query[:, :, None]  # (B, T_new, T_kv)
+            # a padding query sees key 0 of its row, so no row of the mask is empty (no NaN)
+            allowed |= (query[:, :, None] < 0) & (key_positions == 0)
+            mask = allowed[:, None]  # (B, 1, T_new, T_kv)
+        self._step_counter += 1
+        step = _Step(
+            self._step_counter, new_tokens, batch, totals, write_slots, source_rows,
+            slots.flatten(), visible,
+        )
+        return step, mask
+
+    def _slot_table(self, totals: Sequence[int], visible: int, device) -> torch.Tensor:
+        """(B, T_kv) storage slot of positions 0..T_kv-1 of each row (padding -> its block 0)."""
+        size = self.block_size
+        tables = [self.allocator.sequence(seq).table for seq in self.rows]
+        width = max(1, -(-visible // size))
+        padded = [table[:width] + [table[0] if table else 0] * (width - len(table)) for table in tables]
+        blocks = torch.tensor(padded, dtype=torch.long, device=device)  # (B, blocks)
+        positions = torch.arange(visible, device=device)  # (T_kv,)
+        return blocks[:, positions // size] * size + positions % size  # (B, T_kv)
+
+    def _update_layer(
+        self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check(layer, k, v)
+        batch, heads, new_tokens, _ = k.shape
+        step = self._step
+        if layer.layer_idx == 0:
+            if step is not None and step.pending and (step.new_tokens, step.batch) != (new_tokens, batch):
+                raise CacheShapeError(
+                    f"attention_masks was asked for {step.new_tokens} tokens of batch {step.batch}; "
+                    f"update got {new_tokens} tokens of batch {batch}"
+                )
+            if step is None or not step.pending:  # used directly: a forward without padding
+                step, _ = self._begin(new_tokens, None, batch, self._storage_device(k.device))
+                self._step = step
+            step.pending = False
+            for seq, total in zip(self.rows, step.totals):
+                self.allocator.commit(seq, total)
+        elif step is None or step.pending or layer._last_step == step.step_id:
+            raise CacheShapeError(
+                f"layer {layer.layer_idx} updated before layer 0 in this forward: update the layers "
+                f"in order 0, 1, …, once each"
+            )
+        elif (step.new_tokens, step.batch) != (new_tokens, batch):
+            raise CacheShapeError(
+                f"k{where(layer.layer_idx)} has {new_tokens} tokens of batch {batch}; layer 0 "
+                f"stored {step.new_tokens} tokens of batch {step.batch} in this forward"
+            )
+        layer._last_step = step.step_id
+        layer._columns += new_tokens
+        keys_out = self._write_and_gather(layer._keys, k, step)
+        values_out = self._write_and_gather(layer._values, v, step)
+        return keys_out, values_out
+
+    @staticmethod
+    def _write_and_gather(storage: torch.Tensor, new: torch.Tensor, step: _Step) -> torch.Tensor:
+        batch, heads, new_tokens, dim = new.shape
+        flat = storage.view(-1, heads, dim)  # (N·S, H_kv, D)
+        rows = new.transpose(1, 2).reshape(batch * new_tokens, heads, dim)  # (B·T_new, H_kv, D)
+        if step.source_rows is not None:
+            rows = rows.index_select(0, step.source_rows)  # (N_real, H_kv, D)
+        flat.index_copy_(0, step.write_slots, rows)
+        visible = flat.index_select(0, step.read_slots)  # (B·T_kv, H_kv, D)
+        return visible.view(batch, step.visible, heads, dim).transpose(1, 2)  # (B, H_kv, T_kv, D)
+
+    def _check(self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        check_kv_pair(k, v, layer.layer_idx)
+        if layer._keys is None:
+            shape = (self.num_blocks, self.block_size, k.shape[1])
+            self._allocate(layer, (*shape, k.shape[3]), (*shape, v.shape[3]), k.dtype, k.device)
+        stored_k, stored_v = layer._keys, layer._values
+        assert stored_k is not None and stored_v is not None
+        place = where(layer.layer_idx)
+        if (k.shape[1], k.shape[3], v.shape[3]) != (stored_k.shape[2], stored_k.shape[3], stored_v.shape[3]):
+            raise CacheShapeError(
+                f"k, v{place} have {k.shape[1]} kv heads and head dims {k.shape[3]}, {v.shape[3]}; "
+                f"the cache stores {stored_k.shape[2]} heads of dims {stored_k.shape[3]}, "
+                f"{stored_v.shape[3]}"
+            )
+        if k.dtype != stored_k.dtype:
+            raise CacheDtypeError(f"k, v{place} have dtype {k.dtype}; the cache stores {stored_k.dtype}")
+        if k.device != stored_k.device:
+            raise CacheDeviceError(f"k, v{place} are on {k.device}; the cache is on {stored_k.device}")
+
+    def _gather_now(self, storage: torch.Tensor | None) -> torch.Tensor | None:
+        if storage is None or not self.rows:
+            return None
+        lengths = self.row_lengths
+        visible = max(lengths)
+        if visible == 0:
+            return None
+        slots = self._slot_table(lengths, visible, storage.device)  # (B, T)
+        rows = storage.view(-1, *storage.shape[2:]).index_select(0, slots.flatten())
+        rows = rows.view(len(lengths), visible, *storage.shape[2:])  # (B, T, H_kv, D)
+        filled = torch.arange(visible, device=storage.device)[None, :] < torch.tensor(
+            lengths, device=storage.device
+        )[:, None]  # (B, T)
+        return (rows * filled[:, :, None, None]).transpose(1, 2)  # (B, H_kv, T, D)
+
+    # ---- whole-cache operations ----------------------------------------------------------------
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` columns: a row padded on the left by p columns keeps
+        max_length - p tokens; blocks past the end lose a reference."""
+        check_crop(max_length)
+        columns = self.get_seq_length()
+        if max_length >= columns:
+            return
+        for seq, length in zip(self.rows, self.row_lengths):
+            keep = max(0, min(length, max_length - (columns - length)))
+            self.allocator.truncate(seq, keep)
+        self._set_columns(max_length)
+        self._step = None
+
+    def select(self, indices: torch.Tensor | Sequence[int]) -> None:
+        """Keep rows `indices` in that order; a repeated row is forked (blocks shared)."""
+        index = check_batch_index(indices, len(self.rows), torch.device("cpu")).tolist()
+        kept: list[int] = []
+        used: set[int] = set()
+        for row in index:
+            seq = self.rows[row]
+            if seq in used:
+                child = next(self._seq_ids)
+                self.allocator.fork(seq, child)
+                kept.append(child)
+            else:
+                used.add(seq)
+                kept.append(seq)
+        for seq in self.rows:
+            if seq not in used:
+                self.allocator.free_sequence(seq)
+        self.rows = kept
+        self._step = None
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row `repeats` times (forks that share blocks)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise CacheShapeError(f"repeats must be an int >= 1, got {repeats!r}")
+        self.select([row for row in range(len(self.rows)) for _ in range(repeats)])
+
+    def free_rows(self) -> None:
+        """Release every row; hashed full blocks stay cached for later prompts (see reset)."""
+        for seq in self.rows:
+            self.allocator.free_sequence(seq)
+        self.rows = []
+        self._set_columns(0)
+        self._step = None
+
+    def reset(self) -> None:
+        """Forget every row; full blocks with known token ids stay findable by prefix."""
+        self.free_rows()
+
+    @property
+    def nbytes_used(self) -> int:
+        """Bytes of the blocks in use over all layers (whole blocks)."""
+        return sum(layer.nbytes_used for layer in self.layers)
+
+    def __repr__(self) -> str:
+        pool = self.allocator
+        return (
+            f"PagedCache({len(self.layers)} layers, {pool.num_blocks} blocks of {pool.block_size}, "
+            f"rows={self.row_lengths}, in use {pool.num_in_use}, cached {pool.num_cached}, "
+            f"free {pool.num_free})"
+        )
