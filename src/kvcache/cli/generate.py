@@ -39,6 +39,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    parser.add_argument(
+        "--matvec",
+        choices=("auto", "torch", "numpy"),
+        default="auto",
+        help="decode matrix-vector kernel; auto times both on this machine (default)",
+    )
 
 
 def _eos_ids(folder: Path, model, tokenizer) -> tuple[int, ...]:
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     folder = Path(args.model)
     try:
-        model = load_model(folder, dtype=args.dtype)
+        model = load_model(folder, dtype=args.dtype, matvec=args.matvec)
         tokenizer = load_tokenizer(folder)
         if args.chat is not None:
             messages = [{"role": "user", "content": args.chat}]
@@ -129,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(
         f"[{len(new)} new tokens after a {input_ids.shape[1]}-token prompt; stopped by "
-        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}]"
+        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; matvec {model.matvec_backend}]"
     )
     print(_timing_line(result))
     if args.compare_nocache:
