@@ -19,6 +19,7 @@ _LAZY = {
     "StaticCache": "kvcache.cache",
     "SlidingWindowCache": "kvcache.cache",
     "NoCache": "kvcache.cache",
+    "PagedCache": "kvcache.cache",
     "make_cache": "kvcache.cache",
     "load_model": "kvcache.model",
     "load_tokenizer": "kvcache.tokenizer",

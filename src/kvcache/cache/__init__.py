@@ -6,7 +6,7 @@
 
 Kinds: `DynamicLayer` (grows, amortised O(1) append), `StaticLayer` (preallocated,
 torch.compile friendly), `SlidingWindowLayer` (ring of the last W positions); `NoCache` keeps
-nothing.
+nothing; `PagedCache` keeps blocks of a shared pool (prefix reuse, forks).
 """
 
 from .base import Cache, CacheLayer, LayerMasks
@@ -24,6 +24,7 @@ from .errors import (
 from .factory import make_cache
 from .masks import build_mask
 from .nocache import NoCache
+from .paged import OutOfBlocksError, PagedCache, PagedLayer
 from .sliding import SlidingWindowCache, SlidingWindowLayer
 from .static import StaticCache, StaticLayer
 
@@ -42,6 +43,9 @@ __all__ = [
     "LayerIndexError",
     "LayerMasks",
     "NoCache",
+    "OutOfBlocksError",
+    "PagedCache",
+    "PagedLayer",
     "SlidingWindowCache",
     "SlidingWindowLayer",
     "StaticCache",

@@ -1,4 +1,4 @@
-"""make_cache: build a cache by name ("dynamic" | "static" | "sliding" | "none")."""
+"""make_cache: build a cache by name ("dynamic" | "static" | "sliding" | "none" | "paged")."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from .base import Cache
 from .dynamic import DynamicCache
 from .errors import CacheConfigError
 from .nocache import NoCache
+from .paged import PagedCache
 from .sliding import SlidingWindowCache
 from .static import StaticCache
 
-KINDS = ("dynamic", "static", "sliding", "none")
+KINDS = ("dynamic", "static", "sliding", "none", "paged")
 
 
 def make_cache(
@@ -27,6 +28,8 @@ def make_cache(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     max_rollback: int = 0,
+    num_blocks: int | None = None,
+    block_size: int = 16,
 ) -> Cache:
     """A cache of the given kind for a model described by `config` and/or explicit sizes.
 
@@ -37,6 +40,9 @@ def make_cache(
     "none" keeps nothing (`NoCache`), its masks still windowed on sliding layers.
     max_rollback: extra ring rows per sliding layer so that `crop` can roll back that many
     tokens once the window has filled (speculative decoding); 0 keeps exactly the window.
+
+    "paged" is a `PagedCache` of `num_blocks` blocks of `block_size` tokens (default: enough
+    blocks for max_batch_size sequences of max_cache_len tokens).
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
@@ -66,6 +72,14 @@ def make_cache(
             max_rollback=max_rollback,
             dtype=dtype,
             device=device,
+        )
+    if kind == "paged":
+        if num_blocks is None:
+            if max_cache_len is None:
+                raise CacheConfigError("make_cache('paged') needs num_blocks or max_cache_len")
+            num_blocks = (max_batch_size or 1) * -(-max_cache_len // block_size)
+        return PagedCache(
+            num_blocks, block_size, config=config, num_layers=num_layers, dtype=dtype, device=device
         )
     if kind == "none":
         return NoCache(config=config, num_layers=num_layers, window=window, device=device)
