@@ -68,7 +68,8 @@ def time_steps(
 
     Blocks rather than step-by-step turns: transformers' torch.cat streams the whole history
     through the CPU caches on every step, which would make the next implementation's step run
-    cold. Returns {name: [ns per step]}."""
+    cold. Returns {clock: {name: [ns per step]}} for both clocks: "wall" (perf_counter) and
+    "cpu" (this thread's CPU time, which leaves out time spent descheduled by other jobs)."""
     prefill = length - args.window
     step_key = torch.randn(args.batch, args.kv_heads, 1, args.head_dim)  # (B, H_kv, 1, D)
     step_value = torch.randn(args.batch, args.kv_heads, 1, args.head_dim)
@@ -77,16 +78,22 @@ def time_steps(
         for layers in caches.values():
             for layer in layers:
                 layer.update(chunk, chunk)
-    clock: Callable[[], int] = time.perf_counter_ns
-    times: dict[str, list[int]] = {name: [] for name in caches}
+    wall: Callable[[], int] = time.perf_counter_ns
+    cpu: Callable[[], int] = time.thread_time_ns
+    times: dict[str, dict[str, list[int]]] = {
+        "wall": {name: [] for name in caches},
+        "cpu": {name: [] for name in caches},
+    }
     names = list(caches)
     for name in names[first:] + names[:first]:
         layers = caches[name]
         for _ in range(args.window):
-            start = clock()
+            start_cpu, start_wall = cpu(), wall()
             for layer in layers:
                 layer.update(step_key, step_value)
-            times[name].append(clock() - start)
+            end_wall, end_cpu = wall(), cpu()
+            times["wall"][name].append(end_wall - start_wall)
+            times["cpu"][name].append(end_cpu - start_cpu)
     return times
 
 
@@ -109,8 +116,9 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     names = list(IMPLEMENTATIONS)
     lengths = [length for length in args.lengths if length <= args.max_len]
-    passes: dict[str, dict[int, list[list[int]]]] = {
-        name: {length: [] for length in lengths} for name in names
+    clocks = ("cpu", "wall")
+    passes: dict[str, dict[str, dict[int, list[list[int]]]]] = {
+        clock: {name: {length: [] for length in lengths} for name in names} for clock in clocks
     }
     for repeat in range(args.repeats + 1):  # pass 0 is the warm-up, discarded
         for position, length in enumerate(lengths):
@@ -118,21 +126,34 @@ def run(args: argparse.Namespace) -> dict:
             times = time_steps(caches, args, length, (repeat + position) % len(names))
             del caches
             if repeat:
-                for name in names:
-                    passes[name][length].append(times[name])
-    table = {name: {length: summarise(passes[name][length]) for length in lengths}
-             for name in names}
-    first, last = lengths[0], lengths[-1]
-    growth = {
-        name: table[name][last]["median_us"] / table[name][first]["median_us"] for name in names
-    }
-    versus = {
-        name: {
-            length: table[name][length]["median_us"] / table["hf_dynamic"][length]["median_us"]
-            for length in lengths
+                for clock in clocks:
+                    for name in names:
+                        passes[clock][name][length].append(times[clock][name])
+    tables = {
+        clock: {
+            name: {length: summarise(passes[clock][name][length]) for length in lengths}
+            for name in names
         }
-        for name in ("ours_dynamic", "ours_static")
+        for clock in clocks
     }
+    first, last = lengths[0], lengths[-1]
+
+    def ratios(table: dict) -> tuple[dict, dict]:
+        growth = {name: table[name][last]["median_us"] / table[name][first]["median_us"]
+                  for name in names}
+        versus = {
+            name: {
+                str(length): table[name][length]["median_us"]
+                / table["hf_dynamic"][length]["median_us"]
+                for length in lengths
+            }
+            for name in ("ours_dynamic", "ours_static")
+        }
+        return growth, versus
+
+    growth, versus = ratios(tables[args.clock])
+    other = "wall" if args.clock == "cpu" else "cpu"
+    other_growth, other_versus = ratios(tables[other])
     return {
         "what": "per-step append cost (one token through every layer) vs cache length, warm",
         "command": "benchmarks/bench_cache_append.py" + (" --quick" if args.quick else ""),
@@ -155,10 +176,19 @@ def run(args: argparse.Namespace) -> dict:
             "processor": _cpu_name(),
         },
         "implementations": IMPLEMENTATIONS,
-        "per_step": {name: {str(k): v for k, v in rows.items()} for name, rows in table.items()},
+        "clock": args.clock,
+        "per_step": {
+            name: {str(k): v for k, v in rows.items()} for name, rows in tables[args.clock].items()
+        },
         "ratio_last_vs_first": {"lengths": [last, first], **growth},
-        "ours_vs_theirs_median": {
-            name: {str(k): v for k, v in rows.items()} for name, rows in versus.items()
+        "ours_vs_theirs_median": versus,
+        "other_clock": {
+            "clock": other,
+            "per_step": {
+                name: {str(k): v for k, v in rows.items()} for name, rows in tables[other].items()
+            },
+            "ratio_last_vs_first": {"lengths": [last, first], **other_growth},
+            "ours_vs_theirs_median": other_versus,
         },
     }
 
@@ -177,11 +207,12 @@ def markdown(result: dict) -> str:
     names = list(IMPLEMENTATIONS)
     shape = result["shape"]
     lengths = [int(k) for k in result["per_step"]["hf_dynamic"]]
-    first, last = result["ratio_last_vs_first"]["lengths"][1], result["ratio_last_vs_first"][
-        "lengths"
-    ][0]
+    last, first = result["ratio_last_vs_first"]["lengths"]
+    clock = {"cpu": "thread CPU time", "wall": "wall time"}[result["clock"]]
+    other = result["other_clock"]
     lines = [
-        f"Per-step append cost, µs (median; one token through {shape['layers']} layers × "
+        f"Per-step append cost, µs of {clock} (median; one token through {shape['layers']} "
+        f"layers × "
         f"{shape['kv_heads']} kv heads × {shape['head_dim']} dims, batch {shape['batch']}, "
         f"fp32, warm, {result['threads']} thread(s); per length the lowest of "
         f"{result['repeats']} passes' medians over the {result['window']} steps ending there). "
@@ -204,6 +235,10 @@ def markdown(result: dict) -> str:
     for length in (first, last):
         means = [f"{result['per_step'][n][str(length)]['mean_us']:.1f}" for n in names]
         lines.append(f"| mean at {length} (incl. growth copies) | " + " | ".join(means) + " | | |")
+    other_growth = [f"{other['ratio_last_vs_first'][n]:.2f}×" for n in names]
+    lines.append(
+        f"| {last} vs {first}, {other['clock']} time | " + " | ".join(other_growth) + " | | |"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +253,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="clock of the table: this thread's CPU time (default; robust to other jobs on a "
+        "shared machine) or wall time; the JSON has both",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "cache_append")
     args = parser.parse_args(argv)
     if args.quick:
