@@ -1,0 +1,233 @@
+"""The block allocator: counts, prefix hashes, copy on write, eviction, and random operation
+sequences that must keep the bookkeeping consistent."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.cache.blocks import BlockAllocator, OutOfBlocksError, UnknownSequenceError, block_hash
+
+SOURCE = Path(__file__).resolve().parents[1] / "src" / "kvcache" / "cache"
+
+
+def test_allocator_modules_import_no_torch():
+    for name in ("blocks.py", "errors.py"):  # blocks.py imports only errors.py from the package
+        tree = ast.parse((SOURCE / name).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any(module.split(".")[0] == "torch" for module in imported), (name, imported)
+
+
+def write(pool: BlockAllocator, seq, total: int) -> list[tuple[int, int]]:
+    copies = pool.reserve([seq], [total])
+    pool.commit(seq, total)
+    return copies
+
+
+def test_slots_follow_the_block_table():
+    pool = BlockAllocator(8, 4)
+    pool.add_sequence("a")
+    write(pool, "a", 6)
+    table = pool.sequence("a").table
+    assert len(table) == 2
+    assert pool.slots("a", 0, 6) == [table[p // 4] * 4 + p % 4 for p in range(6)]
+    assert (pool.num_free, pool.num_in_use, pool.num_cached) == (6, 2, 0)
+
+
+def test_exhausted_pool_raises_with_counts_and_changes_nothing():
+    pool = BlockAllocator(3, 4)
+    pool.add_sequence("a")
+    pool.add_sequence("b")
+    write(pool, "a", 8)
+    with pytest.raises(OutOfBlocksError) as caught:
+        pool.reserve(["a", "b"], [9, 4])  # a needs 1 more, b needs 1: 2 asked, 1 free
+    assert (caught.value.requested, caught.value.available) == (2, 1)
+    assert "2 more block(s) needed, 1 available" in str(caught.value)
+    assert pool.sequence("b").table == [] and len(pool.sequence("a").table) == 2
+    pool.check_invariants()
+
+
+def test_full_blocks_are_hashed_from_the_prefix_and_found_again():
+    pool = BlockAllocator(16, 4)
+    tokens = list(range(10))
+    pool.add_sequence("a", tokens)
+    write(pool, "a", 10)
+    first = block_hash(b"", tokens[:4])
+    assert pool.sequence("a").hashes == [first, block_hash(first, tokens[4:8])]
+    # the same 4 tokens after a different block hash differently: hashes chain the prefix
+    assert block_hash(block_hash(b"", [9, 9, 9, 9]), tokens[4:8]) != pool.sequence("a").hashes[1]
+    assert pool.match_prefix(tokens + [99]) == 8
+    assert pool.match_prefix(tokens[:8]) == 4  # at least one token is left to compute
+    assert pool.match_prefix([0, 1, 2, 5, 4, 5, 6, 7, 8]) == 0
+    pool.free_sequence("a")
+    assert (pool.num_cached, pool.num_in_use) == (2, 0)  # the partial block is simply free
+    attached = pool.add_sequence("b", tokens + [99])
+    assert attached == 8 and pool.num_cached == 0 and pool.num_in_use == 2
+    pool.check_invariants()
+
+
+def test_shared_prefix_blocks_are_counted_once_and_released_when_both_finish():
+    pool = BlockAllocator(16, 4)
+    prompt = list(range(9))
+    pool.add_sequence("a", prompt)
+    write(pool, "a", 9)
+    assert pool.add_sequence("b", prompt[:8] + [50, 51]) == 8
+    shared = pool.sequence("a").table[:2]
+    assert pool.sequence("b").table == shared
+    assert [pool.ref_counts[block] for block in shared] == [2, 2]
+    pool.free_sequence("a")
+    assert [pool.ref_counts[block] for block in shared] == [1, 1] and pool.num_cached == 0
+    pool.free_sequence("b")
+    assert pool.num_cached == 2 and pool.num_in_use == 0
+    pool.check_invariants()
+
+
+def test_fork_shares_blocks_and_copies_the_partial_last_block_on_write():
+    pool = BlockAllocator(8, 4)
+    pool.add_sequence("parent")
+    write(pool, "parent", 6)
+    pool.fork("parent", "child")
+    assert pool.sequence("child").table == pool.sequence("parent").table
+    assert pool.num_in_use == 2
+    copies = write(pool, "child", 7)  # writes into the shared partial block 1
+    parent_table, child_table = pool.sequence("parent").table, pool.sequence("child").table
+    assert copies == [(parent_table[1], child_table[1])]
+    assert child_table[0] == parent_table[0] and child_table[1] != parent_table[1]
+    assert pool.ref_counts[parent_table[1]] == 1
+    assert write(pool, "parent", 7) == []  # the parent now owns its block alone: no copy
+    pool.check_invariants()
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    pool = BlockAllocator(8, 4)
+    pool.add_sequence("a")
+    write(pool, "a", 8)
+    pool.fork("a", "b")
+    assert write(pool, "b", 9) == [] and pool.blocks_needed("a", 9) == 1
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first():
+    pool = BlockAllocator(4, 2)
+    for name, tokens in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        pool.add_sequence(name, tokens)
+        write(pool, name, 3)
+    a_block, b_block = pool.sequence("a").table[0], pool.sequence("b").table[0]
+    pool.free_sequence("a")
+    pool.free_sequence("b")
+    assert pool.num_cached == 2 and pool.num_free == 2
+    pool.add_sequence("c")
+    write(pool, "c", 6)  # 3 blocks: both free ones, then evicts a's (freed first)
+    assert a_block in pool.sequence("c").table
+    assert pool.match_prefix([1, 2, 3]) == 0 and pool.match_prefix([4, 5, 6]) == 2
+    assert pool.ref_counts[b_block] == 0
+    pool.check_invariants()
+
+
+def test_truncate_releases_blocks_and_unhashes_a_block_about_to_be_rewritten():
+    pool = BlockAllocator(8, 4)
+    pool.add_sequence("a", list(range(12)))
+    write(pool, "a", 12)
+    pool.truncate("a", 6)
+    state = pool.sequence("a")
+    assert len(state.table) == 2 and state.num_tokens == 6 and len(state.hashes) == 1
+    assert pool.block_hashes[state.table[1]] is None
+    assert pool.match_prefix(list(range(12))) == 4
+    pool.check_invariants()
+
+
+def test_unknown_and_duplicate_sequences_are_named_errors():
+    pool = BlockAllocator(2, 2)
+    with pytest.raises(UnknownSequenceError, match="no sequence 'x'"):
+        pool.free_sequence("x")
+    pool.add_sequence("a")
+    with pytest.raises(UnknownSequenceError, match="already"):
+        pool.add_sequence("a")
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        BlockAllocator(2, 0)
+
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.lists(st.integers(0, 2), max_size=12)),
+    st.tuples(st.just("write"), st.integers(0, 9), st.integers(1, 6)),
+    st.tuples(st.just("fork"), st.integers(0, 9)),
+    st.tuples(st.just("free"), st.integers(0, 9)),
+    st.tuples(st.just("truncate"), st.integers(0, 9), st.integers(0, 12)),
+    st.tuples(st.just("declare"), st.integers(0, 9), st.lists(st.integers(0, 2), max_size=6)),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(operation, max_size=40), st.integers(2, 10), st.integers(1, 4))
+def test_random_operations_keep_counts_consistent_and_hashes_true(operations, num_blocks, block_size):
+    pool = BlockAllocator(num_blocks, block_size)
+    # each sequence has a true token stream; a write stores the true tokens of its positions,
+    # so a registered hash must describe exactly what its block holds
+    truth: dict[int, list[int]] = {}
+    content: dict[int, list[int | None]] = {}
+    live: list[int] = []
+    next_id = 0
+
+    def true_tokens(seq: int, stop: int) -> list[int]:
+        stream = truth[seq]
+        while len(stream) < stop:
+            stream.append((seq * 31 + len(stream)) % 3)
+        return stream[:stop]
+
+    for op in operations:
+        kind = op[0]
+        if kind == "add":
+            pool.add_sequence(next_id, op[1])
+            truth[next_id] = list(op[1])
+            live.append(next_id)
+            next_id += 1
+        elif live and kind == "fork":
+            parent = live[op[1] % len(live)]
+            state = pool.sequence(parent)
+            pool.fork(parent, next_id)
+            truth[next_id] = true_tokens(parent, max(state.num_tokens, len(state.token_ids)))
+            live.append(next_id)
+            next_id += 1
+        elif live and kind == "free":
+            pool.free_sequence(live.pop(op[1] % len(live)))
+        elif live and kind == "truncate":
+            seq = live[op[1] % len(live)]
+            pool.truncate(seq, min(op[2], pool.sequence(seq).num_tokens))
+        elif live and kind == "declare":
+            seq = live[op[1] % len(live)]
+            known = len(pool.sequence(seq).token_ids)
+            pool.declare_tokens(seq, true_tokens(seq, known + len(op[2]))[known:])
+        elif live and kind == "write":
+            seq = live[op[1] % len(live)]
+            start = pool.sequence(seq).num_tokens
+            total = start + op[2]
+            free_before = pool.num_allocatable
+            try:
+                copies = pool.reserve([seq], [total])
+            except OutOfBlocksError as error:
+                assert error.requested > free_before == error.available
+                pool.check_invariants()
+                continue
+            for source, target in copies:
+                assert pool.ref_counts[target] == 1
+                content[target] = list(content[source])
+            tokens = true_tokens(seq, total)
+            for position, slot in zip(range(start, total), pool.slots(seq, start, total)):
+                block = slot // block_size
+                assert pool.ref_counts[block] == 1, "a write landed in a block another sequence holds"
+                content.setdefault(block, [None] * block_size)[slot % block_size] = tokens[position]
+            pool.commit(seq, total)
+        pool.check_invariants()
+        assert pool.num_free + pool.num_in_use + pool.num_cached == num_blocks
+        holders = {block for s in live for block in pool.sequence(s).table}
+        assert not holders & set(pool._free), "a block in use is on the free list"
+        for seq in live:  # every attached or hashed block holds the sequence's true tokens
+            state = pool.sequence(seq)
+            for index in range(len(state.hashes)):
+                expected = true_tokens(seq, (index + 1) * block_size)[index * block_size :]
+                assert content[state.table[index]] == expected
