@@ -1,0 +1,201 @@
+"""PagedCache behind the model seam: the same tokens and logits as the dynamic cache for batches
+of different lengths across block boundaries, forks, named errors, bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.cache import CacheShapeError, OutOfBlocksError, PagedCache, make_cache
+from kvcache.generation import generate
+from kvcache.memory import kv_cache_bytes
+from kvcache.model import LlamaForCausalLM, ModelConfig
+
+BLOCK = 4
+VOCAB = 64
+
+
+def tiny_model(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    """A random fp32 Llama (hidden 32, 4 heads, 2 kv heads), every weight randomised."""
+    config = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256,
+    ))
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(0.3 * torch.randn_like(param) + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_model()
+
+
+def paged(model, num_blocks: int = 64, block_size: int = BLOCK) -> PagedCache:
+    return PagedCache(num_blocks, block_size, config=model.config, dtype=torch.float32)
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def step_logits(model, cache, prompts, steps: int) -> list[torch.Tensor]:
+    """Greedy decoding by hand; the logits of every real position of every forward."""
+    ids, mask = left_padded(prompts)
+    out = []
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits  # (B, T, V)
+        out.append(logits[mask.bool()])
+        for _ in range(steps):
+            token = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            logits = model(token, attention_mask=mask, past_key_values=cache).logits
+            out.append(logits[:, -1])
+    return out
+
+
+def test_batch_of_lengths_around_a_block_matches_dynamic_logits_and_tokens(model):
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 1)]
+    dynamic = step_logits(model, make_cache("dynamic", config=model.config), prompts, 2 * BLOCK + 1)
+    cache = paged(model)
+    ours = step_logits(model, cache, prompts, 2 * BLOCK + 1)
+    for expected, got in zip(dynamic, ours):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert cache.row_lengths == [len(p) + 2 * BLOCK + 1 for p in prompts]  # padding not stored
+    ids, mask = left_padded(prompts)
+    want = generate(model, ids, mask, max_new_tokens=9, cache="dynamic", eos_token_id=())
+    got = generate(model, ids, mask, max_new_tokens=9, cache=paged(model), eos_token_id=())
+    assert torch.equal(got.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("prompt_length", [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 1])
+def test_single_sequence_prefill_and_decode_match_dynamic(model, prompt_length):
+    torch.manual_seed(prompt_length)
+    prompts = [torch.randint(0, VOCAB, (prompt_length,)).tolist()]
+    dynamic = step_logits(model, make_cache("dynamic", config=model.config), prompts, BLOCK + 2)
+    ours = step_logits(model, make_cache("paged", config=model.config, num_blocks=8, block_size=BLOCK,
+                                         dtype=torch.float32), prompts, BLOCK + 2)
+    for expected, got in zip(dynamic, ours):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_chunked_prefill_with_padding_matches_dynamic(model):
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (3, 11)]
+    ids, mask = left_padded(prompts)
+    want = generate(model, ids, mask, max_new_tokens=6, cache="dynamic", eos_token_id=())
+    got = generate(model, ids, mask, max_new_tokens=6, cache=paged(model), eos_token_id=(),
+                   prefill_chunk_size=BLOCK)  # the first chunk is all padding in row 0
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_update_alone_works_as_in_the_guide():
+    cache = PagedCache(8, 4, num_layers=2)
+    history = []
+    for new in (5, 1, 3):
+        k, v = torch.randn(2, 2, new, 8), torch.randn(2, 2, new, 8)  # (B, H_kv, T_new, D)
+        history.append(k)
+        for layer in range(2):
+            keys, values = cache.update(k, v, layer)
+        torch.testing.assert_close(keys, torch.cat(history, dim=2), atol=0, rtol=0)
+    assert cache.get_seq_length() == 9 and cache.row_lengths == [9, 9]
+    torch.testing.assert_close(cache.layers[1].keys, torch.cat(history, dim=2), atol=0, rtol=0)
+    assert cache.allocator.num_in_use == 2 * 3  # two rows of 9 tokens in blocks of 4
+
+
+def test_fork_shares_blocks_until_the_continuations_diverge(model):
+    torch.manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (2 * BLOCK + 2,)).tolist()  # ends inside a block
+    cache = paged(model)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), past_key_values=cache)
+        cache.fork(0)
+        parent, child = (cache.allocator.sequence(seq).table for seq in cache.rows)
+        assert parent == child and cache.allocator.num_in_use == 3
+        continuations = torch.tensor([[5], [9]])  # the rows diverge here
+        logits = [model(continuations, past_key_values=cache).logits[:, -1]]
+        parent, child = (cache.allocator.sequence(seq).table for seq in cache.rows)
+        assert parent[:2] == child[:2] and parent[2] != child[2]  # full blocks still shared
+        logits.append(model(torch.tensor([[7], [7]]), past_key_values=cache).logits[:, -1])
+        for row, first in enumerate((5, 9)):
+            alone = make_cache("dynamic", config=model.config)
+            model(torch.tensor([prompt]), past_key_values=alone)
+            expected = [model(torch.tensor([[first]]), past_key_values=alone).logits[:, -1]]
+            expected.append(model(torch.tensor([[7]]), past_key_values=alone).logits[:, -1])
+            for got, want in zip(logits, expected):
+                torch.testing.assert_close(got[row], want[0], atol=1e-5, rtol=0)
+
+
+def test_select_repeats_a_row_by_forking_and_frees_dropped_rows(model):
+    cache = paged(model)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (2, 6)), past_key_values=cache)
+        in_use = cache.allocator.num_in_use
+        cache.select([1, 1])
+        assert len(cache.rows) == 2 and cache.allocator.num_in_use == in_use // 2
+        cache.repeat_interleave(2)
+        assert cache.row_lengths == [6] * 4 and cache.allocator.num_in_use == in_use // 2
+        cache.crop(4)
+        assert cache.row_lengths == [4] * 4 and cache.get_seq_length() == 4
+        cache.allocator.check_invariants()
+
+
+def test_out_of_blocks_raises_before_the_forward_writes(model):
+    cache = paged(model, num_blocks=3)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 2 * BLOCK)), past_key_values=cache)
+        with pytest.raises(OutOfBlocksError, match="2 more block"):
+            model(torch.randint(0, VOCAB, (1, 2 * BLOCK)), past_key_values=cache)
+    assert cache.row_lengths == [2 * BLOCK] and cache.get_seq_length() == 2 * BLOCK
+    cache.allocator.check_invariants()
+
+
+def test_misuse_raises_named_errors():
+    cache = PagedCache(8, 4, num_layers=2)
+    k = torch.randn(1, 2, 3, 8)
+    with pytest.raises(CacheShapeError, match="before layer 0"):
+        cache.update(k, k, 1)
+    cache.update(k, k, 0)
+    cache.update(k, k, 1)
+    with pytest.raises(CacheShapeError, match="before layer 0"):
+        cache.update(k, k, 1)
+    with pytest.raises(CacheShapeError, match="kv heads"):
+        cache.update(torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8), 0)
+    with pytest.raises(CacheShapeError, match="batch 2"):
+        cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), 0)
+    with pytest.raises(CacheShapeError, match="earlier tokens"):
+        cache.attention_masks(1, torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        PagedCache(8, 4, config={"num_hidden_layers": 2, "sliding_window": 4})
+
+
+def test_rows_of_different_lengths_need_an_attention_mask():
+    cache = PagedCache(8, 4, num_layers=1)
+    cache.add_sequence()
+    cache.add_sequence()
+    k = torch.randn(2, 2, 3, 8)
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    cache.attention_masks(3, mask)
+    cache.update(k, k, 0)
+    assert cache.row_lengths == [3, 2]
+    with pytest.raises(CacheShapeError, match="different token counts"):
+        cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), 0)
+
+
+def test_nbytes_match_the_memory_planner():
+    cache = PagedCache(10, 4, num_layers=3, kv_heads=2, head_dim=8, dtype=torch.float16)
+    assert cache.nbytes == kv_cache_bytes(3, 2, 10 * 4, 8, dtype="float16")
+    k = torch.randn(1, 2, 5, 8, dtype=torch.float16)
+    cache.update(k, k, 0)
+    assert cache.nbytes_used == kv_cache_bytes(3, 2, 2 * 4, 8, dtype="float16")  # 2 whole blocks
