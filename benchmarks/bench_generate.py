@@ -6,7 +6,8 @@
 For each model (a ~100M random Llama and a ~3M one, float32, saved once with transformers'
 save_pretrained) every configuration runs in its own process (so numpy's and torch's thread
 pools never meet, and peak memory is that configuration's own): kvcache with a dynamic cache
-(torch and numpy matrix-vector kernels), a static cache, and no cache; transformers with its
+(the decode path `matvec="auto"` picks on this machine, and torch and numpy matrix-vector
+kernels forced), a static cache, and no cache; transformers with its
 dynamic cache, static cache and no cache. Each process warms up once, then times `--repeats`
 runs and keeps the fastest. Figures: time to first token, decode tokens/s (after the first
 token), the weight bandwidth that decode speed implies, and peak resident memory.
@@ -46,10 +47,11 @@ MODELS = {
 }
 # (library, cache, kernel); kernel only matters for kvcache
 CONFIGS = [
+    ("kvcache", "dynamic", "auto"),
     ("kvcache", "dynamic", "torch"),
     ("kvcache", "dynamic", "numpy"),
-    ("kvcache", "static", "torch"),
-    ("kvcache", "none", "torch"),
+    ("kvcache", "static", "auto"),
+    ("kvcache", "none", "auto"),
     ("transformers", "dynamic", None),
     ("transformers", "static", None),
     ("transformers", "none", None),
@@ -130,12 +132,15 @@ def worker(args: argparse.Namespace) -> None:
     )
     # a decode step reads every matrix once except the embedding table (one row of it)
     read_per_token = weight_bytes - embedding.numel() * embedding.element_size()
+    chosen = args.kernel
+    if args.library == "kvcache":
+        chosen = f"{args.kernel}: {model.matvec_backend}, {model.decode_threads or args.threads} thr"
     print(
         json.dumps(
             {
                 "library": args.library,
                 "cache": args.cache,
-                "kernel": args.kernel,
+                "kernel": chosen,
                 "new_tokens": new_tokens,
                 "ttft_ms": best[0] * 1000,
                 "decode_tokens_per_s": best[1],

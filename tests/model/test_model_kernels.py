@@ -8,7 +8,7 @@ from model_helpers import left_padded_batch
 from torch import nn
 
 from kvcache import generate, load_model
-from kvcache.model.kernels import BACKENDS, choose_backend, numpy_available
+from kvcache.model.kernels import BACKENDS, choose_decode_path, numpy_available
 
 
 def test_fused_weights_are_views_with_the_checkpoint_names(llama_dir):
@@ -54,11 +54,27 @@ def test_numpy_backend_gives_the_same_tokens(checkpoints, arch):
     assert torch.equal(results["numpy"][1], results["torch"][1])
 
 
-def test_auto_backend_times_both_and_keeps_one(llama_dir):
+def test_auto_times_decode_steps_and_keeps_the_fastest(llama_dir):
     model = load_model(llama_dir)
-    timings = choose_backend(model, repeats=2)
-    assert set(timings) <= set(BACKENDS) and "torch" in timings
-    assert model.matvec_backend == min(timings, key=timings.get)
+    threads = torch.get_num_threads()
+    timings = choose_decode_path(model, repeats=2)
+    assert ("torch", 1) in timings and all(backend in BACKENDS for backend, _ in timings)
+    assert (model.matvec_backend, model.decode_threads) == min(timings, key=timings.get)
+    assert torch.get_num_threads() == threads  # restored
     assert load_model(llama_dir, dtype=torch.bfloat16, matvec="auto").matvec_backend == "torch"
     with pytest.raises(ValueError, match="matvec must be one of"):
         load_model(llama_dir, matvec="mkl")
+
+
+def test_decode_threads_are_restored_after_generate(llama_dir):
+    model = load_model(llama_dir)
+    model.decode_threads = 1
+    before = torch.get_num_threads()
+    seen = []
+    generate(
+        model,
+        torch.tensor([[5, 6]]),
+        max_new_tokens=3,
+        streamer=lambda _: seen.append(torch.get_num_threads()),
+    )
+    assert torch.get_num_threads() == before and seen == [before] * 3

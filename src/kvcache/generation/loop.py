@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.generation.sampling import SamplingSettings, choose_next
+from kvcache.model.kernels import torch_threads
 from kvcache.model.llama import no_cache
 
 CACHE_KINDS = ("dynamic", "static", "sliding")
@@ -180,11 +181,12 @@ def stream_generate(
     for step in range(max_new_tokens):
         if step > 0:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
-            if cache is None:
-                sequence = torch.cat([sequence, generated[-1][:, None]], dim=1)
-                logits = _forward_last(model, sequence, attention_mask, None)
-            else:
-                logits = _forward_last(model, generated[-1][:, None], attention_mask, cache)
+            with torch_threads(getattr(model, "decode_threads", None)):
+                if cache is None:
+                    sequence = torch.cat([sequence, generated[-1][:, None]], dim=1)
+                    logits = _forward_last(model, sequence, attention_mask, None)
+                else:
+                    logits = _forward_last(model, generated[-1][:, None], attention_mask, cache)
             decode_steps += 1
         tokens = choose_next(logits, settings, generator)  # (B,)
         tokens = tokens.masked_fill(finished, pad_token_id)

@@ -4,8 +4,9 @@ A decode step reads every weight once for a handful of rows, so its speed is mem
 Two things help on CPU (see PERF-NOTES): fewer, larger products (q/k/v as one matrix, gate/up
 as one), and a matrix-vector kernel that streams weights fast. On the machines measured,
 torch's CPU product (MKL) reads weights at ~17 GB/s and numpy's OpenBLAS `W @ x` at ~57 GB/s,
-so "numpy" is offered as a backend for float32 decode rows; `choose_backend` times both on the
-model's own weights and keeps the faster. Prefill (many rows) always uses torch's GEMM.
+so "numpy" is offered as a backend for float32 decode rows; `choose_decode_path` times real
+decode steps with each backend and torch thread count on this machine and keeps the fastest.
+Prefill (many rows) always uses torch's GEMM with the caller's thread count.
 
 Fusing keeps the checkpoint's parameters: q_proj.weight, k_proj.weight and v_proj.weight
 become views into one (q + k + v, hidden) tensor, so names, shapes and `state_dict()` are
@@ -15,6 +16,7 @@ unchanged and no weight is stored twice.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -100,28 +102,49 @@ def numpy_available() -> bool:
     return True
 
 
-def choose_backend(model, repeats: int = 5) -> dict[str, float]:
-    """Time one decode row through the model's weights with each backend; keep the faster.
+@contextmanager
+def torch_threads(threads: int | None):
+    """Run the block with `threads` torch CPU threads (None: leave as is), then restore."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
-    Sets `model.matvec_backend` and returns seconds per pass for each backend timed. Only
-    float32 CPU models can use numpy; others stay on torch.
+
+def choose_decode_path(model, repeats: int = 5, context: int = 32) -> dict[tuple[str, int], float]:
+    """Time real decode steps with each kernel and thread count; keep the fastest.
+
+    Candidates: backend "torch" (and "numpy" for float32 CPU models) × torch threads 1 and the
+    current count (one decode row is small work: waking a second thread can cost more than it
+    saves, most of all on a busy machine). Sets `model.matvec_backend` and
+    `model.decode_threads`; returns seconds per decode step for each candidate.
     """
-    timings: dict[str, float] = {}
-    weights = [model.lm_head.weight] + [
-        p for p in model.model.layers.parameters() if p.dim() == 2
-    ]  # every matrix a decode step reads
-    widest = max(weight.shape[1] for weight in weights)
-    x = torch.randn(1, widest, dtype=model.dtype, device=model.device)
-    candidates = ["torch"]
+    from kvcache.cache import make_cache
+
+    backends = ["torch"]
     if model.dtype == torch.float32 and model.device.type == "cpu" and numpy_available():
-        candidates.append("numpy")
+        backends.append("numpy")
+    thread_counts = sorted({1, torch.get_num_threads()})
+    vocab = model.config.vocab_size
+    prompt = torch.arange(context, device=model.device)[None] % vocab  # (1, context)
+    token = prompt[:, -1:]  # (1, 1)
+    timings: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
-        for backend in candidates:
+        for backend in backends:
+            model.matvec_backend = backend
+            for threads in thread_counts:
+                cache = make_cache("dynamic", config=model.config)  # grows by a few tokens
+                model(prompt, past_key_values=cache, logits_to_keep=1)
 
-            def one_pass(backend=backend):
-                for weight in weights:
-                    linear(x[:, : weight.shape[1]], weight, None, backend)
+                def step(cache=cache):
+                    model(token, past_key_values=cache, logits_to_keep=1)
 
-            timings[backend] = _median_seconds(one_pass, repeats)
-    model.matvec_backend = min(timings, key=timings.get)
+                with torch_threads(threads):
+                    timings[(backend, threads)] = _median_seconds(step, repeats)
+    model.matvec_backend, model.decode_threads = min(timings, key=timings.get)
     return timings

@@ -160,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
 
     #: matrix-vector kernel for decode rows: "torch" or "numpy" (see kernels.choose_backend)
     matvec_backend: str = "torch"
+    #: torch CPU threads for decode steps in kvcache.generate (None: the caller's setting)
+    decode_threads: int | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

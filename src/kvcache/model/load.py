@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kvcache.model.config import ModelConfig
-from kvcache.model.kernels import BACKENDS, choose_backend, fuse_projections
+from kvcache.model.kernels import BACKENDS, choose_decode_path, fuse_projections
 from kvcache.model.llama import LlamaForCausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -178,8 +178,9 @@ def load_model(
 
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype);
     otherwise every tensor is converted to it.
-    matvec: kernel for decode rows, "torch", "numpy" (float32 on CPU) or "auto" (time both
-    on this machine and keep the faster; see kvcache.model.kernels).
+    matvec: kernel for decode rows, "torch", "numpy" (float32 on CPU) or "auto" (time decode
+    steps with each kernel and torch thread count on this machine, keep the fastest; see
+    kvcache.model.kernels).
     q/k/v and gate/up weights are stored fused (the parameters are views), same names.
     """
     if matvec not in (*BACKENDS, "auto"):
@@ -211,7 +212,7 @@ def load_model(
         raise CheckpointError(f"tensor(s) not loaded: {left_empty[:8]}")
     fuse_projections(model)
     if matvec == "auto":
-        choose_backend(model)
+        choose_decode_path(model)
     else:
         model.matvec_backend = matvec
     return model.eval()
