@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("memory", "KV-cache memory for a model shape or a config.json, and capacity"),
     "lab": ("lab", "the whole KV-cache lab: equality, counts, rounding, memory"),
     "generate": ("generate", "generate text with a local checkpoint, streamed, with timings"),
+    "drift": ("drift", "how far a quantized KV cache moves the output, against tolerance"),
 }
 
 
