@@ -178,10 +178,19 @@ class BlockAllocator:
             self._release(block)
         del self.sequences[seq_id]
 
-    def declare_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
-        """Append token ids for the positions after those already known (they may run ahead of
-        the written positions); full written blocks whose ids are all known get hashed."""
+    def declare_tokens(self, seq_id: Hashable, token_ids: Iterable[int], start: int | None = None) -> None:
+        """Give the token ids of positions start, start+1, … (default: after those already
+        known); ids may run ahead of the written positions, and ids declared earlier from
+        `start` on are replaced. Full written blocks whose ids are all known get hashed."""
         state = self.sequence(seq_id)
+        if start is not None:
+            if not state.num_tokens <= start <= len(state.token_ids):
+                raise CacheError(
+                    f"sequence {seq_id!r}: token ids may be declared from a position in "
+                    f"[{state.num_tokens}, {len(state.token_ids)}] (written positions keep "
+                    f"theirs), got start={start}"
+                )
+            del state.token_ids[start:]
         state.token_ids.extend(int(t) for t in token_ids)
         self._hash_full_blocks(state)
 

@@ -192,10 +192,12 @@ class PagedCache(Cache):
         self._set_columns(max(self.get_seq_length(), attached))
         return attached
 
-    def declare_tokens(self, row: int, token_ids: Sequence[int]) -> None:
-        """Tell the cache the token ids of row `row`'s next positions (e.g. generated tokens),
-        so its full blocks become findable by later prompts that start the same way."""
-        self.allocator.declare_tokens(self._row_seq(row), token_ids)
+    def declare_tokens(self, row: int, token_ids: Sequence[int], start: int | None = None) -> None:
+        """Tell the cache the token ids of row `row`'s positions start, start+1, … (default:
+        after those already declared), e.g. generated tokens, so its full blocks become
+        findable by later prompts that start the same way. Declare only the tokens actually
+        run (or to be run) through the model at those positions."""
+        self.allocator.declare_tokens(self._row_seq(row), token_ids, start)
 
     def token_ids(self, row: int) -> list[int]:
         """The token ids declared for row `row` (may run ahead of the positions stored)."""

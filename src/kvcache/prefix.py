@@ -1,0 +1,202 @@
+"""Prefix reuse on a `PagedCache`: prompts that start like an earlier one skip its prefill.
+
+Two ways in:
+
+    server = PrefixCache(model, num_blocks=512)          # automatic: send the whole history
+    result = server.generate(history_ids, max_new_tokens=64)
+    result.reused_tokens, result.prefilled_tokens         # found in cache / run through the model
+
+    chat = ChatSession(model, tokenizer, num_blocks=512)  # a kept session: send the new message
+    reply = chat.send("Hello!")
+
+The automatic path finds the longest run of cached full blocks matching the prompt (hashes
+chained from the first token), attaches them and prefills only the rest; finished requests
+leave their full blocks cached until the pool needs the room. A session keeps its row between
+turns, so everything it holds is reused, not only full blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcache.cache.paged import PagedCache
+from kvcache.generation import GenerationResult, generate
+
+
+@dataclass
+class PrefixResult:
+    """One request: the generation result, and how its prompt was served."""
+
+    result: GenerationResult
+    reused_tokens: int  # prompt tokens attached from cached blocks (no forward)
+    prefilled_tokens: int  # prompt tokens run through the model
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.result.new_tokens[0]
+
+
+def new_cache(model, num_blocks: int, block_size: int = 16) -> PagedCache:
+    """A PagedCache for `model` (its layers, heads, dtype and device)."""
+    return PagedCache(num_blocks, block_size, config=model.config, dtype=model.dtype, device=model.device)
+
+
+def prefill_inputs(cache: PagedCache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) that run `prompts` (one per row, the tokens not yet in the
+    cache) on top of what each row holds: input_ids (B, T) left-padded, attention_mask
+    (B, columns + T) with 1 for every held and new token, left-padded too."""
+    columns = cache.get_seq_length()
+    lengths = cache.row_lengths
+    if len(prompts) != len(lengths):
+        raise ValueError(f"{len(prompts)} prompts for a cache of {len(lengths)} rows")
+    width = max(len(prompt) for prompt in prompts)
+    if width == 0:
+        raise ValueError("every prompt is empty: give each row at least one new token")
+    device = cache._storage_device()
+    input_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    attention_mask = torch.zeros((len(prompts), columns + width), dtype=torch.long, device=device)
+    for row, (prompt, held) in enumerate(zip(prompts, lengths)):
+        if not prompt:
+            raise ValueError(f"prompt {row} is empty: each row needs at least one new token")
+        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, columns - held : columns] = 1
+        attention_mask[row, columns + width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+class PrefixCache:
+    """Requests served from one pool of blocks: a prompt's cached prefix is attached, not
+    recomputed. Each call is one request (or a batch of them); its row is freed at the end,
+    its full blocks staying cached for the next prompts that start the same way.
+
+    Args:
+        model: a kvcache `LlamaForCausalLM`.
+        cache: the PagedCache to use, or None to make one of num_blocks × block_size.
+    """
+
+    def __init__(self, model, cache: PagedCache | None = None, *, num_blocks: int = 256,
+                 block_size: int = 16) -> None:
+        self.model = model
+        self.cache = cache if cache is not None else new_cache(model, num_blocks, block_size)
+
+    def generate(self, prompt: Sequence[int], **options: Any) -> PrefixResult:
+        """Generate after `prompt` (token ids); options go to `kvcache.generate`."""
+        return self.generate_batch([prompt], **options)[0]
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[PrefixResult]:
+        """Generate after each prompt in one batch; each row reuses its own cached prefix."""
+        cache = self.cache
+        if cache.rows:
+            raise ValueError("the cache holds rows of another request; PrefixCache owns its cache")
+        try:
+            reused = [cache.add_sequence([int(t) for t in prompt]) for prompt in prompts]
+            rest = [list(prompt)[count:] for prompt, count in zip(prompts, reused)]
+            input_ids, attention_mask = prefill_inputs(cache, rest)
+            result = generate(self.model, input_ids, attention_mask, cache=cache, **options)
+            for row, tokens in enumerate(result.new_tokens):
+                cache.declare_tokens(row, tokens)  # generated blocks become findable too
+        finally:
+            cache.free_rows()
+        return [
+            PrefixResult(_row(result, row), count, len(tail))
+            for row, (count, tail) in enumerate(zip(reused, rest))
+        ]
+
+
+def _row(result: GenerationResult, row: int) -> GenerationResult:
+    if len(result.new_tokens) == 1:
+        return result
+    return GenerationResult(
+        sequences=result.sequences[row : row + 1],
+        new_tokens=[result.new_tokens[row]],
+        stop_reasons=[result.stop_reasons[row]],
+        prompt_length=result.prompt_length,
+        time_to_first_token_s=result.time_to_first_token_s,
+        decode_time_s=result.decode_time_s,
+        decode_steps=result.decode_steps,
+    )
+
+
+class ChatSession:
+    """A conversation kept in one row of a PagedCache: each turn runs only what is new.
+
+    `send_ids(ids)` appends token ids (a rendered user turn) and generates the reply;
+    `send(text)` renders the conversation with the tokenizer's chat template and sends the
+    part the cache does not hold yet. If a re-rendered history no longer starts with the tokens
+    held (some templates rewrite earlier turns), the cache is cropped to the common prefix.
+
+    Args:
+        model: a kvcache `LlamaForCausalLM`; tokenizer: a kvcache Tokenizer (for `send`).
+        cache: a PagedCache (a row is added for this session), or None to make one.
+        system: an optional system message for `send`.
+        options: defaults for `kvcache.generate` (max_new_tokens, eos_token_id, …).
+    """
+
+    def __init__(self, model, tokenizer=None, *, cache: PagedCache | None = None, num_blocks: int = 256,
+                 block_size: int = 16, system: str | None = None, **options: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = cache if cache is not None else new_cache(model, num_blocks, block_size)
+        if self.cache.rows:
+            raise ValueError("ChatSession needs a cache with no rows (it owns row 0)")
+        self.cache.add_sequence()
+        self.options = options
+        self.messages: list[dict[str, str]] = []
+        if system is not None:
+            self.messages.append({"role": "system", "content": system})
+        self.token_ids: list[int] = []  # every token of the conversation so far
+        self.prefilled_tokens = 0  # tokens run through the model as prompt, over all turns
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens whose keys and values the cache holds (all but the newest reply token)."""
+        return self.cache.row_lengths[0]
+
+    def send_ids(self, conversation_ids: Sequence[int], **options: Any) -> list[int]:
+        """Continue the conversation whose token ids are now `conversation_ids` (the history
+        so far plus the new turn); return the reply's token ids."""
+        conversation_ids = [int(t) for t in conversation_ids]
+        held = self.held_tokens
+        known = self.token_ids[:held]
+        common = 0
+        for mine, theirs in zip(known, conversation_ids):
+            if mine != theirs:
+                break
+            common += 1
+        if common == len(conversation_ids):  # nothing new: recompute the last token
+            common -= 1
+        if common < held:
+            self.cache.crop(common)
+        new = conversation_ids[common:]
+        self.cache.declare_tokens(0, new, start=common)
+        ids = torch.tensor([new], dtype=torch.long, device=self.model.device)
+        result = generate(self.model, ids, cache=self.cache, **{**self.options, **options})
+        reply = result.new_tokens[0]
+        self.cache.declare_tokens(0, reply)
+        self.token_ids = conversation_ids + reply
+        self.prefilled_tokens += len(new)
+        self.last_result = result
+        return reply
+
+    def send(self, text: str, **options: Any) -> str:
+        """Add a user message, generate the reply, return its text (special tokens skipped)."""
+        if self.tokenizer is None:
+            raise ValueError("send(text) needs a tokenizer; use send_ids with token ids")
+        self.messages.append({"role": "user", "content": text})
+        ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        reply = self.send_ids(_as_list(ids), **options)
+        text_out = self.tokenizer.decode(reply, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text_out})
+        return text_out
+
+    def close(self) -> None:
+        """Release the session's row (its full blocks stay cached for later prompts)."""
+        self.cache.free_rows()
+
+
+def _as_list(ids) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
