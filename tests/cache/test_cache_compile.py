@@ -78,3 +78,44 @@ def test_compiled_chunk_after_wraparound_matches_eager(kind):
         )
     assert compiled.get_seq_length() == 14
     torch.testing.assert_close(compiled.layers[1].values, eager.layers[1].values)
+
+
+def masked_step(cache, q, k, v, attention_mask):
+    """decode_step with a left-padding attention mask (B, past + new)."""
+    masks = cache.attention_masks(q.shape[2], attention_mask)
+    outputs = []
+    for layer in range(len(cache.layers)):
+        keys, values = cache.update(k[layer], v[layer], layer)
+        outputs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer]))
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding"])
+def test_compiled_padded_batch_matches_eager_with_one_recompilation(kind):
+    torch._dynamo.reset()
+    sizes = {"config": CONFIG, "max_batch_size": 2, "dtype": torch.float32}
+    extra = {"max_cache_len": 32} if kind == "static" else {"window": 4}
+    eager, compiled = make_cache(kind, **sizes, **extra), make_cache(kind, **sizes, **extra)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(masked_step, backend=counter, fullgraph=True)
+    generator = torch.Generator().manual_seed(2)
+
+    def sample(tokens):
+        q = torch.randn(2, KV_HEADS, tokens, DIM, generator=generator)
+        k = torch.randn(LAYERS, 2, KV_HEADS, tokens, DIM, generator=generator)
+        v = torch.randn(LAYERS, 2, KV_HEADS, tokens, DIM, generator=generator)
+        return q, k, v
+
+    attention_mask = torch.ones(2, 5, dtype=torch.long)
+    attention_mask[0, :2] = 0  # row 0 left-padded
+    prefill = sample(5)
+    masked_step(eager, *prefill, attention_mask)
+    masked_step(compiled, *prefill, attention_mask)
+    for _ in range(8):
+        attention_mask = torch.cat([attention_mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+        inputs = sample(1)
+        expected = masked_step(eager, *inputs, attention_mask)
+        torch.testing.assert_close(step(compiled, *inputs, attention_mask), expected, atol=1e-5,
+                                   rtol=0)
+    # the mask grows a column per step: one recompilation makes that dimension dynamic
+    assert counter.frame_count <= 2
