@@ -32,7 +32,7 @@ def kv(batch=1, heads=2, tokens=1, dim=4, dtype=torch.float32, device="cpu"):
 
 KINDS = {
     "dynamic": lambda: DynamicCache(),
-    "static": lambda: StaticCache(16, num_layers=2),
+    "static": lambda: StaticCache(max_cache_len=16, num_layers=2),
     "sliding": lambda: make_cache("sliding", window=4, num_layers=2),
 }
 
@@ -98,7 +98,7 @@ def test_negative_crop(kind):
 
 
 def test_static_overflow_states_capacity_and_requested_length():
-    cache = StaticCache(8, num_layers=1)
+    cache = StaticCache(1, 8, num_layers=1)
     cache.update(*kv(tokens=6), 0)
     message = "capacity is 8 tokens, requested length is 9"
     with pytest.raises(CacheOverflowError, match=message) as e:

@@ -54,8 +54,8 @@ def make_cache(
         if max_cache_len is None:
             raise CacheConfigError("make_cache('static') needs max_cache_len")
         return StaticCache(
-            max_cache_len,
             max_batch_size,
+            max_cache_len,
             config=config,
             num_layers=num_layers,
             window=window,

@@ -125,7 +125,9 @@ class StaticLayer(FixedCapacityLayer):
 class StaticCache(Cache):
     """A cache of `StaticLayer`s preallocated for `max_batch_size` × `max_cache_len`.
 
-    Layers whose config marks them "sliding_attention" get a `SlidingWindowLayer` instead.
+    `StaticCache(max_batch_size, max_cache_len, config=...)`: max_cache_len is required;
+    max_batch_size may be None (then the first update fixes the batch). Layers whose config
+    marks them "sliding_attention" get a `SlidingWindowLayer` instead.
     kv_heads and head_dim come from `config` or are given; with batch, heads, dim and dtype
     all known the buffers are allocated now, otherwise by each layer's first update.
     max_rollback: extra ring rows of the sliding layers (see `SlidingWindowLayer`).
@@ -133,8 +135,8 @@ class StaticCache(Cache):
 
     def __init__(
         self,
-        max_cache_len: int,
         max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
         *,
         config: object = None,
         num_layers: int | None = None,
