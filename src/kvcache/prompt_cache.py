@@ -1,0 +1,211 @@
+"""Save a prompt's keys and values to disk and load them back into a PagedCache.
+
+    save_prompt_cache("system.kv", cache, model, row=0)      # a row whose token ids are known
+    cache = load_prompt_cache("system.kv", model)             # a new PagedCache holding it in row 0
+
+The file is safetensors (no pickle): tensors `keys.{layer}` and `values.{layer}`, each
+(tokens, kv_heads, head_dim) in position order, and string metadata: format and version, the
+model's fingerprint, dtype, layers, kv_heads, head_dims, the block size it was saved from, and
+the token ids. Loading reads the header only, checks every name, shape and dtype against the
+model and the metadata, and refuses a file made for another model or layout with a
+`PromptCacheError` before any tensor is allocated. Rows are re-blocked on load, so the
+target cache may use another block size than the one recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kvcache.cache.paged import PagedCache
+
+FORMAT = "kvcache.prompt_cache"
+VERSION = "1"
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float64: "float64"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+class PromptCacheError(ValueError):
+    """A prompt cache file that does not fit this model or cache, or is not one at all."""
+
+
+def model_fingerprint(model) -> str:
+    """A short hex digest of the model's config and weights (name, shape, dtype and the first
+    and last 256 values of every parameter): different checkpoints give different digests."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(sorted(vars(model.config).items())).encode())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            sample = torch.cat([flat[:256], flat[-256:]]).to("cpu", torch.float32)
+            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _layout(model) -> dict[str, str]:
+    config = model.config
+    return {
+        "dtype": _DTYPE_NAMES.get(model.dtype, str(model.dtype)),
+        "layers": str(config.num_hidden_layers),
+        "kv_heads": str(config.num_key_value_heads),
+        "head_dim": str(config.head_dim),
+    }
+
+
+def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: int = 0) -> int:
+    """Write row `row` of `cache` (keys, values, token ids) to `path`; return the tokens saved.
+
+    The row's token ids must be declared for every position it holds (as `add_sequence`,
+    `PrefixCache` and `ChatSession` do), since the ids are what a later prompt is matched on.
+    """
+    from safetensors.torch import save_file
+
+    seq = cache._row_seq(row)
+    state = cache.allocator.sequence(seq)
+    tokens = state.num_tokens
+    if tokens == 0:
+        raise PromptCacheError(f"row {row} holds no tokens: nothing to save")
+    if len(state.token_ids) < tokens:
+        raise PromptCacheError(
+            f"row {row} holds {tokens} tokens but only {len(state.token_ids)} token ids are "
+            f"declared; declare them (cache.declare_tokens) before saving"
+        )
+    slots = torch.tensor(cache.allocator.slots(seq, 0, tokens), dtype=torch.long)
+    tensors = {}
+    for index, layer in enumerate(cache.layers):
+        for name, storage in (("keys", layer._keys), ("values", layer._values)):
+            assert storage is not None
+            flat = storage.view(-1, *storage.shape[2:])  # (N·S, H_kv, D)
+            tensors[f"{name}.{index}"] = flat.index_select(0, slots.to(flat.device)).cpu().contiguous()
+    layout = _layout(model)
+    if tensors["keys.0"].dtype != model.dtype:
+        raise PromptCacheError(f"the cache stores {tensors['keys.0'].dtype}; the model runs {model.dtype}")
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_fingerprint": model_fingerprint(model),
+        "model_type": str(model.config.model_type),
+        **layout,
+        "value_head_dim": str(tensors["values.0"].shape[-1]),
+        "block_size": str(cache.block_size),
+        "num_tokens": str(tokens),
+        "token_ids": json.dumps(state.token_ids[:tokens]),
+    }
+    save_file(tensors, os.fspath(path), metadata=metadata)
+    return tokens
+
+
+def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
+    """Check the file's header against `model` without reading tensor data; return the metadata
+    with token_ids parsed. Raises `PromptCacheError` saying what differs."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise PromptCacheError(f"no prompt cache file at {path}")
+    try:
+        with safe_open(os.fspath(path), "pt") as handle:
+            metadata = dict(handle.metadata() or {})
+            shapes = {name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
+                      for name in handle.keys()}
+    except Exception as error:  # safetensors raises its own error types for a damaged header
+        raise PromptCacheError(f"{path} is not a readable safetensors file: {error}") from None
+    if metadata.get("format") != FORMAT:
+        raise PromptCacheError(f"{path} is not a kvcache prompt cache (format {metadata.get('format')!r})")
+    if metadata.get("version") != VERSION:
+        raise PromptCacheError(f"{path} has prompt cache version {metadata.get('version')!r}; "
+                               f"this kvcache reads version {VERSION}")
+    expected = _layout(model)
+    for key, want in expected.items():
+        if metadata.get(key) != want:
+            raise PromptCacheError(
+                f"{path} was saved for {key}={metadata.get(key)}; this model has {key}={want}"
+            )
+    if metadata.get("model_fingerprint") != model_fingerprint(model):
+        raise PromptCacheError(
+            f"{path} was saved from another model (fingerprint {metadata.get('model_fingerprint')}, "
+            f"this model's is {model_fingerprint(model)}): its keys and values would give wrong answers"
+        )
+    try:
+        tokens = int(metadata["num_tokens"])
+        value_dim = int(metadata["value_head_dim"])
+        block_size = int(metadata["block_size"])
+        token_ids = json.loads(metadata["token_ids"])
+    except (KeyError, ValueError) as error:
+        raise PromptCacheError(f"{path}: damaged metadata ({error})") from None
+    if (not isinstance(token_ids, list) or len(token_ids) != tokens or tokens < 1
+            or not all(isinstance(t, int) and 0 <= t < model.config.vocab_size for t in token_ids)):
+        raise PromptCacheError(f"{path}: token_ids must be {tokens} ids in [0, {model.config.vocab_size})")
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    code = _SAFETENSORS_DTYPES.get(expected["dtype"])
+    want = {}
+    for layer in range(model.config.num_hidden_layers):
+        want[f"keys.{layer}"] = ((tokens, heads, dim), code)
+        want[f"values.{layer}"] = ((tokens, heads, value_dim), code)
+    if shapes != want:
+        wrong = sorted(set(shapes.items()) ^ set(want.items()))[:4]
+        raise PromptCacheError(f"{path}: tensors do not match the metadata and model, e.g. {wrong}")
+    return {**metadata, "num_tokens": tokens, "block_size": block_size, "token_ids": token_ids}
+
+
+def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None = None, *,
+                      num_blocks: int | None = None, block_size: int | None = None) -> PagedCache:
+    """Load the saved prompt into a new row of `cache` (or of a new PagedCache of `num_blocks`
+    blocks, default room for 2 × the saved tokens + 256, of `block_size` tokens, default the
+    file's);
+    the row's full blocks are hashed, so prompts that start with these tokens find them.
+
+    Raises `PromptCacheError` for a file made for another model or layout, and
+    `OutOfBlocksError` when the cache lacks room; both before anything is allocated or written.
+    """
+    from safetensors import safe_open
+
+    header = read_prompt_cache_header(path, model)
+    tokens, token_ids = header["num_tokens"], header["token_ids"]
+    if cache is None:
+        size = block_size or header["block_size"]
+        cache = PagedCache(num_blocks or -(-(2 * tokens + 256) // size), size, config=model.config,
+                           dtype=model.dtype, device=model.device)
+    else:
+        stored = cache.layers[0]._keys
+        layout = (model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim)
+        if len(cache.layers) != layout[0] or (stored is not None and tuple(stored.shape[2:]) != layout[1:]):
+            raise PromptCacheError(
+                f"the cache holds {len(cache.layers)} layers of "
+                f"{None if stored is None else tuple(stored.shape[2:])} (kv_heads, head_dim); "
+                f"the file holds {layout[0]} layers of {layout[1:]}"
+            )
+        if stored is not None and stored.dtype != model.dtype:
+            raise PromptCacheError(f"the cache stores {stored.dtype}; the file holds {model.dtype}")
+    needed = cache.allocator.blocks_for(tokens)
+    if needed > cache.allocator.num_allocatable:
+        from kvcache.cache.blocks import OutOfBlocksError
+
+        raise OutOfBlocksError(needed, cache.allocator.num_allocatable, cache.num_blocks)
+    cache.add_sequence(token_ids, reuse_prefix=False)
+    seq = cache.rows[-1]
+    cache.allocator.reserve([seq], [tokens])
+    slots = torch.tensor(cache.allocator.slots(seq, 0, tokens), dtype=torch.long)
+    with safe_open(os.fspath(path), "pt", device="cpu") as handle:
+        for index, layer in enumerate(cache.layers):
+            for name in ("keys", "values"):
+                rows = handle.get_tensor(f"{name}.{index}")  # (T, H_kv, D)
+                storage = layer._keys if name == "keys" else layer._values
+                if storage is None:  # a cache built without dtype: allocate from the file
+                    shape = (cache.num_blocks, cache.block_size, *rows.shape[1:])
+                    storage = torch.zeros(shape, dtype=rows.dtype, device=model.device)
+                    if name == "keys":
+                        layer._keys = storage
+                    else:
+                        layer._values = storage
+                flat = storage.view(-1, *storage.shape[2:])
+                flat.index_copy_(0, slots.to(flat.device), rows.to(flat.device, flat.dtype))
+    cache.allocator.commit(seq, tokens)
+    cache._set_columns(max(cache.get_seq_length(), tokens))
+    return cache

@@ -1,0 +1,102 @@
+"""Prompt caches on disk: a saved prompt loads back into a PagedCache and continues exactly
+like a full prefill; files made for another model or layout, or damaged, are refused before
+anything is allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_paged import VOCAB, tiny_model
+
+from kvcache.cache import OutOfBlocksError, PagedCache
+from kvcache.generation import generate
+from kvcache.prefix import PrefixCache
+from kvcache.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    torch.manual_seed(4)
+    return torch.randint(0, VOCAB, (2 * BLOCK + 3,)).tolist()
+
+
+@pytest.fixture
+def saved(model, prompt, tmp_path):
+    cache = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32)
+    cache.add_sequence(prompt)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), past_key_values=cache)
+    path = tmp_path / "prompt.kv"
+    assert save_prompt_cache(path, cache, model) == len(prompt)
+    return path
+
+
+def test_loaded_prompt_continues_like_a_full_prefill(model, prompt, saved):
+    cache = load_prompt_cache(saved, model, block_size=2)  # re-blocked from 4 to 2
+    assert cache.row_lengths == [len(prompt)] and cache.block_size == 2
+    follow = [3, 1, 4]
+    got = generate(model, torch.tensor([follow]), cache=cache, max_new_tokens=5, eos_token_id=())
+    want = generate(model, torch.tensor([prompt + follow]), max_new_tokens=5, eos_token_id=())
+    assert got.new_tokens == want.new_tokens
+
+
+def test_loaded_blocks_are_found_by_later_prompts(model, prompt, saved):
+    cache = load_prompt_cache(saved, model, num_blocks=32)
+    cache.free_rows()
+    served = PrefixCache(model, cache).generate(prompt + [5, 6], max_new_tokens=3, eos_token_id=())
+    assert served.reused_tokens == 2 * BLOCK
+    want = generate(model, torch.tensor([prompt + [5, 6]]), max_new_tokens=3, eos_token_id=())
+    assert served.new_tokens == want.new_tokens[0]
+
+
+def test_a_file_from_another_model_is_refused(saved):
+    with pytest.raises(PromptCacheError, match="another model"):
+        load_prompt_cache(saved, tiny_model(seed=8))  # same shapes, other weights
+
+
+def test_a_file_for_another_layout_is_refused(saved):
+    with pytest.raises(PromptCacheError, match="layers=2; this model has layers=3"):
+        load_prompt_cache(saved, tiny_model(seed=7, layers=3))
+
+
+def test_damaged_or_foreign_files_are_refused_before_allocating(model, saved, tmp_path):
+    cache = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32)
+    tensors = load_file(saved)
+    from safetensors import safe_open
+
+    with safe_open(str(saved), "pt") as handle:
+        metadata = handle.metadata()
+    cases = {
+        "not a kvcache prompt cache": (tensors, {}),
+        "token_ids must be": (tensors, {**metadata, "num_tokens": "12"}),
+        "do not match": ({**tensors, "keys.0": tensors["keys.0"][:5]}, metadata),
+        "damaged metadata": (tensors, {**metadata, "token_ids": "[1, 2"}),
+    }
+    for message, (content, meta) in cases.items():
+        path = tmp_path / "bad.kv"
+        save_file(content, str(path), metadata=meta)
+        with pytest.raises(PromptCacheError, match=message):
+            load_prompt_cache(path, model, cache)
+    (tmp_path / "junk.kv").write_bytes(b"\xff" * 64)
+    with pytest.raises(PromptCacheError, match="not a readable safetensors"):
+        load_prompt_cache(tmp_path / "junk.kv", model, cache)
+    small = PagedCache(2, BLOCK, config=model.config, dtype=torch.float32)
+    with pytest.raises(OutOfBlocksError):
+        load_prompt_cache(saved, model, small)
+    assert cache.rows == [] and small.rows == [] and small.allocator.num_in_use == 0
+
+
+def test_saving_needs_the_token_ids(model, tmp_path):
+    cache = PagedCache(8, BLOCK, config=model.config, dtype=torch.float32)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+    with pytest.raises(PromptCacheError, match="declare them"):
+        save_prompt_cache(tmp_path / "x.kv", cache, model)
