@@ -193,6 +193,47 @@ def max_sequences(shape: KVShape, budget_bytes: int, seq_len: int, dtype: str = 
     return budget_bytes // one
 
 
+# ---- paged caches: whole blocks -------------------------------------------------------------
+def blocks_for_tokens(seq_len: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold `seq_len` tokens (the last one possibly partial)."""
+    _check_sizes(seq_len=seq_len, block_size=block_size)
+    if block_size < 1:
+        raise ValueError("block_size must be ≥ 1")
+    return -(-seq_len // block_size)
+
+
+def _full_layers_only(shape: KVShape) -> None:
+    if shape.layer_types and SLIDING in shape.layer_types:
+        raise ValueError("paged figures are for full-attention layers (a paged cache keeps every "
+                         "token of every layer); this shape has sliding-window layers")
+
+
+def paged_block_bytes(shape: KVShape, block_size: int, dtype: str = "float16") -> int:
+    """Bytes of one block across all layers: keys and values of `block_size` tokens."""
+    _full_layers_only(shape)
+    blocks_for_tokens(0, block_size)  # checks block_size
+    return kv_cache_bytes(shape.layers, shape.kv_heads, block_size, shape.head_dim, 1, dtype)
+
+
+def paged_kv_cache_bytes(shape: KVShape, seq_len: int, block_size: int, batch: int = 1,
+                         dtype: str = "float16") -> int:
+    """KV bytes of `batch` sequences of `seq_len` tokens in a paged cache: each sequence holds
+    whole blocks, so its last block's unused slots count too (at most block_size - 1 tokens)."""
+    _check_sizes(batch=batch)
+    return batch * blocks_for_tokens(seq_len, block_size) * paged_block_bytes(shape, block_size, dtype)
+
+
+def max_paged_sequences(shape: KVShape, budget_bytes: int, seq_len: int, block_size: int,
+                        dtype: str = "float16") -> int:
+    """How many sequences of `seq_len` tokens a pool of blocks filling `budget_bytes` holds at once
+    (no prefix shared): (budget // bytes per block) // blocks per sequence."""
+    _check_sizes(budget_bytes=budget_bytes)
+    per_sequence = blocks_for_tokens(seq_len, block_size)
+    if per_sequence == 0:
+        raise ValueError("a sequence of 0 tokens takes no block; give seq_len ≥ 1")
+    return budget_bytes // paged_block_bytes(shape, block_size, dtype) // per_sequence
+
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -7,7 +7,16 @@ import json
 import sys
 
 from kvcache.cli._args import positive_int
-from kvcache.memory import DTYPE_BITS, KVShape, format_bytes, max_sequences, max_tokens, parse_size
+from kvcache.memory import (
+    DTYPE_BITS,
+    KVShape,
+    format_bytes,
+    max_paged_sequences,
+    max_sequences,
+    max_tokens,
+    paged_kv_cache_bytes,
+    parse_size,
+)
 
 
 def _size(text: str) -> int:
@@ -31,6 +40,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=_size,
                         help="memory budget such as 24GiB: report the longest context for --batch "
                              "and the most sequences of --tokens that fit")
+    parser.add_argument("--block-size", type=positive_int,
+                        help="also account for a paged cache of blocks of this many tokens (whole "
+                             "blocks per sequence; with --budget, how many sequences fit)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -64,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
         result["budget_bytes"] = args.budget
         result["max_tokens_for_batch"] = max_tokens(shape, args.budget, args.batch, args.dtype)
         result["max_sequences_of_tokens"] = max_sequences(shape, args.budget, args.tokens, args.dtype)
+    if args.block_size is not None:
+        try:
+            result.update(_paged(shape, args))
+        except ValueError as error:
+            print(f"kvcache memory: error: {error}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -82,4 +100,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"  in a budget of {format_bytes(args.budget)}: longest context for a batch of "
               f"{args.batch}: {longest_text}; sequences of {args.tokens:,} tokens: "
               f"{result['max_sequences_of_tokens']:,}")
+    if args.block_size is not None:
+        _print_paged(result, args)
     return 0
+
+
+def _paged(shape: KVShape, args: argparse.Namespace) -> dict:
+    """Paged figures: whole blocks per sequence, and sequences that fit in the budget."""
+    per_sequence = paged_kv_cache_bytes(shape, args.tokens, args.block_size, 1, args.dtype)
+    figures = {
+        "block_size": args.block_size,
+        "paged_bytes_per_sequence": per_sequence,
+        "paged_bytes": per_sequence * args.batch,
+        "paged_rounding_bytes_per_sequence": per_sequence - shape.bytes(args.tokens, 1, args.dtype),
+    }
+    if args.budget is not None:
+        figures["max_paged_sequences_of_tokens"] = max_paged_sequences(
+            shape, args.budget, args.tokens, args.block_size, args.dtype)
+    return figures
+
+
+def _print_paged(result: dict, args: argparse.Namespace) -> None:
+    per_sequence = result["paged_bytes_per_sequence"]
+    print(f"  paged, blocks of {args.block_size} tokens: one sequence {per_sequence:,} B "
+          f"({format_bytes(per_sequence)}, of which "
+          f"{result['paged_rounding_bytes_per_sequence']:,} B unused in its last block); batch of "
+          f"{args.batch}: {result['paged_bytes']:,} B")
+    if args.budget is not None:
+        print(f"  paged, in a budget of {format_bytes(args.budget)}: sequences of {args.tokens:,} tokens: "
+              f"{result['max_paged_sequences_of_tokens']:,}")
