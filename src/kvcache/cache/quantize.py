@@ -107,18 +107,20 @@ def _round_toward(value: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Te
     return torch.where(wrong, torch.nextafter(stored, limit), stored)
 
 
-def _grouped(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, int]:
-    """x (B, H, T, D) viewed with the members of a group along one dim, and that dim:
-    (B, H, T, D/g, g) and 4 for "token"; (B, H, T/g, g, D) and 3 for "channel"."""
+def _grouped(x: torch.Tensor, spec: QuantSpec, view: bool = False) -> tuple[torch.Tensor, int]:
+    """x (B, H, T, D) reshaped with the members of a group along one dim, and that dim:
+    (B, H, T, D/g, g) and 4 for "token"; (B, H, T/g, g, D) and 3 for "channel".
+    view=True: a view of x or an error, never a copy (the caller writes through it)."""
     batch, heads, tokens, dim = x.shape
+    shape_as = x.view if view else x.reshape
     if spec.axis == "token":
         group = spec.channel_group(dim)
-        return x.reshape(batch, heads, tokens, dim // group, group), 4
+        return shape_as(batch, heads, tokens, dim // group, group), 4
     if tokens % spec.group_size:
         raise CacheConfigError(
             f"per-channel groups need a multiple of group_size={spec.group_size} tokens, got {tokens}"
         )
-    return x.reshape(batch, heads, tokens // spec.group_size, spec.group_size, dim), 3
+    return shape_as(batch, heads, tokens // spec.group_size, spec.group_size, dim), 3
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedRows:
@@ -150,18 +152,41 @@ def unpack(data: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)  # (B, H, T, D)
 
 
+def fp8_as_float16(data: torch.Tensor) -> torch.Tensor:
+    """e4m3 values × 2^-8, exactly, as float16, by moving bits (CPU casts from float8 are slow).
+
+    e4m3fn (sign, 4 exponent bits with bias 7, 3 mantissa bits) laid into float16's (sign, 5
+    exponent bits with bias 15, 10 mantissa bits) with a leading 0 exponent bit is the same
+    number scaled by 2^(7 - 15), subnormals included; NaN codes are never stored.
+    """
+    widened = data.view(torch.int8).to(torch.int16) << 7  # sign fills bits 15..14
+    return (widened & -16385).view(torch.float16)  # clear bit 14 (0xBFFF)
+
+
 def dequantize(rows: QuantizedRows, spec: QuantSpec, dtype: torch.dtype, out: torch.Tensor | None = None):
-    """x̂ (B, H, T, D) in `dtype` from quantized rows (computed in float32), written to `out`
-    if given (a (B, H, T, D) tensor of `dtype`, e.g. a view of a larger buffer)."""
-    values = rows.data.float() if spec.kind == "fp8" else unpack(rows.data, spec).float()
-    groups, member = _grouped(values, spec)
-    restored = groups.mul_(rows.scale.float().unsqueeze(member))
-    if rows.zero is not None:
-        restored = restored.add_(rows.zero.float().unsqueeze(member))
-    restored = restored.view(values.shape)  # (B, H, T, D)
+    """x̂ = code · scale (+ zero) as (B, H, T, D) in `dtype`, written into `out` if given (a
+    (B, H, T, D) tensor of `dtype`, e.g. a view of a larger buffer).
+
+    The arithmetic runs in place in `out` (float32 for a float32 cache; a bf16/fp16 cache
+    rounds the product before adding the zero point): codes are copied in, then scaled.
+    """
+    shape = (*rows.data.shape[:3], rows.data.shape[3] * (2 if spec.kind == "int" and spec.bits == 4 else 1))
     if out is None:
-        return restored.to(dtype)
-    return out.copy_(restored)
+        out = torch.empty(shape, dtype=dtype, device=rows.data.device)
+    scale = rows.scale
+    if spec.kind == "fp8":
+        out.copy_(fp8_as_float16(rows.data))
+        scale = scale.float() * 256.0
+    elif spec.bits == 4:
+        out[..., 0::2].copy_(rows.data & 0x0F)
+        out[..., 1::2].copy_(rows.data >> 4)
+    else:
+        out.copy_(rows.data)
+    groups, member = _grouped(out, spec, view=True)
+    groups.mul_(scale.unsqueeze(member))
+    if rows.zero is not None:
+        groups.add_(rows.zero.unsqueeze(member))
+    return out
 
 
 def error_bound(x: torch.Tensor, rows: QuantizedRows, spec: QuantSpec) -> torch.Tensor:
