@@ -3,14 +3,14 @@
 Each layer stores (num_blocks, block_size, H_kv, D); a `BlockAllocator` (plain Python) says
 which blocks each sequence (batch row) owns. Token p of a row lives in slot
 `table[p // block_size] * block_size + p % block_size`. `update` writes the new rows to their
-slots and gathers each row's visible keys and values, right-padded to the longest row, with a
-mask that hides the padding. Rows may hold different numbers of tokens: padding columns of an
+slots and gathers each row's visible keys and values (whole blocks, right-padded to the longest
+row), with a mask that hides the padding. Rows may hold different numbers of tokens: padding columns of an
 HF-style attention_mask are not stored at all, so a row's token p always sits at position p,
 and a prompt prefix cached in full blocks can be attached to a new row instead of recomputed.
 
-The gather copies every visible row once per layer and step (what a paged attention kernel
-avoids by reading the blocks in place); on CPU at these sizes it costs about what `torch.cat`
-costs in a growing cache.
+The gather copies every visible block once per layer and step (what a paged attention kernel
+avoids by reading the blocks in place); a single row whose blocks are consecutive in the pool
+(a fresh pool hands them out in order) is returned as a view, without a copy.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class _Step:
     totals: list[int]  # tokens per row after this forward
     write_slots: torch.Tensor  # (N_real,) slot of each stored new token, row-major
     source_rows: torch.Tensor | None  # (N_real,) index into the (B·T_new) new rows; None = all
-    read_slots: torch.Tensor  # (B·T_kv,) slot of each visible row, right-padded per row
+    read_blocks: torch.Tensor | None  # (B·n,) blocks each row attends to, padded per row
+    first_block: int | None  # one row on consecutive blocks: they start here (no gather)
     visible: int  # T_kv = max(totals)
     pending: bool = True  # layer 0 has not written it yet
 
@@ -298,19 +299,33 @@ class PagedCache(Cache):
                 for storage in (layer._keys, layer._values):
                     if storage is not None:
                         storage[target].copy_(storage[source])
-        visible = max(totals)
-        slots = self._slot_table(totals, visible, device)  # (B, T_kv)
+        visible = max(1, *totals)  # at least one key (masked) even if every row is padding so far
+        size = self.block_size
+        width = -(-visible // size)  # blocks per row in the gather
+        tables = [self.allocator.sequence(seq).table[:width] for seq in self.rows]
+        first_block = None
+        if batch == 1 and len(tables[0]) == width and tables[0] == list(
+            range(tables[0][0], tables[0][0] + width)
+        ):
+            first_block, read_blocks = tables[0][0], None
+        else:  # rows shorter than the longest repeat a block of theirs, or block 0 (masked)
+            padded = [
+                block for table in tables for block in table + (table or [0])[:1] * (width - len(table))
+            ]
+            read_blocks = torch.tensor(padded, dtype=torch.long, device=device)  # (B·n,)
+        write = [
+            slot for seq, held, total in zip(self.rows, lengths, totals)
+            for slot in self.allocator.slots(seq, held, total)
+        ]
+        write_slots = torch.tensor(write, dtype=torch.long, device=device)  # (N_real,)
+        key_positions = torch.arange(visible, device=device)  # (T_kv,)
         past = torch.tensor(lengths, device=device)[:, None]  # (B, 1)
         if real is None:
-            query = past + torch.arange(new_tokens, device=device)  # (B, T_new)
-            write_slots = slots.gather(1, query).flatten()  # (B·T_new,)
             source_rows = None
+            query = past + torch.arange(new_tokens, device=device)  # (B, T_new)
         else:
-            query = past + real.long().cumsum(1) - 1  # (B, T_new), position of each real token
-            write_slots = slots.gather(1, query.clamp(min=0))[real]  # (N_real,)
-            source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,)
-            query = query.masked_fill(~real, -1)
-        key_positions = torch.arange(visible, device=device)  # (T_kv,)
+            source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,) row-major, as write
+            query = (past + real.long().cumsum(1) - 1).masked_fill(~real, -1)  # (B, T_new)
         if real is None and len(set(lengths)) == 1:
             mask = (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
         else:
@@ -321,19 +336,9 @@ class PagedCache(Cache):
         self._step_counter += 1
         step = _Step(
             self._step_counter, new_tokens, batch, totals, write_slots, source_rows,
-            slots.flatten(), visible,
+            read_blocks, first_block, visible,
         )
         return step, mask
-
-    def _slot_table(self, totals: Sequence[int], visible: int, device) -> torch.Tensor:
-        """(B, T_kv) storage slot of positions 0..T_kv-1 of each row (padding -> its block 0)."""
-        size = self.block_size
-        tables = [self.allocator.sequence(seq).table for seq in self.rows]
-        width = max(1, -(-visible // size))
-        padded = [table[:width] + [table[0] if table else 0] * (width - len(table)) for table in tables]
-        blocks = torch.tensor(padded, dtype=torch.long, device=device)  # (B, blocks)
-        positions = torch.arange(visible, device=device)  # (T_kv,)
-        return blocks[:, positions // size] * size + positions % size  # (B, T_kv)
 
     def _update_layer(
         self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor
@@ -372,13 +377,18 @@ class PagedCache(Cache):
     @staticmethod
     def _write_and_gather(storage: torch.Tensor, new: torch.Tensor, step: _Step) -> torch.Tensor:
         batch, heads, new_tokens, dim = new.shape
-        flat = storage.view(-1, heads, dim)  # (N·S, H_kv, D)
+        blocks, size = storage.shape[:2]
         rows = new.transpose(1, 2).reshape(batch * new_tokens, heads, dim)  # (B·T_new, H_kv, D)
         if step.source_rows is not None:
             rows = rows.index_select(0, step.source_rows)  # (N_real, H_kv, D)
-        flat.index_copy_(0, step.write_slots, rows)
-        visible = flat.index_select(0, step.read_slots)  # (B·T_kv, H_kv, D)
-        return visible.view(batch, step.visible, heads, dim).transpose(1, 2)  # (B, H_kv, T_kv, D)
+        storage.view(blocks * size, heads, dim).index_copy_(0, step.write_slots, rows)
+        if step.read_blocks is None:  # consecutive blocks: a view
+            width = -(-step.visible // size)
+            gathered = storage.narrow(0, step.first_block, width)  # (n, S, H_kv, D)
+        else:
+            gathered = storage.index_select(0, step.read_blocks)  # (B·n, S, H_kv, D)
+        gathered = gathered.view(batch, -1, heads, dim).narrow(1, 0, step.visible)  # (B, T_kv, H_kv, D)
+        return gathered.transpose(1, 2)  # (B, H_kv, T_kv, D)
 
     def _check(self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         check_kv_pair(k, v, layer.layer_idx)
@@ -406,7 +416,11 @@ class PagedCache(Cache):
         visible = max(lengths)
         if visible == 0:
             return None
-        slots = self._slot_table(lengths, visible, storage.device)  # (B, T)
+        slots = torch.tensor(
+            [self.allocator.slots(seq, 0, length) + [0] * (visible - length)
+             for seq, length in zip(self.rows, lengths)],
+            dtype=torch.long, device=storage.device,
+        )  # (B, T)
         rows = storage.view(-1, *storage.shape[2:]).index_select(0, slots.flatten())
         rows = rows.view(len(lengths), visible, *storage.shape[2:])  # (B, T, H_kv, D)
         filled = torch.arange(visible, device=storage.device)[None, :] < torch.tensor(
