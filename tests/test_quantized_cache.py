@@ -229,3 +229,22 @@ def test_bad_use_raises_named_errors():
         layer.update(*kv(1, dtype=torch.float16))
     with pytest.raises(CacheShapeError):
         layer.update(*kv(1, dim=4))
+
+
+def test_memory_planner_counts_codes_scales_zero_points_and_residual_by_hand():
+    # 2 layers, 4 kv heads, head_dim 64, 300 tokens, group 64, residual 128: 128 tokens packed
+    # (300 - 128 = 172 → two groups), 172 in bfloat16.
+    packed_codes = 128 * 64 * 4 // 8  # int4, per head, K or V
+    key_params = 128 // 64 * 64 * 2 * 2  # per channel per group: scale + zero point, bf16
+    value_params = 128 * 1 * 2 * 2  # per token, one group of 64 channels
+    residual = 172 * 64 * 2 * 2  # K and V rows in bf16
+    per_layer_head = 2 * packed_codes + key_params + value_params + residual
+    assert quantized_kv_cache_bytes(2, 4, 300, 64, bits=4, group_size=64, residual_length=128,
+                                    dtype="bfloat16") == 2 * 4 * per_layer_head
+    assert quantized_kv_cache_bytes(2, 4, 191, 64, residual_length=128, dtype="bfloat16") == (
+        2 * 4 * 191 * 64 * 2 * 2  # 191 - 128 < 64: nothing is packed yet
+    )
+    with pytest.raises(ValueError, match="bits"):
+        quantized_kv_cache_bytes(1, 1, 1, 8, bits=2)
+    with pytest.raises(ValueError, match="axes"):
+        quantized_kv_cache_bytes(1, 1, 1, 8, key_axis="head")
