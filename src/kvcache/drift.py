@@ -65,12 +65,13 @@ class DriftSetting:
     def kind(self) -> str:
         return "fp8" if self.bits == "fp8" else "int"
 
-    def make_cache(self, config):
+    def make_cache(self, config, device=None):
         from kvcache.cache import make_cache
 
         return make_cache(
             "quantized",
             config=config,
+            device=device,
             bits=self.bits,
             group_size=self.group_size,
             residual_length=self.residual_length,
@@ -181,7 +182,7 @@ def measure_drift(
     references = []
     for index, prompt in enumerate(prompt_ids):
         say(f"reference (unquantized cache), prompt {index + 1}/{len(prompt_ids)}")
-        cache = make_cache("dynamic", config=config)
+        cache = make_cache("dynamic", config=config, device=device)
         references.append(_greedy_run(model, prompt, cache, tokens))
 
     dtype_name = str(model.dtype).removeprefix("torch.")
@@ -193,13 +194,14 @@ def measure_drift(
         for index, (prompt, reference) in enumerate(zip(prompt_ids, references)):
             say(f"{setting.kind}{setting.bits if setting.kind == 'int' else ''} "
                 f"prompt {index + 1}/{len(prompt_ids)}: free-running")
-            free = _greedy_run(model, prompt, setting.make_cache(config), tokens)
+            free = _greedy_run(model, prompt, setting.make_cache(config, device), tokens)
             same = [a == b for a, b in zip(free.tokens, reference.tokens)]
             first = None if all(same) else same.index(False)
             forced = free
             if first is not None:
                 say(f"  diverged at token {first}: teacher-forced run")
-                forced = _greedy_run(model, prompt, setting.make_cache(config), tokens, reference.tokens)
+                cache = setting.make_cache(config, device)
+                forced = _greedy_run(model, prompt, cache, tokens, reference.tokens)
             diffs.append(float((forced.logits - reference.logits).abs().max()))
             kls.append(_kl(reference.logits, forced.logits))
             forced_agree.append(forced.logits.argmax(-1).cpu() == torch.tensor(reference.tokens))
