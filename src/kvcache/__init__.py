@@ -20,6 +20,7 @@ _LAZY = {
     "SlidingWindowCache": "kvcache.cache",
     "NoCache": "kvcache.cache",
     "PagedCache": "kvcache.cache",
+    "QuantizedCache": "kvcache.cache",
     "make_cache": "kvcache.cache",
     "load_model": "kvcache.model",
     "load_tokenizer": "kvcache.tokenizer",

@@ -261,3 +261,40 @@ def memory_table(shape: KVShape, lengths: Sequence[int], dtypes: Sequence[str],
                  batch: int = 1) -> list[dict[str, int]]:
     """Rows of {"tokens": T, dtype: bytes, …} for each length."""
     return [{"tokens": t, **{d: shape.bytes(t, batch, d) for d in dtypes}} for t in lengths]
+
+
+def quantized_kv_cache_bytes(n_layers: int, n_heads: int, seq_len: int, head_dim: int, batch: int = 1,
+                             *, bits: int | str = 8, group_size: int = 64, residual_length: int = 128,
+                             dtype: str = "float16", scale_dtype: str | None = None,
+                             key_axis: str = "channel", value_axis: str = "token") -> int:
+    """Bytes a quantized KV cache (`kvcache.cache.QuantizedCache`) holds after `seq_len` tokens.
+
+    The first Q = floor((seq_len - residual_length) / group_size) · group_size tokens are packed
+    (bits 8 or 4 per element, "fp8" one byte) with, per group, a scale and (integer kinds) a zero
+    point of `scale_dtype` (default `dtype`); the other seq_len - Q tokens are in `dtype`. A
+    group is `group_size` tokens of one channel (axis "channel") or min(group_size, head_dim)
+    channels of one token (axis "token").
+    """
+    _check_sizes(n_layers=n_layers, n_heads=n_heads, seq_len=seq_len, head_dim=head_dim, batch=batch,
+                 group_size=group_size, residual_length=residual_length)
+    if bits not in (8, 4, "fp8") or isinstance(bits, bool):
+        raise ValueError(f"bits must be 8, 4 or 'fp8', got {bits!r}")
+    if group_size < 1:
+        raise ValueError("group_size must be ≥ 1")
+    if {key_axis, value_axis} - {"channel", "token"}:
+        raise ValueError(f"axes must be 'channel' or 'token', got {key_axis!r}, {value_axis!r}")
+    excess = seq_len - residual_length
+    quantized = excess // group_size * group_size if excess >= group_size else 0
+    params_per_group = 1 if bits == "fp8" else 2  # scale (and zero point)
+    param_bytes = dtype_bits(scale_dtype or dtype) // 8 * params_per_group
+    code_bits = 8 if bits == "fp8" else bits
+
+    def packed(axis: str) -> int:
+        if axis == "channel":
+            groups = quantized // group_size * head_dim
+        else:
+            groups = quantized * (head_dim // min(group_size, head_dim))
+        return quantized * head_dim * code_bits // 8 + groups * param_bytes
+
+    residual = kv_cache_bytes(1, 1, seq_len - quantized, head_dim, 1, dtype)
+    return n_layers * n_heads * batch * (packed(key_axis) + packed(value_axis) + residual)

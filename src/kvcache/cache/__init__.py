@@ -5,8 +5,9 @@
     K, V = cache.update(k, v, layer_idx)                        # once per layer
 
 Kinds: `DynamicLayer` (grows, amortised O(1) append), `StaticLayer` (preallocated,
-torch.compile friendly), `SlidingWindowLayer` (ring of the last W positions); `NoCache` keeps
-nothing; `PagedCache` keeps blocks of a shared pool (prefix reuse, forks).
+torch.compile friendly), `SlidingWindowLayer` (ring of the last W positions), `QuantizedLayer`
+(int8/int4/fp8 groups + a full-precision residual); `NoCache` keeps nothing; `PagedCache`
+keeps blocks of a shared pool (prefix reuse, forks).
 """
 
 from .base import Cache, CacheLayer, LayerMasks
@@ -25,6 +26,7 @@ from .factory import make_cache
 from .masks import build_mask
 from .nocache import NoCache
 from .paged import OutOfBlocksError, PagedCache, PagedLayer
+from .quantized import QuantizedCache, QuantizedLayer
 from .sliding import SlidingWindowCache, SlidingWindowLayer
 from .static import StaticCache, StaticLayer
 
@@ -46,6 +48,8 @@ __all__ = [
     "OutOfBlocksError",
     "PagedCache",
     "PagedLayer",
+    "QuantizedCache",
+    "QuantizedLayer",
     "SlidingWindowCache",
     "SlidingWindowLayer",
     "StaticCache",

@@ -1,4 +1,4 @@
-"""make_cache: build a cache by name ("dynamic" | "static" | "sliding" | "none" | "paged")."""
+"""make_cache: build a cache by name ("dynamic" | "static" | "sliding" | "quantized" | "none" | "paged")."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from .dynamic import DynamicCache
 from .errors import CacheConfigError
 from .nocache import NoCache
 from .paged import PagedCache
+from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
 from .static import StaticCache
 
-KINDS = ("dynamic", "static", "sliding", "none", "paged")
+KINDS = ("dynamic", "static", "sliding", "quantized", "none", "paged")
 
 
 def make_cache(
@@ -30,6 +31,7 @@ def make_cache(
     max_rollback: int = 0,
     num_blocks: int | None = None,
     block_size: int = 16,
+    **quantization: Any,
 ) -> Cache:
     """A cache of the given kind for a model described by `config` and/or explicit sizes.
 
@@ -40,12 +42,21 @@ def make_cache(
     "none" keeps nothing (`NoCache`), its masks still windowed on sliding layers.
     max_rollback: extra ring rows per sliding layer so that `crop` can roll back that many
     tokens once the window has filled (speculative decoding); 0 keeps exactly the window.
+    quantization: for "quantized" only, `QuantizedCache`'s bits, group_size, residual_length,
+    key_axis, value_axis, scale_dtype.
 
     "paged" is a `PagedCache` of `num_blocks` blocks of `block_size` tokens (default: enough
     blocks for max_batch_size sequences of max_cache_len tokens).
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
+    if quantization and kind != "quantized":
+        raise CacheConfigError(f"{sorted(quantization)} apply to kind 'quantized' only, not {kind!r}")
+    if kind == "quantized":
+        return QuantizedCache(
+            num_layers, config=config, window=window, device=device, max_rollback=max_rollback,
+            **quantization,
+        )
     if kind == "dynamic":
         return DynamicCache(
             num_layers, config=config, window=window, device=device, max_rollback=max_rollback
