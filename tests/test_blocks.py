@@ -112,6 +112,18 @@ def test_fork_at_a_block_boundary_copies_nothing():
     assert write(pool, "b", 9) == [] and pool.blocks_needed("a", 9) == 1
 
 
+def test_fork_does_not_share_a_block_reserved_by_a_forward_that_never_wrote():
+    pool = BlockAllocator(8, 4)
+    pool.add_sequence("a")
+    write(pool, "a", 4)
+    pool.reserve(["a"], [6])  # a forward reserved block 1, then failed before writing
+    pool.fork("a", "b")
+    assert pool.sequence("b").table == pool.sequence("a").table[:1]
+    write(pool, "b", 6)
+    assert pool.sequence("b").table[1] != pool.sequence("a").table[1]
+    pool.check_invariants()
+
+
 def test_cached_blocks_are_evicted_least_recently_freed_first():
     pool = BlockAllocator(4, 2)
     for name, tokens in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
@@ -159,6 +171,7 @@ operation = st.one_of(
     st.tuples(st.just("free"), st.integers(0, 9)),
     st.tuples(st.just("truncate"), st.integers(0, 9), st.integers(0, 12)),
     st.tuples(st.just("declare"), st.integers(0, 9), st.lists(st.integers(0, 2), max_size=6)),
+    st.tuples(st.just("reserve"), st.integers(0, 9), st.integers(1, 6)),  # a forward that failed
 )
 
 
@@ -202,6 +215,13 @@ def test_random_operations_keep_counts_consistent_and_hashes_true(operations, nu
             seq = live[op[1] % len(live)]
             known = len(pool.sequence(seq).token_ids)
             pool.declare_tokens(seq, true_tokens(seq, known + len(op[2]))[known:])
+        elif live and kind == "reserve":
+            seq = live[op[1] % len(live)]
+            try:
+                for source, target in pool.reserve([seq], [pool.sequence(seq).num_tokens + op[2]]):
+                    content[target] = list(content[source])
+            except OutOfBlocksError:
+                pass
         elif live and kind == "write":
             seq = live[op[1] % len(live)]
             start = pool.sequence(seq).num_tokens

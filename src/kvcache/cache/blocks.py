@@ -165,10 +165,13 @@ class BlockAllocator:
         parent = self.sequence(parent_id)
         if child_id in self.sequences:
             raise UnknownSequenceError(f"sequence {child_id!r} is already in the allocator")
-        for block in parent.table:
+        # only blocks holding written positions are shared: a block reserved past them stays
+        # the parent's, so the only shared block a write can reach is a partial last one
+        shared = parent.table[: self.blocks_for(parent.num_tokens)]
+        for block in shared:
             self.ref_counts[block] += 1
         self.sequences[child_id] = SequenceBlocks(
-            list(parent.table), parent.num_tokens, list(parent.token_ids), list(parent.hashes)
+            list(shared), parent.num_tokens, list(parent.token_ids), list(parent.hashes)
         )
 
     def free_sequence(self, seq_id: Hashable) -> None:
