@@ -208,3 +208,33 @@ def test_nbytes_match_the_memory_planner():
     k = torch.randn(1, 2, 5, 8, dtype=torch.float16)
     cache.update(k, k, 0)
     assert cache.nbytes_used == kv_cache_bytes(3, 2, 2 * 4, 8, dtype="float16")  # 2 whole blocks
+
+
+def test_rows_that_stop_at_eos_early_match_dynamic(model):
+    torch.manual_seed(6)
+    ids, mask = left_padded([torch.randint(0, VOCAB, (n,)).tolist() for n in (3, 7, 5)])
+    free_run = generate(model, ids, mask, max_new_tokens=8, cache="dynamic", eos_token_id=())
+    eos = free_run.new_tokens[1][2]  # row 1's third token: that row stops there (or earlier)
+    want = generate(model, ids, mask, max_new_tokens=8, cache="dynamic", eos_token_id=eos)
+    got = generate(model, ids, mask, max_new_tokens=8, cache=paged(model), eos_token_id=eos)
+    assert got.new_tokens == want.new_tokens and got.stop_reasons == want.stop_reasons
+    assert "eos" in got.stop_reasons
+
+
+def test_make_cache_paged_sizes_the_pool_from_batch_and_length(model):
+    cache = make_cache("paged", config=model.config, max_batch_size=3, max_cache_len=10, block_size=4,
+                       dtype=torch.float32)
+    assert isinstance(cache, PagedCache) and cache.num_blocks == 3 * 3 and cache.block_size == 4
+    with pytest.raises(ValueError, match="needs num_blocks or max_cache_len"):
+        make_cache("paged", config=model.config)
+
+
+def test_layer_keys_are_each_rows_tokens_right_padded_with_zeros():
+    cache = PagedCache(8, 2, num_layers=1)
+    k = torch.randn(2, 1, 3, 4)
+    cache.attention_masks(3, torch.tensor([[1, 1, 1], [0, 0, 1]]))
+    cache.update(k, k, 0)
+    keys = cache.layers[0].keys  # (2, 1, 3, 4)
+    torch.testing.assert_close(keys[0], k[0], atol=0, rtol=0)
+    torch.testing.assert_close(keys[1, :, :1], k[1, :, 2:], atol=0, rtol=0)
+    assert not keys[1, :, 1:].any()
