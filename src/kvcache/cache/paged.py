@@ -326,7 +326,9 @@ class PagedCache(Cache):
         else:
             source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,) row-major, as write
             query = (past + real.long().cumsum(1) - 1).masked_fill(~real, -1)  # (B, T_new)
-        if real is None and len(set(lengths)) == 1:
+        if real is None and len(set(lengths)) == 1 and new_tokens == 1:  # decode: every key
+            mask = torch.ones((1, 1, 1, visible), dtype=torch.bool, device=device)  # (1, 1, 1, T_kv)
+        elif real is None and len(set(lengths)) == 1:
             mask = (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
         else:
             allowed = key_positions[None, None, :] <= query[:, :, None]  # (B, T_new, T_kv)
@@ -391,6 +393,22 @@ class PagedCache(Cache):
         return gathered.transpose(1, 2)  # (B, H_kv, T_kv, D)
 
     def _check(self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        stored_k, stored_v = layer._keys, layer._values
+        if stored_k is not None and stored_v is not None and type(k) is type(v) is torch.Tensor:
+            # fast path of the decode loop: one pass of comparisons, no messages built
+            ks, vs, sk = k.shape, v.shape, stored_k.shape
+            if (
+                len(ks) == 4
+                and len(vs) == 4
+                and ks[:3] == vs[:3]
+                and ks[2] >= 1
+                and ks[1] == sk[2]
+                and ks[3] == sk[3]
+                and vs[3] == stored_v.shape[3]
+                and k.dtype == v.dtype == stored_k.dtype
+                and k.device == v.device == stored_k.device
+            ):
+                return
         check_kv_pair(k, v, layer.layer_idx)
         if layer._keys is None:
             shape = (self.num_blocks, self.block_size, k.shape[1])
