@@ -3,10 +3,11 @@
 Each layer stores (num_blocks, block_size, H_kv, D); a `BlockAllocator` (plain Python) says
 which blocks each sequence (batch row) owns. Token p of a row lives in slot
 `table[p // block_size] * block_size + p % block_size`. `update` writes the new rows to their
-slots and gathers each row's visible keys and values (whole blocks, right-padded to the longest
-row), with a mask that hides the padding. Rows may hold different numbers of tokens: padding columns of an
-HF-style attention_mask are not stored at all, so a row's token p always sits at position p,
-and a prompt prefix cached in full blocks can be attached to a new row instead of recomputed.
+slots and gathers each row's visible keys and values (whole blocks, right-padded to the
+longest row), with a mask that hides the padding. Rows may hold different numbers of tokens:
+padding columns of an HF-style attention_mask are not stored at all, so a row's token p always
+sits at position p, and a prompt prefix cached in full blocks can be attached to a new row
+instead of recomputed.
 
 The gather copies every visible block once per layer and step (what a paged attention kernel
 avoids by reading the blocks in place); a single row whose blocks are consecutive in the pool
@@ -66,9 +67,11 @@ class PagedLayer(CacheLayer):
         return self._columns
 
     def mask_key(self, new_tokens: int) -> Hashable:
+        """Unused: `PagedCache.attention_masks` builds one mask for every layer itself."""
         return ("paged", self._cache._step_counter, new_tokens)
 
     def mask_positions(self, new_tokens, device):
+        """Causal positions, for rows of equal length only (else the mask is per row)."""
         past = self._cache._equal_length("mask_positions")
         key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
         return key_positions[past:], key_positions
@@ -99,9 +102,11 @@ class PagedLayer(CacheLayer):
         return self._rows_held() * ((self._keys.nbytes + self._values.nbytes) // slots)
 
     def crop(self, max_length: int) -> None:
+        """Rows are shared by every layer: crops the whole cache."""
         self._cache.crop(max_length)
 
     def reset(self) -> None:
+        """Rows are shared by every layer: resets the whole cache."""
         self._cache.reset()
 
 
