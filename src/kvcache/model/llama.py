@@ -158,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
     position_ids=None)` -> CausalLMOutput(logits (B, T_new, vocab), past_key_values).
     """
 
-    #: matrix-vector kernel for decode rows: "torch" or "numpy" (see kernels.choose_backend)
+    #: matrix-vector kernel for decode rows: "torch" or "numpy" (see kernels.choose_decode_path)
     matvec_backend: str = "torch"
     #: torch CPU threads for decode steps in kvcache.generate (None: the caller's setting)
     decode_threads: int | None = None
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         masks = cache.attention_masks(new_tokens, attention_mask)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-        cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, T, D)
+        cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
         backend = self.matvec_backend
         for layer_idx, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, masks[layer_idx], cache, backend)
