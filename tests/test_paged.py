@@ -15,10 +15,10 @@ BLOCK = 4
 VOCAB = 64
 
 
-def tiny_model(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> LlamaForCausalLM:
     """A random fp32 Llama (hidden 32, 4 heads, 2 kv heads), every weight randomised."""
     config = ModelConfig.from_dict(dict(
-        model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256,
     ))

@@ -179,3 +179,25 @@ def test_paged_cache_out_of_blocks_in_a_session_is_a_named_error(model):
     chat = ChatSession(model, num_blocks=2, block_size=BLOCK, max_new_tokens=2, eos_token_id=())
     with pytest.raises(OutOfBlocksError, match="available"):
         chat.send_ids(list(range(3 * BLOCK)))
+
+
+def test_chat_session_with_a_real_chat_template_matches_re_sending_the_history(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "model"))
+    from model_helpers import VOCAB as TOKENIZER_VOCAB
+    from model_helpers import write_tokenizer
+
+    from kvcache.tokenizer import load_tokenizer
+
+    write_tokenizer(tmp_path)  # byte-level BPE, BOS, a Llama-2 chat template
+    tokenizer = load_tokenizer(tmp_path)
+    model = tiny_model(seed=9, vocab=TOKENIZER_VOCAB)
+    chat = ChatSession(model, tokenizer, num_blocks=128, block_size=BLOCK, system="Be brief.",
+                       max_new_tokens=6, eos_token_id=())
+    for message in ("Hello, what's your name?", "What does the cache keep?", "Thanks!"):
+        before = chat.prefilled_tokens
+        chat.send(message)
+        prompt = tokenizer.apply_chat_template(chat.messages[:-1], add_generation_prompt=True)
+        assert chat.last_result.new_tokens[0] == reference_reply(model, list(prompt), 6)
+        assert chat.prefilled_tokens - before < len(prompt) or before == 0
