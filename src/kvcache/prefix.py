@@ -124,10 +124,11 @@ def _row(result: GenerationResult, row: int) -> GenerationResult:
 class ChatSession:
     """A conversation kept in one row of a PagedCache: each turn runs only what is new.
 
-    `send_ids(ids)` appends token ids (a rendered user turn) and generates the reply;
-    `send(text)` renders the conversation with the tokenizer's chat template and sends the
-    part the cache does not hold yet. If a re-rendered history no longer starts with the tokens
-    held (some templates rewrite earlier turns), the cache is cropped to the common prefix.
+    `send_ids(conversation_ids)` takes the whole conversation's token ids (history and new
+    turn), runs only what the cache lacks and generates the reply; `send(text)` renders the
+    conversation with the tokenizer's chat template and sends it the same way. If a re-rendered
+    history no longer starts with the tokens held (some templates rewrite earlier turns), the
+    cache is cropped to the common prefix.
 
     Args:
         model: a kvcache `LlamaForCausalLM`; tokenizer: a kvcache Tokenizer (for `send`).
@@ -150,6 +151,7 @@ class ChatSession:
             self.messages.append({"role": "system", "content": system})
         self.token_ids: list[int] = []  # every token of the conversation so far
         self.prefilled_tokens = 0  # tokens run through the model as prompt, over all turns
+        self.last_result: GenerationResult | None = None  # the latest turn's generation
 
     @property
     def held_tokens(self) -> int:
