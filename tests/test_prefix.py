@@ -100,13 +100,14 @@ def test_automatic_path_reuses_the_history_of_earlier_turns(model):
     counter.handle.remove()
 
 
-def test_batch_rows_reuse_different_prefix_lengths(model):
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_batch_rows_reuse_different_prefix_lengths(model, chunk):
     torch.manual_seed(2)
     shared = torch.randint(0, VOCAB, (2 * BLOCK + 1,)).tolist()
     server = PrefixCache(model, num_blocks=64, block_size=BLOCK)
     server.generate(shared + [3, 3, 3, 3], max_new_tokens=1, eos_token_id=())
     prompts = [shared[:BLOCK] + [9, 9], shared + [3, 3, 3, 3, 5], [4, 4, 4]]
-    served = server.generate_batch(prompts, max_new_tokens=5, eos_token_id=())
+    served = server.generate_batch(prompts, max_new_tokens=5, eos_token_id=(), prefill_chunk_size=chunk)
     assert [s.reused_tokens for s in served] == [BLOCK, 3 * BLOCK, 0]
     for prompt, result in zip(prompts, served):
         assert result.new_tokens == reference_reply(model, prompt, 5)
