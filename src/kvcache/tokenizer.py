@@ -17,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvcache.defaults import resolve_model_dir
+
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -238,9 +240,12 @@ def _token_text(value) -> str | None:
     return value
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load `tokenizer.json`, special tokens and chat template from a local checkpoint folder."""
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Load `tokenizer.json`, special tokens and chat template from a local checkpoint folder
+    (None: kvcache's bundled default model)."""
     from tokenizers import Tokenizer as Backend
+
+    path = resolve_model_dir(path)
 
     folder = Path(path).expanduser()
     if not folder.is_dir():

@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import positive_int
+from kvcache.defaults import resolve_model_dir
 
 CACHE_CHOICES = ("dynamic", "static", "sliding", "none")
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local checkpoint folder (config.json, safetensors)")
+    parser.add_argument(
+        "--model",
+        help="local checkpoint folder (config.json, safetensors); default: the bundled default model",
+    )
     text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="plain text to continue")
     text.add_argument("--chat", help="a user message, wrapped in the checkpoint's chat template")
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = Path(args.model)
+    folder = Path(resolve_model_dir(args.model))
     try:
         model = load_model(folder, dtype=args.dtype, matvec=args.matvec)
         tokenizer = load_tokenizer(folder)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kvcache.defaults import resolve_model_dir
 from kvcache.model.config import ModelConfig
 from kvcache.model.kernels import BACKENDS, choose_decode_path, fuse_projections
 from kvcache.model.llama import LlamaForCausalLM
@@ -169,12 +170,14 @@ def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> di
 
 
 def load_model(
-    path: str | Path,
+    path: str | Path | None = None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     matvec: str = "torch",
 ) -> LlamaForCausalLM:
     """Load a local llama / mistral / qwen2 checkpoint folder, strictly, in eval mode.
+
+    path: the folder; None loads kvcache's bundled default model (`kvcache.defaults`).
 
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype);
     otherwise every tensor is converted to it.
@@ -187,7 +190,7 @@ def load_model(
         raise ValueError(f"matvec must be one of {(*BACKENDS, 'auto')}, got {matvec!r}")
     from safetensors import safe_open
 
-    folder = checkpoint_folder(path)
+    folder = checkpoint_folder(resolve_model_dir(path))
     config = ModelConfig.from_file(folder)
     dtype = resolve_dtype(dtype)
     wanted = _check_names_and_shapes(config, tensor_files(folder))

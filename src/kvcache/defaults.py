@@ -1,0 +1,23 @@
+"""Where kvcache's bundled default model lives (standard library only).
+
+The default model is a ~3M-parameter Llama trained by `scripts/train_default_model.py` on text
+shipped with Python; it is a standard Hugging Face checkpoint folder inside the package, used
+by `kvcache.load_model()` / `load_tokenizer()` with no path and by every CLI command without
+`--model`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "data" / "default_model"
+
+
+def default_model_dir() -> Path:
+    """The bundled checkpoint folder (config.json, model.safetensors, tokenizer.json, …)."""
+    return DEFAULT_MODEL_DIR
+
+
+def resolve_model_dir(path: str | Path | None) -> Path | str:
+    """`path` as given, or the bundled default model's folder when it is None."""
+    return DEFAULT_MODEL_DIR if path is None else path
