@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo lab test lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +13,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $(STAMP)
 
+# The main job: the bundled default model generates, streamed, with and without the cache.
 demo: $(STAMP)
+	$(VENV)/bin/kvcache generate --prompt "The with statement" --max-new-tokens 64 --compare-nocache
+
+lab: $(STAMP)
 	$(VENV)/bin/kvcache lab
 
 lint: $(STAMP)
