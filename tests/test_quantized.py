@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.cache import CacheConfigError
-from kvcache.cache.quantize import QuantSpec, dequantize, error_bound, packed_row_bytes, quantize
+from kvcache.cache.quantize import QuantSpec, dequantize, error_bound, fp8_as_float16, quantize
 
 SPECS = [("int", 8), ("int", 4), ("fp8", 8)]
 SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -105,10 +105,11 @@ def test_constant_and_zero_groups_round_trip_exactly():
         assert torch.equal(dequantize(quantize(x, spec), spec, torch.float32), x)
 
 
-def test_packed_row_bytes_counts_codes_and_scales():
-    assert packed_row_bytes(QuantSpec("int", 8, 32, "token", torch.float16), 64) == 64 + 2 * 2 * 2
-    assert packed_row_bytes(QuantSpec("int", 4, 32, "channel", torch.float32), 64) == 32 + 64 * 8 / 32
-    assert packed_row_bytes(QuantSpec("fp8", 8, 64, "token", torch.float32), 64) == 64 + 4
+def test_fp8_decoding_by_moving_bits_is_exact_for_every_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN codes are never stored
+    fp8 = codes.view(torch.float8_e4m3fn)
+    assert torch.equal(fp8_as_float16(fp8).float() * 256, fp8.float())
 
 
 @pytest.mark.parametrize(

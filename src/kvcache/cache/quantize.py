@@ -145,13 +145,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedRows:
     return QuantizedRows(codes, scale, zero)
 
 
-def unpack(data: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Integer codes (B, H, T, D) as uint8 from stored data (int4: two per byte)."""
-    if spec.bits == 8:
-        return data
-    return torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)  # (B, H, T, D)
-
-
 def fp8_as_float16(data: torch.Tensor) -> torch.Tensor:
     """e4m3 values × 2^-8, exactly, as float16, by moving bits (CPU casts from float8 are slow).
 
@@ -197,13 +190,3 @@ def error_bound(x: torch.Tensor, rows: QuantizedRows, spec: QuantSpec) -> torch.
     if spec.kind == "int":
         return step / 2
     return torch.maximum(x.float().abs() / 16, step / 1024)
-
-
-def packed_row_bytes(spec: QuantSpec, head_dim: int) -> float:
-    """Bytes one token's row of `head_dim` channels takes once quantized, scales included
-    (for axis "channel" the scales of a group of tokens are shared among them)."""
-    codes = head_dim * spec.bits / 8
-    per_group = spec.scale_dtype.itemsize * (2 if spec.has_zero else 1)
-    if spec.axis == "token":
-        return codes + head_dim // spec.channel_group(head_dim) * per_group
-    return codes + head_dim * per_group / spec.group_size
