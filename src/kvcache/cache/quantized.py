@@ -4,8 +4,9 @@ The most recent tokens stay in full precision (a residual of `residual_length` t
 `residual_length + group_size - 1` rows); whenever the residual reaches `residual_length +
 group_size` rows, its oldest whole groups of `group_size` tokens are quantized once and appended
 to packed storage, which is never re-quantized. So the tokens held quantized after T tokens are
-always the first floor((T - residual_length) / group_size) · group_size, however T arrived
-(one prefill or token by token), and groups start at absolute positions 0, g, 2g, …
+the first floor((T - residual_length) / group_size) · group_size, however T arrived (one
+prefill or token by token), and groups start at absolute positions 0, g, 2g, … (a crop only
+shortens the residual; the invariant holds again once it has regrown).
 
 `update` returns what is stored: the quantized history dequantized (in the model's dtype) and
 the residual after it, (B, H_kv, T, D). The dequantization is redone on every update (O(T) per
