@@ -141,9 +141,10 @@ def markdown(result: dict) -> str:
     model = result["model"]
     lines = [
         f"Random Llama, {model['parameters'] / 1e6:.0f}M parameters ({model['layers']} layers, "
-        f"{model['kv_heads']} kv heads × {model['head_dim']}), batch 1, {result['machine']['threads']} "
-        f"threads, torch {result['machine']['torch']}. Quantized: group {GROUP}, residual {RESIDUAL} "
-        "tokens in full precision, keys per channel, values per token, fp32 scales.",
+        f"{model['kv_heads']} kv heads × {model['head_dim']}), batch 1, torch "
+        f"{result['machine']['torch']}, {result['machine']['threads']} thread(s).",
+        f"Quantized: group {GROUP}, residual {RESIDUAL} tokens in full precision, keys per channel, "
+        "values per token, fp32 scales.",
         "",
         "| context | cache | bytes/token (held) | bytes/token (packed, steady) | vs fp32 | "
         "decode tokens/s | vs fp32 |",
