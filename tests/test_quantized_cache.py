@@ -248,3 +248,14 @@ def test_memory_planner_counts_codes_scales_zero_points_and_residual_by_hand():
         quantized_kv_cache_bytes(1, 1, 1, 8, bits=2)
     with pytest.raises(ValueError, match="axes"):
         quantized_kv_cache_bytes(1, 1, 1, 8, key_axis="head")
+
+
+def test_after_a_crop_the_residual_regrows_and_the_flush_invariant_returns():
+    layer = QuantizedLayer(bits=8, group_size=GROUP, residual_length=RESIDUAL)
+    k, v = kv(30)
+    layer.update(k[:, :, :20], v[:, :, :20])
+    assert layer.quantized_tokens == 12
+    layer.crop(13)  # one full-precision token left
+    keys, _ = layer.update(k[:, :, 13:30], v[:, :, 13:30])
+    assert layer.quantized_tokens == (30 - RESIDUAL) // GROUP * GROUP
+    assert torch.equal(keys, quantized_at_once(k, 8, "channel"))
