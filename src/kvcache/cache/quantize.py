@@ -160,25 +160,29 @@ def dequantize(rows: QuantizedRows, spec: QuantSpec, dtype: torch.dtype, out: to
     """x̂ = code · scale (+ zero) as (B, H, T, D) in `dtype`, written into `out` if given (a
     (B, H, T, D) tensor of `dtype`, e.g. a view of a larger buffer).
 
-    The arithmetic runs in place in `out` (float32 for a float32 cache; a bf16/fp16 cache
-    rounds the product before adding the zero point): codes are copied in, then scaled.
+    The arithmetic runs in float32, in place in `out` for a float32 cache (codes copied in, then
+    scaled), else in a float32 workspace copied into `out` once, so a bf16/fp16 cache rounds
+    each value once, like the unquantized cache it stands in for.
     """
     shape = (*rows.data.shape[:3], rows.data.shape[3] * (2 if spec.kind == "int" and spec.bits == 4 else 1))
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=rows.data.device)
+    work = out if out.dtype == torch.float32 else torch.empty(shape, device=out.device)  # float32
     scale = rows.scale
     if spec.kind == "fp8":
-        out.copy_(fp8_as_float16(rows.data))
+        work.copy_(fp8_as_float16(rows.data))
         scale = scale.float() * 256.0
     elif spec.bits == 4:
-        out[..., 0::2].copy_(rows.data & 0x0F)
-        out[..., 1::2].copy_(rows.data >> 4)
+        work[..., 0::2].copy_(rows.data & 0x0F)
+        work[..., 1::2].copy_(rows.data >> 4)
     else:
-        out.copy_(rows.data)
-    groups, member = _grouped(out, spec, view=True)
+        work.copy_(rows.data)
+    groups, member = _grouped(work, spec, view=True)
     groups.mul_(scale.unsqueeze(member))
     if rows.zero is not None:
         groups.add_(rows.zero.unsqueeze(member))
+    if work is not out:
+        out.copy_(work)
     return out
 
 
