@@ -135,3 +135,11 @@ def test_shapes_the_groups_cannot_tile_raise():
         quantize(torch.randn(1, 1, 4, 12), QuantSpec("int", 8, 8, "token"))
     with pytest.raises(CacheConfigError, match="multiple of group_size=8 tokens"):
         quantize(torch.randn(1, 1, 12, 8), QuantSpec("int", 8, 8, "channel"))
+
+
+@pytest.mark.parametrize("kind,bits", SPECS)
+def test_a_bfloat16_result_is_the_float32_result_rounded_once(kind, bits):
+    spec = QuantSpec(kind, bits, 8, "channel", torch.bfloat16)
+    rows = quantize(with_outliers((1, 2, 16, 8), seed=4).bfloat16(), spec)
+    exact = dequantize(rows, spec, torch.float32)
+    assert torch.equal(dequantize(rows, spec, torch.bfloat16), exact.bfloat16())
