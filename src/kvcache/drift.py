@@ -20,20 +20,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
+
+from kvcache.defaults import default_model_dir  # noqa: F401  (re-exported for the CLI)
 
 DEFAULT_PROMPTS = (
     "The for statement is used to iterate over the elements of a sequence",
     'def read_config(path):\n    """Read the configuration file at path and return',
     "<|user|>\nWhat is a generator in Python?<|end|>\n<|assistant|>\n",
 )
-
-
-def default_model_dir() -> Path:
-    """Where kvcache's small trained default model lives (inside the package)."""
-    return Path(__file__).resolve().parent / "default_model"
 
 
 @dataclass(frozen=True)
