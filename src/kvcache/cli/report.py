@@ -1,0 +1,118 @@
+"""`kvcache report`: counted and measured figures in one document, with plots.
+
+    kvcache report                       # the default model, into ./report (a few minutes)
+    kvcache report --quick --out /tmp/r  # the same figures on smaller ranges (well under a minute)
+
+Writes report.md, report.json and five PNGs; a progress bar on stderr while it runs, the files
+and the headline figures on stdout at the end. torch and matplotlib are imported inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvcache.cli._args import positive_int
+from kvcache.memory import format_bytes, parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint folder (default: kvcache's bundled default model)")
+    parser.add_argument("--out", default="report", help="folder to write into (default ./report)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller ranges and fewer repeats: well under a minute")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch CPU threads while measuring (default 1: a decode step of a small model "
+                             "is small work, and one thread gives the steadiest figures on a shared machine)")
+    parser.add_argument("--budget", type=_size, default=24 * 2**30,
+                        help="KV memory budget for the capacity figures (default 24GiB)")
+
+
+class _Bar:
+    """A progress bar on stderr: redrawn in place on a terminal, one line per step otherwise."""
+
+    def __init__(self, stream=sys.stderr, width: int = 28):
+        self.stream, self.width = stream, width
+        self.live = stream.isatty()
+        self.started = time.perf_counter()
+        self.last_label = None
+
+    def __call__(self, fraction: float, label: str) -> None:
+        filled = int(round(fraction * self.width))
+        line = (f"kvcache report [{'#' * filled}{'.' * (self.width - filled)}] {fraction:4.0%} "
+                f"{time.perf_counter() - self.started:5.1f}s  {label}")
+        if self.live:
+            self.stream.write("\r" + line[:110].ljust(110))
+            if fraction >= 1.0:
+                self.stream.write("\n")
+        elif label != self.last_label:
+            self.stream.write(line + "\n")
+        self.last_label = label
+        self.stream.flush()
+
+
+def _headline(report: dict) -> list[str]:
+    counts = report["counts"]["rows"][-1]
+    latency = report["latency"]["rows"]
+    equality = report["equality"]["rows"]
+    engine = sorted(report["drift"]["engine"]["rows"], key=lambda r: (r["bits"], r["kind"]))
+    memory = report["memory"]
+    lines = [
+        f"counts: n={counts['length']}: {counts['nocache_total']:,} multiplications without a cache, "
+        f"{counts['cached_total']:,} with ({counts['total_ratio']:.1f}x); closed forms match: "
+        f"{report['counts']['matches_closed_forms']}",
+        f"latency: context {latency[-1]['context']}: cached {latency[-1]['cached_ms']['median']:.3g} ms, "
+        f"no cache {latency[-1]['uncached_ms']['median']:.3g} ms ({latency[-1]['speedup']:.1f}x)",
+        "equality: " + ", ".join(f"{r['kind']} {r['max_abs_logit_diff']:.2g}" for r in equality)
+        + f" (all within tolerance: {all(r['within'] for r in equality)})",
+        "drift: " + ", ".join(f"{r['name']} KL {r['mean_kl']:.2g} agreement {r['greedy_agreement']:.3f}"
+                              for r in engine),
+    ]
+    budget = format_bytes(memory["budget_bytes"])
+    per_model = [f"{m['name']} {m['capacity']['bfloat16']['max_sequences']}" for m in memory["models"]
+                 if "bfloat16" in m["capacity"]]
+    if per_model:
+        lines.append(f"memory: sequences of {memory['capacity_tokens']:,} tokens in {budget} (bf16): "
+                     + ", ".join(per_model))
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        print("kvcache report: error: matplotlib is needed for the plots: pip install 'kvcache[report]'",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    from kvcache.report import write_report
+
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        print(f"kvcache report: error: no config.json in {args.model}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        report = write_report(args.out, args.model, quick=args.quick, progress=_Bar(),
+                              budget_bytes=args.budget)
+    except (ValueError, OSError) as error:
+        print(f"kvcache report: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(threads)
+    out = Path(args.out)
+    names = ["report.md", "report.json", *report["plots"].values()]
+    print(f"kvcache report: wrote {', '.join(names)} in {out} ({report['elapsed_s']:.0f} s)")
+    for line in _headline(report):
+        print(f"  {line}")
+    return 0
