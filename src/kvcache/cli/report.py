@@ -40,9 +40,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 class _Bar:
     """A progress bar on stderr: redrawn in place on a terminal, one line per step otherwise."""
 
-    def __init__(self, stream=sys.stderr, width: int = 28):
-        self.stream, self.width = stream, width
-        self.live = stream.isatty()
+    def __init__(self, stream=None, width: int = 28):
+        self.stream, self.width = stream or sys.stderr, width
+        self.live = self.stream.isatty()
         self.started = time.perf_counter()
         self.last_label = None
 

@@ -1,0 +1,169 @@
+"""`kvcache report --quick` end to end on the default model: every figure in report.json has its
+keys and sane values (counts equal the closed forms, exact caches within tolerance, drift and
+memory consistent with the library), and the PNGs are real images."""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvcache.cli import main
+from kvcache.memory import KVShape, max_sequences
+from kvcache.reference import formulas, mul_table
+from kvcache.report import PLOTS
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = main(["report", "--quick", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    return {"status": status, "out": out, "report": report, "stdout": stdout.getvalue(),
+            "stderr": stderr.getvalue()}
+
+
+def test_report_quick_exits_zero_with_progress_on_stderr_and_files_on_stdout(run):
+    assert run["status"] == 0
+    assert "kvcache report [" in run["stderr"] and "100%" in run["stderr"]
+    assert "wrote report.md, report.json" in run["stdout"]
+    assert run["report"]["settings"]["quick"] is True
+    assert run["report"]["elapsed_s"] < 60
+
+
+def test_every_plot_is_a_png_that_matplotlib_reads_back(run):
+    from matplotlib.image import imread
+
+    assert set(run["report"]["plots"]) == set(PLOTS)
+    for name in run["report"]["plots"].values():
+        path = run["out"] / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+        pixels = imread(path)
+        assert pixels.ndim == 3 and pixels.shape[2] in (3, 4), (name, pixels.shape)
+        assert pixels.shape[0] >= 200 and pixels.shape[1] >= 400, (name, pixels.shape)
+        assert pixels.std() > 0.05, f"{name} is blank"
+        assert path.stat().st_size < 400_000, f"{name} is too large"
+
+
+def test_markdown_has_every_section_and_links_every_plot(run):
+    text = (run["out"] / "report.md").read_text(encoding="utf-8")
+    for number in range(1, 7):
+        assert f"\n## {number}. " in text
+    for name in run["report"]["plots"].values():
+        assert f"]({name})" in text
+    assert "**NO**" not in text.split("## 4.")[0], "a counted or equality row failed"
+
+
+def test_counts_equal_the_closed_forms_and_the_counted_table(run):
+    counts = run["report"]["counts"]
+    d = counts["d"]
+    lengths = [row["length"] for row in counts["rows"]]
+    assert lengths == run["report"]["settings"]["count_lengths"]
+    assert counts["rows"] == mul_table(lengths, d)
+    assert counts["matches_closed_forms"] is True
+    for row in counts["rows"]:
+        n = row["length"]
+        assert row["nocache_per_token"] == formulas.single_head_nocache_step(n, d)
+        assert row["cached_per_token"] == formulas.single_head_cached_step(n, d)
+        assert row["nocache_total"] == formulas.single_head_nocache_total(n, d)
+        assert row["cached_total"] == formulas.single_head_cached_total(n, d)
+        assert row["cached_projection_per_token"] == 3 * d * d  # constant: what the cache removes
+        assert row["cached_attention_per_token"] == row["nocache_attention_per_token"] == 2 * n * d
+
+
+def test_latency_rows_have_medians_inside_their_spread(run):
+    latency = run["report"]["latency"]
+    assert latency["threads"] == 1
+    assert [r["context"] for r in latency["rows"]] == run["report"]["settings"]["latency_lengths"]
+    for row in latency["rows"]:
+        for key in ("cached_ms", "uncached_ms"):
+            spread = row[key]
+            assert len(spread["samples"]) == latency["repeats"]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"] < 10_000
+        assert row["speedup"] == pytest.approx(row["uncached_ms"]["median"] / row["cached_ms"]["median"])
+    assert latency["rows"][-1]["speedup"] > 1  # 256 positions recomputed vs one
+
+
+def test_every_exact_cache_kind_is_within_tolerance(run):
+    equality = run["report"]["equality"]
+    tol = equality["tolerance"]
+    kinds = {row["kind"] for row in equality["rows"]}
+    assert kinds == {"dynamic", "static", "paged", "sliding", "dynamic, windowed layers"}
+    assert equality["prompt_tokens"] > 32 + 2 * 16  # the prompt alone crosses the window and blocks
+    for row in equality["rows"]:
+        assert row["within"] and row["same_argmax"], row
+        assert 0 <= row["max_abs_logit_diff"] <= tol["atol"] + tol["rtol"] * row["max_abs_logit"], row
+        assert row["max_abs_logit"] > 1
+
+
+def test_reference_drift_shrinks_with_bits_and_engine_drift_is_against_tolerance(run):
+    ref = run["report"]["drift"]["reference"]
+    diffs = [row["max_abs_diff"] for row in ref["rows"]]
+    assert [row["bits"] for row in ref["rows"]] == sorted(run["report"]["settings"]["rounding_bits"])
+    assert all(a > b for a, b in zip(diffs, diffs[1:])), diffs
+    assert ref["rows"][-1]["within"] and not ref["rows"][0]["within"]
+
+    engine = run["report"]["drift"]["engine"]
+    rows = {row["name"]: row for row in engine["rows"]}
+    assert set(rows) == {"int8", "int4", "fp8"}
+    tol = engine["tolerance"]
+    for row in rows.values():
+        assert 0 <= row["mean_kl"] <= row["max_kl"]
+        assert 0 <= row["greedy_agreement"] <= 1 and 0 <= row["teacher_forced_agreement"] <= 1
+        assert row["max_abs_logit_diff"] > 0
+        assert row["quantized_fraction"] > 0.5  # most of the cache is packed, so drift is measured
+        assert row["bytes_per_token"] < row["reference_bytes_per_token"]
+        assert row["within_tolerance"] == (
+            row["greedy_agreement"] >= tol["greedy_agreement"]
+            and row["teacher_forced_agreement"] >= tol["teacher_forced_agreement"]
+            and row["mean_kl"] <= tol["mean_kl"])
+    assert rows["int8"]["mean_kl"] < rows["int4"]["mean_kl"]
+    assert rows["int8"]["within_tolerance"]
+
+
+def test_memory_figures_equal_the_planner(run):
+    memory = run["report"]["memory"]
+    names = [m["name"] for m in memory["models"]]
+    assert names == ["default_model", "Llama-2-7B", "Llama-3-8B", "Mistral-7B-v0.1", "Qwen2-7B"]
+    by_name = {m["name"]: m for m in memory["models"]}
+    # layers / kv heads / head dim from the published config.json fields
+    assert [(by_name[n]["layers"], by_name[n]["kv_heads"], by_name[n]["head_dim"]) for n in names[1:]] == [
+        (32, 32, 128), (32, 8, 128), (32, 8, 128), (28, 4, 128)]
+    assert (by_name["default_model"]["layers"], by_name["default_model"]["kv_heads"]) == (4, 4)
+    assert by_name["Llama-3-8B"]["bytes_per_token"]["bfloat16"] == 2 * 32 * 8 * 128 * 2
+    assert by_name["Mistral-7B-v0.1"]["sliding_window"] == 4096
+    assert by_name["Qwen2-7B"]["sliding_window"] is None  # use_sliding_window: false
+    for model in memory["models"]:
+        window = model["sliding_window"]
+        shape = KVShape(model["layers"], model["kv_heads"], model["head_dim"], window,
+                        ("sliding_attention",) * model["layers"] if window else None)
+        for row in model["rows"]:
+            for dtype in memory["dtypes"]:
+                assert row[dtype] == shape.bytes(row["tokens"], 1, dtype)
+        for dtype in memory["dtypes"]:
+            assert model["capacity"][dtype]["max_sequences"] == max_sequences(
+                shape, memory["budget_bytes"], memory["capacity_tokens"], dtype)
+    mistral = {r["tokens"]: r["bfloat16"] for r in by_name["Mistral-7B-v0.1"]["rows"]}
+    llama3 = {r["tokens"]: r["bfloat16"] for r in by_name["Llama-3-8B"]["rows"]}
+    assert mistral[8192] == mistral[4096] == llama3[4096] < llama3[8192]  # the window caps it
+    assert by_name["Mistral-7B-v0.1"]["capacity"]["bfloat16"]["max_tokens_batch_1"] is None
+
+
+def test_machine_and_versions_are_recorded(run):
+    machine = run["report"]["machine"]
+    for key in ("platform", "cpu", "cpu_count", "python", "torch", "torch_threads", "matplotlib", "kvcache"):
+        assert machine.get(key) not in (None, ""), key
+    assert machine["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_importing_the_report_package_and_command_imports_neither_torch_nor_matplotlib():
+    code = ("import sys, kvcache.report, kvcache.report.counted, kvcache.cli.report;"
+            "assert 'torch' not in sys.modules, 'torch imported';"
+            "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
