@@ -9,7 +9,8 @@ pools never meet, and peak memory is that configuration's own): kvcache with a d
 (the decode path `matvec="auto"` picks on this machine, and torch and numpy matrix-vector
 kernels forced), a static cache, and no cache; transformers with its
 dynamic cache, static cache and no cache. Each process warms up once, then times `--repeats`
-runs and keeps the fastest. Figures: time to first token, decode tokens/s (after the first
+runs; all configurations run `--rounds` times in turn and each keeps its fastest run, so a busy
+spell on a shared machine hits both libraries. Figures: time to first token, decode tokens/s (after the first
 token), the weight bandwidth that decode speed implies, and peak resident memory.
 Results: benchmarks/results/generate.json and generate.md. Not a test: nothing is asserted.
 """
@@ -249,7 +250,8 @@ def main() -> None:
         default=32,
         help="new tokens for the no-cache runs (each step re-reads the whole context)",
     )
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per process (best kept)")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over all configurations (best kept)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -272,16 +274,18 @@ def main() -> None:
         for name in args.models.split(","):
             checkpoint = Path(scratch) / name
             build_checkpoint(name, checkpoint)
-            rows = []
-            for library, cache, kernel in CONFIGS:
-                row = run_config(checkpoint, library, cache, kernel, args)
-                print(
-                    f"{name:6s} {library:12s} {cache:8s} {kernel or '':6s} "
-                    f"{row['decode_tokens_per_s']:8.1f} tok/s  ttft {row['ttft_ms']:7.1f} ms",
-                    flush=True,
-                )
-                rows.append(row)
-            results["models"][name] = rows
+            best: dict[int, dict] = {}
+            for _ in range(args.rounds):  # rounds interleave the libraries, so a busy spell hits both
+                for index, (library, cache, kernel) in enumerate(CONFIGS):
+                    row = run_config(checkpoint, library, cache, kernel, args)
+                    if index not in best or row["decode_tokens_per_s"] > best[index]["decode_tokens_per_s"]:
+                        best[index] = row
+                    print(
+                        f"{name:6s} {library:12s} {cache:8s} {kernel or '':6s} "
+                        f"{row['decode_tokens_per_s']:8.1f} tok/s  ttft {row['ttft_ms']:7.1f} ms",
+                        flush=True,
+                    )
+            results["models"][name] = [best[index] for index in sorted(best)]
     results["load_average_at_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "generate.json").write_text(json.dumps(results, indent=1) + "\n")
