@@ -98,6 +98,7 @@ def test_every_exact_cache_kind_is_within_tolerance(run):
     assert equality["prompt_tokens"] > 32 + 2 * 16  # the prompt alone crosses the window and blocks
     for row in equality["rows"]:
         assert row["within"] and row["same_argmax"], row
+        assert 0 <= row["tolerance_used"] <= 1, row
         assert 0 <= row["max_abs_logit_diff"] <= tol["atol"] + tol["rtol"] * row["max_abs_logit"], row
         assert row["max_abs_logit"] > 1
 

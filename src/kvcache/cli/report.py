@@ -74,7 +74,7 @@ def _headline(report: dict) -> list[str]:
         f"no cache {latency[-1]['uncached_ms']['median']:.3g} ms ({latency[-1]['speedup']:.1f}x)",
         "equality: " + ", ".join(f"{r['kind']} {r['max_abs_logit_diff']:.2g}" for r in equality)
         + f" (all within tolerance: {all(r['within'] for r in equality)})",
-        "drift: " + ", ".join(f"{r['name']} KL {r['mean_kl']:.2g} agreement {r['greedy_agreement']:.3f}"
+        "drift: " + ", ".join(f"{r['name']} KL {r['mean_kl']:.2g} agreement {r['greedy_agreement']:.4f}"
                               for r in engine),
     ]
     budget = format_bytes(memory["budget_bytes"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 DPI = 100
 CACHED, UNCACHED = "#1f77b4", "#d62728"
@@ -30,11 +30,10 @@ def _save(figure: Figure, folder: Path, name: str) -> str:
 
 
 def _plain_log_y(ax) -> None:
-    """Tick labels of a log y axis as plain numbers (0.5, 2, 30) instead of powers of ten."""
-    plain = FuncFormatter(lambda y, _: f"{y:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="y", which="minor", labelsize=7)
+    """Ticks of a log y axis at 1, 2, 5 × 10^k, labelled as plain numbers (0.5, 2, 50)."""
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _tokens_axis(ax, label: str = "context length (tokens)") -> None:
@@ -61,13 +60,11 @@ def plot_counts(counts: dict, folder: Path) -> str:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     split.plot(n, [r["nocache_projection_per_token"] for r in rows], "o-", color=UNCACHED,
-               label="no cache: projections 3·n·d²")
-    split.plot(n, [r["nocache_attention_per_token"] for r in rows], "s:", color=UNCACHED,
-               label="no cache: attention 2·n·d")
+               label="no cache: projections 3·n·d² (grow)")
     split.plot(n, [r["cached_projection_per_token"] for r in rows], "o-", color=CACHED,
                label="cache: projections 3·d² (constant)")
-    split.plot(n, [r["cached_attention_per_token"] for r in rows], "s:", color=CACHED,
-               label="cache: attention 2·n·d (grows)")
+    split.plot(n, [r["cached_attention_per_token"] for r in rows], "s:", color="#9467bd",
+               label="both: attention 2·n·d (grows)")
     _tokens_axis(split)
     split.set_yscale("log")
     split.set_ylabel("multiplications of token n (log)")
@@ -93,7 +90,7 @@ def plot_latency(latency: dict, model_name: str, folder: Path) -> str:
     _plain_log_y(times)
     times.set_ylabel("one decode step (ms, log)")
     times.set_title(f"decode step latency, {latency['repeats']} repeats per point", fontsize=10)
-    times.legend(fontsize=8)
+    times.legend(fontsize=8, loc="upper left")
     ratio.plot(n, [r["speedup"] for r in rows], "o-", color="#2ca02c")
     ratio.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1× (no gain)")
     _tokens_axis(ratio)
@@ -114,24 +111,32 @@ def _floor(values: list[float], floor: float) -> list[float]:
 def plot_equality(equality: dict, folder: Path) -> str:
     rows = equality["rows"]
     tol = equality["tolerance"]
-    figure, (ax,) = _figure(1, height=3.2)
-    figure.set_figwidth(8.0)
+    figure, (ax,) = _figure(1, height=3.4)
+    figure.set_figwidth(9.0)
     names = [r["kind"] + (f" (window {r['window']})" if r["window"] else "") for r in rows]
     diffs = [r["max_abs_logit_diff"] for r in rows]
     floor = tol["atol"] / 1e3
+    largest = max(r["max_abs_logit"] for r in rows)
+    ax.axvspan(tol["atol"], tol["atol"] + tol["rtol"] * largest, color="grey", alpha=0.15,
+               label=f"tolerance {tol['atol']:g} + {tol['rtol']:g}·|logit|:\nfrom |logit| = 0 to the "
+                     f"largest ({largest:.3g})")
+    ax.axvline(tol["atol"], color="black", linestyle="--", linewidth=1)
     bars = ax.barh(names, _floor(diffs, floor), color=[CACHED if r["within"] else UNCACHED for r in rows])
-    for bar, value in zip(bars, diffs):
+    for bar, row in zip(bars, rows):
+        value = row["max_abs_logit_diff"]
         text = f"{value:.2g}" if value > 0 else "0 (bit-identical)"
-        ax.text(bar.get_width() * 1.15, bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
-    ax.axvline(tol["atol"], color="black", linestyle="--", linewidth=1,
-               label=f"tolerance: {tol['atol']:g} + {tol['rtol']:g}·|logit|")
+        used = f"  {row['tolerance_used']:.0%} of its tolerance" if "tolerance_used" in row else ""
+        ax.text(bar.get_width() / 1.3, bar.get_y() + bar.get_height() / 2, text + " ", va="center",
+                ha="right", fontsize=8, color="white")
+        ax.text(tol["atol"] + tol["rtol"] * largest, bar.get_y() + bar.get_height() / 2, used,
+                va="center", fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlim(floor / 2, max(max(diffs), tol["atol"]) * 1e3)
+    ax.set_xlim(floor / 2, (tol["atol"] + tol["rtol"] * largest) * 300)
     ax.invert_yaxis()
     ax.set_xlabel("max |Δlogit|, cached vs recomputed without a cache (log)")
     ax.set_title(f"Exact caches: {equality['prompt_tokens']}-token prompt + {equality['new_tokens']} "
                  f"greedy tokens, {equality['dtype'].removeprefix('torch.')}", fontsize=10)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, -0.42), ncol=1, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
     return _save(figure, folder, "equality.png")
 

@@ -109,7 +109,7 @@ def _drift(report: dict, plots: dict) -> list[str]:
         ratio = row["reference_bytes_per_token"] / row["bytes_per_token"]
         out.append(f"| {row['name']} | {row['group_size']} / {row['residual_length']} | "
                    f"{row['max_abs_logit_diff']:.3g} | {row['mean_kl']:.3g} | "
-                   f"{row['greedy_agreement']:.3f} | {row['teacher_forced_agreement']:.3f} | "
+                   f"{row['greedy_agreement']:.4f} | {row['teacher_forced_agreement']:.4f} | "
                    f"{row['quantized_fraction']:.0%} | "
                    f"{row['bytes_per_token']:.0f} ({ratio:.2f}× smaller) | {_yes(row['within_tolerance'])} |")
     return out + [""]
