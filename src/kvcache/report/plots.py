@@ -97,6 +97,7 @@ def plot_latency(latency: dict, model_name: str, folder: Path) -> str:
     _tokens_axis(times)
     times.set_yscale("log")
     _plain_log_y(times)
+    times.set_ylim(top=max(r["uncached_ms"]["max"] for r in rows) * 5)  # room for the legend
     times.set_ylabel("one decode step (ms, log)")
     times.set_title(f"decode step latency, {latency['repeats']} repeats per point", fontsize=10)
     times.legend(fontsize=8, loc="upper left")
