@@ -63,7 +63,7 @@ class _Bar:
 def _headline(report: dict) -> list[str]:
     counts = report["counts"]["rows"][-1]
     latency = report["latency"]["rows"]
-    equality = report["equality"]["rows"]
+    equality = [row for row in report["equality"]["rows"] if "skipped" not in row]
     engine = sorted(report["drift"]["engine"]["rows"], key=lambda r: (r["bits"], r["kind"]))
     memory = report["memory"]
     lines = [

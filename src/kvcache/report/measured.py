@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcache.cache import make_cache
+from kvcache.cache import CacheConfigError, make_cache
 
 Progress = Callable[[float, str], None]
 
@@ -70,7 +70,8 @@ def latency_figures(model, lengths: Sequence[int], repeats: int, seed: int = 0,
     rows = []
     for index, length in enumerate(usable):
         say(index / len(usable), f"latency: context {length}")
-        cache = make_cache("dynamic", config=model.config, device=model.device)
+        # one spare ring row per sliding layer, so crop(L - 1) can undo the timed step
+        cache = make_cache("dynamic", config=model.config, device=model.device, max_rollback=1)
         model(ids[:, : length - 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
         last = ids[:, length - 1: length]
         cached, uncached = [], []
@@ -124,9 +125,11 @@ def equality_figures(model, prompt_ids: Sequence[int], new_tokens: int, window: 
     without a cache computes. Sliding-window kinds run the model with every layer windowed at
     `window` (the reference windows its masks the same way), so their ring wraps. Lengths cross
     the window, every `block_size`, and (full runs) the dynamic buffer's first growth at 256.
+    A kind the model's config rules out (paged with sliding layers) is a row with "skipped": why.
     """
     say = progress or (lambda fraction, label: None)
     config = model.config
+    window = config.sliding_window or window  # a model with a window of its own is checked at it
     windowed = _windowed(config, window)
     prompt = torch.tensor([list(prompt_ids)], device=model.device)
     total = prompt.shape[1] + new_tokens
@@ -147,7 +150,13 @@ def equality_figures(model, prompt_ids: Sequence[int], new_tokens: int, window: 
     rows = []
     for index, (kind, storage, kind_config, build) in enumerate(kinds):
         say(index / len(kinds), f"equality: {kind}")
-        tokens, logits = _cached_logits(model, prompt, build(), new_tokens)
+        window_used = window if kind_config is windowed else None
+        try:
+            cache = build()
+        except CacheConfigError as error:  # e.g. paged on a model with sliding layers
+            rows.append({"kind": kind, "storage": storage, "window": window_used, "skipped": str(error)})
+            continue
+        tokens, logits = _cached_logits(model, prompt, cache, new_tokens)
         sequence = torch.cat([prompt[0], torch.tensor(tokens[:-1], device=prompt.device)])[None]
         reference = model(sequence, past_key_values=make_cache("none", config=kind_config),
                           use_cache=True).logits[0, prompt.shape[1] - 1:].float()  # (steps, vocab)
@@ -157,7 +166,7 @@ def equality_figures(model, prompt_ids: Sequence[int], new_tokens: int, window: 
         rows.append({
             "kind": kind,
             "storage": storage,
-            "window": window if kind_config is windowed else None,
+            "window": window_used,
             "max_abs_logit_diff": float(diff.max()),
             "max_abs_logit": float(reference.abs().max()),
             "tolerance_used": float((diff / allowed).max()),  # worst logit: |Δ| / its tolerance

@@ -119,7 +119,7 @@ def _floor(values: list[float], floor: float) -> list[float]:
 
 
 def plot_equality(equality: dict, folder: Path) -> str:
-    rows = equality["rows"]
+    rows = [row for row in equality["rows"] if "skipped" not in row]
     tol = equality["tolerance"]
     figure, (ax,) = _figure(1, height=3.4)
     figure.set_figwidth(9.0)

@@ -86,6 +86,9 @@ def _equality(report: dict, plots: dict) -> list[str]:
            "| cache kind | storage | max \\|Δlogit\\| | max \\|logit\\| | same argmax every step | within |",
            "|---|---|---:|---:|:---:|:---:|"]
     for row in eq["rows"]:
+        if "skipped" in row:
+            out.append(f"| {row['kind']} | {row['storage']} | skipped: {row['skipped']} | | | |")
+            continue
         out.append(f"| {row['kind']} | {row['storage']} | {row['max_abs_logit_diff']:.3g} | "
                    f"{row['max_abs_logit']:.3g} | {_yes(row['same_argmax'])} | {_yes(row['within'])} |")
     return out + [""]
