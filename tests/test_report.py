@@ -97,6 +97,7 @@ def test_every_exact_cache_kind_is_within_tolerance(run):
     assert kinds == {"dynamic", "static", "paged", "sliding", "dynamic, windowed layers"}
     assert equality["prompt_tokens"] > 32 + 2 * 16  # the prompt alone crosses the window and blocks
     for row in equality["rows"]:
+        assert "skipped" not in row, row
         assert row["within"] and row["same_argmax"], row
         assert 0 <= row["tolerance_used"] <= 1, row
         assert 0 <= row["max_abs_logit_diff"] <= tol["atol"] + tol["rtol"] * row["max_abs_logit"], row
@@ -161,6 +162,44 @@ def test_machine_and_versions_are_recorded(run):
     for key in ("platform", "cpu", "cpu_count", "python", "torch", "torch_threads", "matplotlib", "kvcache"):
         assert machine.get(key) not in (None, ""), key
     assert machine["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_a_model_with_sliding_layers_gets_a_report_with_paged_skipped(tmp_path):
+    """The default checkpoint relabelled as a Mistral with a 16-token window: the latency crop
+    keeps working on its rings, the paged cache (full attention only) is a skipped row."""
+    import shutil
+
+    import torch
+
+    from kvcache.defaults import default_model_dir
+    from kvcache.report.collect import collect_report
+    from kvcache.report.render import report_markdown
+    from kvcache.report.settings import ReportSettings
+
+    folder = tmp_path / "windowed"
+    shutil.copytree(default_model_dir(), folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16)
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+    settings = ReportSettings.for_run(True, latency_lengths=(16, 48), latency_repeats=1,
+                                      equality_new_tokens=8, drift_bits=(8,), drift_tokens=4,
+                                      count_lengths=(1, 2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = collect_report(settings, folder)
+    finally:
+        torch.set_num_threads(threads)
+    rows = {row["kind"]: row for row in report["equality"]["rows"]}
+    assert "PagedCache" in rows["paged"]["skipped"]
+    assert rows["sliding"]["window"] == 16
+    for kind in ("dynamic", "static", "sliding", "dynamic, windowed layers"):
+        assert rows[kind]["max_abs_logit_diff"] < 1e-3, rows[kind]
+    assert report["memory"]["models"][0]["sliding_window"] == 16
+    assert report["drift"]["engine"]["rows"][0]["quantized_fraction"] == 0  # rings stay full precision
+    report["elapsed_s"] = 0.0
+    assert "| paged | blocks of 16 tokens | skipped: " in report_markdown(report, {})
 
 
 def test_importing_the_report_package_and_command_imports_neither_torch_nor_matplotlib():

@@ -65,7 +65,8 @@ def collect_report(settings: ReportSettings, model_dir: str | Path | None = None
     stages = _Stages(progress)
     started = time.perf_counter()
     load_before = load_average()
-    report: dict = {"schema": SCHEMA_VERSION, "settings": settings.to_dict(), "model": str(folder)}
+    report: dict = {"schema": SCHEMA_VERSION, "settings": settings.to_dict(),
+                    "model": str(model_dir) if model_dir is not None else "bundled default model"}
 
     say = stages.part("counts")
     say(0.0, "counts: counting multiplications")
