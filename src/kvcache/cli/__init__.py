@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("lab", "the whole KV-cache lab: equality, counts, rounding, memory"),
     "generate": ("generate", "generate text with a local checkpoint, streamed, with timings"),
     "drift": ("drift", "how far a quantized KV cache moves the output, against tolerance"),
-    "report": ("report", "counted and measured figures in one document with plots (report.md, PNGs, JSON)"),
+    "report": ("report", "counted and measured figures in one document, with plots"),
 }
 
 
