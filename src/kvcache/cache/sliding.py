@@ -68,6 +68,9 @@ class SlidingWindowLayer(FixedCapacityLayer):
         )
         self.window = window
         self.max_rollback = max_rollback
+        # the longest length reached before the last crop: positions below
+        # high_water - capacity have been overwritten in the ring and cannot come back
+        self._high_water = 0
 
     # ---- geometry: which rows update() returns ----------------------------------------------
     def _returns_prefix(self, past: int, new_tokens: int) -> bool:
@@ -209,12 +212,19 @@ class SlidingWindowLayer(FixedCapacityLayer):
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens.
 
-        Once positions have left the ring, rolling back more than max_rollback tokens would
-        need evicted rows (the last `window` positions must stay held) and raises
-        `CacheCropError`.
+        The ring has overwritten every position below (longest length reached) - capacity;
+        a crop whose visible window would need one of those raises `CacheCropError`. Right
+        after a wrap that allows rolling back `max_rollback` tokens.
         """
         self.validate_crop(max_length)
-        self._length.set(min(max_length, self._length.get()))
+        length = self._length.get()
+        self._high_water = max(self._high_water, length)
+        self._length.set(min(max_length, length))
+
+    def reset(self) -> None:
+        """Forget every token; the ring's storage is kept for reuse."""
+        super().reset()
+        self._high_water = 0
 
     def validate_crop(self, max_length: int) -> None:
         """Raise `CacheCropError` if crop(max_length) would need rows the ring has evicted."""
@@ -222,14 +232,15 @@ class SlidingWindowLayer(FixedCapacityLayer):
         length = self._length.get()
         if max_length >= length:
             return
-        limit = self.max_rollback
-        if length > self.capacity and length - max_length > limit:
+        evicted_below = max(0, max(self._high_water, length) - self.capacity)
+        first_visible = max(0, max_length - self.window)
+        if first_visible < evicted_below:
             raise CacheCropError(
-                f"sliding layer{'' if self.layer_idx is None else f' {self.layer_idx}'} holds "
-                f"positions {length - self.capacity}..{length - 1} (window {self.window}, "
-                f"max_rollback {self.max_rollback}); crop({max_length}) rolls back "
-                f"{length - max_length} tokens, at most {limit} are possible; "
-                f"build the layer with a larger max_rollback"
+                f"sliding layer{'' if self.layer_idx is None else f' {self.layer_idx}'} no longer "
+                f"holds positions below {evicted_below} (window {self.window}, max_rollback "
+                f"{self.max_rollback}); crop({max_length}) from length {length} would need "
+                f"positions {first_visible}..{max_length - 1}; build the layer with a larger "
+                f"max_rollback"
             )
 
 
