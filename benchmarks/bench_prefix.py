@@ -40,12 +40,13 @@ from pathlib import Path
 import torch
 
 from kvcache.cache import DynamicCache, OutOfBlocksError, PagedCache
+from kvcache.defaults import default_model_dir
 from kvcache.generation import generate
 from kvcache.memory import KVShape, max_paged_sequences, max_sequences, paged_block_bytes, parse_size
 from kvcache.prefix import ChatSession, PrefixCache
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "src" / "kvcache" / "default_model"
+DEFAULT_MODEL = default_model_dir()
 USER_MESSAGES = [
     "Hi! Can you tell me what a key-value cache is?",
     "Why do the keys of earlier tokens never change?",
