@@ -16,7 +16,7 @@ from pathlib import Path
 from kvcache.cli._args import positive_int
 from kvcache.defaults import resolve_model_dir
 
-CACHE_CHOICES = ("dynamic", "static", "sliding", "none")
+CACHE_CHOICES = ("dynamic", "static", "sliding", "paged", "quantized", "none")
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:

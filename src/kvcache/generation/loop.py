@@ -23,7 +23,9 @@ from kvcache.generation.sampling import SamplingSettings, choose_next
 from kvcache.model.kernels import torch_threads
 from kvcache.model.llama import no_cache
 
-CACHE_KINDS = ("dynamic", "static", "sliding")
+# "quantized" is int8 with make_cache's defaults (lossy: its tokens may differ); pass a
+# QuantizedCache object for other settings.
+CACHE_KINDS = ("dynamic", "static", "sliding", "paged", "quantized")
 
 
 @dataclass
@@ -57,7 +59,8 @@ def resolve_eos(model, eos_token_id, tokenizer=None) -> tuple[int, ...]:
 
 
 def build_cache(model, kind, batch_size: int, max_length: int):
-    """A cache for `kind` ("dynamic" | "static" | "sliding" | None | a cache object)."""
+    """A cache for `kind` (one of CACHE_KINDS | None | a cache object), sized for batch_size
+    rows of max_length tokens where the kind preallocates."""
     from kvcache.cache import make_cache
 
     if kind is None or kind == "none":
@@ -67,7 +70,7 @@ def build_cache(model, kind, batch_size: int, max_length: int):
     if kind not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS}, None, or a Cache object; got {kind!r}")
     options: dict = {"config": model.config, "dtype": model.dtype, "device": model.device}
-    if kind in ("static", "sliding"):
+    if kind in ("static", "sliding", "paged"):
         options.update(max_batch_size=batch_size, max_cache_len=max_length)
     if kind == "sliding" and model.config.sliding_window is None:
         raise ValueError(
@@ -99,7 +102,8 @@ def generate(
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` per row; greedy unless do_sample=True.
 
-    cache: "dynamic" | "static" | "sliding" | a cache object | None (no cache: recompute).
+    cache: "dynamic" | "static" | "sliding" | "paged" | "quantized" (int8) | a cache object |
+        None (no cache: recompute).
     eos_token_id: None = the model config's (and tokenizer's) EOS ids; () = never stop early.
     stop_strings: stop a row once its new text contains one (needs `tokenizer`).
     prefill_chunk_size: run the prompt through the model this many tokens at a time.
