@@ -198,7 +198,7 @@ def test_bad_requests_fail_with_named_errors(models):
     with pytest.raises(ValueError, match="pad on the left"):
         generate(model, ids, torch.tensor([[1, 1, 0]]))
     with pytest.raises(ValueError, match="cache must be one of"):
-        generate(model, ids, cache="paged")
+        generate(model, ids, cache="ring")
     with pytest.raises(ValueError, match="needs a model whose config has a sliding_window"):
         generate(model, ids, cache="sliding")
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 272\)"):
