@@ -18,15 +18,7 @@ JSON_KEYS = {"bits", "kind", "max_abs_logit_diff", "mean_kl", "greedy_agreement"
 
 
 @pytest.fixture(scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: one thread is faster on a shared machine
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, single_thread):
+def tiny_dir(tmp_path_factory, one_thread):
     """A random 2-layer Llama saved by transformers, with a small byte-level BPE tokenizer."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -133,7 +125,7 @@ def test_bits_list_reads_8_4_and_fp8():
         bits_list("8,2")
 
 
-def test_int8_on_the_default_model_agrees_on_at_least_99_percent_of_128_greedy_tokens(single_thread):
+def test_int8_on_the_default_model_agrees_on_at_least_99_percent_of_128_greedy_tokens(one_thread):
     from kvcache.drift import DEFAULT_PROMPTS
     from kvcache.tokenizer import load_tokenizer
 

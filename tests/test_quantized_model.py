@@ -8,6 +8,7 @@ import torch
 from kvcache.cache import QuantizedCache, make_cache
 from kvcache.generation import generate
 from kvcache.model import load_model
+from kvcache.model.kernels import torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +22,8 @@ def model(tmp_path_factory):
     )
     folder = tmp_path_factory.mktemp("tiny_llama")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: one thread is faster on a shared machine
-    yield load_model(folder)
-    torch.set_num_threads(threads)
+    with torch_threads(1):  # tiny shapes: one thread is faster on a shared machine
+        yield load_model(folder)
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:

@@ -169,9 +169,8 @@ def test_a_model_with_sliding_layers_gets_a_report_with_paged_skipped(tmp_path):
     keeps working on its rings, the paged cache (full attention only) is a skipped row."""
     import shutil
 
-    import torch
-
     from kvcache.defaults import default_model_dir
+    from kvcache.model.kernels import torch_threads
     from kvcache.report.collect import collect_report
     from kvcache.report.render import report_markdown
     from kvcache.report.settings import ReportSettings
@@ -185,12 +184,8 @@ def test_a_model_with_sliding_layers_gets_a_report_with_paged_skipped(tmp_path):
     settings = ReportSettings.for_run(True, latency_lengths=(16, 48), latency_repeats=1,
                                       equality_new_tokens=8, drift_bits=(8,), drift_tokens=4,
                                       count_lengths=(1, 2))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         report = collect_report(settings, folder)
-    finally:
-        torch.set_num_threads(threads)
     rows = {row["kind"]: row for row in report["equality"]["rows"]}
     assert "PagedCache" in rows["paged"]["skipped"]
     assert rows["sliding"]["window"] == 16
