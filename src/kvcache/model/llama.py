@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.model.config import ModelConfig
-from kvcache.model.kernels import FusedLinear, linear
+from kvcache.model.kernels import MATVEC_ROWS, FusedLinear, linear
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -228,6 +228,10 @@ class LlamaForCausalLM(nn.Module):
             position_ids = self._positions(attention_mask, past, new_tokens, input_ids.device)
         masks = cache.attention_masks(new_tokens, attention_mask)
 
+        if self._numpy_step_applies(batch, new_tokens):
+            logits = self._numpy_decoder().step(input_ids, position_ids, masks, cache)  # (B, 1, vocab)
+            return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
+
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
         backend = self.matvec_backend
@@ -237,6 +241,25 @@ class LlamaForCausalLM(nn.Module):
             x = x[:, -logits_to_keep:]  # only the last positions are scored (prefill)
         logits = linear(self.model.norm(x), self.lm_head.weight, None, backend)  # (B, T, vocab)
         return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
+
+    def _numpy_step_applies(self, batch: int, new_tokens: int) -> bool:
+        """Whether this forward is a decode step the numpy kernel takes (see numpy_decode)."""
+        return (
+            self.matvec_backend == "numpy"
+            and new_tokens == 1
+            and batch <= MATVEC_ROWS
+            and not torch.is_grad_enabled()
+            and self.dtype == torch.float32
+            and self.device.type == "cpu"
+        )
+
+    def _numpy_decoder(self):
+        decoder = self.__dict__.get("_numpy_step")
+        if decoder is None:
+            from kvcache.model.numpy_decode import NumpyDecoder
+
+            decoder = self.__dict__["_numpy_step"] = NumpyDecoder(self)
+        return decoder
 
     @staticmethod
     def _positions(attention_mask, past: int, new_tokens: int, device) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""One decode step of a float32 CPU Llama-family model, computed in numpy.
+
+Why: a decode step is one new token per row. Its weights are read once each, so on CPU the
+step is memory bandwidth (the ~100M model) or per-operation overhead (small models). numpy's
+OpenBLAS matrix-vector product reads weights faster than torch's MKL one on the machines
+measured (PERF-NOTES), and a numpy operation on a few hundred floats costs ~1-2 µs against
+torch's ~5-10 µs. So this step runs the layers as a few dozen numpy calls on numpy *views* of
+the model's own parameters (no copy), and talks to the cache through the same seam as the torch
+path: `K, V = cache.update(k, v, layer_idx)` with torch tensors that share the numpy memory.
+
+What it computes is the torch forward's: RMSNorm, fused q/k/v, RoPE (pairs i, i + D/2),
+cache update, grouped-query attention with the cache's boolean masks, o_proj, RMSNorm, SwiGLU,
+residuals, final norm, lm_head. Only steps of one new token per row (T_new == 1) on float32 CPU
+weights are taken; everything else stays on the torch path.
+
+The views are taken once and checked every step: a parameter that was replaced or moved
+(`model.to`, a new nn.Parameter) makes the step rebuild them, so it never reads stale memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+# names of the parameters each layer's step reads: (module path inside the layer, parameter)
+_LAYER_PARAMS = (
+    ("input_layernorm", "weight"),
+    ("self_attn.o_proj", "weight"),
+    ("self_attn.o_proj", "bias"),
+    ("post_attention_layernorm", "weight"),
+    ("mlp.down_proj", "weight"),
+    ("mlp.down_proj", "bias"),
+)
+
+
+def _view(tensor: torch.Tensor | None) -> np.ndarray | None:
+    return None if tensor is None else tensor.detach().numpy()
+
+
+class _LayerWeights:
+    """numpy views of one decoder layer's weights (fused q/k/v and gate/up included)."""
+
+    __slots__ = ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up", "gate_up_bias", "down",
+                 "down_bias")
+
+    def __init__(self, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1 = _view(layer.input_layernorm.weight)
+        self.qkv, self.qkv_bias = _fused(attn.fused_qkv, [attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o, self.o_bias = _view(attn.o_proj.weight), _view(attn.o_proj.bias)
+        self.norm2 = _view(layer.post_attention_layernorm.weight)
+        self.gate_up, self.gate_up_bias = _fused(mlp.fused_gate_up, [mlp.gate_proj, mlp.up_proj])
+        self.down, self.down_bias = _view(mlp.down_proj.weight), _view(mlp.down_proj.bias)
+
+
+def _fused(fused, linears) -> tuple[np.ndarray, np.ndarray | None]:
+    """The fused weight (and bias) when it still backs the parameters, else a concatenated copy."""
+    if fused is not None and fused.is_intact():
+        return _view(fused.weight), _view(fused.bias)
+    weight = np.concatenate([_view(linear.weight) for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = np.concatenate([_view(b) for b in biases]) if all(b is not None for b in biases) else None
+    return weight, bias
+
+
+def _bindings(model) -> list[tuple[dict, str, torch.Tensor, int]]:
+    """(owner's parameter dict, name, parameter, data pointer) for every parameter."""
+    found = []
+    for module in model.modules():
+        params = module._parameters
+        for name, parameter in params.items():
+            if parameter is not None:
+                found.append((params, name, parameter, parameter.data_ptr()))
+    return found
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (rows, hidden) / rms(x) * weight, float32."""
+    if x.shape[0] == 1:
+        row = x[0]
+        inverse_rms = 1.0 / math.sqrt(float(row @ row) / row.shape[0] + eps)  # a Python float
+        out = x * weight
+        out *= inverse_rms
+        return out
+    squares = np.add.reduce(x * x, axis=-1, keepdims=True)  # (rows, 1)
+    squares *= 1.0 / x.shape[-1]
+    squares += eps
+    np.sqrt(squares, out=squares)
+    out = x / squares
+    out *= weight
+    return out
+
+
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x (rows, in) @ weight.T (+ bias) -> (rows, out); one row is a matrix-vector product."""
+    out = (weight @ x[0])[None] if x.shape[0] == 1 else x @ weight.T
+    if bias is not None:
+        out += bias
+    return out
+
+
+class NumpyDecoder:
+    """Decode steps (one new token per row) of a LlamaForCausalLM whose weights are float32 on CPU."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.group = self.heads // self.kv_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self._bindings: list[tuple[dict, str, torch.Tensor, int]] = []
+        self._diagonal = np.arange(self.head_dim)
+        self._partner = (self._diagonal + self.head_dim // 2) % self.head_dim
+        self._build()
+
+    def _build(self) -> None:
+        decoder = self.model.model
+        self.layers = [_LayerWeights(layer) for layer in decoder.layers]
+        self.embed = _view(decoder.embed_tokens.weight)
+        self.final_norm = _view(decoder.norm.weight)
+        self.lm_head = _view(self.model.lm_head.weight)
+        self.inv_freq = _view(decoder.rotary_emb.inv_freq.float())
+        self._bindings = _bindings(self.model)
+
+    def refresh(self) -> None:
+        """Take the views again if any parameter moved since they were taken."""
+        for params, name, parameter, pointer in self._bindings:
+            now = params.get(name)
+            if now is not parameter or now.data_ptr() != pointer:
+                self._build()
+                return
+
+    def rotations(self, position_ids: torch.Tensor) -> np.ndarray:
+        """RoPE as matrices (B or 1, D, D): row vector x @ R is x turned to its position.
+
+        x_i' = x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, the torch path's `apply_rope`.
+        One small product per layer replaces a roll, two products and a sum.
+        """
+        rotary = self.model.model.rotary_emb
+        if rotary.limit is not None:  # dynamic scaling checks its range in torch
+            cos_t, sin_t = rotary(position_ids, torch.float32)  # (B, 1, 1, D)
+            cos, signed_sin = cos_t[:, 0, 0].numpy(), sin_t[:, 0, 0].numpy()
+        else:
+            angles = position_ids.numpy().astype(np.float32) @ self.inv_freq[None]  # (B, D/2)
+            cos, sin = np.cos(angles), np.sin(angles)
+            cos, signed_sin = np.concatenate((cos, cos), -1), np.concatenate((-sin, sin), -1)
+        rotation = np.zeros((cos.shape[0], self.head_dim, self.head_dim), np.float32)
+        rotation[:, self._diagonal, self._diagonal] = cos
+        rotation[:, self._partner, self._diagonal] = signed_sin
+        return rotation
+
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks, cache) -> torch.Tensor:
+        """Logits (B, 1, vocab) float32 for input_ids (B, 1) at position_ids (B or 1, 1).
+
+        masks: None when every key the cache returns is visible to the new token, else one
+        boolean mask per layer (B or 1, 1, 1, T_kv), True = may attend, as
+        `cache.attention_masks(1, attention_mask)` gives them. The cache gets each layer's k, v.
+        """
+        self.refresh()
+        batch = input_ids.shape[0]
+        heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
+        rotated = heads + kv_heads
+        turn_k = self.rotations(position_ids)  # (B or 1, D, D)
+        turn_q = turn_k * np.float32(self.scale)  # queries also take the 1/sqrt(D) of attention
+        visible_by_mask: dict[int, np.ndarray | None] = {}
+        x = self.embed[input_ids.numpy()[:, 0]]  # (B, hidden), a copy
+        with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
+            for index, w in enumerate(self.layers):
+                qkv = _linear(_rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
+                qkv = qkv.reshape(batch, rotated + kv_heads, head_dim)  # (B, H + 2·H_kv, D)
+                q = qkv[:, :heads] @ turn_q  # (B, H, D), scaled
+                k = (qkv[:, heads:rotated] @ turn_k).reshape(batch, kv_heads, 1, head_dim)
+                v = qkv[:, rotated:].reshape(batch, kv_heads, 1, head_dim)
+                keys, values = cache.update(torch.from_numpy(k), torch.from_numpy(v), index)
+                keys, values = keys.numpy(), values.numpy()  # (B, H_kv, T_kv, D)
+                # (B, H_kv, G, D) @ (B, H_kv, D, T_kv): each kv head with its group of queries
+                scores = q.reshape(batch, kv_heads, group, head_dim) @ keys.swapaxes(-1, -2)
+                if masks is not None:
+                    visible = self._visible(masks[index], visible_by_mask)
+                    if visible is not None:
+                        scores = np.where(visible, scores, np.float32(-np.inf))
+                scores -= scores.max(axis=-1, keepdims=True)
+                np.exp(scores, out=scores)
+                attended = scores @ values  # (B, H_kv, G, D), weights not yet normalised
+                attended /= scores.sum(axis=-1, keepdims=True)
+                x += _linear(attended.reshape(batch, heads * head_dim), w.o, w.o_bias)
+                gate_up = _linear(_rms_norm(x, w.norm2, self.eps), w.gate_up, w.gate_up_bias)
+                gate, up = np.split(gate_up, 2, axis=-1)
+                act = np.negative(gate)
+                np.exp(act, out=act)
+                act += 1.0
+                np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
+                act *= up
+                x += _linear(act, w.down, w.down_bias)
+        logits = _linear(_rms_norm(x, self.final_norm, self.eps), self.lm_head, None)  # (B, vocab)
+        return torch.from_numpy(logits)[:, None]
+
+    @staticmethod
+    def _visible(mask: torch.Tensor, seen: dict[int, np.ndarray | None]) -> np.ndarray | None:
+        """The mask (B or 1, 1, 1, T_kv) as (B or 1, 1, 1, T_kv) numpy, None when all True."""
+        key = id(mask)
+        if key not in seen:
+            visible = mask.numpy()
+            seen[key] = None if visible.all() else visible
+        return seen[key]

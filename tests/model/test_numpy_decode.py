@@ -1,0 +1,193 @@
+"""The numpy decode step computes what the torch forward computes, on any shape the model takes.
+
+Two copies of one random model state step side by side with their own caches: one with the
+torch path, one with the numpy step (matvec_backend="numpy"). Logits must agree to float32
+rounding, and so must what each cache holds, for every cache kind, padded batches, grouped-query
+attention, biases, tied embeddings and sliding-window layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from kvcache.generation.loop import build_cache
+from kvcache.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from kvcache.model.kernels import fuse_projections
+from kvcache.model.llama import LlamaForCausalLM
+
+np = pytest.importorskip("numpy")
+
+
+def random_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
+    """A model with every weight random (norm weights and biases too), fused as load_model does."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            else:
+                param.copy_(0.3 * torch.randn_like(param))
+    fuse_projections(model)
+    return model.eval()
+
+
+@st.composite
+def cases(draw):
+    kv_heads = draw(st.integers(1, 3))
+    heads = kv_heads * draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([4, 8, 16]))
+    layers = draw(st.integers(1, 3))
+    window = draw(st.none() | st.integers(2, 6))
+    bias = draw(st.sampled_from(["none", "qkv", "all"]))
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=draw(st.integers(8, 40)),
+        hidden_size=draw(st.sampled_from([8, 16, 24])),
+        intermediate_size=draw(st.integers(4, 40)),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
+        rope_theta=draw(st.sampled_from([100.0, 10000.0])),
+        tie_word_embeddings=draw(st.booleans()),
+        qkv_bias=bias != "none",
+        o_bias=bias == "all",
+        mlp_bias=bias == "all",
+        sliding_window=window,
+        layer_types=tuple(
+            draw(st.sampled_from([FULL_ATTENTION, SLIDING_ATTENTION])) if window else FULL_ATTENTION
+            for _ in range(layers)
+        ),
+    )
+    kinds = ["dynamic", "static", "quantized"]
+    if SLIDING_ATTENTION not in config.layer_types:
+        kinds.append("paged")  # it holds full-attention layers only
+    elif FULL_ATTENTION not in config.layer_types:
+        kinds.append("sliding")  # its rings window every layer
+    batch = draw(st.integers(1, 3))
+    prompt = draw(st.integers(1, 7))
+    padding = [draw(st.integers(0, prompt - 1)) for _ in range(batch)]
+    return dict(
+        config=config,
+        cache=draw(st.sampled_from(kinds)),
+        batch=batch,
+        prompt=prompt,
+        padding=padding,
+        steps=draw(st.integers(1, 8)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases())
+def test_numpy_step_equals_the_torch_forward(case):
+    config, batch, prompt = case["config"], case["batch"], case["prompt"]
+    model = random_model(config, case["seed"])
+    generator = torch.Generator().manual_seed(case["seed"])
+    ids = torch.randint(0, config.vocab_size, (batch, prompt), generator=generator)
+    mask = torch.ones(batch, prompt, dtype=torch.long)
+    for row, pad in enumerate(case["padding"]):
+        mask[row, :pad] = 0
+    padded = bool((mask == 0).any())
+    total = prompt + case["steps"]
+    caches = {}
+    with torch.inference_mode():
+        for backend in ("torch", "numpy"):
+            model.matvec_backend = "torch"  # the prompt always runs on the torch path
+            caches[backend] = build_cache(model, case["cache"], batch, total)
+            model(ids, attention_mask=mask, past_key_values=caches[backend])
+        step_mask = mask
+        for _ in range(case["steps"]):
+            token = torch.randint(0, config.vocab_size, (batch, 1), generator=generator)
+            step_mask = torch.cat([step_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            logits = {}
+            for backend in ("torch", "numpy"):
+                model.matvec_backend = backend
+                out = model(
+                    token, attention_mask=step_mask if padded else None, past_key_values=caches[backend]
+                )
+                logits[backend] = out.logits
+            assert logits["numpy"].shape == (batch, 1, config.vocab_size)
+            assert logits["numpy"].dtype == torch.float32
+            torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
+    for layer in range(config.num_hidden_layers):
+        assert caches["numpy"].get_seq_length(layer) == caches["torch"].get_seq_length(layer)
+
+
+def test_numpy_step_is_taken_for_decode_rows_only(llama_dir):
+    from kvcache import load_model
+
+    model = load_model(llama_dir, matvec="numpy")
+    assert not model._numpy_step_applies(batch=1, new_tokens=1)  # gradients on: torch
+    with torch.no_grad():
+        assert model._numpy_step_applies(batch=1, new_tokens=1)
+        assert model._numpy_step_applies(batch=8, new_tokens=1)
+        assert not model._numpy_step_applies(batch=1, new_tokens=2)  # prefill: torch GEMM
+        assert not model._numpy_step_applies(batch=9, new_tokens=1)
+        bf16 = load_model(llama_dir, matvec="numpy", dtype=torch.bfloat16)
+        assert not bf16._numpy_step_applies(batch=1, new_tokens=1)
+        model.matvec_backend = "torch"
+        assert not model._numpy_step_applies(batch=1, new_tokens=1)
+
+
+def _decode_logits(model, ids):
+    """Logits of one decode step after a prompt, both on the model's current backend."""
+    with torch.inference_mode():
+        out = model(ids[:, :-1])
+        return model(ids[:, -1:], past_key_values=out.past_key_values).logits
+
+
+def test_numpy_step_sees_a_replaced_or_moved_weight(llama_dir):
+    from kvcache import load_model
+
+    model = load_model(llama_dir, matvec="numpy")
+    ids = torch.randint(3, 259, (1, 6), generator=torch.Generator().manual_seed(3))
+    before = _decode_logits(model, ids)  # builds the numpy views
+    attn = model.model.layers[1].self_attn
+    attn.k_proj.weight = nn.Parameter(torch.zeros_like(attn.k_proj.weight))  # a new Parameter
+    replaced = _decode_logits(model, ids)
+    model.matvec_backend = "torch"
+    torch.testing.assert_close(replaced, _decode_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(before, replaced)
+
+    model.matvec_backend = "numpy"
+    down = model.model.layers[0].mlp.down_proj
+    down.weight.data = down.weight.data * 2  # same Parameter, new storage
+    moved = _decode_logits(model, ids)
+    model.matvec_backend = "torch"
+    torch.testing.assert_close(moved, _decode_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(replaced, moved)
+
+
+def test_numpy_step_on_a_dynamic_rope_model_checks_its_range(tmp_path):
+    """Dynamic NTK scaling is refused past max_position_embeddings on both paths alike."""
+    from kvcache.model.config import ConfigError, RopeScaling
+
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        max_position_embeddings=4,
+        rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0),
+        layer_types=(FULL_ATTENTION,),
+    )
+    model = random_model(config, 5)
+    logits = {}
+    for backend in ("torch", "numpy"):
+        model.matvec_backend = backend
+        logits[backend] = _decode_logits(model, torch.tensor([[1, 2, 3, 4]]))
+        with pytest.raises(ConfigError, match="dynamic RoPE scaling"):
+            _decode_logits(model, torch.tensor([[1, 2, 3, 4, 5]]))
+    torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
