@@ -132,7 +132,7 @@ def test_numpy_step_is_taken_for_decode_rows_only(llama_dir):
         assert not model._numpy_step_applies(batch=1, new_tokens=2)  # prefill: torch GEMM
         assert not model._numpy_step_applies(batch=9, new_tokens=1)
         bf16 = load_model(llama_dir, matvec="numpy", dtype=torch.bfloat16)
-        assert not bf16._numpy_step_applies(batch=1, new_tokens=1)
+        assert bf16._numpy_decoder().step(torch.tensor([[1]]), torch.tensor([[0]]), None, None) is None
         model.matvec_backend = "torch"
         assert not model._numpy_step_applies(batch=1, new_tokens=1)
 

@@ -171,9 +171,12 @@ def stream_generate(
     past = 0 if cache is None else cache.get_seq_length()
     if attention_mask is None:
         attention_mask = input_ids.new_ones((batch, past + prompt_length))
+    # without padding, positions and masks follow from the cache length alone: decode steps
+    # then pass no mask (no per-step concatenation and cumulative sum)
+    padded = not bool(attention_mask.all())
 
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    eos_set = set(eos_ids)
+    finished = [False] * batch  # per row: stopped (EOS or stop string); kept as Python bools
     reasons = ["length"] * batch
     new_tokens: list[list[int]] = [[] for _ in range(batch)]
     generated: list[torch.Tensor] = []
@@ -184,32 +187,32 @@ def stream_generate(
     decode_steps = 0
     for step in range(max_new_tokens):
         if step > 0:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
+            if padded:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
+            step_mask = attention_mask if padded else None
             with torch_threads(getattr(model, "decode_threads", None)):
                 if cache is None:
                     sequence = torch.cat([sequence, generated[-1][:, None]], dim=1)
-                    logits = _forward_last(model, sequence, attention_mask, None)
+                    logits = _forward_last(model, sequence, step_mask, None)
                 else:
-                    logits = _forward_last(model, generated[-1][:, None], attention_mask, cache)
+                    logits = _forward_last(model, generated[-1][:, None], step_mask, cache)
             decode_steps += 1
-        tokens = choose_next(logits, settings, generator)  # (B,)
-        tokens = tokens.masked_fill(finished, pad_token_id)
+        chosen = choose_next(logits, settings, generator).tolist()  # (B,) as ints
+        row_tokens = [pad_token_id if done else token for token, done in zip(chosen, finished)]
+        tokens = torch.tensor(row_tokens, dtype=torch.long, device=input_ids.device)  # (B,)
         if step == 0:
             first_token_at = decode_started = time.perf_counter()
         generated.append(tokens)
-        for row in (~finished).nonzero().flatten().tolist():
-            new_tokens[row].append(int(tokens[row]))
-        stopped_by_eos = torch.isin(tokens, eos) & ~finished
-        for row in stopped_by_eos.nonzero().flatten().tolist():
-            reasons[row] = "eos"
-        finished = finished | stopped_by_eos
-        if stop_strings:
-            for row in (~finished).nonzero().flatten().tolist():
-                if _ends_with_stop(tokenizer, new_tokens[row], stop_strings):
-                    reasons[row] = "stop_string"
-                    finished[row] = True
+        for row, token in enumerate(row_tokens):
+            if finished[row]:
+                continue
+            new_tokens[row].append(token)
+            if token in eos_set:
+                reasons[row], finished[row] = "eos", True
+            elif stop_strings and _ends_with_stop(tokenizer, new_tokens[row], stop_strings):
+                reasons[row], finished[row] = "stop_string", True
         yield tokens
-        if bool(finished.all()):
+        if all(finished):
             break
     finished_at = time.perf_counter()
 

@@ -119,32 +119,32 @@ def torch_threads(threads: int | None):
 def choose_decode_path(model, repeats: int = 5, context: int = 32) -> dict[tuple[str, int], float]:
     """Time real decode steps with each kernel and thread count; keep the fastest.
 
-    Candidates: backend "torch" (and "numpy" for float32 CPU models) × torch threads 1 and the
-    current count (one decode row is small work: waking a second thread can cost more than it
-    saves, most of all on a busy machine). Sets `model.matvec_backend` and
+    Candidates: backend "torch" with torch threads 1 and the current count (one decode row is
+    small work: waking a second thread can cost more than it saves, most of all on a busy
+    machine), and for float32 CPU models "numpy" with one torch thread (its step is numpy
+    calls whose matrix-vector products use OpenBLAS's own threads; an idle OpenMP pool spinning
+    beside them would only take their core). Sets `model.matvec_backend` and
     `model.decode_threads`; returns seconds per decode step for each candidate.
     """
     from kvcache.cache import make_cache
 
-    backends = ["torch"]
+    candidates = [("torch", threads) for threads in sorted({1, torch.get_num_threads()})]
     if model.dtype == torch.float32 and model.device.type == "cpu" and numpy_available():
-        backends.append("numpy")
-    thread_counts = sorted({1, torch.get_num_threads()})
+        candidates.append(("numpy", 1))
     vocab = model.config.vocab_size
     prompt = torch.arange(context, device=model.device)[None] % vocab  # (1, context)
     token = prompt[:, -1:]  # (1, 1)
     timings: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
-        for backend in backends:
+        for backend, threads in candidates:
             model.matvec_backend = backend
-            for threads in thread_counts:
-                cache = make_cache("dynamic", config=model.config)  # grows by a few tokens
-                model(prompt, past_key_values=cache, logits_to_keep=1)
+            cache = make_cache("dynamic", config=model.config)  # grows by a few tokens
+            model(prompt, past_key_values=cache, logits_to_keep=1)
 
-                def step(cache=cache):
-                    model(token, past_key_values=cache, logits_to_keep=1)
+            def step(cache=cache):
+                model(token, past_key_values=cache, logits_to_keep=1)
 
-                with torch_threads(threads):
-                    timings[(backend, threads)] = _median_seconds(step, repeats)
+            with torch_threads(threads):
+                timings[(backend, threads)] = _median_seconds(step, repeats)
     model.matvec_backend, model.decode_threads = min(timings, key=timings.get)
     return timings

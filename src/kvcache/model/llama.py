@@ -230,7 +230,8 @@ class LlamaForCausalLM(nn.Module):
 
         if self._numpy_step_applies(batch, new_tokens):
             logits = self._numpy_decoder().step(input_ids, position_ids, masks, cache)  # (B, 1, vocab)
-            return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
+            if logits is not None:  # None: the weights are not all float32 on CPU
+                return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
@@ -249,8 +250,6 @@ class LlamaForCausalLM(nn.Module):
             and new_tokens == 1
             and batch <= MATVEC_ROWS
             and not torch.is_grad_enabled()
-            and self.dtype == torch.float32
-            and self.device.type == "cpu"
         )
 
     def _numpy_decoder(self):

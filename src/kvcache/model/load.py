@@ -219,4 +219,6 @@ def load_model(
         choose_decode_path(model)
     else:
         model.matvec_backend = matvec
+        if matvec == "numpy":
+            model.decode_threads = 1  # the numpy step's products thread in OpenBLAS, not torch
     return model.eval()

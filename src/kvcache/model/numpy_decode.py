@@ -119,13 +119,20 @@ class NumpyDecoder:
         self._build()
 
     def _build(self) -> None:
+        self._bindings = _bindings(self.model)
+        #: every parameter float32 on CPU (else the step declines and the torch path runs)
+        self.usable = all(
+            parameter.dtype == torch.float32 and parameter.device.type == "cpu"
+            for _, _, parameter, _ in self._bindings
+        )
+        if not self.usable:
+            return
         decoder = self.model.model
         self.layers = [_LayerWeights(layer) for layer in decoder.layers]
         self.embed = _view(decoder.embed_tokens.weight)
         self.final_norm = _view(decoder.norm.weight)
         self.lm_head = _view(self.model.lm_head.weight)
         self.inv_freq = _view(decoder.rotary_emb.inv_freq.float())
-        self._bindings = _bindings(self.model)
 
     def refresh(self) -> None:
         """Take the views again if any parameter moved since they were taken."""
@@ -154,14 +161,17 @@ class NumpyDecoder:
         rotation[:, self._partner, self._diagonal] = signed_sin
         return rotation
 
-    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks, cache) -> torch.Tensor:
-        """Logits (B, 1, vocab) float32 for input_ids (B, 1) at position_ids (B or 1, 1).
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks, cache) -> torch.Tensor | None:
+        """Logits (B, 1, vocab) float32 for input_ids (B, 1) at position_ids (B or 1, 1), or None
+        (nothing done) when the weights are not all float32 on CPU.
 
         masks: None when every key the cache returns is visible to the new token, else one
         boolean mask per layer (B or 1, 1, 1, T_kv), True = may attend, as
         `cache.attention_masks(1, attention_mask)` gives them. The cache gets each layer's k, v.
         """
         self.refresh()
+        if not self.usable or input_ids.device.type != "cpu":
+            return None
         batch = input_ids.shape[0]
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
         rotated = heads + kv_heads
@@ -190,7 +200,8 @@ class NumpyDecoder:
                 attended /= scores.sum(axis=-1, keepdims=True)
                 x += _linear(attended.reshape(batch, heads * head_dim), w.o, w.o_bias)
                 gate_up = _linear(_rms_norm(x, w.norm2, self.eps), w.gate_up, w.gate_up_bias)
-                gate, up = np.split(gate_up, 2, axis=-1)
+                inner = gate_up.shape[-1] // 2
+                gate, up = gate_up[:, :inner], gate_up[:, inner:]
                 act = np.negative(gate)
                 np.exp(act, out=act)
                 act += 1.0
