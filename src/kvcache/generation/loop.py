@@ -190,11 +190,11 @@ def stream_generate(
             if padded:
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
             step_mask = attention_mask if padded else None
-            with torch_threads(getattr(model, "decode_threads", None)):
-                if cache is None:
-                    sequence = torch.cat([sequence, generated[-1][:, None]], dim=1)
-                    logits = _forward_last(model, sequence, step_mask, None)
-                else:
+            if cache is None:  # the whole sequence again: matrix-matrix work, the caller's threads
+                sequence = torch.cat([sequence, generated[-1][:, None]], dim=1)
+                logits = _forward_last(model, sequence, step_mask, None)
+            else:
+                with torch_threads(getattr(model, "decode_threads", None)):
                     logits = _forward_last(model, generated[-1][:, None], step_mask, cache)
             decode_steps += 1
         chosen = choose_next(logits, settings, generator).tolist()  # (B,) as ints

@@ -15,8 +15,10 @@ import torch
 
 from kvcache.defaults import resolve_model_dir
 from kvcache.model.config import ModelConfig
+from kvcache.model.errors import CheckpointError
 from kvcache.model.kernels import BACKENDS, choose_decode_path, fuse_projections
 from kvcache.model.llama import LlamaForCausalLM
+from kvcache.model.safetensors_read import read_tensors
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -32,10 +34,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded exactly as the model expects."""
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -188,8 +186,6 @@ def load_model(
     """
     if matvec not in (*BACKENDS, "auto"):
         raise ValueError(f"matvec must be one of {(*BACKENDS, 'auto')}, got {matvec!r}")
-    from safetensors import safe_open
-
     folder = checkpoint_folder(resolve_model_dir(path))
     config = ModelConfig.from_file(folder)
     dtype = resolve_dtype(dtype)
@@ -197,12 +193,10 @@ def load_model(
 
     state: dict[str, torch.Tensor] = {}
     for file in sorted(set(wanted.values())):
-        with safe_open(str(file), framework="pt", device=str(device)) as handle:
-            for name in handle.keys():
-                if name in wanted:
-                    state[name] = handle.get_tensor(name)
+        names = {name for name, where in wanted.items() if where == file}
+        state.update(read_tensors(file, names))
     target = dtype or state["model.embed_tokens.weight"].dtype
-    state = {name: tensor.to(target) for name, tensor in state.items()}
+    state = {name: tensor.to(device=device, dtype=target) for name, tensor in state.items()}
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
