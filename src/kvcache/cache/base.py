@@ -156,6 +156,16 @@ class Cache:
             )
         return LayerMasks(masks, default)
 
+    def sees_every_key(
+        self, new_tokens: int, attention_mask: torch.Tensor | None = None, *, num_layers: int
+    ) -> bool:
+        """Whether every mask of the next chunk would be all True: no padding mask, all
+        `num_layers` layers created and each saying so (`CacheLayer.sees_every_key`). A model
+        may then attend without masks; False only means "build them"."""
+        if attention_mask is not None or len(self.layers) < num_layers:
+            return False
+        return all(layer.sees_every_key(new_tokens) for layer in self.layers[:num_layers])
+
     @staticmethod
     def _mask_for(
         layer: CacheLayer,

@@ -71,6 +71,10 @@ class DynamicLayer(CacheLayer):
         """Causal geometry: (past, new_tokens)."""
         return ("causal", self._length, new_tokens)
 
+    def sees_every_key(self, new_tokens: int) -> bool:
+        """One new query sees every key held: itself and all before it (no window here)."""
+        return new_tokens == 1 and self.window is None
+
     def mask_positions(
         self, new_tokens: int, device: torch.device | str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,12 @@ class CacheLayer:
         """A key equal for two layers exactly when their masks for this chunk are equal."""
         raise NotImplementedError
 
+    def sees_every_key(self, new_tokens: int) -> bool:
+        """Whether, with no padding, every key the next update returns is visible to all of the
+        `new_tokens` queries (its mask would be all True). False unless a layer kind knows;
+        a caller may then skip building the mask."""
+        return False
+
     def mask_positions(
         self, new_tokens: int, device: torch.device | str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:

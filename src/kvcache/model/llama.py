@@ -226,12 +226,21 @@ class LlamaForCausalLM(nn.Module):
                 )
         if position_ids is None:
             position_ids = self._positions(attention_mask, past, new_tokens, input_ids.device)
-        masks = cache.attention_masks(new_tokens, attention_mask)
+        numpy_step = self._numpy_step_applies(batch, new_tokens)
+        sees_all = getattr(cache, "sees_every_key", None)
+        if numpy_step and sees_all is not None and sees_all(
+            new_tokens, attention_mask, num_layers=self.config.num_hidden_layers
+        ):
+            masks = None  # every key visible: the numpy step attends without masks
+        else:
+            masks = cache.attention_masks(new_tokens, attention_mask)
 
-        if self._numpy_step_applies(batch, new_tokens):
+        if numpy_step:
             logits = self._numpy_decoder().step(input_ids, position_ids, masks, cache)  # (B, 1, vocab)
             if logits is not None:  # None: the weights are not all float32 on CPU
                 return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
+            if masks is None:
+                masks = cache.attention_masks(new_tokens, attention_mask)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
