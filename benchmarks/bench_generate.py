@@ -1,16 +1,18 @@
 """Decode speed of kvcache.generate against transformers' generate on the same weights.
 
-    .venv/bin/python benchmarks/bench_generate.py            # both models, ~5 minutes
+    .venv/bin/python benchmarks/bench_generate.py            # both models, 3 rounds: ~13 minutes
     .venv/bin/python benchmarks/bench_generate.py --models small --new-tokens 32
 
 For each model (a ~100M random Llama and a ~3M one, float32, saved once with transformers'
-save_pretrained) every configuration runs in its own process (so numpy's and torch's thread
-pools never meet, and peak memory is that configuration's own): kvcache with a dynamic cache
-(the decode path `matvec="auto"` picks on this machine, and torch and numpy matrix-vector
-kernels forced), a static cache, and no cache; transformers with its
+save_pretrained) every configuration runs in its own process (so no two share thread
+pools or caches, and peak memory is that configuration's own): kvcache with a dynamic cache
+(the decode path `matvec="auto"` picks on this machine, and the torch path and the numpy
+decode step forced), a static cache, and no cache; transformers with its
 dynamic cache, static cache and no cache. Each process warms up once, then times `--repeats`
-runs; all configurations run `--rounds` times in turn and each keeps its fastest run, so a busy
-spell on a shared machine hits both libraries. Figures: time to first token, decode tokens/s (after the first
+runs (its fastest kept); all configurations run `--rounds` times in turn, and the table gives
+each configuration's median over the rounds and, for kvcache, the median and range of its speed
+over transformers' measured in the same round, so a busy spell on a shared machine hits both
+sides of a ratio. Figures: time to first token, decode tokens/s (after the first
 token), the weight bandwidth that decode speed implies, and peak resident memory.
 Results: benchmarks/results/generate.json and generate.md. Not a test: nothing is asserted.
 """
@@ -135,7 +137,10 @@ def worker(args: argparse.Namespace) -> None:
     read_per_token = weight_bytes - embedding.numel() * embedding.element_size()
     chosen = args.kernel
     if args.library == "kvcache":
-        chosen = f"{args.kernel}: {model.matvec_backend}, {model.decode_threads or args.threads} thr"
+        torch_threads = model.decode_threads or args.threads
+        chosen = f"{args.kernel}: {model.matvec_backend}, torch {torch_threads} thr"
+        if model.matvec_backend == "numpy":  # its products run on OpenBLAS's threads
+            chosen += f", OpenBLAS {os.environ.get('OPENBLAS_NUM_THREADS', 'default')} thr"
     print(
         json.dumps(
             {
@@ -210,24 +215,57 @@ def run_config(checkpoint: Path, library: str, cache: str, kernel, args) -> dict
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def summarise(rounds: list[list[dict]]) -> list[dict]:
+    """One row per configuration over the rounds: medians of its figures, and for kvcache the
+    median and range of its decode speed over transformers' with the same cache *in the same
+    round* (side by side, so a busy spell that slows one round slows both sides of its ratio)."""
+    rows = []
+    for index in range(len(rounds[0])):
+        runs = [round_rows[index] for round_rows in rounds]
+        row = dict(runs[0])
+        for key in ("ttft_ms", "decode_tokens_per_s", "weight_gb_per_s"):
+            row[key] = _median([run[key] for run in runs])
+        row["peak_rss_mb"] = max(run["peak_rss_mb"] for run in runs)
+        row["decode_per_round"] = [run["decode_tokens_per_s"] for run in runs]
+        if row["library"] == "kvcache":
+            ratios = []
+            for round_rows in rounds:
+                theirs = [
+                    r for r in round_rows if r["library"] == "transformers" and r["cache"] == row["cache"]
+                ]
+                if theirs:
+                    ratios.append(round_rows[index]["decode_tokens_per_s"] / theirs[0]["decode_tokens_per_s"])
+            row["ratios"] = ratios
+        rows.append(row)
+    return rows
+
+
 def table(results: dict) -> str:
     lines = []
     for name, rows in results["models"].items():
         params = rows[0]["parameters"]
         lines += [
             f"### {name} Llama ({params / 1e6:.1f}M parameters), prompt {results['prompt_tokens']}, "
-            f"batch 1, float32, {results['threads']} threads",
+            f"batch 1, float32, {results['threads']} threads, {results['rounds']} rounds",
             "",
-            "| library | cache | kernel | new tokens | decode tokens/s | weights GB/s | time to first token "
-            "| peak RSS | decode ours/theirs | same tokens |",
+            "| library | cache | kernel | new tokens | decode tokens/s (median) | weights GB/s | time to "
+            "first token | peak RSS | decode ours/theirs, median (range) of rounds | same tokens |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         theirs = {r["cache"]: r for r in rows if r["library"] == "transformers"}
         for r in rows:
             ref = theirs.get(r["cache"])
             ratio = same = ""
+            if r["library"] == "kvcache" and r.get("ratios"):
+                ratios = r["ratios"]
+                ratio = f"{_median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
             if r["library"] == "kvcache" and ref:
-                ratio = f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}×"
                 same = "yes" if r["tokens"] == ref["tokens"] else "no"
             lines.append(
                 f"| {r['library']} | {r['cache']} | {r['kernel'] if r['library'] == 'kvcache' else ''} "
@@ -251,7 +289,9 @@ def main() -> None:
         help="new tokens for the no-cache runs (each step re-reads the whole context)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per process (best kept)")
-    parser.add_argument("--rounds", type=int, default=2, help="passes over all configurations (best kept)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="passes over all configurations (medians, per-round ratios)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -268,24 +308,25 @@ def main() -> None:
         "load_average_at_start": os.getloadavg(),
         "threads": args.threads,
         "prompt_tokens": args.prompt_tokens,
+        "rounds": args.rounds,
         "models": {},
     }
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models.split(","):
             checkpoint = Path(scratch) / name
             build_checkpoint(name, checkpoint)
-            best: dict[int, dict] = {}
+            rounds: list[list[dict]] = []
             for _ in range(args.rounds):  # rounds interleave the libraries, so a busy spell hits both
-                for index, (library, cache, kernel) in enumerate(CONFIGS):
+                rounds.append([])
+                for library, cache, kernel in CONFIGS:
                     row = run_config(checkpoint, library, cache, kernel, args)
-                    if index not in best or row["decode_tokens_per_s"] > best[index]["decode_tokens_per_s"]:
-                        best[index] = row
+                    rounds[-1].append(row)
                     print(
                         f"{name:6s} {library:12s} {cache:8s} {kernel or '':6s} "
                         f"{row['decode_tokens_per_s']:8.1f} tok/s  ttft {row['ttft_ms']:7.1f} ms",
                         flush=True,
                     )
-            results["models"][name] = [best[index] for index in sorted(best)]
+            results["models"][name] = summarise(rounds)
     results["load_average_at_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "generate.json").write_text(json.dumps(results, indent=1) + "\n")

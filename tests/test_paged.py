@@ -5,29 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_model
 
 from kvcache.cache import CacheShapeError, OutOfBlocksError, PagedCache, make_cache
 from kvcache.generation import generate
 from kvcache.memory import kv_cache_bytes
-from kvcache.model import LlamaForCausalLM, ModelConfig
+from kvcache.model import LlamaForCausalLM
 
 BLOCK = 4
-VOCAB = 64
-
-
-def tiny_model(seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> LlamaForCausalLM:
-    """A random fp32 Llama (hidden 32, 4 heads, 2 kv heads), every weight randomised."""
-    config = ModelConfig.from_dict(dict(
-        model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256,
-    ))
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(0.3 * torch.randn_like(param) + (1.0 if "norm" in name else 0.0))
-    return model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_paged import VOCAB, tiny_model
+from tiny_models import VOCAB, tiny_model
 
 from kvcache.cache import PagedCache, make_cache
 from kvcache.generation import generate

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_paged import VOCAB, tiny_model
+from tiny_models import VOCAB, tiny_model
 
 from kvcache.cache import OutOfBlocksError, PagedCache
 from kvcache.generation import generate

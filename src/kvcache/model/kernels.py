@@ -1,29 +1,29 @@
-"""Projections for decoding: fused weights and a choice of matrix-vector kernel.
+"""Decoding kernels: fused projection weights, and the choice of decode step per machine.
 
 A decode step reads every weight once for a handful of rows, so its speed is memory bandwidth.
 Two things help on CPU (see PERF-NOTES): fewer, larger products (q/k/v as one matrix, gate/up
 as one), and a matrix-vector kernel that streams weights fast. On the machines measured,
-torch's CPU product (MKL) reads weights at ~17 GB/s and numpy's OpenBLAS `W @ x` at ~57 GB/s,
-so "numpy" is offered as a backend for float32 decode rows; `choose_decode_path` times real
-decode steps with each backend and torch thread count on this machine and keeps the fastest.
-Prefill (many rows) always uses torch's GEMM with the caller's thread count.
+torch's CPU product (MKL) reads weights at ~17 GB/s and numpy's OpenBLAS `W @ x` faster (~57
+GB/s in PERF-NOTES, ~20-29 GB/s with 2 threads on the machine of this session), so float32
+CPU models can decode with the numpy step (`numpy_decode`); `choose_decode_path` times real
+decode steps of each on this machine and keeps the fastest. Every other forward (prefill, the
+no-cache path, big batches) is the torch module forward with the caller's thread count: mixing
+OpenBLAS calls into it would leave OpenBLAS's spinning threads fighting torch's for the cores.
 
 Fusing keeps the checkpoint's parameters: q_proj.weight, k_proj.weight and v_proj.weight
 become views into one (q + k + v, hidden) tensor, so names, shapes and `state_dict()` are
 unchanged and no weight is stored twice.
 """
-
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 BACKENDS = ("torch", "numpy")
-# rows (batch × new tokens) up to which a product counts as matrix-vector work
+# batch rows up to which a decode step (one new token per row) runs on the numpy step
 MATVEC_ROWS = 8
 
 
@@ -51,29 +51,6 @@ class FusedLinear:
         """Whether every parameter is still a view of the fused weight (not replaced or cast)."""
         base = self.weight.untyped_storage().data_ptr()
         return all(linear.weight.untyped_storage().data_ptr() == base for linear in self.linears)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-    """x (..., in) @ weight.T (+ bias) with the chosen kernel for matrix-vector shapes."""
-    rows = x.numel() // x.shape[-1]
-    if (
-        backend == "numpy"
-        and rows <= MATVEC_ROWS
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
-    ):
-        return _numpy_linear(x, weight, bias, rows)
-    return F.linear(x, weight, bias)
-
-
-def _numpy_linear(x, weight, bias, rows: int) -> torch.Tensor:
-    w = weight.detach().numpy()  # (out, in), shares memory
-    xs = x.detach().reshape(rows, x.shape[-1]).contiguous().numpy()  # (rows, in)
-    y = (w @ xs[0])[None] if rows == 1 else xs @ w.T  # (rows, out) float32
-    out = torch.from_numpy(y).view(*x.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
 
 
 def fuse_projections(model) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.model.config import ModelConfig
-from kvcache.model.kernels import MATVEC_ROWS, FusedLinear, linear
+from kvcache.model.kernels import MATVEC_ROWS, FusedLinear
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -82,16 +82,16 @@ class Attention(nn.Module):
 
     fused_qkv: FusedLinear | None = None  # set by kernels.fuse_projections
 
-    def _qkv(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, hidden) -> (B, T, (H + 2·H_kv)·D): q, k, v side by side."""
         fused = self.fused_qkv
         if fused is not None and not torch.is_grad_enabled() and fused.is_intact():
-            return linear(x, fused.weight, fused.bias, backend)
+            return F.linear(x, fused.weight, fused.bias)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def forward(self, x, cos, sin, mask, cache, backend: str = "torch") -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
         batch, new_tokens, _ = x.shape  # (B, T, hidden)
-        heads = self._qkv(x, backend).view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
+        heads = self._qkv(x).view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
         # heads: (B, H + 2·H_kv, T, D); RoPE turns q and k in one op, v is left as it is
         qk = apply_rope(heads[:, : self.num_heads + self.kv_heads], cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # (B, H, T, D), (B, H_kv, T, D)
@@ -101,7 +101,7 @@ class Attention(nn.Module):
             q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads
         )  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(batch, new_tokens, self.num_heads * self.head_dim)
-        return linear(out, self.o_proj.weight, self.o_proj.bias, backend)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -116,13 +116,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_gate_up
         if fused is not None and not torch.is_grad_enabled() and fused.is_intact():
-            gate, up = linear(x, fused.weight, fused.bias, backend).chunk(2, dim=-1)
+            gate, up = F.linear(x, fused.weight, fused.bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias, backend)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -133,9 +133,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, cache, backend: str = "torch") -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x), backend)
+    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
@@ -158,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
     position_ids=None)` -> CausalLMOutput(logits (B, T_new, vocab), past_key_values).
     """
 
-    #: matrix-vector kernel for decode rows: "torch" or "numpy" (see kernels.choose_decode_path)
+    #: decode steps: "torch" (the module forward) or "numpy" (numpy_decode; float32 CPU, one new
+    #: token per row, batch <= MATVEC_ROWS); see kernels.choose_decode_path
     matvec_backend: str = "torch"
     #: torch CPU threads for decode steps in kvcache.generate (None: the caller's setting)
     decode_threads: int | None = None
@@ -244,12 +245,11 @@ class LlamaForCausalLM(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
-        backend = self.matvec_backend
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, masks[layer_idx], cache, backend)
+            x = layer(x, cos, sin, masks[layer_idx], cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # only the last positions are scored (prefill)
-        logits = linear(self.model.norm(x), self.lm_head.weight, None, backend)  # (B, T, vocab)
+        logits = self.lm_head(self.model.norm(x))  # (B, T, vocab)
         return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
 
     def _numpy_step_applies(self, batch: int, new_tokens: int) -> bool:
