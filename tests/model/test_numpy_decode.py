@@ -16,14 +16,15 @@ from torch import nn
 
 from kvcache.generation.loop import build_cache
 from kvcache.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from kvcache.model.kernels import fuse_projections
+from kvcache.model.kernels import fuse_projections, store_tall_weights_transposed
 from kvcache.model.llama import LlamaForCausalLM
 
 np = pytest.importorskip("numpy")
 
 
-def random_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
-    """A model with every weight random (norm weights and biases too), fused as load_model does."""
+def random_model(config: ModelConfig, seed: int, transposed: bool = False) -> LlamaForCausalLM:
+    """A model with every weight random (norm weights and biases too), fused as load_model does
+    (and with its tall weights stored column-major, as for the numpy step, if `transposed`)."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -33,6 +34,8 @@ def random_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
             else:
                 param.copy_(0.3 * torch.randn_like(param))
     fuse_projections(model)
+    if transposed:
+        store_tall_weights_transposed(model)
     return model.eval()
 
 
@@ -82,6 +85,7 @@ def cases(draw):
         padding=padding,
         steps=draw(st.integers(1, 8)),
         seed=draw(st.integers(0, 2**16)),
+        transposed=draw(st.booleans()),
     )
 
 
@@ -89,7 +93,7 @@ def cases(draw):
 @given(case=cases())
 def test_numpy_step_equals_the_torch_forward(case):
     config, batch, prompt = case["config"], case["batch"], case["prompt"]
-    model = random_model(config, case["seed"])
+    model = random_model(config, case["seed"], case["transposed"])
     generator = torch.Generator().manual_seed(case["seed"])
     ids = torch.randint(0, config.vocab_size, (batch, prompt), generator=generator)
     mask = torch.ones(batch, prompt, dtype=torch.long)
@@ -191,3 +195,19 @@ def test_numpy_step_on_a_dynamic_rope_model_checks_its_range(tmp_path):
         with pytest.raises(ConfigError, match="dynamic RoPE scaling"):
             _decode_logits(model, torch.tensor([[1, 2, 3, 4, 5]]))
     torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_numpy_loading_keeps_the_checkpoint_values_names_and_shapes(llama_dir):
+    """The numpy step's column-major tall weights are a layout only: state_dict is the file's."""
+    from safetensors.torch import load_file
+
+    from kvcache import load_model
+
+    stored = load_file(str(llama_dir / "model.safetensors"))
+    model = load_model(llama_dir, matvec="numpy")
+    fused = model.model.layers[0].mlp.fused_gate_up.weight  # (2·inner, hidden)
+    assert fused.t().is_contiguous() and fused.is_contiguous() is False  # stored column-major
+    assert model.model.layers[0].mlp.gate_proj.weight.stride() == (1, fused.shape[0])
+    state = model.state_dict()
+    for name, tensor in stored.items():
+        assert state[name].shape == tensor.shape and torch.equal(state[name], tensor), name

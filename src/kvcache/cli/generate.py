@@ -47,7 +47,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--matvec",
         choices=("auto", "torch", "numpy"),
         default="auto",
-        help="decode matrix-vector kernel; auto times both on this machine (default)",
+        help="decode step: the torch forward or the numpy step (float32 on CPU); auto times both "
+        "on this machine and keeps the faster (default)",
     )
 
 
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(
         f"[{len(new)} new tokens after a {input_ids.shape[1]}-token prompt; stopped by "
-        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; matvec {model.matvec_backend}]"
+        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; decode step {model.matvec_backend}]"
     )
     print(_timing_line(result))
     if args.compare_nocache:

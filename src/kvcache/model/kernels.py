@@ -38,14 +38,25 @@ class FusedLinear:
                 raise ValueError("cannot fuse linears where only some have a bias")
             self.bias = torch.cat([linear.bias for linear in linears]) if all(has_bias) else None
         self.sizes = [linear.out_features for linear in linears]
+        self.linears = linears
+        self._point_parameters(with_bias=True)
+
+    def _point_parameters(self, *, with_bias: bool) -> None:
+        """Make each linear's weight (and bias) a slice of the fused one."""
         start = 0
-        for linear, size in zip(linears, self.sizes, strict=True):
+        for linear, size in zip(self.linears, self.sizes, strict=True):
             grad = linear.weight.requires_grad
             linear.weight = nn.Parameter(self.weight[start : start + size], requires_grad=grad)
-            if self.bias is not None:
+            if with_bias and self.bias is not None:
                 linear.bias = nn.Parameter(self.bias[start : start + size], requires_grad=grad)
             start += size
-        self.linears = linears
+
+    def store_transposed(self) -> None:
+        """Keep the fused weight as a contiguous (in, out) matrix; the (out, in) weight and the
+        parameters become transposed views of it (same names, shapes and values)."""
+        with torch.no_grad():
+            self.weight = self.weight.t().contiguous().t()  # (sum out, in), column-major
+        self._point_parameters(with_bias=False)
 
     def is_intact(self) -> bool:
         """Whether every parameter is still a view of the fused weight (not replaced or cast)."""
@@ -59,6 +70,30 @@ def fuse_projections(model) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.fused_qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.fused_gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj])
+
+
+# out/in ratio from which a weight is stored column-major for the numpy step
+TALL = 2.0
+
+
+def store_tall_weights_transposed(model) -> None:
+    """Store the tall weights (out >= TALL × in: gate/up, an untied lm_head) column-major.
+
+    numpy's `W @ x` then runs OpenBLAS's column-major matrix-vector kernel, which on the
+    machines measured reads a tall float32 matrix 20-30 % faster than the row-major one (and a
+    wide one, like down_proj, slower: those stay as they are). Values, names and shapes are
+    unchanged; the parameters become transposed (non-contiguous) views, so `state_dict()`
+    tensors need `.contiguous()` before `safetensors.torch.save_file`.
+    """
+    for layer in model.model.layers:
+        fused = layer.mlp.fused_gate_up
+        if fused is not None and fused.is_intact() and fused.weight.shape[0] >= TALL * fused.weight.shape[1]:
+            fused.store_transposed()
+    head = model.lm_head
+    if head.weight is not model.model.embed_tokens.weight and head.out_features >= TALL * head.in_features:
+        with torch.no_grad():
+            transposed = head.weight.t().contiguous().t()
+        head.weight = nn.Parameter(transposed, requires_grad=head.weight.requires_grad)
 
 
 def _median_seconds(run, repeats: int = 5) -> float:

@@ -16,7 +16,12 @@ import torch
 from kvcache.defaults import resolve_model_dir
 from kvcache.model.config import ModelConfig
 from kvcache.model.errors import CheckpointError
-from kvcache.model.kernels import BACKENDS, choose_decode_path, fuse_projections
+from kvcache.model.kernels import (
+    BACKENDS,
+    choose_decode_path,
+    fuse_projections,
+    store_tall_weights_transposed,
+)
 from kvcache.model.llama import LlamaForCausalLM
 from kvcache.model.safetensors_read import read_tensors
 
@@ -215,4 +220,6 @@ def load_model(
         model.matvec_backend = matvec
         if matvec == "numpy":
             model.decode_threads = 1  # the numpy step's products thread in OpenBLAS, not torch
+    if model.matvec_backend == "numpy":
+        store_tall_weights_transposed(model)
     return model.eval()
