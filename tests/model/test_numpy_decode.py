@@ -122,7 +122,10 @@ def test_numpy_step_equals_the_torch_forward(case):
             assert logits["numpy"].dtype == torch.float32
             torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
     for layer in range(config.num_hidden_layers):
-        assert caches["numpy"].get_seq_length(layer) == caches["torch"].get_seq_length(layer)
+        ours, theirs = caches["numpy"].layers[layer], caches["torch"].layers[layer]
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
 
 
 def test_numpy_step_is_taken_for_decode_rows_only(llama_dir):
@@ -211,3 +214,70 @@ def test_numpy_loading_keeps_the_checkpoint_values_names_and_shapes(llama_dir):
     state = model.state_dict()
     for name, tensor in stored.items():
         assert state[name].shape == tensor.shape and torch.equal(state[name], tensor), name
+
+
+def _small_config(**overrides) -> ModelConfig:
+    settings = dict(
+        model_type="llama", vocab_size=40, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+        layer_types=(FULL_ATTENTION, FULL_ATTENTION),
+    )
+    return ModelConfig(**{**settings, **overrides})
+
+
+def _both_paths(model, ids) -> dict[str, torch.Tensor]:
+    logits = {}
+    for backend in ("torch", "numpy"):
+        model.matvec_backend = backend
+        logits[backend] = _decode_logits(model, ids)
+    return logits
+
+
+def test_numpy_step_sees_weights_written_in_place_and_replaced_modules():
+    model = random_model(_small_config(), 7)
+    model.model.layers[0].self_attn.fused_qkv = None  # the step keeps a concatenated q/k/v copy
+    ids = torch.randint(0, 40, (1, 9), generator=torch.Generator().manual_seed(2))
+    first = _both_paths(model, ids)
+    torch.testing.assert_close(first["numpy"], first["torch"], atol=1e-4, rtol=1e-4)
+
+    state = {name: tensor * 1.5 for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        model.load_state_dict(state)  # in place: same Parameters, same pointers, new versions
+    written = _both_paths(model, ids)
+    torch.testing.assert_close(written["numpy"], written["torch"], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(written["numpy"], first["numpy"])
+
+    new_head = nn.Linear(16, 40, bias=False)
+    model.lm_head = new_head  # a whole module replaced
+    replaced = _both_paths(model, ids)
+    torch.testing.assert_close(replaced["numpy"], replaced["torch"], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(replaced["numpy"], written["numpy"])
+
+
+def test_numpy_step_rope_table_grows_past_its_first_block():
+    model = random_model(_small_config(), 8, transposed=True)
+    ids = torch.randint(0, 40, (2, 300), generator=torch.Generator().manual_seed(4))
+    logits = _both_paths(model, ids)  # positions up to 299: past the first 256-row table
+    torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_numpy_step_refuses_out_of_range_ids_like_the_embedding():
+    model = random_model(_small_config(), 9)
+    model.matvec_backend = "numpy"
+    with torch.inference_mode():
+        cache = model(torch.tensor([[1, 2]])).past_key_values
+        for bad in (-1, 40):
+            with pytest.raises(IndexError, match="token ids must lie in"):
+                model(torch.tensor([[bad]]), past_key_values=cache)
+
+
+def test_eos_given_as_tensors_stops_generation():
+    from kvcache import generate
+
+    model = random_model(_small_config(), 10)
+    model.matvec_backend = "numpy"
+    free = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=6, eos_token_id=())
+    stop = free.new_tokens[0][2]
+    ended = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=6, eos_token_id=[torch.tensor(stop)])
+    assert ended.stop_reasons == ["eos"] and ended.new_tokens[0][-1] == stop
+    assert len(ended.new_tokens[0]) <= 3

@@ -175,7 +175,7 @@ def stream_generate(
     # then pass no mask (no per-step concatenation and cumulative sum)
     padded = not bool(attention_mask.all())
 
-    eos_set = set(eos_ids)
+    eos_set = {int(token) for token in eos_ids}  # ints (ids given as 0-d tensors hash by identity)
     finished = [False] * batch  # per row: stopped (EOS or stop string); kept as Python bools
     reasons = ["length"] * batch
     new_tokens: list[list[int]] = [[] for _ in range(batch)]

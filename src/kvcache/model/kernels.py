@@ -94,6 +94,7 @@ def store_tall_weights_transposed(model) -> None:
         with torch.no_grad():
             transposed = head.weight.t().contiguous().t()
         head.weight = nn.Parameter(transposed, requires_grad=head.weight.requires_grad)
+    model.__dict__.pop("_numpy_step", None)  # a numpy step built before holds the old tensors
 
 
 def _median_seconds(run, repeats: int = 5) -> float:

@@ -65,15 +65,39 @@ def _fused(fused, linears) -> tuple[np.ndarray, np.ndarray | None]:
     return weight, bias
 
 
-def _bindings(model) -> list[tuple[dict, str, torch.Tensor, int]]:
-    """(owner's parameter dict, name, parameter, data pointer) for every parameter."""
-    found = []
-    for module in model.modules():
-        params = module._parameters
-        for name, parameter in params.items():
-            if parameter is not None:
-                found.append((params, name, parameter, parameter.data_ptr()))
-    return found
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place write counter (-1 for an inference tensor, which keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+class _Snapshot:
+    """What the numpy views were taken from: every submodule, parameter and buffer of the model
+    by identity, with its data pointer and version counter. `changed()` is True once any of them
+    was replaced (a new module or Parameter), moved or cast (a new pointer) or written in place
+    (`load_state_dict`, an optimizer step: a new version), so the views are never stale."""
+
+    def __init__(self, model) -> None:
+        self.children: list[tuple[dict, str, object]] = []
+        self.tensors: list[tuple[dict, str, torch.Tensor, int, int]] = []
+        for module in model.modules():
+            for name, child in module._modules.items():
+                self.children.append((module._modules, name, child))
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        self.tensors.append((table, name, tensor, tensor.data_ptr(), _version(tensor)))
+
+    def changed(self) -> bool:
+        for table, name, child in self.children:
+            if table.get(name) is not child:
+                return True
+        for table, name, tensor, pointer, version in self.tensors:
+            if table.get(name) is not tensor or tensor.data_ptr() != pointer or _version(tensor) != version:
+                return True
+        return False
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -113,17 +137,17 @@ class NumpyDecoder:
         self.group = self.heads // self.kv_heads
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self._bindings: list[tuple[dict, str, torch.Tensor, int]] = []
+        self._snapshot: _Snapshot | None = None
         self._diagonal = np.arange(self.head_dim)
         self._partner = (self._diagonal + self.head_dim // 2) % self.head_dim
         self._build()
 
     def _build(self) -> None:
-        self._bindings = _bindings(self.model)
+        self._snapshot = _Snapshot(self.model)
         #: every parameter float32 on CPU (else the step declines and the torch path runs)
         self.usable = all(
             parameter.dtype == torch.float32 and parameter.device.type == "cpu"
-            for _, _, parameter, _ in self._bindings
+            for parameter in self.model.parameters()
         )
         if not self.usable:
             return
@@ -137,12 +161,9 @@ class NumpyDecoder:
         self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
 
     def refresh(self) -> None:
-        """Take the views again if any parameter moved since they were taken."""
-        for params, name, parameter, pointer in self._bindings:
-            now = params.get(name)
-            if now is not parameter or now.data_ptr() != pointer:
-                self._build()
-                return
+        """Take the views again if the model changed since they were taken (see _Snapshot)."""
+        if self._snapshot is None or self._snapshot.changed():
+            self._build()
 
     def rotations(self, position_ids: torch.Tensor) -> np.ndarray:
         """RoPE as matrices (B or 1, D, D): row vector x @ R is x turned to its position.
@@ -185,13 +206,21 @@ class NumpyDecoder:
         self.refresh()
         if not self.usable or input_ids.device.type != "cpu":
             return None
+        if masks is not None and any(masks[i].dtype != torch.bool for i in range(len(self.layers))):
+            return None  # an additive (float) mask from some other cache: the torch path reads it
+        token_ids = input_ids.numpy()[:, 0]  # (B,)
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= len(self.embed):
+            raise IndexError(
+                f"token ids must lie in [0, {len(self.embed)}), got min {int(token_ids.min())} "
+                f"and max {int(token_ids.max())}"
+            )
         batch = input_ids.shape[0]
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
         rotated = heads + kv_heads
         turn_k = self.rotations(position_ids)  # (B or 1, D, D)
         turn_q = turn_k * np.float32(self.scale)  # queries also take the 1/sqrt(D) of attention
         visible_by_mask: dict[int, np.ndarray | None] = {}
-        x = self.embed[input_ids.numpy()[:, 0]]  # (B, hidden), a copy
+        x = self.embed[token_ids]  # (B, hidden), a copy
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(self.layers):
                 qkv = _linear(_rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
