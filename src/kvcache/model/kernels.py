@@ -85,6 +85,9 @@ def store_tall_weights_transposed(model) -> None:
     unchanged; the parameters become transposed (non-contiguous) views, so `state_dict()`
     tensors need `.contiguous()` before `safetensors.torch.save_file`.
     """
+    # a numpy step built before (choose_decode_path) holds views of the row-major tensors: drop
+    # it first, so each one is freed as soon as its column-major copy replaces it
+    model.__dict__.pop("_numpy_step", None)
     for layer in model.model.layers:
         fused = layer.mlp.fused_gate_up
         if fused is not None and fused.is_intact() and fused.weight.shape[0] >= TALL * fused.weight.shape[1]:
@@ -94,7 +97,6 @@ def store_tall_weights_transposed(model) -> None:
         with torch.no_grad():
             transposed = head.weight.t().contiguous().t()
         head.weight = nn.Parameter(transposed, requires_grad=head.weight.requires_grad)
-    model.__dict__.pop("_numpy_step", None)  # a numpy step built before holds the old tensors
 
 
 def _median_seconds(run, repeats: int = 5) -> float:
