@@ -17,7 +17,6 @@ avoids by reading the blocks in place); a single row whose blocks are consecutiv
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -28,24 +27,9 @@ from .checks import check_batch_index, check_crop, check_kv_pair, check_new_toke
 from .config import read_geometry
 from .errors import CacheConfigError, CacheDeviceError, CacheDtypeError, CacheShapeError
 from .layer import CacheLayer
+from .paged_storage import Step, gather_rows, write_and_gather
 
 __all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer"]
-
-
-@dataclass
-class _Step:
-    """Where one forward's rows go, computed once and used by every layer's update."""
-
-    step_id: int
-    new_tokens: int  # T_new, columns of this forward
-    batch: int
-    totals: list[int]  # tokens per row after this forward
-    write_slots: torch.Tensor  # (N_real,) slot of each stored new token, row-major
-    source_rows: torch.Tensor | None  # (N_real,) index into the (B·T_new) new rows; None = all
-    read_blocks: torch.Tensor | None  # (B·n,) blocks each row attends to, padded per row
-    first_block: int | None  # one row on consecutive blocks: they start here (no gather)
-    visible: int  # T_kv = max(totals)
-    pending: bool = True  # layer 0 has not written it yet
 
 
 class PagedLayer(CacheLayer):
@@ -150,7 +134,7 @@ class PagedCache(Cache):
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.rows: list[int] = []  # allocator sequence id of each batch row
         self._seq_ids = count()
-        self._step: _Step | None = None
+        self._step: Step | None = None
         self._step_counter = 0
         super().__init__([PagedLayer(self) for _ in range(geometry.num_layers)], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
@@ -267,7 +251,7 @@ class PagedCache(Cache):
 
     def _begin(
         self, new_tokens: int, attention_mask: torch.Tensor | None, batch: int, device: torch.device
-    ) -> tuple[_Step, torch.Tensor]:
+    ) -> tuple[Step, torch.Tensor]:
         """Reserve blocks for this forward and compute its slots and mask."""
         if not self.rows:
             for _ in range(batch):
@@ -341,7 +325,7 @@ class PagedCache(Cache):
             allowed |= (query[:, :, None] < 0) & (key_positions == 0)
             mask = allowed[:, None]  # (B, 1, T_new, T_kv)
         self._step_counter += 1
-        step = _Step(
+        step = Step(
             self._step_counter, new_tokens, batch, totals, write_slots, source_rows,
             read_blocks, first_block, visible,
         )
@@ -377,25 +361,9 @@ class PagedCache(Cache):
             )
         layer._last_step = step.step_id
         layer._columns += new_tokens
-        keys_out = self._write_and_gather(layer._keys, k, step)
-        values_out = self._write_and_gather(layer._values, v, step)
+        keys_out = write_and_gather(layer._keys, k, step)
+        values_out = write_and_gather(layer._values, v, step)
         return keys_out, values_out
-
-    @staticmethod
-    def _write_and_gather(storage: torch.Tensor, new: torch.Tensor, step: _Step) -> torch.Tensor:
-        batch, heads, new_tokens, dim = new.shape
-        blocks, size = storage.shape[:2]
-        rows = new.transpose(1, 2).reshape(batch * new_tokens, heads, dim)  # (B·T_new, H_kv, D)
-        if step.source_rows is not None:
-            rows = rows.index_select(0, step.source_rows)  # (N_real, H_kv, D)
-        storage.view(blocks * size, heads, dim).index_copy_(0, step.write_slots, rows)
-        if step.read_blocks is None:  # consecutive blocks: a view
-            width = -(-step.visible // size)
-            gathered = storage.narrow(0, step.first_block, width)  # (n, S, H_kv, D)
-        else:
-            gathered = storage.index_select(0, step.read_blocks)  # (B·n, S, H_kv, D)
-        gathered = gathered.view(batch, -1, heads, dim).narrow(1, 0, step.visible)  # (B, T_kv, H_kv, D)
-        return gathered.transpose(1, 2)  # (B, H_kv, T_kv, D)
 
     def _check(self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         stored_k, stored_v = layer._keys, layer._values
@@ -439,17 +407,8 @@ class PagedCache(Cache):
         visible = max(lengths)
         if visible == 0:
             return None
-        slots = torch.tensor(
-            [self.allocator.slots(seq, 0, length) + [0] * (visible - length)
-             for seq, length in zip(self.rows, lengths)],
-            dtype=torch.long, device=storage.device,
-        )  # (B, T)
-        rows = storage.view(-1, *storage.shape[2:]).index_select(0, slots.flatten())
-        rows = rows.view(len(lengths), visible, *storage.shape[2:])  # (B, T, H_kv, D)
-        filled = torch.arange(visible, device=storage.device)[None, :] < torch.tensor(
-            lengths, device=storage.device
-        )[:, None]  # (B, T)
-        return (rows * filled[:, :, None, None]).transpose(1, 2)  # (B, H_kv, T, D)
+        slots = [self.allocator.slots(seq, 0, length) for seq, length in zip(self.rows, lengths)]
+        return gather_rows(storage, slots)
 
     # ---- whole-cache operations ----------------------------------------------------------------
     def crop(self, max_length: int) -> None:
