@@ -13,8 +13,8 @@ cache update, grouped-query attention with the cache's boolean masks, o_proj, RM
 residuals, final norm, lm_head. Only steps of one new token per row (T_new == 1) on float32 CPU
 weights are taken; everything else stays on the torch path.
 
-The views are taken once and checked every step: a parameter that was replaced or moved
-(`model.to`, a new nn.Parameter) makes the step rebuild them, so it never reads stale memory.
+The views are taken once and checked every step: a module or parameter that was replaced,
+moved, cast or written in place makes the step take them again, so it never reads stale values.
 """
 
 from __future__ import annotations
@@ -23,16 +23,6 @@ import math
 
 import numpy as np
 import torch
-
-# names of the parameters each layer's step reads: (module path inside the layer, parameter)
-_LAYER_PARAMS = (
-    ("input_layernorm", "weight"),
-    ("self_attn.o_proj", "weight"),
-    ("self_attn.o_proj", "bias"),
-    ("post_attention_layernorm", "weight"),
-    ("mlp.down_proj", "weight"),
-    ("mlp.down_proj", "bias"),
-)
 
 
 def _view(tensor: torch.Tensor | None) -> np.ndarray | None:
