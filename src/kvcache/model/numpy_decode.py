@@ -146,7 +146,6 @@ class NumpyDecoder:
         self.embed = _view(decoder.embed_tokens.weight)
         self.final_norm = _view(decoder.norm.weight)
         self.lm_head = _view(self.model.lm_head.weight)
-        self.inv_freq = _view(decoder.rotary_emb.inv_freq.float())
         empty = np.zeros((0, self.head_dim), np.float32)
         self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
 
@@ -161,29 +160,27 @@ class NumpyDecoder:
         x_i' = x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, the torch path's `apply_rope`.
         One small product per layer replaces a roll, two products and a sum.
         """
-        rotary = self.model.model.rotary_emb
-        if rotary.limit is not None:  # dynamic scaling checks its range in torch
-            cos_t, sin_t = rotary(position_ids, torch.float32)  # (B, 1, 1, D)
-            cos, signed_sin = cos_t[:, 0, 0].numpy(), sin_t[:, 0, 0].numpy()
-        else:
-            positions = position_ids.numpy()[:, 0]  # (B or 1,)
-            needed = int(positions.max()) + 1
-            if needed > len(self._cos):
-                self._extend_rope_table(needed)
-            cos, signed_sin = self._cos[positions], self._signed_sin[positions]  # (B or 1, D)
+        positions = position_ids.numpy()[:, 0]  # (B or 1,)
+        needed = int(positions.max()) + 1
+        if needed > len(self._cos):
+            self._extend_rope_table(needed)
+        cos, signed_sin = self._cos[positions], self._signed_sin[positions]  # (B or 1, D)
         rotation = np.zeros((cos.shape[0], self.head_dim, self.head_dim), np.float32)
         rotation[:, self._diagonal, self._diagonal] = cos
         rotation[:, self._partner, self._diagonal] = signed_sin
         return rotation
 
     def _extend_rope_table(self, needed: int) -> None:
-        """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), float32
-        as the torch path computes them: angle = float32(position) * inv_freq."""
+        """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
+        model's own RotaryEmbedding, so they are the torch path's values. Its range check (dynamic
+        scaling stops at max_position_embeddings) applies: the table never grows past that limit,
+        and a position beyond it raises as on the torch path."""
+        rotary = self.model.model.rotary_emb
         size = max(needed, 2 * len(self._cos), 256)
-        angles = np.arange(size, dtype=np.float32)[:, None] * self.inv_freq[None]  # (N, D/2)
-        cos, sin = np.cos(angles), np.sin(angles)
-        self._cos = np.concatenate((cos, cos), -1)
-        self._signed_sin = np.concatenate((-sin, sin), -1)
+        if rotary.limit is not None:
+            size = max(needed, min(size, rotary.limit))
+        cos, signed_sin = rotary(torch.arange(size)[None], torch.float32)  # (1, 1, N, D)
+        self._cos, self._signed_sin = cos[0, 0].numpy(), signed_sin[0, 0].numpy()
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks, cache) -> torch.Tensor | None:
         """Logits (B, 1, vocab) float32 for input_ids (B, 1) at position_ids (B or 1, 1), or None
