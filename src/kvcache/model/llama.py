@@ -227,22 +227,12 @@ class LlamaForCausalLM(nn.Module):
                 )
         if position_ids is None:
             position_ids = self._positions(attention_mask, past, new_tokens, input_ids.device)
-        numpy_step = self._numpy_step_applies(batch, new_tokens)
-        sees_all = getattr(cache, "sees_every_key", None)
-        if numpy_step and sees_all is not None and sees_all(
-            new_tokens, attention_mask, num_layers=self.config.num_hidden_layers
-        ):
-            masks = None  # every key visible: the numpy step attends without masks
-        else:
-            masks = cache.attention_masks(new_tokens, attention_mask)
-
-        if numpy_step:
-            logits = self._numpy_decoder().step(input_ids, position_ids, masks, cache)  # (B, 1, vocab)
-            if logits is not None:  # None: the weights are not all float32 on CPU
+        if self._numpy_step_applies(batch, new_tokens):
+            logits = self._decode_on_numpy(input_ids, position_ids, attention_mask, cache)  # (B, 1, vocab)
+            if logits is not None:  # None: the step declined (weights not float32 on CPU, …)
                 return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
-            if masks is None:
-                masks = cache.attention_masks(new_tokens, attention_mask)
 
+        masks = cache.attention_masks(new_tokens, attention_mask)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
         for layer_idx, layer in enumerate(self.model.layers):
@@ -260,6 +250,19 @@ class LlamaForCausalLM(nn.Module):
             and batch <= MATVEC_ROWS
             and not torch.is_grad_enabled()
         )
+
+    def _decode_on_numpy(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor | None:
+        """Logits (B, 1, vocab) of a decode step on the numpy step, or None if it declines.
+        Masks are built only when the cache cannot say that every key is visible."""
+        decoder = self._numpy_decoder()
+        if not decoder.ready():
+            return None
+        sees_all = getattr(cache, "sees_every_key", None)
+        every_key = sees_all is not None and sees_all(
+            1, attention_mask, num_layers=self.config.num_hidden_layers
+        )
+        masks = None if every_key else cache.attention_masks(1, attention_mask)
+        return decoder.step(input_ids, position_ids, masks, cache)
 
     def _numpy_decoder(self):
         decoder = self.__dict__.get("_numpy_step")

@@ -154,6 +154,11 @@ class NumpyDecoder:
         if self._snapshot is None or self._snapshot.changed():
             self._build()
 
+    def ready(self) -> bool:
+        """Refresh the views; whether the step can run (every parameter float32 on CPU)."""
+        self.refresh()
+        return self.usable
+
     def rotations(self, position_ids: torch.Tensor) -> np.ndarray:
         """RoPE as matrices (B or 1, D, D): row vector x @ R is x turned to its position.
 
@@ -190,8 +195,7 @@ class NumpyDecoder:
         boolean mask per layer (B or 1, 1, 1, T_kv), True = may attend, as
         `cache.attention_masks(1, attention_mask)` gives them. The cache gets each layer's k, v.
         """
-        self.refresh()
-        if not self.usable or input_ids.device.type != "cpu":
+        if not self.ready() or input_ids.device.type != "cpu":
             return None
         if masks is not None and any(masks[i].dtype != torch.bool for i in range(len(self.layers))):
             return None  # an additive (float) mask from some other cache: the torch path reads it
