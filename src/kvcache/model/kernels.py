@@ -87,7 +87,7 @@ def store_tall_weights_transposed(model) -> None:
     """
     # a numpy step built before (choose_decode_path) holds views of the row-major tensors: drop
     # it first, so each one is freed as soon as its column-major copy replaces it
-    model.__dict__.pop("_numpy_step", None)
+    model.forget_numpy_step()
     for layer in model.model.layers:
         fused = layer.mlp.fused_gate_up
         if fused is not None and fused.is_intact() and fused.weight.shape[0] >= TALL * fused.weight.shape[1]:

@@ -264,6 +264,10 @@ class LlamaForCausalLM(nn.Module):
         masks = None if every_key else cache.attention_masks(1, attention_mask)
         return decoder.step(input_ids, position_ids, masks, cache)
 
+    def forget_numpy_step(self) -> None:
+        """Drop the numpy step's views (it is built again, from the current weights, when needed)."""
+        self.__dict__.pop("_numpy_step", None)
+
     def _numpy_decoder(self):
         decoder = self.__dict__.get("_numpy_step")
         if decoder is None:
