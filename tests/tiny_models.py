@@ -18,7 +18,12 @@ def tiny_model(seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> LlamaForCa
         max_position_embeddings=256,
     ))
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    return randomize_weights(LlamaForCausalLM(config).eval())
+
+
+def randomize_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Every parameter random in place (norm weights 1 + 0.3·N(0, 1), the rest 0.3·N(0, 1)),
+    from torch's global generator; returns the model."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(0.3 * torch.randn_like(param) + (1.0 if "norm" in name else 0.0))

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import randomize_weights
 from torch import nn
 
 from kvcache.generation.loop import build_cache
@@ -26,13 +27,7 @@ def random_model(config: ModelConfig, seed: int, transposed: bool = False) -> Ll
     """A model with every weight random (norm weights and biases too), fused as load_model does
     (and with its tall weights stored column-major, as for the numpy step, if `transposed`)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-            else:
-                param.copy_(0.3 * torch.randn_like(param))
+    model = randomize_weights(LlamaForCausalLM(config))
     fuse_projections(model)
     if transposed:
         store_tall_weights_transposed(model)
