@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
             1, attention_mask, num_layers=self.config.num_hidden_layers
         )
         masks = None if every_key else cache.attention_masks(1, attention_mask)
-        return decoder.step(input_ids, position_ids, masks, cache)
+        return decoder.run(input_ids, position_ids, masks, cache)
 
     def forget_numpy_step(self) -> None:
         """Drop the numpy step's views (it is built again, from the current weights, when needed)."""

@@ -128,8 +128,11 @@ class NumpyDecoder:
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self._snapshot: _Snapshot | None = None
-        self._diagonal = np.arange(self.head_dim)
-        self._partner = (self._diagonal + self.head_dim // 2) % self.head_dim
+        diagonal = np.arange(self.head_dim)
+        partner = (diagonal + self.head_dim // 2) % self.head_dim
+        # where cos and signed sin go in a flattened (D, D) rotation: (i, i) and (partner(i), i)
+        self._cos_at = diagonal * self.head_dim + diagonal
+        self._sin_at = partner * self.head_dim + diagonal
         self._build()
 
     def _build(self) -> None:
@@ -163,17 +166,23 @@ class NumpyDecoder:
         """RoPE as matrices (B or 1, D, D): row vector x @ R is x turned to its position.
 
         x_i' = x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, the torch path's `apply_rope`.
-        One small product per layer replaces a roll, two products and a sum.
+        One small product per layer (queries and keys together) replaces a roll, two products
+        and a sum.
         """
         positions = position_ids.numpy()[:, 0]  # (B or 1,)
         needed = int(positions.max()) + 1
         if needed > len(self._cos):
             self._extend_rope_table(needed)
-        cos, signed_sin = self._cos[positions], self._signed_sin[positions]  # (B or 1, D)
-        rotation = np.zeros((cos.shape[0], self.head_dim, self.head_dim), np.float32)
-        rotation[:, self._diagonal, self._diagonal] = cos
-        rotation[:, self._partner, self._diagonal] = signed_sin
-        return rotation
+        rows = positions.shape[0]
+        size = self.head_dim * self.head_dim
+        rotation = np.zeros((rows, size), np.float32)  # (B or 1, D·D), filled as (D, D)
+        if rows == 1:  # the usual case: plain fancy indexing of one flat row
+            rotation[0, self._cos_at] = self._cos[positions[0]]
+            rotation[0, self._sin_at] = self._signed_sin[positions[0]]
+        else:
+            rotation[:, self._cos_at] = self._cos[positions]
+            rotation[:, self._sin_at] = self._signed_sin[positions]
+        return rotation.reshape(rows, self.head_dim, self.head_dim)
 
     def _extend_rope_table(self, needed: int) -> None:
         """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
@@ -195,7 +204,14 @@ class NumpyDecoder:
         boolean mask per layer (B or 1, 1, 1, T_kv), True = may attend, as
         `cache.attention_masks(1, attention_mask)` gives them. The cache gets each layer's k, v.
         """
-        if not self.ready() or input_ids.device.type != "cpu":
+        if not self.ready():
+            return None
+        return self.run(input_ids, position_ids, masks, cache)
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks, cache) -> torch.Tensor | None:
+        """`step` for a caller that has just seen `ready()` return True (the views are not
+        checked again: nothing may change the model in between)."""
+        if input_ids.device.type != "cpu":
             return None
         if masks is not None and any(masks[i].dtype != torch.bool for i in range(len(self.layers))):
             return None  # an additive (float) mask from some other cache: the torch path reads it
@@ -208,16 +224,17 @@ class NumpyDecoder:
         batch = input_ids.shape[0]
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
         rotated = heads + kv_heads
-        turn_k = self.rotations(position_ids)  # (B or 1, D, D)
-        turn_q = turn_k * np.float32(self.scale)  # queries also take the 1/sqrt(D) of attention
+        turn = self.rotations(position_ids)  # (B or 1, D, D)
         visible_by_mask: dict[int, np.ndarray | None] = {}
         x = self.embed[token_ids]  # (B, hidden), a copy
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(self.layers):
                 qkv = _linear(_rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
                 qkv = qkv.reshape(batch, rotated + kv_heads, head_dim)  # (B, H + 2·H_kv, D)
-                q = qkv[:, :heads] @ turn_q  # (B, H, D), scaled
-                k = (qkv[:, heads:rotated] @ turn_k).reshape(batch, kv_heads, 1, head_dim)
+                turned = qkv[:, :rotated] @ turn  # (B, H + H_kv, D): queries and keys
+                q = turned[:, :heads]  # (B, H, D)
+                q *= self.scale  # the 1/sqrt(D) of attention, on the queries (fewer than scores)
+                k = turned[:, heads:].reshape(batch, kv_heads, 1, head_dim)
                 v = qkv[:, rotated:].reshape(batch, kv_heads, 1, head_dim)
                 keys, values = cache.update(torch.from_numpy(k), torch.from_numpy(v), index)
                 keys, values = keys.numpy(), values.numpy()  # (B, H_kv, T_kv, D)
@@ -227,10 +244,11 @@ class NumpyDecoder:
                     visible = self._visible(masks[index], visible_by_mask)
                     if visible is not None:
                         scores = np.where(visible, scores, np.float32(-np.inf))
-                scores -= scores.max(axis=-1, keepdims=True)
+                # softmax; the ufuncs' reduce directly (ndarray.max/.sum add a Python wrapper)
+                scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
                 np.exp(scores, out=scores)
                 attended = scores @ values  # (B, H_kv, G, D), weights not yet normalised
-                attended /= scores.sum(axis=-1, keepdims=True)
+                attended /= np.add.reduce(scores, axis=-1, keepdims=True)
                 x += _linear(attended.reshape(batch, heads * head_dim), w.o, w.o_bias)
                 gate_up = _linear(_rms_norm(x, w.norm2, self.eps), w.gate_up, w.gate_up_bias)
                 inner = gate_up.shape[-1] // 2
