@@ -99,6 +99,20 @@ class Cache:
         assert layer is not None
         return layer.update(k, v)
 
+    def update_arrays(self, k, v, layer_idx: int):
+        """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU; returns numpy (K, V).
+
+        The layer's numpy path (`CacheLayer.append_arrays`) when it has one and the cache does
+        not customise `update`; otherwise `update` itself on tensors sharing the arrays' memory.
+        Either way the cache ends in the same state and returns the same keys and values.
+        """
+        if type(self).update is Cache.update and type(layer_idx) is int and 0 <= layer_idx < len(self.layers):
+            arrays = self.layers[layer_idx].append_arrays(k, v)
+            if arrays is not None:
+                return arrays
+        keys, values = self.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
+        return keys.numpy(), values.numpy()
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far by layer `layer_idx` (0 for a layer not created yet)."""
         layer = self._layer(layer_idx, create=False)

@@ -33,6 +33,9 @@ class DynamicLayer(CacheLayer):
         self.step = step
         self.growth = growth
         self._length = 0
+        # numpy views of the buffers for append_arrays, and the buffers they were taken from
+        self._arrays: tuple | None = None
+        self._arrays_of: tuple = (None, None)
 
     def _capacity_for(self, needed: int, current: int) -> int:
         wanted = max(needed, int(current * self.growth))
@@ -62,6 +65,46 @@ class DynamicLayer(CacheLayer):
         values.narrow(2, start, k.shape[2]).copy_(v)
         self._length = end
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+
+    def append_arrays(self, k, v):
+        """`update` on numpy arrays while the buffer has room (see CacheLayer.append_arrays):
+        two row writes into numpy views of the buffers, no torch call."""
+        arrays = self._buffer_arrays()
+        if arrays is None:
+            return None
+        keys, values = arrays
+        start = self._length
+        end = start + k.shape[2]
+        if (
+            end > keys.shape[2]
+            or k.ndim != 4
+            or v.ndim != 4
+            or k.shape[:2] != keys.shape[:2]
+            or v.shape[:3] != k.shape[:3]
+            or k.shape[3] != keys.shape[3]
+            or v.shape[3] != values.shape[3]
+            or k.shape[2] < 1
+            or k.dtype != keys.dtype
+            or v.dtype != keys.dtype
+        ):
+            return None
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        self._length = end
+        return keys[:, :, :end], values[:, :, :end]
+
+    def _buffer_arrays(self):
+        """(keys, values) numpy views of the buffers, or None (none yet, not on CPU, a dtype
+        numpy lacks); taken again whenever a buffer was replaced (growth, select, …)."""
+        if self._arrays_of[0] is not self._keys or self._arrays_of[1] is not self._values:
+            self._arrays_of = (self._keys, self._values)
+            self._arrays = None
+            if self._keys is not None and self._values is not None and self._keys.device.type == "cpu":
+                try:
+                    self._arrays = (self._keys.numpy(), self._values.numpy())
+                except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
+                    self._arrays = None
+        return self._arrays
 
     def get_seq_length(self) -> int:
         """Tokens held (every token seen since the last reset/crop)."""

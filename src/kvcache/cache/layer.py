@@ -45,6 +45,14 @@ class CacheLayer:
         """A key equal for two layers exactly when their masks for this chunk are equal."""
         raise NotImplementedError
 
+    def append_arrays(self, k, v):
+        """The numpy form of `update`, for a numpy decode step on CPU: k, v numpy arrays
+        (B, H_kv, T_new, D). Returns numpy views (K, V) equal to what `update` would return, or
+        None when this layer kind has no such path or cannot take these rows without its torch
+        code (nothing stored yet, a full buffer, another shape or dtype): the caller then calls
+        `update` with tensors. Nothing is stored when it returns None."""
+        return None
+
     def sees_every_key(self, new_tokens: int) -> bool:
         """Whether, with no padding, every key the next update returns is visible to all of the
         `new_tokens` queries (its mask would be all True). False unless a layer kind knows;

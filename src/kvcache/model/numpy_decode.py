@@ -6,7 +6,9 @@ OpenBLAS matrix-vector product reads weights faster than torch's MKL one on the 
 measured (PERF-NOTES), and a numpy operation on a few hundred floats costs ~1-2 µs against
 torch's ~5-10 µs. So this step runs the layers as a few dozen numpy calls on numpy *views* of
 the model's own parameters (no copy), and talks to the cache through the same seam as the torch
-path: `K, V = cache.update(k, v, layer_idx)` with torch tensors that share the numpy memory.
+path in its numpy form, `K, V = cache.update_arrays(k, v, layer_idx)`: a dynamic layer with room
+writes the row through numpy views of its buffers (a torch `update` in a step whose weights just
+streamed through the caches cost ~60 µs a layer); any other case is `cache.update` itself.
 
 What it computes is the torch forward's: RMSNorm, fused q/k/v, RoPE (pairs i, i + D/2),
 cache update, grouped-query attention with the cache's boolean masks, o_proj, RMSNorm, SwiGLU,
@@ -113,6 +115,16 @@ def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.nd
     if bias is not None:
         out += bias
     return out
+
+
+def _tensor_update(cache):
+    """`cache.update` on numpy arrays, for a cache object without `update_arrays`."""
+
+    def update(k: np.ndarray, v: np.ndarray, layer_idx: int) -> tuple[np.ndarray, np.ndarray]:
+        keys, values = cache.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
+        return keys.numpy(), values.numpy()
+
+    return update
 
 
 class NumpyDecoder:
@@ -226,6 +238,7 @@ class NumpyDecoder:
         rotated = heads + kv_heads
         turn = self.rotations(position_ids)  # (B or 1, D, D)
         visible_by_mask: dict[int, np.ndarray | None] = {}
+        update = getattr(cache, "update_arrays", None) or _tensor_update(cache)  # the seam, on arrays
         x = self.embed[token_ids]  # (B, hidden), a copy
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(self.layers):
@@ -236,8 +249,7 @@ class NumpyDecoder:
                 q *= self.scale  # the 1/sqrt(D) of attention, on the queries (fewer than scores)
                 k = turned[:, heads:].reshape(batch, kv_heads, 1, head_dim)
                 v = qkv[:, rotated:].reshape(batch, kv_heads, 1, head_dim)
-                keys, values = cache.update(torch.from_numpy(k), torch.from_numpy(v), index)
-                keys, values = keys.numpy(), values.numpy()  # (B, H_kv, T_kv, D)
+                keys, values = update(k, v, index)  # (B, H_kv, T_kv, D)
                 # (B, H_kv, G, D) @ (B, H_kv, D, T_kv): each kv head with its group of queries
                 scores = q.reshape(batch, kv_heads, group, head_dim) @ keys.swapaxes(-1, -2)
                 if masks is not None:

@@ -1,0 +1,140 @@
+"""`Cache.update_arrays` is `update` on numpy arrays: for every cache kind and any history of
+updates, crops, resets and batch reorders (which replace a layer's buffers), it returns the
+same keys and values as `update` on a twin cache, and leaves the cache in the same state (what
+later updates return)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.cache import DynamicLayer, make_cache
+from kvcache.cache.base import Cache
+
+LAYERS, HEADS, DIM = 2, 2, 4
+CONFIG = {
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "head_dim": DIM,
+    "hidden_size": HEADS * DIM,
+}
+KINDS = {
+    "dynamic": {},
+    "dynamic_lazy": {},  # no config: layers created by the first update
+    "static": {"max_batch_size": 2, "max_cache_len": 80},
+    "sliding": {"max_batch_size": 2, "max_cache_len": 80},
+    "paged": {"max_batch_size": 2, "max_cache_len": 80},
+    "quantized": {},
+}
+
+
+def build(kind: str):
+    if kind == "dynamic_lazy":
+        return make_cache("dynamic")
+    config = dict(CONFIG, sliding_window=5) if kind == "sliding" else CONFIG
+    return make_cache(kind, config=config, **KINDS[kind])
+
+
+# one action: ("update", tokens) | ("crop", length) | ("reset", 0) | ("reorder", 0)
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("update"), st.integers(1, 7)),
+        st.tuples(st.just("crop"), st.integers(0, 30)),
+        st.tuples(st.just("reset"), st.just(0)),
+        st.tuples(st.just("reorder"), st.just(0)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _arrays(batch: int, tokens: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+    k = torch.randn(batch, HEADS, tokens, DIM, generator=generator)
+    return k.numpy(), torch.randn(batch, HEADS, tokens, DIM, generator=generator).numpy()
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(sorted(KINDS)), actions=ACTIONS, batch=st.integers(1, 2), seed=st.integers(0, 99))
+def test_update_arrays_equals_update(kind, actions, batch, seed):
+    by_arrays, by_tensors = build(kind), build(kind)
+    generator = torch.Generator().manual_seed(seed)
+    for action, size in actions:
+        if action == "update":
+            k, v = _arrays(batch, size, generator)
+            for layer in range(LAYERS):
+                try:
+                    want = by_tensors.update(torch.from_numpy(k.copy()), torch.from_numpy(v.copy()), layer)
+                except Exception as error:  # e.g. a full static cache: both must refuse
+                    with pytest.raises(type(error)):
+                        by_arrays.update_arrays(k.copy(), v.copy(), layer)
+                    return
+                got = by_arrays.update_arrays(k.copy(), v.copy(), layer)
+                assert all(isinstance(array, np.ndarray) for array in got)
+                np.testing.assert_array_equal(got[0], want[0].numpy())
+                np.testing.assert_array_equal(got[1], want[1].numpy())
+        else:  # reorder: rows reversed, new buffers (index_select)
+            change = {
+                "crop": lambda cache, size=size: cache.crop(size),
+                "reset": lambda cache: cache.reset(),
+                "reorder": lambda cache: cache.reorder(list(range(batch))[::-1]),
+            }[action]
+            try:
+                change(by_tensors)
+            except Exception as error:  # e.g. a crop past what a sliding layer still holds
+                with pytest.raises(type(error)):
+                    change(by_arrays)
+                return
+            change(by_arrays)
+        assert by_arrays.get_seq_length() == by_tensors.get_seq_length()
+
+
+def test_a_dynamic_layer_appends_through_numpy_and_grows_through_torch():
+    layer = DynamicLayer(step=4, growth=1.5)
+    k = np.ones((1, HEADS, 3, DIM), np.float32)
+    assert layer.append_arrays(k, k) is None  # nothing stored yet: update allocates
+    layer.update(torch.from_numpy(k), torch.from_numpy(k))  # capacity 4
+    keys, values = layer.append_arrays(2 * k[:, :, :1], 3 * k[:, :, :1])  # row 4 of 4
+    assert keys.shape == (1, HEADS, 4, DIM)
+    assert float(keys[0, 0, 3, 0]) == 2 and float(values[0, 0, 3, 0]) == 3
+    assert np.shares_memory(keys, layer.keys.numpy())
+    assert layer.append_arrays(k[:, :, :1], k[:, :, :1]) is None  # full: growing is update's work
+    assert layer.get_seq_length() == 4
+    layer.update(torch.from_numpy(k[:, :, :1]), torch.from_numpy(k[:, :, :1]))  # grows, new buffer
+    keys, _ = layer.append_arrays(5 * k[:, :, :1], k[:, :, :1])  # views of the new buffer
+    assert keys.shape[2] == 6 and float(keys[0, 0, 5, 0]) == 5
+    np.testing.assert_array_equal(layer.keys.numpy(), keys)
+
+
+def test_a_layer_refuses_rows_that_do_not_fit_and_stores_nothing():
+    layer = DynamicLayer()
+    k = np.zeros((1, HEADS, 2, DIM), np.float32)
+    layer.update(torch.from_numpy(k), torch.from_numpy(k))
+    for bad_k, bad_v in [
+        (k.astype(np.float64), k.astype(np.float64)),  # another dtype
+        (np.zeros((2, HEADS, 1, DIM), np.float32),) * 2,  # another batch
+        (np.zeros((1, HEADS, 1, DIM + 1), np.float32),) * 2,  # another head dim
+        (k[:, :, :1], k),  # k and v of different lengths
+        (k[:, :, :0], k[:, :, :0]),  # no rows
+    ]:
+        assert layer.append_arrays(bad_k, bad_v) is None
+        assert layer.get_seq_length() == 2
+
+
+def test_a_cache_that_customises_update_gets_update():
+    calls = []
+
+    class Counting(type(make_cache("dynamic", config=CONFIG))):
+        def update(self, k, v, layer_idx):
+            calls.append(layer_idx)
+            return super().update(k, v, layer_idx)
+
+    cache = Counting(config=CONFIG)
+    k = np.zeros((1, HEADS, 1, DIM), np.float32)
+    for _ in range(3):
+        cache.update_arrays(k, k, 0)
+    assert calls == [0, 0, 0]
+    assert type(cache).update is not Cache.update
