@@ -197,8 +197,6 @@ class LlamaForCausalLM(nn.Module):
         the mask (so left padding does not shift them) or else from the cache length.
         logits_to_keep=n > 0 scores only the last n positions (0 = all).
         """
-        from kvcache.cache import make_cache
-
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, new_tokens), got shape {tuple(input_ids.shape)}")
         training = self.training and torch.is_grad_enabled()
@@ -211,6 +209,8 @@ class LlamaForCausalLM(nn.Module):
             use_cache = not training
         cache = past_key_values
         if cache is None:
+            from kvcache.cache import make_cache
+
             cache = (
                 make_cache("dynamic", config=self.config, dtype=self.dtype, device=self.device)
                 if use_cache
@@ -225,12 +225,16 @@ class LlamaForCausalLM(nn.Module):
                     f"attention_mask must be (batch, past + new) = ({batch}, {past + new_tokens}), "
                     f"got {tuple(attention_mask.shape)}: append a 1 per generated token"
                 )
-        if position_ids is None:
-            position_ids = self._positions(attention_mask, past, new_tokens, input_ids.device)
         if self._numpy_step_applies(batch, new_tokens):
-            logits = self._decode_on_numpy(input_ids, position_ids, attention_mask, cache)  # (B, 1, vocab)
+            # without a mask every row's new token sits at `past`: no position tensor is built
+            positions = position_ids
+            if positions is None:
+                positions = past if attention_mask is None else self._positions(attention_mask, past, 1, None)
+            logits = self._decode_on_numpy(input_ids, positions, attention_mask, cache)  # (B, 1, vocab)
             if logits is not None:  # None: the step declined (weights not float32 on CPU, …)
                 return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
+        if position_ids is None:
+            position_ids = self._positions(attention_mask, past, new_tokens, input_ids.device)
 
         masks = cache.attention_masks(new_tokens, attention_mask)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
