@@ -197,9 +197,13 @@ def stream_generate(
                 with torch_threads(getattr(model, "decode_threads", None)):
                     logits = _forward_last(model, generated[-1][:, None], step_mask, cache)
             decode_steps += 1
-        chosen = choose_next(logits, settings, generator).tolist()  # (B,) as ints
-        row_tokens = [pad_token_id if done else token for token, done in zip(chosen, finished)]
-        tokens = torch.tensor(row_tokens, dtype=torch.long, device=input_ids.device)  # (B,)
+        next_ids = choose_next(logits, settings, generator)  # (B,) long
+        chosen = next_ids.tolist()
+        if any(finished):  # stopped rows get the pad token
+            row_tokens = [pad_token_id if done else token for token, done in zip(chosen, finished)]
+            tokens = torch.tensor(row_tokens, dtype=torch.long, device=input_ids.device)  # (B,)
+        else:
+            row_tokens, tokens = chosen, next_ids
         if step == 0:
             first_token_at = decode_started = time.perf_counter()
         generated.append(tokens)

@@ -73,15 +73,18 @@ def fuse_projections(model) -> None:
 
 
 # out/in ratio from which a weight is stored column-major for the numpy step
-TALL = 2.0
+TALL = 1.5
 
 
 def store_tall_weights_transposed(model) -> None:
-    """Store the tall weights (out >= TALL × in: gate/up, an untied lm_head) column-major.
+    """Store the tall weights (out >= TALL × in: q/k/v fused, gate/up fused, an untied lm_head)
+    column-major.
 
-    numpy's `W @ x` then runs OpenBLAS's column-major matrix-vector kernel, which on the
-    machines measured reads a tall float32 matrix 20-30 % faster than the row-major one (and a
-    wide one, like down_proj, slower: those stay as they are). Values, names and shapes are
+    numpy's matrix-vector product then runs OpenBLAS's column-major kernel, which on the
+    machine measured streams a tall float32 matrix from memory faster than the row-major one
+    (gate/up 1.4-1.6×, q/k/v 1.1-1.3×; `benchmarks/probe_matvec_layout.py`); a wide one, like
+    down_proj, reads ~0.77× as fast that way and stays row-major, as do square ones (o_proj:
+    0.98-1.13×). Values, names and shapes are
     unchanged; the parameters become transposed (non-contiguous) views, so `state_dict()`
     tensors need `.contiguous()` before `safetensors.torch.save_file`.
     """
@@ -89,9 +92,12 @@ def store_tall_weights_transposed(model) -> None:
     # it first, so each one is freed as soon as its column-major copy replaces it
     model.forget_numpy_step()
     for layer in model.model.layers:
-        fused = layer.mlp.fused_gate_up
-        if fused is not None and fused.is_intact() and fused.weight.shape[0] >= TALL * fused.weight.shape[1]:
-            fused.store_transposed()
+        for fused in (layer.self_attn.fused_qkv, layer.mlp.fused_gate_up):
+            if fused is None or not fused.is_intact():
+                continue
+            out_features, in_features = fused.weight.shape
+            if out_features >= TALL * in_features:
+                fused.store_transposed()
     head = model.lm_head
     if head.weight is not model.model.embed_tokens.weight and head.out_features >= TALL * head.in_features:
         with torch.no_grad():

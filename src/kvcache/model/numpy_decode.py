@@ -33,7 +33,8 @@ def _view(tensor: torch.Tensor | None) -> np.ndarray | None:
 
 
 class _LayerWeights:
-    """numpy views of one decoder layer's weights (fused q/k/v and gate/up included)."""
+    """numpy views of one decoder layer's weights (fused q/k/v and gate/up included); matrices
+    as (in, out) transposed views, so a projection of rows x (B, in) is `x @ w`, one call."""
 
     __slots__ = ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up", "gate_up_bias", "down",
                  "down_bias")
@@ -42,20 +43,21 @@ class _LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1 = _view(layer.input_layernorm.weight)
         self.qkv, self.qkv_bias = _fused(attn.fused_qkv, [attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o, self.o_bias = _view(attn.o_proj.weight), _view(attn.o_proj.bias)
+        self.o, self.o_bias = _view(attn.o_proj.weight).T, _view(attn.o_proj.bias)
         self.norm2 = _view(layer.post_attention_layernorm.weight)
         self.gate_up, self.gate_up_bias = _fused(mlp.fused_gate_up, [mlp.gate_proj, mlp.up_proj])
-        self.down, self.down_bias = _view(mlp.down_proj.weight), _view(mlp.down_proj.bias)
+        self.down, self.down_bias = _view(mlp.down_proj.weight).T, _view(mlp.down_proj.bias)
 
 
 def _fused(fused, linears) -> tuple[np.ndarray, np.ndarray | None]:
-    """The fused weight (and bias) when it still backs the parameters, else a concatenated copy."""
+    """The fused weight as (in, sum out) (and bias) when it still backs the parameters, else a
+    concatenated copy."""
     if fused is not None and fused.is_intact():
-        return _view(fused.weight), _view(fused.bias)
+        return _view(fused.weight).T, _view(fused.bias)
     weight = np.concatenate([_view(linear.weight) for linear in linears])
     biases = [linear.bias for linear in linears]
     bias = np.concatenate([_view(b) for b in biases]) if all(b is not None for b in biases) else None
-    return weight, bias
+    return weight.T, bias
 
 
 _VERSION = operator.attrgetter("_version")
@@ -115,9 +117,10 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """x (rows, in) @ weight.T (+ bias) -> (rows, out); one row is a matrix-vector product."""
-    out = (weight @ x[0])[None] if x.shape[0] == 1 else x @ weight.T
+def _linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x (rows, in) @ weight_t (in, out) (+ bias) -> (rows, out); for one row numpy runs
+    OpenBLAS's matrix-vector product, the same kernel as `weight @ x[0]` (measured)."""
+    out = x @ weight_t
     if bias is not None:
         out += bias
     return out
@@ -166,7 +169,7 @@ class NumpyDecoder:
         self.layers = [_LayerWeights(layer) for layer in decoder.layers]
         self.embed = _view(decoder.embed_tokens.weight)
         self.final_norm = _view(decoder.norm.weight)
-        self.lm_head = _view(self.model.lm_head.weight)
+        self.lm_head = _view(self.model.lm_head.weight).T  # (hidden, vocab)
         empty = np.zeros((0, self.head_dim), np.float32)
         self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
 
