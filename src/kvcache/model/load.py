@@ -24,6 +24,7 @@ from kvcache.model.kernels import (
 )
 from kvcache.model.llama import LlamaForCausalLM
 from kvcache.model.safetensors_read import read_tensors
+from kvcache.model.weight_arena import move_weights_to_huge_pages
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -222,4 +223,5 @@ def load_model(
             model.decode_threads = 1  # the numpy step's products thread in OpenBLAS, not torch
     if model.matvec_backend == "numpy":
         store_tall_weights_transposed(model)
+        move_weights_to_huge_pages(model)  # a layout only; nothing where the OS has no huge pages
     return model.eval()
