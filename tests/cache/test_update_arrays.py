@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.cache import DynamicLayer, make_cache
+from kvcache.cache import DynamicCache, DynamicLayer, make_cache
 from kvcache.cache.base import Cache
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -24,6 +24,7 @@ CONFIG = {
 }
 KINDS = {
     "dynamic": {},
+    "dynamic_growing": {},  # 4-row steps: buffers grow (new buffers) within a test
     "dynamic_lazy": {},  # no config: layers created by the first update
     "static": {"max_batch_size": 2, "max_cache_len": 80},
     "sliding": {"max_batch_size": 2, "max_cache_len": 80},
@@ -35,6 +36,8 @@ KINDS = {
 def build(kind: str):
     if kind == "dynamic_lazy":
         return make_cache("dynamic")
+    if kind == "dynamic_growing":
+        return DynamicCache(config=CONFIG, step=4, growth=1.5)
     config = dict(CONFIG, sliding_window=5) if kind == "sliding" else CONFIG
     return make_cache(kind, config=config, **KINDS[kind])
 
@@ -138,3 +141,59 @@ def test_a_cache_that_customises_update_gets_update():
         cache.update_arrays(k, k, 0)
     assert calls == [0, 0, 0]
     assert type(cache).update is not Cache.update
+
+
+def _decode(cache, steps: int, generator: torch.Generator) -> list[np.ndarray]:
+    out = []
+    for _ in range(steps):
+        k, v = _arrays(1, 1, generator)
+        for layer in range(LAYERS):
+            keys, values = cache.update_arrays(k.copy(), v.copy(), layer)
+        out += [keys.copy(), values.copy()]
+    return out
+
+
+@pytest.mark.parametrize("copy_with", ["deepcopy", "pickle"])
+def test_a_copied_cache_appends_into_its_own_buffers(copy_with):
+    """A copy (deepcopy, pickle) takes its own views: appending to it never writes the original's
+    buffers, and both go on exactly like twin caches fed through update."""
+    import copy
+    import pickle
+
+    original = DynamicCache(config=CONFIG, step=64)
+    _decode(original, 5, torch.Generator().manual_seed(0))  # the views are taken
+    twin = copy.deepcopy(original) if copy_with == "deepcopy" else pickle.loads(pickle.dumps(original))
+    before = [layer.keys.clone() for layer in original.layers]
+    copied_out = _decode(twin, 4, torch.Generator().manual_seed(1))
+    for layer, keys in zip(original.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys)  # the original is untouched
+    assert twin.get_seq_length() == 9 and original.get_seq_length() == 5
+    reference = DynamicCache(config=CONFIG, step=64)  # the same history through update
+    generator = torch.Generator().manual_seed(0)
+    for seed, steps in ((0, 5), (1, 4)):
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            k, v = _arrays(1, 1, generator)
+            for layer in range(LAYERS):
+                want = reference.update(torch.from_numpy(k.copy()), torch.from_numpy(v.copy()), layer)
+    np.testing.assert_array_equal(copied_out[-2], want[0].numpy())
+    for layer, ref in zip(twin.layers, reference.layers, strict=True):
+        assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+
+
+def test_replacing_the_buffers_drops_the_views_of_the_old_ones():
+    """select / repeat_interleave / growth: the layer keeps no numpy view of a replaced buffer."""
+    layer = DynamicLayer(step=4)
+    k = np.ones((2, HEADS, 1, DIM), np.float32)
+    layer.update(torch.from_numpy(k), torch.from_numpy(k))
+    assert layer.append_arrays(k, k) is not None  # views taken
+    for replace in (
+        lambda: layer.select(torch.tensor([1, 0])),
+        lambda: layer.repeat_interleave(1),
+        lambda: layer.update(torch.ones(2, HEADS, 2, DIM), torch.ones(2, HEADS, 2, DIM)),  # 4 -> 6: grows
+    ):
+        assert layer._arrays is not None
+        replace()
+        assert layer._arrays is None and layer._arrays_of == ()
+        assert layer.append_arrays(k, k) is not None  # taken again, of the new buffers
+        assert np.shares_memory(layer._arrays[0], layer.keys.numpy())

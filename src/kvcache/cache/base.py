@@ -1,9 +1,9 @@
 """The seam between model and cache: `Cache`, an ordered list of `CacheLayer`s.
 
 The model calls `attention_masks(new_tokens)` once per forward, then `update(k, v, layer_idx)`
-once per layer; a layer's length moves only inside its `update`. Every layer kind answers the
-same questions (its length, the absolute positions of the rows it will return), so the model
-never branches on the kind of cache.
+once per layer (or `update_arrays`, its numpy form); a layer's length moves only inside those.
+Every layer kind answers the same questions (its length, the absolute positions of the rows it
+will return), so the model never branches on the kind of cache.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ class LayerMasks(list):
         if isinstance(index, int) and index >= len(self) and self.default is not None:
             return self.default
         return super().__getitem__(index)
+
+
+def update_through_tensors(cache, k, v, layer_idx: int):
+    """`cache.update` for numpy arrays k, v (B, H_kv, T_new, D): tensors sharing their memory
+    in, numpy views of the returned K, V out. Works for any object with an `update` seam."""
+    keys, values = cache.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
+    return keys.numpy(), values.numpy()
 
 
 class Cache:
@@ -110,8 +117,7 @@ class Cache:
             arrays = self.layers[layer_idx].append_arrays(k, v)
             if arrays is not None:
                 return arrays
-        keys, values = self.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
-        return keys.numpy(), values.numpy()
+        return update_through_tensors(self, k, v, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far by layer `layer_idx` (0 for a layer not created yet)."""

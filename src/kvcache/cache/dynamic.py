@@ -33,9 +33,17 @@ class DynamicLayer(CacheLayer):
         self.step = step
         self.growth = growth
         self._length = 0
-        # numpy views of the buffers for append_arrays, and the buffers they were taken from
-        self._arrays: tuple | None = None
-        self._arrays_of: tuple = (None, None)
+        self._forget_arrays()
+
+    def _forget_arrays(self) -> None:
+        """Drop the numpy views of the buffers (taken again by the next append_arrays)."""
+        self._arrays: tuple | None = None  # (keys, values) numpy views for append_arrays
+        self._arrays_of: tuple = ()  # (keys, values, their data pointers) they were taken from
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)  # a copy or pickle takes views again of its own buffers
+        state["_arrays"], state["_arrays_of"] = None, ()
+        return state
 
     def _capacity_for(self, needed: int, current: int) -> int:
         wanted = max(needed, int(current * self.growth))
@@ -46,6 +54,7 @@ class DynamicLayer(CacheLayer):
         current = 0 if old_keys is None else old_keys.shape[2]
         capacity = self._capacity_for(needed, current)
         batch, heads, _, head_dim = k.shape
+        self._forget_arrays()  # views of the old buffers would keep them alive
         self._keys = k.new_empty((batch, heads, capacity, head_dim))  # (B, H_kv, C, D)
         self._values = v.new_empty((batch, heads, capacity, v.shape[3]))  # (B, H_kv, C, D_v)
         if old_keys is not None and old_values is not None and self._length:
@@ -69,16 +78,16 @@ class DynamicLayer(CacheLayer):
     def append_arrays(self, k, v):
         """`update` on numpy arrays while the buffer has room (see CacheLayer.append_arrays):
         two row writes into numpy views of the buffers, no torch call."""
+        if type(self).update is not DynamicLayer.update:
+            return None  # a subclass that changes update gets update
         arrays = self._buffer_arrays()
-        if arrays is None:
+        if arrays is None or k.ndim != 4 or v.ndim != 4:
             return None
         keys, values = arrays
         start = self._length
         end = start + k.shape[2]
         if (
             end > keys.shape[2]
-            or k.ndim != 4
-            or v.ndim != 4
             or k.shape[:2] != keys.shape[:2]
             or v.shape[:3] != k.shape[:3]
             or k.shape[3] != keys.shape[3]
@@ -95,16 +104,37 @@ class DynamicLayer(CacheLayer):
 
     def _buffer_arrays(self):
         """(keys, values) numpy views of the buffers, or None (none yet, not on CPU, a dtype
-        numpy lacks); taken again whenever a buffer was replaced (growth, select, …)."""
-        if self._arrays_of[0] is not self._keys or self._arrays_of[1] is not self._values:
-            self._arrays_of = (self._keys, self._values)
+        numpy lacks); taken again whenever a buffer was replaced (growth, select, …) or its
+        memory moved (the views' tensors by identity and data pointer)."""
+        keys, values = self._keys, self._values
+        if keys is None or values is None:
+            return None
+        taken = self._arrays_of
+        if (
+            not taken
+            or taken[0] is not keys
+            or taken[1] is not values
+            or taken[2] != keys.data_ptr()
+            or taken[3] != values.data_ptr()
+        ):
             self._arrays = None
-            if self._keys is not None and self._values is not None and self._keys.device.type == "cpu":
+            self._arrays_of = (keys, values, keys.data_ptr(), values.data_ptr())
+            if keys.device.type == "cpu":
                 try:
-                    self._arrays = (self._keys.numpy(), self._values.numpy())
+                    self._arrays = (keys.numpy(), values.numpy())
                 except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
                     self._arrays = None
         return self._arrays
+
+    def select(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows `indices` (see CacheLayer.select); new buffers, no old views."""
+        self._forget_arrays()
+        super().select(indices)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row `repeats` times (see CacheLayer.repeat_interleave)."""
+        self._forget_arrays()
+        super().repeat_interleave(repeats)
 
     def get_seq_length(self) -> int:
         """Tokens held (every token seen since the last reset/crop)."""

@@ -203,7 +203,7 @@ def stream_generate(
             row_tokens = [pad_token_id if done else token for token, done in zip(chosen, finished)]
             tokens = torch.tensor(row_tokens, dtype=torch.long, device=input_ids.device)  # (B,)
         else:
-            row_tokens, tokens = chosen, next_ids
+            row_tokens, tokens = chosen, next_ids.to(input_ids.device)  # no copy on one device
         if step == 0:
             first_token_at = decode_started = time.perf_counter()
         generated.append(tokens)

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import math
 import operator
+from functools import partial
 
 import numpy as np
 import torch
+
+from kvcache.cache.base import update_through_tensors
 
 
 def _view(tensor: torch.Tensor | None) -> np.ndarray | None:
@@ -124,16 +127,6 @@ def _linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None) -> np.
     if bias is not None:
         out += bias
     return out
-
-
-def _tensor_update(cache):
-    """`cache.update` on numpy arrays, for a cache object without `update_arrays`."""
-
-    def update(k: np.ndarray, v: np.ndarray, layer_idx: int) -> tuple[np.ndarray, np.ndarray]:
-        keys, values = cache.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
-        return keys.numpy(), values.numpy()
-
-    return update
 
 
 class NumpyDecoder:
@@ -256,7 +249,7 @@ class NumpyDecoder:
         rotated = heads + kv_heads
         turn = self.rotations(position_ids)  # (B or 1, D, D)
         visible_by_mask: dict[int, np.ndarray | None] = {}
-        update = getattr(cache, "update_arrays", None) or _tensor_update(cache)  # the seam, on arrays
+        update = getattr(cache, "update_arrays", None) or partial(update_through_tensors, cache)
         x = self.embed[token_ids]  # (B, hidden), a copy
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(self.layers):

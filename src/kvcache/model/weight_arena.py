@@ -33,16 +33,21 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode
 
 
-def huge_page_block(nbytes: int) -> torch.Tensor:
-    """A (nbytes,) uint8 CPU tensor whose memory starts on a 2 MB boundary of a private
-    anonymous mapping advised MADV_HUGEPAGE. The mapping lives as long as a tensor viewing it."""
+def huge_page_block(nbytes: int):
+    """A (nbytes,) uint8 numpy array whose memory starts on a 2 MB boundary of a private
+    anonymous mapping advised MADV_HUGEPAGE. The mapping lives as long as an array or tensor
+    viewing it (each holds the mapping's buffer)."""
     import numpy as np
 
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
-    whole = np.frombuffer(mapping, dtype=np.uint8)  # holds the mapping open
+    whole = np.frombuffer(mapping, dtype=np.uint8)
     start = (-whole.ctypes.data) % HUGE_PAGE
-    return torch.from_numpy(whole[start : start + nbytes])
+    return whole[start : start + nbytes]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _weight_slots(model) -> list[tuple[object, str, torch.Tensor]]:
@@ -81,23 +86,21 @@ def move_weights_to_huge_pages(model) -> bool:
         groups.setdefault(storage.data_ptr(), []).append(slot)
         sizes[storage.data_ptr()] = storage.nbytes()
     del slots, storage
-    block = huge_page_block(sum(-(-size // ALIGN) * ALIGN for size in sizes.values()))
-    model.forget_numpy_step()  # its numpy views would outlive the memory they point at
+    block = huge_page_block(sum(_aligned(size) for size in sizes.values()))
+    model.forget_numpy_step()  # its views would keep every old storage alive until it is rebuilt
     start = 0
     with torch.no_grad():
         for pointer in list(groups):
             group = groups.pop(pointer)  # the last references to the old storage go with it
-            target = block[start : start + sizes[pointer]]
-            target.copy_(torch.empty(0, dtype=torch.uint8).set_(group[0][2].untyped_storage()))
+            # each old storage gets its own storage over its slice of the block, so tensors that
+            # shared one still do and no others (FusedLinear.is_intact compares storages)
+            target = torch.from_numpy(block[start : start + sizes[pointer]])
+            old = torch.empty(0, dtype=torch.uint8, device="cpu").set_(group[0][2].untyped_storage())
+            target.copy_(old)
             for owner, attribute, tensor in group:
-                moved = torch.empty(0, dtype=tensor.dtype)
-                moved.set_(
-                    target.untyped_storage(),
-                    start // tensor.element_size() + tensor.storage_offset(),
-                    tensor.shape,
-                    tensor.stride(),
-                )
+                moved = torch.empty(0, dtype=tensor.dtype, device="cpu")
+                moved.set_(target.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
                 setattr(owner, attribute, moved)
-            del group, tensor
-            start += -(-sizes[pointer] // ALIGN) * ALIGN
+            del group, tensor, old
+            start += _aligned(sizes[pointer])
     return True
