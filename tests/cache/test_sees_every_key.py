@@ -61,4 +61,8 @@ def test_a_dynamic_cache_sees_every_key_on_decode_steps():
     assert cache.sees_every_key(1, num_layers=LAYERS)
     assert not cache.sees_every_key(2, num_layers=LAYERS)  # a chunk is causal within itself
     assert not cache.sees_every_key(1, num_layers=LAYERS + 1)  # a layer the cache lacks
-    assert not build("static").sees_every_key(1, num_layers=LAYERS)  # its buffer has empty rows
+    static = build("static")  # eager, update returns the filled rows only: all visible too
+    for layer in range(LAYERS):
+        static.update(torch.randn(1, HEADS, 5, DIM), torch.randn(1, HEADS, 5, DIM), layer)
+    assert static.sees_every_key(1, num_layers=LAYERS)
+    assert not build("sliding").sees_every_key(1, num_layers=LAYERS)  # its window hides keys

@@ -26,8 +26,8 @@ KINDS = {
     "dynamic": {},
     "dynamic_growing": {},  # 4-row steps: buffers grow (new buffers) within a test
     "dynamic_lazy": {},  # no config: layers created by the first update
-    "static": {"max_batch_size": 2, "max_cache_len": 80},
-    "sliding": {"max_batch_size": 2, "max_cache_len": 80},
+    "static": {"max_cache_len": 80},  # no batch size: the first update fixes it
+    "sliding": {"max_cache_len": 80},
     "paged": {"max_batch_size": 2, "max_cache_len": 80},
     "quantized": {},
 }
@@ -60,8 +60,9 @@ def _arrays(batch: int, tokens: int, generator: torch.Generator) -> tuple[np.nda
     return k.numpy(), torch.randn(batch, HEADS, tokens, DIM, generator=generator).numpy()
 
 
-@settings(max_examples=60, deadline=None)
-@given(kind=st.sampled_from(sorted(KINDS)), actions=ACTIONS, batch=st.integers(1, 2), seed=st.integers(0, 99))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@settings(max_examples=30, deadline=None)
+@given(actions=ACTIONS, batch=st.integers(1, 2), seed=st.integers(0, 99))
 def test_update_arrays_equals_update(kind, actions, batch, seed):
     by_arrays, by_tensors = build(kind), build(kind)
     generator = torch.Generator().manual_seed(seed)

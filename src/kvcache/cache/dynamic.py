@@ -33,17 +33,6 @@ class DynamicLayer(CacheLayer):
         self.step = step
         self.growth = growth
         self._length = 0
-        self._forget_arrays()
-
-    def _forget_arrays(self) -> None:
-        """Drop the numpy views of the buffers (taken again by the next append_arrays)."""
-        self._arrays: tuple | None = None  # (keys, values) numpy views for append_arrays
-        self._arrays_of: tuple = ()  # (keys, values, their data pointers) they were taken from
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)  # a copy or pickle takes views again of its own buffers
-        state["_arrays"], state["_arrays_of"] = None, ()
-        return state
 
     def _capacity_for(self, needed: int, current: int) -> int:
         wanted = max(needed, int(current * self.growth))
@@ -80,61 +69,12 @@ class DynamicLayer(CacheLayer):
         two row writes into numpy views of the buffers, no torch call."""
         if type(self).update is not DynamicLayer.update:
             return None  # a subclass that changes update gets update
-        arrays = self._buffer_arrays()
-        if arrays is None or k.ndim != 4 or v.ndim != 4:
+        written = self._write_arrays(k, v, self._length)
+        if written is None:
             return None
-        keys, values = arrays
-        start = self._length
-        end = start + k.shape[2]
-        if (
-            end > keys.shape[2]
-            or k.shape[:2] != keys.shape[:2]
-            or v.shape[:3] != k.shape[:3]
-            or k.shape[3] != keys.shape[3]
-            or v.shape[3] != values.shape[3]
-            or k.shape[2] < 1
-            or k.dtype != keys.dtype
-            or v.dtype != keys.dtype
-        ):
-            return None
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
+        keys, values, end = written
         self._length = end
         return keys[:, :, :end], values[:, :, :end]
-
-    def _buffer_arrays(self):
-        """(keys, values) numpy views of the buffers, or None (none yet, not on CPU, a dtype
-        numpy lacks); taken again whenever a buffer was replaced (growth, select, …) or its
-        memory moved (the views' tensors by identity and data pointer)."""
-        keys, values = self._keys, self._values
-        if keys is None or values is None:
-            return None
-        taken = self._arrays_of
-        if (
-            not taken
-            or taken[0] is not keys
-            or taken[1] is not values
-            or taken[2] != keys.data_ptr()
-            or taken[3] != values.data_ptr()
-        ):
-            self._arrays = None
-            self._arrays_of = (keys, values, keys.data_ptr(), values.data_ptr())
-            if keys.device.type == "cpu":
-                try:
-                    self._arrays = (keys.numpy(), values.numpy())
-                except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
-                    self._arrays = None
-        return self._arrays
-
-    def select(self, indices: torch.Tensor) -> None:
-        """Keep the batch rows `indices` (see CacheLayer.select); new buffers, no old views."""
-        self._forget_arrays()
-        super().select(indices)
-
-    def repeat_interleave(self, repeats: int) -> None:
-        """Repeat each batch row `repeats` times (see CacheLayer.repeat_interleave)."""
-        self._forget_arrays()
-        super().repeat_interleave(repeats)
 
     def get_seq_length(self) -> int:
         """Tokens held (every token seen since the last reset/crop)."""

@@ -31,6 +31,7 @@ class CacheLayer:
         self.layer_idx: int | None = None  # set by Cache, only for error messages
         self._keys: torch.Tensor | None = None  # (B, H_kv, capacity, D)
         self._values: torch.Tensor | None = None  # (B, H_kv, capacity, D_v)
+        self._forget_arrays()
 
     # ---- the seam -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +53,66 @@ class CacheLayer:
         code (nothing stored yet, a full buffer, another shape or dtype): the caller then calls
         `update` with tensors. Nothing is stored when it returns None."""
         return None
+
+    # ---- numpy views of the buffers, for append_arrays -----------------------------------------
+    def _forget_arrays(self) -> None:
+        """Drop the numpy views of the buffers (taken again when next needed)."""
+        self._arrays: tuple | None = None  # (keys, values) numpy views of the whole buffers
+        self._arrays_of: tuple = ()  # (keys, values, their data pointers) they were taken from
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)  # a copy or a pickle takes views again, of its own buffers
+        state["_arrays"], state["_arrays_of"] = None, ()
+        return state
+
+    def _buffer_arrays(self):
+        """(keys, values) numpy views of the whole buffers, or None (none yet, not on CPU, a
+        dtype numpy lacks); taken again whenever a buffer was replaced (growth, select, …) or
+        its memory moved (the buffers are checked by identity and data pointer)."""
+        keys, values = self._keys, self._values
+        if keys is None or values is None:
+            return None
+        taken = self._arrays_of
+        if (
+            not taken
+            or taken[0] is not keys
+            or taken[1] is not values
+            or taken[2] != keys.data_ptr()
+            or taken[3] != values.data_ptr()
+        ):
+            self._arrays = None
+            self._arrays_of = (keys, values, keys.data_ptr(), values.data_ptr())
+            if keys.device.type == "cpu":
+                try:
+                    self._arrays = (keys.numpy(), values.numpy())
+                except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
+                    self._arrays = None
+        return self._arrays
+
+    def _write_arrays(self, k, v, start: int):
+        """Write numpy k, v (B, H_kv, T_new, D) into buffer rows start..start+T_new-1 through
+        numpy views; returns (keys, values, end) with the whole buffers' views, or None (and
+        nothing written) when they do not fit: no buffer or views, other shapes or dtype, no
+        rows, or past the buffer's end."""
+        arrays = self._buffer_arrays()
+        if arrays is None or k.ndim != 4 or v.ndim != 4:
+            return None
+        keys, values = arrays
+        end = start + k.shape[2]
+        if (
+            end > keys.shape[2]
+            or k.shape[:2] != keys.shape[:2]
+            or v.shape[:3] != k.shape[:3]
+            or k.shape[3] != keys.shape[3]
+            or v.shape[3] != values.shape[3]
+            or k.shape[2] < 1
+            or k.dtype != keys.dtype
+            or v.dtype != keys.dtype
+        ):
+            return None
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys, values, end
 
     def sees_every_key(self, new_tokens: int) -> bool:
         """Whether, with no padding, every key the next update returns is visible to all of the
@@ -166,6 +227,7 @@ class CacheLayer:
 
     def select(self, indices: torch.Tensor) -> None:
         """Keep the batch rows `indices` (1-D long, in that order, repeats allowed)."""
+        self._forget_arrays()  # new buffers: views of the old ones would keep them alive
         if self._keys is None or self._values is None:
             return
         index = check_batch_index(indices, self._keys.shape[0], self._keys.device)
@@ -176,6 +238,7 @@ class CacheLayer:
         """Repeat each batch row `repeats` times in place (B → B × repeats), e.g. for beams."""
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise CacheShapeError(f"repeats must be an int >= 1, got {repeats!r}")
+        self._forget_arrays()
         if self._keys is None or self._values is None:
             return
         self._keys = self._keys.repeat_interleave(repeats, dim=0)  # (B·r, H_kv, capacity, D)

@@ -82,6 +82,24 @@ class StaticLayer(FixedCapacityLayer):
         self._length.set(end)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
+    def append_arrays(self, k, v):
+        """Eager `update` on numpy arrays (see CacheLayer.append_arrays): the rows written
+        through numpy views of the buffers; None when compiling or past max_cache_len (then
+        `update` raises CacheOverflowError)."""
+        if type(self).update is not StaticLayer.update or is_compiling():
+            return None
+        written = self._write_arrays(k, v, self._length.get())
+        if written is None:
+            return None
+        keys, values, end = written
+        self._length.set(end)
+        return keys[:, :, :end], values[:, :, :end]
+
+    def sees_every_key(self, new_tokens: int) -> bool:
+        """Eager, one new query sees every filled row (the rows update returns): itself and all
+        before it. Compiled, the whole buffer comes back and its unfilled rows are masked."""
+        return new_tokens == 1 and not is_compiling()
+
     def mask_key(self, new_tokens: int) -> Hashable:
         """Eager: causal geometry (past, new_tokens); compiled: the whole buffer."""
         if is_compiling():
