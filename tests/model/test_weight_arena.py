@@ -105,6 +105,14 @@ def test_a_replaced_projection_stays_apart_from_its_fused_weight():
     assert model.model.layers[0].mlp.fused_gate_up.is_intact()
 
 
+def test_nothing_moves_past_the_size_limit():
+    model = _prepared()
+    pointers = [tensor.data_ptr() for tensor in _weights(model)]
+    weight_bytes = sum(parameter.nbytes for parameter in model.parameters())
+    assert not move_weights_to_huge_pages(model, limit=weight_bytes // 2)
+    assert [tensor.data_ptr() for tensor in _weights(model)] == pointers
+
+
 def test_nothing_moves_without_huge_pages(monkeypatch):
     model = _prepared()
     pointers = [tensor.data_ptr() for tensor in _weights(model)]

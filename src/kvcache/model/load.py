@@ -24,7 +24,7 @@ from kvcache.model.kernels import (
 )
 from kvcache.model.llama import LlamaForCausalLM
 from kvcache.model.safetensors_read import read_tensors
-from kvcache.model.weight_arena import move_weights_to_huge_pages
+from kvcache.model.weight_arena import move_weights_to_huge_pages, release_freed_memory
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -223,5 +223,6 @@ def load_model(
             model.decode_threads = 1  # the numpy step's products thread in OpenBLAS, not torch
     if model.matvec_backend == "numpy":
         store_tall_weights_transposed(model)
-        move_weights_to_huge_pages(model)  # a layout only; nothing where the OS has no huge pages
+        move_weights_to_huge_pages(model)  # a layout only (small models, where the OS has them)
+    release_freed_memory()  # the loader's and the re-layouts' freed buffers leave resident memory
     return model.eval()
