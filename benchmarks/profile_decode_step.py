@@ -1,0 +1,93 @@
+"""Where a numpy decode step's time goes, line by line, without a profiler's overhead.
+
+    .venv/bin/python benchmarks/profile_decode_step.py                 # the bundled ~3M model
+    .venv/bin/python benchmarks/profile_decode_step.py --model DIR --steps 300
+
+A profiler's per-call hooks cost more than most lines of the step, so this takes the source of
+`NumpyDecoder.run`, puts a `time.perf_counter()` stamp after every simple statement, runs that
+copy on the loaded model (each step right after the previous one, so the weights have just
+streamed through the CPU caches, as in generation), and prints each statement's mean time per
+step, summed over the layers. The cache is reset to the same length before every step, so every
+step attends over `--context` keys. Not a test and not the step that ships: a measuring copy.
+Output: stdout only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import textwrap
+import time
+
+
+def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: list[float]):
+    """A copy of NumpyDecoder.run with a stamp after every simple statement; returns (function,
+    source lines) where stamps[i] accumulates the seconds spent up to source line i."""
+    from kvcache.model import numpy_decode
+
+    lines = textwrap.dedent(inspect.getsource(numpy_decode.NumpyDecoder.run)).splitlines()
+    skip = ("#", "if ", "for ", "with ", "def ", '"""', "return", "raise", ")", 'f"', "else", "elif")
+    out = []
+    body_started = False
+    for index, line in enumerate(lines):
+        out.append(line)
+        text = line.strip()
+        if text.endswith('"""') and index > 0:
+            body_started = True
+        indent = len(line) - len(line.lstrip())
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        following_indent = len(following) - len(following.lstrip())
+        simple = text and not text.startswith(skip) and not text.endswith(("(", ",", ":"))
+        if body_started and simple and following_indent <= indent:
+            out.append(" " * indent + f"_stamp({index})")
+
+    def _stamp(index: int) -> None:
+        now = time.perf_counter()
+        stamps[index] += now - clock[0]
+        clock[0] = now
+
+    scope = dict(namespace, _stamp=_stamp)
+    exec("\n".join(out), scope)  # our own source, read from the installed module
+    return scope["run"], lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--context", type=int, default=128, help="keys each step attends over")
+    args = parser.parse_args()
+
+    import torch
+
+    from kvcache import load_model
+    from kvcache.cache import make_cache
+    from kvcache.model import numpy_decode
+
+    torch.set_num_threads(1)
+    model = load_model(args.model, dtype=torch.float32, matvec="numpy")
+    stamps: collections.defaultdict = collections.defaultdict(float)
+    clock = [0.0]
+    run, lines = instrumented_run(vars(numpy_decode), stamps, clock)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.context))
+    token = prompt[:, -1:]
+    with torch.inference_mode():
+        cache = make_cache("dynamic", config=model.config)
+        model(prompt, past_key_values=cache, logits_to_keep=1)
+        decoder = model._numpy_decoder()
+        assert decoder.ready()
+        total = 0.0
+        for _ in range(args.steps):
+            for layer in cache.layers:
+                layer.crop(args.context)
+            started = clock[0] = time.perf_counter()
+            run(decoder, token, args.context, None, cache)
+            total += time.perf_counter() - started
+    print(f"one decode step: {total / args.steps * 1e6:.0f} µs (mean of {args.steps}); per statement:")
+    for index in sorted(stamps):
+        print(f"{stamps[index] / args.steps * 1e6:8.1f} µs  {lines[index].strip()[:96]}")
+
+
+if __name__ == "__main__":
+    main()
