@@ -4,39 +4,18 @@
 from __future__ import annotations
 
 import torch
+from cache_kinds import DIM, HEADS, KINDS, LAYERS, build_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.cache import make_cache
-
-LAYERS, HEADS, DIM = 2, 2, 4
-CONFIG = {
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": HEADS,
-    "num_key_value_heads": HEADS,
-    "head_dim": DIM,
-    "hidden_size": HEADS * DIM,
-}
-KINDS = {
-    "dynamic": {},
-    "dynamic_lazy": {},  # no config: layers created by the first update
-    "static": {"max_batch_size": 1, "max_cache_len": 40},
-    "sliding": {"max_batch_size": 1, "max_cache_len": 40},
-    "paged": {"max_batch_size": 1, "max_cache_len": 40},
-    "quantized": {},
-}
-
 
 def build(kind: str):
-    if kind == "dynamic_lazy":
-        return make_cache("dynamic")
-    config = dict(CONFIG, sliding_window=3) if kind == "sliding" else CONFIG
-    return make_cache(kind, config=config, **KINDS[kind])
+    return build_cache(kind, max_cache_len=40, window=3, max_batch_size=1)
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    kind=st.sampled_from(sorted(KINDS)),
+    kind=st.sampled_from(KINDS),
     chunks=st.lists(st.integers(1, 6), min_size=0, max_size=6),
     new_tokens=st.integers(1, 3),
 )

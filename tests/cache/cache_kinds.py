@@ -1,0 +1,33 @@
+"""Every cache kind, built small, for the property tests that run across kinds."""
+
+from __future__ import annotations
+
+from kvcache.cache import DynamicCache, make_cache
+
+LAYERS, HEADS, DIM = 2, 2, 4
+CONFIG = {
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "head_dim": DIM,
+    "hidden_size": HEADS * DIM,
+}
+# dynamic_growing: 4-row steps, so buffers grow (are replaced) within a test;
+# dynamic_lazy: no config, layers created by the first update
+KINDS = ("dynamic", "dynamic_growing", "dynamic_lazy", "static", "sliding", "paged", "quantized")
+
+
+def build_cache(kind: str, *, max_cache_len: int, window: int, max_batch_size: int | None = None):
+    """A cache of `kind` for CONFIG; fixed-size kinds hold max_cache_len tokens (a batch of
+    max_batch_size, or whatever the first update brings where that is allowed)."""
+    if kind == "dynamic_lazy":
+        return make_cache("dynamic")
+    if kind == "dynamic_growing":
+        return DynamicCache(config=CONFIG, step=4, growth=1.5)
+    if kind in ("dynamic", "quantized"):
+        return make_cache(kind, config=CONFIG)
+    config = dict(CONFIG, sliding_window=window) if kind == "sliding" else CONFIG
+    sizes = {"max_cache_len": max_cache_len}
+    if max_batch_size is not None:
+        sizes["max_batch_size"] = max_batch_size
+    return make_cache(kind, config=config, **sizes)
