@@ -72,10 +72,11 @@ class _Snapshot:
     was replaced (a new module or Parameter), moved or cast (a new pointer) or written in place
     (`load_state_dict`, an optimizer step: a new version), so the views are never stale.
 
-    It runs before every decode step, right after the weights streamed through the CPU caches,
-    so its checks are C-level `map`s over flat lists rather than a Python loop (~10 µs against
-    ~150 µs in a step of the ~3M model). Inference tensors keep no version counter; like the
-    torch path, a write into one in place is not seen."""
+    It runs before every decode step, as `map`s over flat lists. On the ~3M model (94 entries,
+    40 tensors) that is ~22 µs with warm caches but ~120 µs inside generation, right after the
+    weights streamed through the CPU caches: ~4 % of a step, measured by timing `ready()` in
+    `generate`; the Python loop it replaced cost the same. Inference tensors keep no version
+    counter; like the torch path, a write into one in place is not seen."""
 
     def __init__(self, model) -> None:
         tables: list[dict] = []  # where each object is registered, under which name
@@ -217,9 +218,9 @@ class NumpyDecoder:
     def step(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | int, masks, cache
     ) -> torch.Tensor | None:
-        """Logits (B, 1, vocab) float32 for input_ids (B, 1) at position_ids (B or 1, 1) (or
-        one int position for every row), or None
-        (nothing done) when the weights are not all float32 on CPU.
+        """Logits (B, 1, vocab) float32 for input_ids (B, 1) at position_ids (B or 1, 1), or at
+        one int position for every row; None (nothing done) when the weights are not all
+        float32 on CPU.
 
         masks: None when every key the cache returns is visible to the new token, else one
         boolean mask per layer (B or 1, 1, 1, T_kv), True = may attend, as
