@@ -54,8 +54,7 @@ class FusedLinear:
     def store_transposed(self) -> None:
         """Keep the fused weight as a contiguous (in, out) matrix; the (out, in) weight and the
         parameters become transposed views of it (same names, shapes and values)."""
-        with torch.no_grad():
-            self.weight = self.weight.t().contiguous().t()  # (sum out, in), column-major
+        self.weight = column_major(self.weight)  # (sum out, in)
         self._point_parameters(with_bias=False)
 
     def is_intact(self) -> bool:
@@ -76,6 +75,13 @@ def fuse_projections(model) -> None:
 TALL = 1.5
 
 
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a 2-D (out, in) weight with the same values and shape, stored column-major
+    (a transposed view of a contiguous (in, out) tensor)."""
+    with torch.no_grad():
+        return weight.t().contiguous().t()
+
+
 def store_tall_weights_transposed(model) -> None:
     """Store the tall weights (out >= TALL × in: q/k/v fused, gate/up fused, an untied lm_head)
     column-major.
@@ -84,9 +90,9 @@ def store_tall_weights_transposed(model) -> None:
     machine measured streams a tall float32 matrix from memory faster than the row-major one
     (gate/up 1.4-1.6×, q/k/v 1.1-1.3×; `benchmarks/probe_matvec_layout.py`); a wide one, like
     down_proj, reads ~0.77× as fast that way and stays row-major, as do square ones (o_proj:
-    0.98-1.13×). Values, names and shapes are
-    unchanged; the parameters become transposed (non-contiguous) views, so `state_dict()`
-    tensors need `.contiguous()` before `safetensors.torch.save_file`.
+    0.98-1.13×). Values, names and shapes are unchanged; the parameters become transposed
+    (non-contiguous) views, so `state_dict()` tensors need `.contiguous()` before
+    `safetensors.torch.save_file`.
     """
     # a numpy step built before (choose_decode_path) holds views of the row-major tensors: drop
     # it first, so each one is freed as soon as its column-major copy replaces it
@@ -100,9 +106,7 @@ def store_tall_weights_transposed(model) -> None:
                 fused.store_transposed()
     head = model.lm_head
     if head.weight is not model.model.embed_tokens.weight and head.out_features >= TALL * head.in_features:
-        with torch.no_grad():
-            transposed = head.weight.t().contiguous().t()
-        head.weight = nn.Parameter(transposed, requires_grad=head.weight.requires_grad)
+        head.weight = nn.Parameter(column_major(head.weight), requires_grad=head.weight.requires_grad)
 
 
 def _median_seconds(run, repeats: int = 5) -> float:
