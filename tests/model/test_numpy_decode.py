@@ -276,3 +276,105 @@ def test_eos_given_as_tensors_stops_generation():
     ended = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=6, eos_token_id=[torch.tensor(stop)])
     assert ended.stop_reasons == ["eos"] and ended.new_tokens[0][-1] == stop
     assert len(ended.new_tokens[0]) <= 3
+
+
+def test_numpy_step_leaves_hooked_models_to_the_torch_path():
+    """A forward hook (or pre-hook, or a global one, or an instance-level forward) on any module
+    would be bypassed by the numpy step, so the step declines while one is registered."""
+    model = random_model(_small_config(), 10)
+    model.matvec_backend = "numpy"
+    ids = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(5))
+    layer = model.model.layers[1]
+    register = [
+        lambda seen: layer.register_forward_hook(lambda *args: seen.append("hook")),
+        lambda seen: layer.mlp.register_forward_pre_hook(lambda *args: seen.append("pre")),
+        lambda seen: torch.nn.modules.module.register_module_forward_hook(
+            lambda *args: seen.append("global")
+        ),
+    ]
+    for add in register:
+        seen: list[str] = []
+        handle = add(seen)
+        try:
+            _decode_logits(model, ids)  # a prefill of 4 tokens, then one decode step
+        finally:
+            handle.remove()
+        calls_per_forward = len(seen) // 2
+        assert calls_per_forward >= 1 and len(seen) == 2 * calls_per_forward, seen  # decode too
+
+    original = layer.forward
+    calls: list[int] = []
+    layer.forward = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        _decode_logits(model, ids)
+    finally:
+        del layer.forward
+    assert len(calls) == 2
+
+
+def test_generate_sees_what_a_streamer_changes_from_the_next_step():
+    """generate checks the numpy step's views after every streamer call: a streamer that
+    replaces lm_head at step 2 or registers a hook changes the following steps on both paths."""
+    from kvcache import generate
+
+    model = random_model(_small_config(), 11, transposed=True)
+    prompt = torch.randint(0, 40, (1, 6), generator=torch.Generator().manual_seed(6))
+    new_head = nn.Linear(16, 40, bias=False)
+    with torch.no_grad():
+        new_head.weight.copy_(torch.randn(40, 16, generator=torch.Generator().manual_seed(7)))
+    results = {}
+    for backend in ("torch", "numpy"):
+        model.matvec_backend = backend
+        old_head = model.lm_head
+        steps: list[int] = []
+        hooked: list[int] = []
+
+        def streamer(tokens, steps=steps, hooked=hooked):
+            steps.append(int(tokens[0]))
+            if len(steps) == 2:
+                model.lm_head = new_head
+            if len(steps) == 4:
+                model.model.layers[0].register_forward_hook(lambda *args: hooked.append(1))
+
+        results[backend] = generate(model, prompt, max_new_tokens=6, eos_token_id=(), streamer=streamer)
+        model.lm_head = old_head
+        model.model.layers[0]._forward_hooks.clear()
+        assert len(hooked) == 2  # steps 5 and 6 ran the hooked layer
+    assert results["numpy"].new_tokens == results["torch"].new_tokens
+    model.matvec_backend = "numpy"
+    unchanged = generate(model, prompt, max_new_tokens=6, eos_token_id=())
+    assert unchanged.new_tokens != results["numpy"].new_tokens  # the new head did change tokens
+
+
+def test_numpy_step_leaves_modules_of_other_classes_to_the_torch_path():
+    """A submodule replaced by one of another class (here an MLP subclass that scales its
+    output), or a model subclass with its own forward, is called, not re-implemented."""
+    from kvcache import generate
+    from kvcache.model.llama import MLP
+
+    class LoudMLP(MLP):
+        def forward(self, x):
+            return 3 * super().forward(x)
+
+    model = random_model(_small_config(), 12)
+    old = model.model.layers[0].mlp
+    loud = LoudMLP(model.config)
+    loud.load_state_dict(old.state_dict())
+    model.model.layers[0].mlp = loud
+    ids = torch.randint(0, 40, (1, 7), generator=torch.Generator().manual_seed(8))
+    logits = _both_paths(model, ids)
+    torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
+    model.model.layers[0].mlp = old
+    assert not torch.allclose(_both_paths(model, ids)["numpy"], logits["numpy"])
+
+    class LastId(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 0 + torch.arange(out.logits.shape[-1]).float()  # picks the last id
+            return out
+
+    last_id = LastId(model.config)
+    last_id.load_state_dict(model.state_dict())
+    last_id.eval().matvec_backend = "numpy"
+    result = generate(last_id, ids, max_new_tokens=3, eos_token_id=())
+    assert result.new_tokens[0] == [39, 39, 39]

@@ -109,7 +109,7 @@ def generate(
     prefill_chunk_size: run the prompt through the model this many tokens at a time.
     streamer: called after every step with that step's (B,) tokens (pad for stopped rows).
     """
-    steps = stream_generate(
+    steps = _generation_steps(
         model,
         input_ids,
         attention_mask,
@@ -125,6 +125,7 @@ def generate(
         stop_strings=stop_strings,
         tokenizer=tokenizer,
         prefill_chunk_size=prefill_chunk_size,
+        caller_runs_between_steps=streamer is not None,
     )
     while True:
         try:
@@ -135,7 +136,6 @@ def generate(
             streamer(tokens)
 
 
-@torch.inference_mode()
 def stream_generate(
     model,
     input_ids: torch.Tensor,
@@ -156,6 +156,50 @@ def stream_generate(
 ) -> Iterator[torch.Tensor]:
     """Like `generate`, as an iterator of (B,) tokens per step; its return value (the
     StopIteration value) is the GenerationResult."""
+    return _generation_steps(
+        model,
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        cache=cache,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        stop_strings=stop_strings,
+        tokenizer=tokenizer,
+        prefill_chunk_size=prefill_chunk_size,
+        caller_runs_between_steps=True,
+    )
+
+
+@torch.inference_mode()
+def _generation_steps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    max_new_tokens: int,
+    cache,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    eos_token_id: int | Sequence[int] | None,
+    pad_token_id: int | None,
+    stop_strings: Sequence[str] | None,
+    tokenizer,
+    prefill_chunk_size: int | None,
+    caller_runs_between_steps: bool,
+) -> Iterator[torch.Tensor]:
+    """The loop behind `generate` and `stream_generate`. caller_runs_between_steps: whether
+    code outside this loop (a streamer, the iterator's consumer) runs between steps, which may
+    change the model; if not, the numpy decode step checks its weight views at the first
+    decode step only (`model.decode_logits(check=...)`)."""
     started = time.perf_counter()
     settings = SamplingSettings(do_sample, temperature, top_k, top_p)
     input_ids, attention_mask = _check_inputs(model, input_ids, attention_mask, max_new_tokens)
@@ -182,6 +226,11 @@ def stream_generate(
     generated: list[torch.Tensor] = []
     sequence = input_ids  # grows only on the no-cache path, which re-reads it every step
 
+    # unpadded decode steps go straight to the model's numpy step when it has one (no module
+    # call overhead); it declines (None) where it does not apply, and then the model runs
+    direct = cache is not None and not padded and callable(getattr(model, "decode_logits", None))
+    check_views = True  # the numpy step's views are checked at the first decode step
+
     logits = _prefill(model, input_ids, attention_mask, cache, prefill_chunk_size)
     first_token_at = decode_started = time.perf_counter()
     decode_steps = 0
@@ -195,7 +244,13 @@ def stream_generate(
                 logits = _forward_last(model, sequence, step_mask, None)
             else:
                 with torch_threads(getattr(model, "decode_threads", None)):
-                    logits = _forward_last(model, generated[-1][:, None], step_mask, cache)
+                    logits = None
+                    if direct:
+                        logits = model.decode_logits(generated[-1][:, None], cache, check=check_views)
+                        direct = logits is not None  # declined: the model's forward from now on
+                        check_views = caller_runs_between_steps
+                    if logits is None:
+                        logits = _forward_last(model, generated[-1][:, None], step_mask, cache)
             decode_steps += 1
         next_ids = choose_next(logits, settings, generator)  # (B,) long
         chosen = next_ids.tolist()

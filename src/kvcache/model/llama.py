@@ -255,11 +255,27 @@ class LlamaForCausalLM(nn.Module):
             and not torch.is_grad_enabled()
         )
 
-    def _decode_on_numpy(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor | None:
+    def decode_logits(self, input_ids: torch.Tensor, cache, *, check: bool = True) -> torch.Tensor | None:
+        """(B, vocab) float32 logits of one decode step of input_ids (B, 1), every row unpadded
+        at the cache's length, on the numpy step; None when that step does not apply (the caller
+        then runs the model). The same step as `model(input_ids, past_key_values=cache)`, without
+        its call overhead. check=False skips re-checking the step's weight views and hooks (see
+        NumpyDecoder.ready): only for a caller that ran no other code since its last call."""
+        batch, new_tokens = input_ids.shape
+        if type(self).forward is not LlamaForCausalLM.forward:
+            return None  # a subclass's forward is called, not bypassed
+        if not self._numpy_step_applies(batch, new_tokens):
+            return None
+        logits = self._decode_on_numpy(input_ids, cache.get_seq_length(), None, cache, check=check)
+        return None if logits is None else logits[:, 0]
+
+    def _decode_on_numpy(
+        self, input_ids, position_ids, attention_mask, cache, check: bool = True
+    ) -> torch.Tensor | None:
         """Logits (B, 1, vocab) of a decode step on the numpy step, or None if it declines.
         Masks are built only when the cache cannot say that every key is visible."""
         decoder = self._numpy_decoder()
-        if not decoder.ready():
+        if not decoder.ready(check):
             return None
         sees_all = getattr(cache, "sees_every_key", None)
         every_key = sees_all is not None and sees_all(

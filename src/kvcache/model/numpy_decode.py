@@ -15,15 +15,21 @@ cache update, grouped-query attention with the cache's boolean masks, o_proj, RM
 residuals, final norm, lm_head. Only steps of one new token per row (T_new == 1) on float32 CPU
 weights are taken; everything else stays on the torch path.
 
-The views are taken once and checked every step: a module or parameter that was replaced,
+The views are taken once and checked before a step (every step of `forward`; in `generate`,
+the first step and every step after a streamer ran): a module or parameter that was replaced,
 moved, cast or written in place makes the step take them again, so it never reads stale values.
+The step calls no submodule, so it declines whenever calling the modules would do more than the
+forwards it re-implements: a module of another class (a subclass, a wrapper), a forward hook or
+pre-hook on a module or a global one, or a `forward` replaced on an instance. The torch path,
+which calls them, runs instead.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from functools import partial
+from functools import cache, partial
+from itertools import islice, repeat
 
 import numpy as np
 import torch
@@ -95,6 +101,10 @@ class _Snapshot:
         self.pointers = [tensor.data_ptr() for tensor in tensors]
         self.versioned = [tensor for tensor in tensors if not tensor.is_inference()]
         self.versions = list(map(_VERSION, self.versioned))
+        modules = list(model.modules())
+        # the dicts hooks are registered into (the same objects for a module's lifetime)
+        self.hook_tables = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
+        self.instance_dicts = [m.__dict__ for m in modules]
 
     def changed(self) -> bool:
         return (
@@ -102,6 +112,36 @@ class _Snapshot:
             or list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
             or list(map(_VERSION, self.versioned)) != self.versions
         )
+
+    def intercepted(self) -> bool:
+        """Whether the torch path must run because calling the modules does more than their
+        `forward`: a forward hook or pre-hook on one of them or global, or an instance-level
+        `forward` (a monkeypatch)."""
+        return (
+            any(map(len, self.hook_tables))
+            or any(map(operator.contains, self.instance_dicts, repeat("forward")))
+            or any(map(len, _global_forward_hooks()))
+        )
+
+
+def _global_forward_hooks() -> tuple[dict, ...]:
+    """torch's registries of hooks that run on every module call (absent ones as empty)."""
+    registry = torch.nn.modules.module
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks")
+    return tuple(getattr(registry, name, {}) for name in names)
+
+
+@cache
+def _standard_modules() -> frozenset[type]:
+    """The module classes below a LlamaForCausalLM whose forwards the step computes."""
+    from torch import nn
+
+    from kvcache.model import llama, rope
+
+    return frozenset(
+        (llama.DecoderModel, llama.DecoderLayer, llama.Attention, llama.MLP, llama.RMSNorm,
+         rope.RotaryEmbedding, nn.ModuleList, nn.Linear, nn.Embedding)
+    )
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -143,6 +183,7 @@ class NumpyDecoder:
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self._snapshot: _Snapshot | None = None
+        self._ready: bool | None = None  # the last check's answer
         diagonal = np.arange(self.head_dim)
         partner = (diagonal + self.head_dim // 2) % self.head_dim
         # where cos and signed sin go in a flattened (D, D) rotation: (i, i) and (partner(i), i)
@@ -152,11 +193,12 @@ class NumpyDecoder:
 
     def _build(self) -> None:
         self._snapshot = _Snapshot(self.model)
-        #: every parameter float32 on CPU (else the step declines and the torch path runs)
+        #: every parameter float32 on CPU and every submodule of a class whose forward this step
+        #: re-implements (else the step declines and the torch path runs)
         self.usable = all(
             parameter.dtype == torch.float32 and parameter.device.type == "cpu"
             for parameter in self.model.parameters()
-        )
+        ) and all(type(module) in _standard_modules() for module in islice(self.model.modules(), 1, None))
         if not self.usable:
             return
         decoder = self.model.model
@@ -172,10 +214,15 @@ class NumpyDecoder:
         if self._snapshot is None or self._snapshot.changed():
             self._build()
 
-    def ready(self) -> bool:
-        """Refresh the views; whether the step can run (every parameter float32 on CPU)."""
-        self.refresh()
-        return self.usable
+    def ready(self, check: bool = True) -> bool:
+        """Whether the step can run: every parameter float32 on CPU and no module intercepted
+        (see _Snapshot.intercepted), after refreshing the views. check=False answers as the
+        last check did, without looking: only for a caller that ran no other code since."""
+        if check or self._ready is None:
+            self.refresh()
+            assert self._snapshot is not None
+            self._ready = self.usable and not self._snapshot.intercepted()
+        return self._ready
 
     def rotations(self, position_ids: torch.Tensor | int) -> np.ndarray:
         """RoPE as matrices (B or 1, D, D) for position_ids (B or 1, 1), or one int position for
