@@ -78,3 +78,21 @@ def test_decode_threads_are_restored_after_generate(llama_dir):
         streamer=lambda _: seen.append(torch.get_num_threads()),
     )
     assert torch.get_num_threads() == before and seen == [before] * 3
+
+
+def test_torch_threads_sets_and_restores_even_on_error():
+    from kvcache.model.kernels import torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), torch_threads(1):
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+        with torch_threads(None):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -17,7 +17,6 @@ unchanged and no weight is stored twice.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -127,18 +126,24 @@ def numpy_available() -> bool:
     return True
 
 
-@contextmanager
-def torch_threads(threads: int | None):
-    """Run the block with `threads` torch CPU threads (None: leave as is), then restore."""
-    before = torch.get_num_threads()
-    if threads is None or threads == before:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+class torch_threads:  # noqa: N801 (used as a function: `with torch_threads(1): ...`)
+    """Run the block with `threads` torch CPU threads (None: leave as is), then restore.
+    A class, not a generator-based context manager: it wraps every decode step."""
+
+    __slots__ = ("threads", "before")
+
+    def __init__(self, threads: int | None) -> None:
+        self.threads = threads
+        self.before = 0
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        if self.threads is not None and self.threads != self.before:
+            torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc_info) -> None:
+        if self.threads is not None and self.threads != self.before:
+            torch.set_num_threads(self.before)
 
 
 def choose_decode_path(model, repeats: int = 5, context: int = 32) -> dict[tuple[str, int], float]:

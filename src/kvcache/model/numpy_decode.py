@@ -232,23 +232,24 @@ class NumpyDecoder:
         One small product per layer (queries and keys together) replaces a roll, two products
         and a sum.
         """
-        if isinstance(position_ids, int):
-            positions = np.array([position_ids])  # (1,)
-        else:
-            positions = position_ids.numpy()[:, 0]  # (B or 1,)
+        size = self.head_dim * self.head_dim
+        if not isinstance(position_ids, int) and position_ids.shape[0] == 1:
+            position_ids = int(position_ids[0, 0])
+        if isinstance(position_ids, int):  # one position for every row: one flat row
+            if position_ids >= len(self._cos):
+                self._extend_rope_table(position_ids + 1)
+            rotation = np.zeros((1, size), np.float32)  # (1, D·D), filled as (D, D)
+            rotation[0, self._cos_at] = self._cos[position_ids]
+            rotation[0, self._sin_at] = self._signed_sin[position_ids]
+            return rotation.reshape(1, self.head_dim, self.head_dim)
+        positions = position_ids.numpy()[:, 0]  # (B,)
         needed = int(positions.max()) + 1
         if needed > len(self._cos):
             self._extend_rope_table(needed)
-        rows = positions.shape[0]
-        size = self.head_dim * self.head_dim
-        rotation = np.zeros((rows, size), np.float32)  # (B or 1, D·D), filled as (D, D)
-        if rows == 1:  # the usual case: plain fancy indexing of one flat row
-            rotation[0, self._cos_at] = self._cos[positions[0]]
-            rotation[0, self._sin_at] = self._signed_sin[positions[0]]
-        else:
-            rotation[:, self._cos_at] = self._cos[positions]
-            rotation[:, self._sin_at] = self._signed_sin[positions]
-        return rotation.reshape(rows, self.head_dim, self.head_dim)
+        rotation = np.zeros((len(positions), size), np.float32)  # (B, D·D), filled as (D, D)
+        rotation[:, self._cos_at] = self._cos[positions]
+        rotation[:, self._sin_at] = self._signed_sin[positions]
+        return rotation.reshape(len(positions), self.head_dim, self.head_dim)
 
     def _extend_rope_table(self, needed: int) -> None:
         """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
@@ -287,10 +288,10 @@ class NumpyDecoder:
         if masks is not None and any(masks[i].dtype != torch.bool for i in range(len(self.layers))):
             return None  # an additive (float) mask from some other cache: the torch path reads it
         token_ids = input_ids.numpy()[:, 0]  # (B,)
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= len(self.embed):
+        listed = token_ids.tolist()  # (a few ints: cheaper than two numpy reductions)
+        if min(listed) < 0 or max(listed) >= len(self.embed):
             raise IndexError(
-                f"token ids must lie in [0, {len(self.embed)}), got min {int(token_ids.min())} "
-                f"and max {int(token_ids.max())}"
+                f"token ids must lie in [0, {len(self.embed)}), got min {min(listed)} and max {max(listed)}"
             )
         batch = input_ids.shape[0]
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
