@@ -70,11 +70,9 @@ class DynamicLayer(CacheLayer):
         if type(self).update is not DynamicLayer.update:
             return None  # a subclass that changes update gets update
         written = self._write_arrays(k, v, self._length)
-        if written is None:
-            return None
-        keys, values, end = written
-        self._length = end
-        return keys[:, :, :end], values[:, :, :end]
+        if written is not None:
+            self._length += k.shape[2]
+        return written
 
     def get_seq_length(self) -> int:
         """Tokens held (every token seen since the last reset/crop)."""

@@ -91,9 +91,9 @@ class CacheLayer:
 
     def _write_arrays(self, k, v, start: int):
         """Write numpy k, v (B, H_kv, T_new, D) into buffer rows start..start+T_new-1 through
-        numpy views; returns (keys, values, end) with the whole buffers' views, or None (and
-        nothing written) when they do not fit: no buffer or views, other shapes or dtype, no
-        rows, or past the buffer's end."""
+        numpy views; returns views (K, V) of rows 0..start+T_new-1, or None (and nothing written)
+        when they do not fit: no buffer or views, other shapes or dtype, no rows, or past the
+        buffer's end. The caller moves its length on by T_new."""
         arrays = self._buffer_arrays()
         if arrays is None or k.ndim != 4 or v.ndim != 4:
             return None
@@ -112,7 +112,7 @@ class CacheLayer:
             return None
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
-        return keys, values, end
+        return keys[:, :, :end], values[:, :, :end]
 
     def sees_every_key(self, new_tokens: int) -> bool:
         """Whether, with no padding, every key the next update returns is visible to all of the

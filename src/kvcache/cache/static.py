@@ -88,12 +88,11 @@ class StaticLayer(FixedCapacityLayer):
         `update` raises CacheOverflowError)."""
         if type(self).update is not StaticLayer.update or is_compiling():
             return None
-        written = self._write_arrays(k, v, self._length.get())
-        if written is None:
-            return None
-        keys, values, end = written
-        self._length.set(end)
-        return keys[:, :, :end], values[:, :, :end]
+        start = self._length.get()
+        written = self._write_arrays(k, v, start)
+        if written is not None:
+            self._length.set(start + k.shape[2])
+        return written
 
     def sees_every_key(self, new_tokens: int) -> bool:
         """Eager, one new query sees every filled row (the rows update returns): itself and all
