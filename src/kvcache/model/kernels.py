@@ -63,7 +63,9 @@ class FusedLinear:
 
 
 def fuse_projections(model) -> None:
-    """Fuse q/k/v and gate/up of every layer of a LlamaForCausalLM (inference speed only)."""
+    """Fuse q/k/v and gate/up of every layer of a LlamaForCausalLM, for decode speed: the numpy
+    step reads the fused weights, and the torch forward uses them for decode rows (a prefill
+    runs the separate projections, faster there: see llama._fused_applies)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.fused_qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])

@@ -61,6 +61,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def _fused_applies(fused: FusedLinear | None, x: torch.Tensor) -> bool:
+    """Whether x (B, T, in) goes through the fused weight: decode rows only (B·T <=
+    MATVEC_ROWS), inference only, parameters still its slices. With more rows (a prefill) the
+    separate projections run: on the CPU measured, MKL's product of 128 rows with the fused
+    ~125M gate/up weight took 1.2-1.4× as long as the two halves', and a 128-token prefill of
+    that model 280 against 248 ms; one decode row is faster fused (21.9 against 19.1 tok/s)."""
+    return (
+        fused is not None
+        and x.numel() <= MATVEC_ROWS * x.shape[-1]
+        and not torch.is_grad_enabled()
+        and fused.is_intact()
+    )
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; keys and values go through the cache."""
 
@@ -85,7 +99,7 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, hidden) -> (B, T, (H + 2·H_kv)·D): q, k, v side by side."""
         fused = self.fused_qkv
-        if fused is not None and not torch.is_grad_enabled() and fused.is_intact():
+        if _fused_applies(fused, x):
             return F.linear(x, fused.weight, fused.bias)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
@@ -118,7 +132,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_gate_up
-        if fused is not None and not torch.is_grad_enabled() and fused.is_intact():
+        if _fused_applies(fused, x):
             gate, up = F.linear(x, fused.weight, fused.bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
