@@ -108,6 +108,12 @@ def generate(
     stop_strings: stop a row once its new text contains one (needs `tokenizer`).
     prefill_chunk_size: run the prompt through the model this many tokens at a time.
     streamer: called after every step with that step's (B,) tokens (pad for stopped rows).
+
+    A model changed during the call (weights replaced, moved or written, hooks registered) is
+    seen from the next step when the change is made by the streamer (or, for
+    `stream_generate`, between steps). A change made elsewhere meanwhile (another thread, a
+    cache's or tokenizer's own methods) may be seen only from the next call: the numpy decode
+    step checks its weight views at the first decode step and after those places only.
     """
     steps = _generation_steps(
         model,
@@ -197,9 +203,9 @@ def _generation_steps(
     caller_runs_between_steps: bool,
 ) -> Iterator[torch.Tensor]:
     """The loop behind `generate` and `stream_generate`. caller_runs_between_steps: whether
-    code outside this loop (a streamer, the iterator's consumer) runs between steps, which may
+    the caller's code (a streamer, the iterator's consumer) runs between steps, where it may
     change the model; if not, the numpy decode step checks its weight views at the first
-    decode step only (`model.decode_logits(check=...)`)."""
+    decode step only (`model.decode_logits(check=...)`; see `generate`)."""
     started = time.perf_counter()
     settings = SamplingSettings(do_sample, temperature, top_k, top_p)
     input_ids, attention_mask = _check_inputs(model, input_ids, attention_mask, max_new_tokens)
@@ -228,7 +234,9 @@ def _generation_steps(
 
     # unpadded decode steps go straight to the model's numpy step when it has one (no module
     # call overhead); it declines (None) where it does not apply, and then the model runs
-    direct = cache is not None and not padded and callable(getattr(model, "decode_logits", None))
+    # (looked up on the class: a wrapper that forwards attribute lookups, such as a compiled
+    # module, is called as a module, with its own forward and hooks)
+    direct = cache is not None and not padded and callable(getattr(type(model), "decode_logits", None))
     check_views = True  # the numpy step's views are checked at the first decode step
 
     logits = _prefill(model, input_ids, attention_mask, cache, prefill_chunk_size)

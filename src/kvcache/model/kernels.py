@@ -26,6 +26,20 @@ BACKENDS = ("torch", "numpy")
 MATVEC_ROWS = 8
 
 
+def calls_more_than_forward(module: nn.Module) -> bool:
+    """Whether calling `module` does more than its class's `forward`: a forward hook or pre-hook
+    on it, or a `forward` set on the instance. (Global hooks: `global_forward_hooks`.)"""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def global_forward_hooks() -> bool:
+    """Whether hooks that run on every module call are registered
+    (`torch.nn.modules.module.register_module_forward_hook` and its pre-hook twin)."""
+    registry = torch.nn.modules.module
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks")
+    return any(getattr(registry, name, None) for name in names)
+
+
 class FusedLinear:
     """Several nn.Linear of one input, as one weight whose slices are their parameters."""
 
@@ -60,6 +74,16 @@ class FusedLinear:
         """Whether every parameter is still a view of the fused weight (not replaced or cast)."""
         base = self.weight.untyped_storage().data_ptr()
         return all(linear.weight.untyped_storage().data_ptr() == base for linear in self.linears)
+
+    def replaces_calls(self) -> bool:
+        """Whether one product with the fused weight computes exactly what calling the linears
+        would: each still a plain nn.Linear (no subclass, hook or instance `forward`), no global
+        hooks, and every parameter a view of the fused weight."""
+        return (
+            all(type(linear) is nn.Linear and not calls_more_than_forward(linear) for linear in self.linears)
+            and not global_forward_hooks()
+            and self.is_intact()
+        )
 
 
 def fuse_projections(model) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.model.config import ModelConfig
-from kvcache.model.kernels import MATVEC_ROWS, FusedLinear
+from kvcache.model.kernels import MATVEC_ROWS, FusedLinear, calls_more_than_forward
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -61,17 +61,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+# rows (B·T) up to which a forward multiplies by the fused q/k/v and gate/up weights
+FUSED_ROWS = 8
+
+
 def _fused_applies(fused: FusedLinear | None, x: torch.Tensor) -> bool:
-    """Whether x (B, T, in) goes through the fused weight: decode rows only (B·T <=
-    MATVEC_ROWS), inference only, parameters still its slices. With more rows (a prefill) the
-    separate projections run: on the CPU measured, MKL's product of 128 rows with the fused
-    ~125M gate/up weight took 1.2-1.4× as long as the two halves', and a 128-token prefill of
-    that model 280 against 248 ms; one decode row is faster fused (21.9 against 19.1 tok/s)."""
+    """Whether x (B, T, in) goes through the fused weight: up to FUSED_ROWS rows (decode steps,
+    short chunks), inference only, and only where that is the same as calling the linears
+    (FusedLinear.replaces_calls). With more rows (a prefill) the separate projections run: on
+    the CPU measured, MKL's product of 128 rows with the fused ~125M gate/up weight took 1.2-1.4×
+    as long as the two halves', and a 128-token prefill of that model 280 against 248 ms; one
+    decode row is faster fused (21.9 against 19.1 tok/s). Batches of 9+ rows were not measured."""
     return (
         fused is not None
-        and x.numel() <= MATVEC_ROWS * x.shape[-1]
+        and x.numel() <= FUSED_ROWS * x.shape[-1]
         and not torch.is_grad_enabled()
-        and fused.is_intact()
+        and fused.replaces_calls()
     )
 
 
@@ -276,8 +281,8 @@ class LlamaForCausalLM(nn.Module):
         its call overhead. check=False skips re-checking the step's weight views and hooks (see
         NumpyDecoder.ready): only for a caller that ran no other code since its last call."""
         batch, new_tokens = input_ids.shape
-        if type(self).forward is not LlamaForCausalLM.forward:
-            return None  # a subclass's forward is called, not bypassed
+        if type(self).forward is not LlamaForCausalLM.forward or calls_more_than_forward(self):
+            return None  # a subclass's forward, a hook or an instance forward: call the model
         if not self._numpy_step_applies(batch, new_tokens):
             return None
         logits = self._decode_on_numpy(input_ids, cache.get_seq_length(), None, cache, check=check)

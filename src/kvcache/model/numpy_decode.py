@@ -26,15 +26,17 @@ which calls them, runs instead.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
-from functools import cache, partial
+from functools import partial
 from itertools import islice, repeat
 
 import numpy as np
 import torch
 
 from kvcache.cache.base import update_through_tensors
+from kvcache.model.kernels import global_forward_hooks
 
 
 def _view(tensor: torch.Tensor | None) -> np.ndarray | None:
@@ -70,68 +72,69 @@ def _fused(fused, linears) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 _VERSION = operator.attrgetter("_version")
+_FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
+_FORWARD_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 
 
 class _Snapshot:
     """What the numpy views were taken from: every submodule, parameter and buffer of the model
-    by identity, with its data pointer and version counter. `changed()` is True once any of them
-    was replaced (a new module or Parameter), moved or cast (a new pointer) or written in place
-    (`load_state_dict`, an optimizer step: a new version), so the views are never stale.
+    by identity (every registered name, None included), each module's class and number of
+    entries, and each tensor's data pointer and version counter. `changed()` is True once any
+    of them was replaced (a new module or Parameter, a bias where there was none, a child
+    added), moved or cast (a new pointer) or written in place (`load_state_dict`, an optimizer
+    step: a new version), so the views are never stale.
 
-    It runs before every decode step, as `map`s over flat lists. On the ~3M model (94 entries,
-    40 tensors) that is ~22 µs with warm caches but ~120 µs inside generation, right after the
-    weights streamed through the CPU caches: ~4 % of a step, measured by timing `ready()` in
-    `generate`; the Python loop it replaced cost the same with warm caches. Inference tensors
+    It runs as `map`s over flat lists: before every decode step of `forward`, and in `generate`
+    at the first decode step and after a streamer ran. On the ~3M model (94 entries, 40
+    tensors) that was ~22 µs with warm caches but ~80-120 µs inside generation, right after the
+    weights streamed through the CPU caches (timing `ready()` in `generate`). Inference tensors
     keep no version counter; like the torch path, a write into one in place is not seen."""
 
     def __init__(self, model) -> None:
+        self.modules = list(model.modules())
         tables: list[dict] = []  # where each object is registered, under which name
         names: list[str] = []
         objects: list[object] = []
         tensors: list[torch.Tensor] = []
-        for module in model.modules():
-            for name, child in module._modules.items():
-                tables.append(module._modules), names.append(name), objects.append(child)
-            for table in (module._parameters, module._buffers):
-                for name, tensor in table.items():
-                    if tensor is not None:
-                        tables.append(table), names.append(name), objects.append(tensor)
-                        tensors.append(tensor)
+        for module in self.modules:
+            for table in (module._modules, module._parameters, module._buffers):
+                for name, item in table.items():
+                    tables.append(table), names.append(name), objects.append(item)
+                    if isinstance(item, torch.Tensor):
+                        tensors.append(item)
         self.tables, self.names, self.objects, self.tensors = tables, names, objects, tensors
+        self.registries = [t for m in self.modules for t in (m._modules, m._parameters, m._buffers)]
+        self.sizes = list(map(len, self.registries))
+        self.types = list(map(type, self.modules))
         self.pointers = [tensor.data_ptr() for tensor in tensors]
         self.versioned = [tensor for tensor in tensors if not tensor.is_inference()]
         self.versions = list(map(_VERSION, self.versioned))
-        modules = list(model.modules())
-        # the dicts hooks are registered into (the same objects for a module's lifetime)
-        self.hook_tables = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
-        self.instance_dicts = [m.__dict__ for m in modules]
+        self.submodules = self.modules[1:]  # the root's hooks ran already when forward runs
+        self.instance_dicts = [module.__dict__ for module in self.submodules]
 
     def changed(self) -> bool:
         return (
             not all(map(operator.is_, map(dict.get, self.tables, self.names), self.objects))
+            or list(map(len, self.registries)) != self.sizes
+            or list(map(type, self.modules)) != self.types
             or list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
             or list(map(_VERSION, self.versioned)) != self.versions
         )
 
     def intercepted(self) -> bool:
-        """Whether the torch path must run because calling the modules does more than their
-        `forward`: a forward hook or pre-hook on one of them or global, or an instance-level
-        `forward` (a monkeypatch)."""
+        """Whether calling the submodules (not the root, whose call is under way or is the
+        caller's) does more than their `forward`: a forward hook or pre-hook on one of them or
+        a global one, or an instance-level `forward` (a monkeypatch). The hook tables are read
+        afresh (a module's may be replaced)."""
         return (
-            any(map(len, self.hook_tables))
+            any(map(len, map(_FORWARD_HOOKS, self.submodules)))
+            or any(map(len, map(_FORWARD_PRE_HOOKS, self.submodules)))
             or any(map(operator.contains, self.instance_dicts, repeat("forward")))
-            or any(map(len, _global_forward_hooks()))
+            or global_forward_hooks()
         )
 
 
-def _global_forward_hooks() -> tuple[dict, ...]:
-    """torch's registries of hooks that run on every module call (absent ones as empty)."""
-    registry = torch.nn.modules.module
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks")
-    return tuple(getattr(registry, name, {}) for name in names)
-
-
-@cache
+@functools.cache
 def _standard_modules() -> frozenset[type]:
     """The module classes below a LlamaForCausalLM whose forwards the step computes."""
     from torch import nn
@@ -267,8 +270,9 @@ class NumpyDecoder:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | int, masks, cache
     ) -> torch.Tensor | None:
         """Logits (B, 1, vocab) float32 for input_ids (B, 1) at position_ids (B or 1, 1), or at
-        one int position for every row; None (nothing done) when the weights are not all
-        float32 on CPU.
+        one int position for every row; None (nothing done) when the step does not apply (see
+        `ready`: weights not all float32 on CPU, or a submodule hooked, patched or of another
+        class).
 
         masks: None when every key the cache returns is visible to the new token, else one
         boolean mask per layer (B or 1, 1, 1, T_kv), True = may attend, as
