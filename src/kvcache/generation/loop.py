@@ -115,24 +115,9 @@ def generate(
     cache's or tokenizer's own methods) may be seen only from the next call: the numpy decode
     step checks its weight views at the first decode step and after those places only.
     """
-    steps = _generation_steps(
-        model,
-        input_ids,
-        attention_mask,
-        max_new_tokens=max_new_tokens,
-        cache=cache,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        stop_strings=stop_strings,
-        tokenizer=tokenizer,
-        prefill_chunk_size=prefill_chunk_size,
-        caller_runs_between_steps=streamer is not None,
-    )
+    options = dict(locals())  # the arguments, passed on as they are
+    del options["streamer"]
+    steps = _generation_steps(**options, caller_runs_between_steps=streamer is not None)
     while True:
         try:
             tokens = next(steps)
@@ -162,24 +147,7 @@ def stream_generate(
 ) -> Iterator[torch.Tensor]:
     """Like `generate`, as an iterator of (B,) tokens per step; its return value (the
     StopIteration value) is the GenerationResult."""
-    return _generation_steps(
-        model,
-        input_ids,
-        attention_mask,
-        max_new_tokens=max_new_tokens,
-        cache=cache,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        stop_strings=stop_strings,
-        tokenizer=tokenizer,
-        prefill_chunk_size=prefill_chunk_size,
-        caller_runs_between_steps=True,
-    )
+    return _generation_steps(**locals(), caller_runs_between_steps=True)
 
 
 @torch.inference_mode()
