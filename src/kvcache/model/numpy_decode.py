@@ -29,14 +29,12 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from functools import partial
-from itertools import islice, repeat
 
 import numpy as np
 import torch
 
 from kvcache.cache.base import update_through_tensors
-from kvcache.model.kernels import global_forward_hooks
+from kvcache.model.kernels import calls_more_than_forward, global_forward_hooks
 
 
 def _view(tensor: torch.Tensor | None) -> np.ndarray | None:
@@ -72,8 +70,6 @@ def _fused(fused, linears) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 _VERSION = operator.attrgetter("_version")
-_FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
-_FORWARD_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 
 
 class _Snapshot:
@@ -110,7 +106,6 @@ class _Snapshot:
         self.versioned = [tensor for tensor in tensors if not tensor.is_inference()]
         self.versions = list(map(_VERSION, self.versioned))
         self.submodules = self.modules[1:]  # the root's hooks ran already when forward runs
-        self.instance_dicts = [module.__dict__ for module in self.submodules]
 
     def changed(self) -> bool:
         return (
@@ -124,14 +119,8 @@ class _Snapshot:
     def intercepted(self) -> bool:
         """Whether calling the submodules (not the root, whose call is under way or is the
         caller's) does more than their `forward`: a forward hook or pre-hook on one of them or
-        a global one, or an instance-level `forward` (a monkeypatch). The hook tables are read
-        afresh (a module's may be replaced)."""
-        return (
-            any(map(len, map(_FORWARD_HOOKS, self.submodules)))
-            or any(map(len, map(_FORWARD_PRE_HOOKS, self.submodules)))
-            or any(map(operator.contains, self.instance_dicts, repeat("forward")))
-            or global_forward_hooks()
-        )
+        a global one, or an instance-level `forward` (a monkeypatch)."""
+        return any(map(calls_more_than_forward, self.submodules)) or global_forward_hooks()
 
 
 @functools.cache
@@ -201,7 +190,7 @@ class NumpyDecoder:
         self.usable = all(
             parameter.dtype == torch.float32 and parameter.device.type == "cpu"
             for parameter in self.model.parameters()
-        ) and all(type(module) in _standard_modules() for module in islice(self.model.modules(), 1, None))
+        ) and all(type(module) in _standard_modules() for module in self._snapshot.submodules)
         if not self.usable:
             return
         decoder = self.model.model
@@ -302,7 +291,7 @@ class NumpyDecoder:
         rotated = heads + kv_heads
         turn = self.rotations(position_ids)  # (B or 1, D, D)
         visible_by_mask: dict[int, np.ndarray | None] = {}
-        update = getattr(cache, "update_arrays", None) or partial(update_through_tensors, cache)
+        update = getattr(cache, "update_arrays", None) or functools.partial(update_through_tensors, cache)
         x = self.embed[token_ids]  # (B, hidden), a copy
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(self.layers):
