@@ -88,18 +88,19 @@ class _Snapshot:
 
     def __init__(self, model) -> None:
         self.modules = list(model.modules())
+        self.registries: list[dict] = []  # every module's _modules, _parameters and _buffers
         tables: list[dict] = []  # where each object is registered, under which name
         names: list[str] = []
         objects: list[object] = []
         tensors: list[torch.Tensor] = []
         for module in self.modules:
             for table in (module._modules, module._parameters, module._buffers):
+                self.registries.append(table)
                 for name, item in table.items():
                     tables.append(table), names.append(name), objects.append(item)
                     if isinstance(item, torch.Tensor):
                         tensors.append(item)
         self.tables, self.names, self.objects, self.tensors = tables, names, objects, tensors
-        self.registries = [t for m in self.modules for t in (m._modules, m._parameters, m._buffers)]
         self.sizes = list(map(len, self.registries))
         self.types = list(map(type, self.modules))
         self.pointers = [tensor.data_ptr() for tensor in tensors]
@@ -224,24 +225,19 @@ class NumpyDecoder:
         One small product per layer (queries and keys together) replaces a roll, two products
         and a sum.
         """
-        size = self.head_dim * self.head_dim
         if not isinstance(position_ids, int) and position_ids.shape[0] == 1:
-            position_ids = int(position_ids[0, 0])
-        if isinstance(position_ids, int):  # one position for every row: one flat row
-            if position_ids >= len(self._cos):
-                self._extend_rope_table(position_ids + 1)
-            rotation = np.zeros((1, size), np.float32)  # (1, D·D), filled as (D, D)
-            rotation[0, self._cos_at] = self._cos[position_ids]
-            rotation[0, self._sin_at] = self._signed_sin[position_ids]
-            return rotation.reshape(1, self.head_dim, self.head_dim)
-        positions = position_ids.numpy()[:, 0]  # (B,)
-        needed = int(positions.max()) + 1
+            position_ids = int(position_ids[0, 0])  # one position for every row
+        if isinstance(position_ids, int):  # the usual case: scalar indexing, no temporary array
+            index, needed, rows = position_ids, position_ids + 1, 1
+        else:
+            index = position_ids.numpy()[:, 0]  # (B,)
+            needed, rows = int(index.max()) + 1, len(index)
         if needed > len(self._cos):
             self._extend_rope_table(needed)
-        rotation = np.zeros((len(positions), size), np.float32)  # (B, D·D), filled as (D, D)
-        rotation[:, self._cos_at] = self._cos[positions]
-        rotation[:, self._sin_at] = self._signed_sin[positions]
-        return rotation.reshape(len(positions), self.head_dim, self.head_dim)
+        rotation = np.zeros((rows, self.head_dim * self.head_dim), np.float32)  # filled as (D, D)
+        rotation[:, self._cos_at] = self._cos[index]
+        rotation[:, self._sin_at] = self._signed_sin[index]
+        return rotation.reshape(rows, self.head_dim, self.head_dim)
 
     def _extend_rope_table(self, needed: int) -> None:
         """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
