@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, Geometry, GeometryError, read_geometry
+
 # bits per stored element; int4 packs two elements per byte.
 DTYPE_BITS: dict[str, int] = {
     "float64": 64,
@@ -30,7 +32,7 @@ DTYPE_BITS: dict[str, int] = {
 _DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
                   "half": "float16", "float": "float32", "double": "float64", "fp8": "float8_e4m3fn"}
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
 
 
 def dtype_bits(dtype: str) -> int:
@@ -109,9 +111,10 @@ class KVShape:
     def from_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> KVShape:
         """From a Hugging Face config (a dict, or a path to config.json or its folder).
 
-        Uses num_hidden_layers, num_key_value_heads (else num_attention_heads), head_dim (else
-        hidden_size / num_attention_heads), sliding_window (ignored when use_sliding_window is
-        false) and layer_types. A multimodal config's `text_config` is used when present.
+        Read by `kvcache.geometry.read_geometry`, as the model and the cache read it: layers, kv
+        heads, head_dim, and the window and layer types after each family's rules (a llama
+        `sliding_window` key is ignored, qwen2's window needs `use_sliding_window`, …). A
+        multimodal config's `text_config` is used when present.
         """
         source = "config"
         if not isinstance(config, Mapping):
@@ -128,38 +131,25 @@ class KVShape:
                 raise ValueError(f"{path} is not valid JSON: {error}") from None
             if not isinstance(config, Mapping):
                 raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
-        if "num_hidden_layers" not in config and isinstance(config.get("text_config"), Mapping):
-            config = config["text_config"]
-        return cls._from_mapping(config, source)
+        return cls.from_geometry(read_geometry(config, source), source)
 
     @classmethod
-    def _from_mapping(cls, config: Mapping[str, Any], source: str) -> KVShape:
-        missing = [k for k in ("num_hidden_layers", "num_attention_heads") if config.get(k) is None]
-        if config.get("head_dim") is None and config.get("hidden_size") is None:
-            missing.append("head_dim or hidden_size")
-        if missing:
-            raise ValueError(f"{source} lacks the fields needed for KV memory: {', '.join(missing)}")
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = config.get("head_dim")
-        if head_dim is None:
-            hidden = int(config["hidden_size"])
-            if hidden % heads:
-                raise ValueError(
-                    f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
-            head_dim = hidden // heads
-        window = config.get("sliding_window")
-        if config.get("use_sliding_window") is False:
-            window = None
-        layer_types = config.get("layer_types")
-        if layer_types is not None:
-            layer_types = tuple(layer_types)
-            if window is None:  # no window in force: sliding layers behave as full ones
-                layer_types = tuple(FULL for _ in layer_types)
-        elif window is not None:
-            layer_types = (SLIDING,) * layers
-        return cls(layers, kv_heads, int(head_dim), int(window) if window else None, layer_types)
+    def from_geometry(cls, geometry: Geometry, source: str = "config") -> KVShape:
+        """From a geometry read by `kvcache.geometry.read_geometry` (the reader the model and the
+        cache use, so all three agree on windows and layer types)."""
+        try:
+            geometry.require("num_layers", "kv_heads", "head_dim", source=source)
+        except GeometryError as error:
+            raise ValueError(f"{error} (needed for KV memory)") from None
+        assert geometry.num_layers and geometry.kv_heads and geometry.head_dim
+        sliding = geometry.layer_types is not None and SLIDING in geometry.layer_types
+        return cls(
+            geometry.num_layers,
+            geometry.kv_heads,
+            geometry.head_dim,
+            geometry.sliding_window if sliding else None,
+            geometry.layer_types if sliding else None,
+        )
 
 
 def max_tokens(shape: KVShape, budget_bytes: int, batch: int = 1, dtype: str = "float16") -> int | None:

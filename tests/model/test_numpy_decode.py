@@ -43,7 +43,7 @@ def cases(draw):
     window = draw(st.none() | st.integers(2, 6))
     bias = draw(st.sampled_from(["none", "qkv", "all"]))
     config = ModelConfig(
-        model_type="llama",
+        model_type="llama" if window is None else "mistral",
         vocab_size=draw(st.integers(8, 40)),
         hidden_size=draw(st.sampled_from([8, 16, 24])),
         intermediate_size=draw(st.integers(4, 40)),
@@ -217,6 +217,8 @@ def _small_config(**overrides) -> ModelConfig:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
         layer_types=(FULL_ATTENTION, FULL_ATTENTION),
     )
+    if overrides.get("sliding_window") is not None:
+        settings["model_type"] = "mistral"  # a llama config has no window
     return ModelConfig(**{**settings, **overrides})
 
 

@@ -1,14 +1,16 @@
-"""Read the cache geometry (layer count, kv heads, head dim, window, kind per layer) from a
-model config object or dict, reconciled with explicit sizes; contradictions raise."""
+"""The cache's view of a model's geometry: `kvcache.geometry` (the one reader of a config)
+merged with explicit sizes given to a cache; contradictions raise `CacheConfigError`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, GeometryError, read_geometry
+
 from .errors import CacheConfigError
 
-_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+_KINDS = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "sliding"}
 
 
 @dataclass(frozen=True)
@@ -35,14 +37,6 @@ class CacheGeometry:
         return self.window
 
 
-def _get(config: Any, name: str) -> Any:
-    if config is None:
-        return None
-    if isinstance(config, dict):
-        return config.get(name)
-    return getattr(config, name, None)
-
-
 def _merge(name: str, given: int | None, from_config: int | None) -> int | None:
     if given is not None and from_config is not None and given != from_config:
         raise CacheConfigError(f"{name}={given} contradicts the config's {name}={from_config}")
@@ -52,7 +46,7 @@ def _merge(name: str, given: int | None, from_config: int | None) -> int | None:
     return value
 
 
-def read_geometry(
+def read_cache_geometry(
     config: Any = None,
     *,
     num_layers: int | None = None,
@@ -60,43 +54,27 @@ def read_geometry(
     kv_heads: int | None = None,
     head_dim: int | None = None,
 ) -> CacheGeometry:
-    """Merge `config` (attributes or dict keys num_hidden_layers, num_key_value_heads, head_dim,
-    sliding_window, layer_types, use_sliding_window) with explicit sizes.
+    """The geometry of `config` (a config.json dict, a ModelConfig or any object with the same
+    attribute names; read by `kvcache.geometry.read_geometry`, family rules included) merged with
+    explicit sizes, which must agree with it.
 
-    Without layer_types, every layer is sliding when a window is known (as in Mistral) and
-    full otherwise; `use_sliding_window=False` in the config turns the config's window off.
+    When the config has a window in force, its layer types say which layers slide; otherwise an
+    explicit `window` makes every layer sliding, and without one every layer is full.
     """
-    heads = _get(config, "num_key_value_heads") or _get(config, "num_attention_heads")
-    dim = _get(config, "head_dim")
-    if dim is None and _get(config, "hidden_size") and _get(config, "num_attention_heads"):
-        dim = _get(config, "hidden_size") // _get(config, "num_attention_heads")
-    config_window = _get(config, "sliding_window")
-    if _get(config, "use_sliding_window") is False:
-        config_window = None
-    num_layers = _merge("num_layers", num_layers, _get(config, "num_hidden_layers"))
-    window = _merge("window", window, config_window)
-    kv_heads = _merge("kv_heads", kv_heads, heads)
-    head_dim = _merge("head_dim", head_dim, dim)
+    try:
+        geometry = read_geometry({} if config is None else config)
+    except GeometryError as error:
+        raise CacheConfigError(str(error)) from None
+    num_layers = _merge("num_layers", num_layers, geometry.num_layers)
+    window = _merge("window", window, geometry.sliding_window)
+    kv_heads = _merge("kv_heads", kv_heads, geometry.kv_heads)
+    head_dim = _merge("head_dim", head_dim, geometry.head_dim)
 
-    default_kind = "full" if window is None else "sliding"
-    layer_types = _get(config, "layer_types") or None  # () means "not given"
-    if layer_types is not None:
-        unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
-        if unknown:
-            raise CacheConfigError(
-                f"layer_types may hold {sorted(_LAYER_TYPES)}, got unsupported {unknown}"
-            )
-        kinds = tuple(_LAYER_TYPES[t] for t in layer_types)
-        if num_layers is not None and len(kinds) != num_layers:
-            raise CacheConfigError(
-                f"layer_types lists {len(kinds)} layers but num_layers is {num_layers}"
-            )
-        num_layers = len(kinds)
-        if "sliding" in kinds and window is None:
-            raise CacheConfigError("layer_types has sliding_attention layers but no window")
+    if geometry.sliding_window is not None and geometry.layer_types is not None:
+        # the config's window is in force: it says which layers slide
+        kinds: tuple[str, ...] | None = tuple(_KINDS[kind] for kind in geometry.layer_types)
         default_kind = "full"
-    elif num_layers is not None:
-        kinds = (default_kind,) * num_layers
-    else:
-        kinds = None
+    else:  # an explicit window (or none) applies to every layer alike
+        default_kind = "full" if window is None else "sliding"
+        kinds = None if num_layers is None else (default_kind,) * num_layers
     return CacheGeometry(num_layers, kv_heads, head_dim, window, kinds, default_kind)

@@ -13,7 +13,7 @@ import torch
 
 from .base import Cache
 from .checks import check_crop
-from .config import read_geometry
+from .config import read_cache_geometry
 from .layer import CacheLayer
 from .sliding import SlidingWindowLayer
 
@@ -131,7 +131,7 @@ class DynamicCache(Cache):
     Args:
         num_layers: layer count; if None (and no config), layers are created on first use.
         config: model config (object or dict) with num_hidden_layers, sliding_window,
-            layer_types; see `kvcache.cache.config.read_geometry`.
+            layer_types; see `kvcache.cache.config.read_cache_geometry`.
         window: sliding window for the sliding layers (must agree with config.sliding_window).
         max_rollback: extra ring rows of the sliding layers, so `crop` can roll back that many
             tokens after the window has filled (speculative decoding).
@@ -150,7 +150,7 @@ class DynamicCache(Cache):
         step: int = 256,
         growth: float = 1.5,
     ) -> None:
-        geometry = read_geometry(config, num_layers=num_layers, window=window)
+        geometry = read_cache_geometry(config, num_layers=num_layers, window=window)
 
         def full() -> CacheLayer:
             return DynamicLayer(step=step, growth=growth)

@@ -12,7 +12,7 @@ import torch
 
 from .base import Cache, LayerMasks
 from .checks import check_crop, check_kv_pair, check_new_tokens
-from .config import read_geometry
+from .config import read_cache_geometry
 from .errors import CacheShapeError, LayerIndexError
 from .masks import build_mask
 
@@ -36,7 +36,7 @@ class NoCache(Cache):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(device=device)
-        geometry = read_geometry(config, num_layers=num_layers, window=window)
+        geometry = read_cache_geometry(config, num_layers=num_layers, window=window)
         kinds = geometry.layer_kinds
         self._windows = None if kinds is None else [
             geometry.window if kind == "sliding" else None for kind in kinds

@@ -24,7 +24,7 @@ import torch
 from .base import Cache, LayerMasks
 from .blocks import BlockAllocator, OutOfBlocksError
 from .checks import check_batch_index, check_crop, check_kv_pair, check_new_tokens, where
-from .config import read_geometry
+from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheDeviceError, CacheDtypeError, CacheShapeError
 from .layer import CacheLayer
 from .paged_storage import Step, gather_rows, write_and_gather
@@ -123,7 +123,7 @@ class PagedCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        geometry = read_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
+        geometry = read_cache_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
         if geometry.num_layers is None:
             raise CacheConfigError("PagedCache needs the layer count: pass num_layers= or config=")
         if geometry.layer_kinds is not None and "sliding" in geometry.layer_kinds:

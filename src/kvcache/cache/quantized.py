@@ -22,7 +22,7 @@ import torch
 
 from .base import Cache
 from .checks import check_batch_index, check_crop, where
-from .config import read_geometry
+from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheCropError, CacheShapeError
 from .layer import CacheLayer
 from .quantize import QuantizedRows, QuantSpec, dequantize, quantize
@@ -334,7 +334,7 @@ class QuantizedCache(Cache):
         device: torch.device | str | None = None,
         max_rollback: int = 0,
     ) -> None:
-        geometry = read_geometry(config, num_layers=num_layers, window=window)
+        geometry = read_cache_geometry(config, num_layers=num_layers, window=window)
         options = dict(
             bits=bits,
             group_size=group_size,

@@ -14,7 +14,7 @@ import torch
 
 from .base import Cache
 from .checks import check_crop
-from .config import read_geometry
+from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheOverflowError
 from .fixed import FixedCapacityLayer
 from .layer import CacheLayer, is_compiling
@@ -164,7 +164,7 @@ class StaticCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        geometry = read_geometry(
+        geometry = read_cache_geometry(
             config, num_layers=num_layers, window=window, kv_heads=kv_heads, head_dim=head_dim
         )
         if max_cache_len is None:

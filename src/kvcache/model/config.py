@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, GeometryError, read_geometry
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
 
 
 class ConfigError(ValueError):
@@ -97,8 +97,19 @@ class ModelConfig:
                 )
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types has sliding_attention layers but no sliding_window")
+        if self.model_type == "llama" and self.sliding_window is not None:
+            raise ConfigError(
+                "a llama config has no sliding window (transformers ignores the key); use "
+                "model_type 'mistral' for a model whose layers slide"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @property
+    def use_sliding_window(self) -> bool:
+        """Whether a window is in force: qwen2's flag, so that `kvcache.geometry.read_geometry`
+        reads this object's window and layer types as they are."""
+        return self.sliding_window is not None
 
     @property
     def num_key_value_groups(self) -> int:
@@ -119,14 +130,13 @@ class ModelConfig:
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ConfigError(f"hidden_act {hidden_act!r} is not supported; expected 'silu'")
-        num_heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
-        num_layers = raw["num_hidden_layers"]
+        try:
+            geometry = read_geometry(raw, source="config.json")
+        except GeometryError as error:
+            raise ConfigError(str(error)) from None
         rope_theta, rope_scaling = _rope_settings(raw)
         if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
-
-        sliding_window, layer_types = _attention_layout(raw, model_type, num_layers)
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         elif model_type == "llama":
@@ -140,10 +150,10 @@ class ModelConfig:
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
+            num_hidden_layers=geometry.num_layers,
+            num_attention_heads=geometry.num_heads,
+            num_key_value_heads=geometry.kv_heads,
+            head_dim=geometry.head_dim,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -152,8 +162,8 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if model_type == "llama" else False,
-            sliding_window=sliding_window,
-            layer_types=layer_types,
+            sliding_window=geometry.sliding_window,
+            layer_types=geometry.layer_types,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             pad_token_id=raw.get("pad_token_id"),
@@ -212,27 +222,3 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
-
-
-def _attention_layout(
-    raw: dict[str, Any], model_type: str, num_layers: int
-) -> tuple[int | None, tuple[str, ...]]:
-    """The sliding window (or None) and each layer's attention type, as transformers reads them."""
-    window = raw.get("sliding_window")
-    if model_type == "llama":
-        window = None
-    elif model_type == "qwen2" and not raw.get("use_sliding_window", False):
-        window = None
-    if raw.get("layer_types") is not None:
-        layer_types = tuple(raw["layer_types"])
-        if window is None:  # transformers does the same: no window, no sliding layers
-            layer_types = tuple(FULL_ATTENTION for _ in layer_types)
-        return window, layer_types
-    if window is None:
-        return None, (FULL_ATTENTION,) * num_layers
-    if model_type == "qwen2":
-        first_sliding = raw.get("max_window_layers", num_layers)
-        return window, tuple(
-            SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)
-        )
-    return window, (SLIDING_ATTENTION,) * num_layers

@@ -96,8 +96,9 @@ def latency_figures(model, lengths: Sequence[int], repeats: int, seed: int = 0,
 
 
 def _windowed(config, window: int):
-    """The model's config with every layer attending to the last `window` positions only."""
-    return dataclasses.replace(config, sliding_window=window,
+    """The model's config with every layer attending to the last `window` positions only (a
+    mistral-family config: a llama config's window is not in force)."""
+    return dataclasses.replace(config, model_type="mistral", sliding_window=window,
                                layer_types=("sliding_attention",) * config.num_hidden_layers)
 
 
