@@ -2,18 +2,21 @@
 
     .venv/bin/python benchmarks/bench_generate.py            # both models, 3 rounds: ~13 minutes
     .venv/bin/python benchmarks/bench_generate.py --models small --new-tokens 32
+    .venv/bin/python benchmarks/bench_generate.py --baseline /tmp/old   # another checkout too
 
 For each model (a ~100M random Llama and a ~3M one, float32, saved once with transformers'
 save_pretrained) every configuration runs in its own process (so no two share thread
 pools or caches, and peak memory is that configuration's own): kvcache with a dynamic cache
-(the decode path `matvec="auto"` picks on this machine, and the torch path and the numpy
-decode step forced), a static cache, and no cache; transformers with its
-dynamic cache, static cache and no cache. Each process warms up once, then times `--repeats`
+(the default backend, "auto", and the torch and numpy backends named), a static cache, and no
+cache; transformers with its dynamic cache, static cache and no cache; with `--baseline DIR`,
+also kvcache's rows as the checkout in DIR runs them (its own benchmark's worker, its own
+source), for a before/after comparison. Each process warms up once, then times `--repeats`
 runs (its fastest kept); all configurations run `--rounds` times in turn, and the table gives
 each configuration's median over the rounds and, for kvcache, the median and range of its speed
-over transformers' measured in the same round, so a busy spell on a shared machine hits both
-sides of a ratio. Figures: time to first token, decode tokens/s (after the first
-token), the weight bandwidth that decode speed implies, and peak resident memory.
+over transformers' (and over the baseline's same row) measured in the same round, so a busy
+spell on a shared machine hits both sides of a ratio. Figures: time to first token, decode
+tokens/s (after the first token), the weight bandwidth that decode speed implies, and peak
+resident memory.
 Results: benchmarks/results/generate.json and generate.md. Not a test: nothing is asserted.
 """
 
@@ -48,7 +51,7 @@ MODELS = {
         vocab_size=512,
     ),
 }
-# (library, cache, kernel); kernel only matters for kvcache
+# (library, cache, backend); the backend only matters for kvcache
 CONFIGS = [
     ("kvcache", "dynamic", "auto"),
     ("kvcache", "dynamic", "torch"),
@@ -81,18 +84,17 @@ def worker(args: argparse.Namespace) -> None:
     if args.library == "kvcache":
         from kvcache import generate, load_model
 
-        model = load_model(args.checkpoint, dtype=torch.float32, matvec=args.kernel)
+        model = load_model(args.checkpoint, dtype=torch.float32)
         vocab = model.config.vocab_size
         prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator)
+        ran = []
 
         def run():
             result = generate(
-                model,
-                prompt,
-                max_new_tokens=new_tokens,
-                cache=None if args.cache == "none" else args.cache,
+                model, prompt, max_new_tokens=new_tokens, cache=args.cache, backend=args.kernel,
                 eos_token_id=(),
             )
+            ran.append(result.backend)
             return result.time_to_first_token_s, result.decode_tokens_per_s, result.new_tokens[0]
     else:
         from transformers import LlamaForCausalLM
@@ -137,10 +139,11 @@ def worker(args: argparse.Namespace) -> None:
     read_per_token = weight_bytes - embedding.numel() * embedding.element_size()
     chosen = args.kernel
     if args.library == "kvcache":
-        torch_threads = model.decode_threads or args.threads
-        chosen = f"{args.kernel}: {model.matvec_backend}, torch {torch_threads} thr"
-        if model.matvec_backend == "numpy":  # its products run on OpenBLAS's threads
-            chosen += f", OpenBLAS {os.environ.get('OPENBLAS_NUM_THREADS', 'default')} thr"
+        chosen = f"{args.kernel}: {ran[-1]}"
+        if ran[-1] == "numpy":  # its products run on OpenBLAS's threads, torch's cache calls on one
+            chosen += f", OpenBLAS {os.environ.get('OPENBLAS_NUM_THREADS', 'default')} thr, torch 1 thr"
+        else:
+            chosen += f", torch {args.threads} thr"
     print(
         json.dumps(
             {
@@ -157,6 +160,13 @@ def worker(args: argparse.Namespace) -> None:
             }
         )
     )
+
+
+def _commit(folder: Path) -> str | None:
+    """The git commit checked out in `folder` (None outside a git checkout)."""
+    done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=False)
+    return done.stdout.strip() or None
 
 
 def _peak_rss_mb() -> float:
@@ -184,10 +194,13 @@ class _Stamps:
         pass
 
 
-def run_config(checkpoint: Path, library: str, cache: str, kernel, args) -> dict:
+def run_config(checkpoint: Path, library: str, cache: str, kernel, args, source: Path | None = None) -> dict:
+    """One configuration in its own process; `source`: a baseline checkout whose own worker and
+    source run it (its row is labelled "kvcache@baseline")."""
+    script = Path(__file__) if source is None else source / "benchmarks" / "bench_generate.py"
     command = [
         sys.executable,
-        __file__,
+        str(script),
         "--worker",
         "--checkpoint",
         str(checkpoint),
@@ -209,10 +222,16 @@ def run_config(checkpoint: Path, library: str, cache: str, kernel, args) -> dict
         str(args.repeats),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
+    if source is not None:
+        env["PYTHONPATH"] = str(source / "src")
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{library}/{cache} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row["requested"] = kernel or ""
+    if source is not None:
+        row["library"] = "kvcache@baseline"
+    return row
 
 
 def _median(values: list[float]) -> float:
@@ -221,10 +240,22 @@ def _median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def _same_round_ratios(rounds: list[list[dict]], index: int, other) -> list[float]:
+    """Row `index`'s decode speed over that of the row `other(row)` picks, round by round."""
+    ratios = []
+    for round_rows in rounds:
+        mine = round_rows[index]
+        theirs = [r for r in round_rows if other(mine, r)]
+        if theirs:
+            ratios.append(mine["decode_tokens_per_s"] / theirs[0]["decode_tokens_per_s"])
+    return ratios
+
+
 def summarise(rounds: list[list[dict]]) -> list[dict]:
     """One row per configuration over the rounds: medians of its figures, and for kvcache the
-    median and range of its decode speed over transformers' with the same cache *in the same
-    round* (side by side, so a busy spell that slows one round slows both sides of its ratio)."""
+    median and range of its decode speed over transformers' with the same cache, and over the
+    baseline checkout's same configuration, *in the same round* (side by side, so a busy spell
+    that slows one round slows both sides of its ratio)."""
     rows = []
     for index in range(len(rounds[0])):
         runs = [round_rows[index] for round_rows in rounds]
@@ -234,43 +265,49 @@ def summarise(rounds: list[list[dict]]) -> list[dict]:
         row["peak_rss_mb"] = max(run["peak_rss_mb"] for run in runs)
         row["decode_per_round"] = [run["decode_tokens_per_s"] for run in runs]
         if row["library"] == "kvcache":
-            ratios = []
-            for round_rows in rounds:
-                theirs = [
-                    r for r in round_rows if r["library"] == "transformers" and r["cache"] == row["cache"]
-                ]
-                if theirs:
-                    ratios.append(round_rows[index]["decode_tokens_per_s"] / theirs[0]["decode_tokens_per_s"])
-            row["ratios"] = ratios
+            row["ratios"] = _same_round_ratios(
+                rounds, index, lambda mine, r: r["library"] == "transformers" and r["cache"] == mine["cache"]
+            )
+            row["baseline_ratios"] = _same_round_ratios(
+                rounds, index, lambda mine, r: r["library"] == "kvcache@baseline"
+                and (r["cache"], r["requested"]) == (mine["cache"], mine["requested"])
+            )
         rows.append(row)
     return rows
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{_median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
 
 
 def table(results: dict) -> str:
     lines = []
     for name, rows in results["models"].items():
         params = rows[0]["parameters"]
+        baseline = any(r["library"] == "kvcache@baseline" for r in rows)
         lines += [
             f"### {name} Llama ({params / 1e6:.1f}M parameters), prompt {results['prompt_tokens']}, "
             f"batch 1, float32, {results['threads']} threads, {results['rounds']} rounds",
             "",
-            "| library | cache | kernel | new tokens | decode tokens/s (median) | weights GB/s | time to "
-            "first token | peak RSS | decode ours/theirs, median (range) of rounds | same tokens |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| library | cache | backend | new tokens | decode tokens/s (median) | weights GB/s | time to "
+            "first token | peak RSS | decode ours/theirs, median (range) of rounds | "
+            + ("decode ours/baseline, median (range) | " if baseline else "")
+            + "same tokens |",
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if baseline else "") + "---|",
         ]
         theirs = {r["cache"]: r for r in rows if r["library"] == "transformers"}
         for r in rows:
             ref = theirs.get(r["cache"])
-            ratio = same = ""
-            if r["library"] == "kvcache" and r.get("ratios"):
-                ratios = r["ratios"]
-                ratio = f"{_median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
-            if r["library"] == "kvcache" and ref:
+            same = ""
+            if r["library"].startswith("kvcache") and ref:
                 same = "yes" if r["tokens"] == ref["tokens"] else "no"
+            kernel = r["kernel"] if r["library"].startswith("kvcache") else ""
             lines.append(
-                f"| {r['library']} | {r['cache']} | {r['kernel'] if r['library'] == 'kvcache' else ''} "
+                f"| {r['library']} | {r['cache']} | {kernel} "
                 f"| {r['new_tokens']} | {r['decode_tokens_per_s']:.1f} | {r['weight_gb_per_s']:.1f} "
-                f"| {r['ttft_ms']:.1f} ms | {r['peak_rss_mb']:.0f} MB | {ratio} | {same} |"
+                f"| {r['ttft_ms']:.1f} ms | {r['peak_rss_mb']:.0f} MB | {_spread(r.get('ratios', []))} | "
+                + (f"{_spread(r.get('baseline_ratios', []))} | " if baseline else "")
+                + f"{same} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -293,6 +330,12 @@ def main() -> None:
         "--rounds", type=int, default=3, help="passes over all configurations (medians, per-round ratios)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another kvcache checkout (e.g. a git worktree of the commit before a change): its "
+        "kvcache rows run too, each right after ours, with its own benchmark worker and source",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--library", help=argparse.SUPPRESS)
@@ -309,6 +352,9 @@ def main() -> None:
         "threads": args.threads,
         "prompt_tokens": args.prompt_tokens,
         "rounds": args.rounds,
+        "baseline": None if args.baseline is None else str(args.baseline),
+        "commit": _commit(Path(__file__).parent),
+        "baseline_commit": None if args.baseline is None else _commit(args.baseline),
         "models": {},
     }
     with tempfile.TemporaryDirectory() as scratch:
@@ -319,13 +365,17 @@ def main() -> None:
             for _ in range(args.rounds):  # rounds interleave the libraries, so a busy spell hits both
                 rounds.append([])
                 for library, cache, kernel in CONFIGS:
-                    row = run_config(checkpoint, library, cache, kernel, args)
-                    rounds[-1].append(row)
-                    print(
-                        f"{name:6s} {library:12s} {cache:8s} {kernel or '':6s} "
-                        f"{row['decode_tokens_per_s']:8.1f} tok/s  ttft {row['ttft_ms']:7.1f} ms",
-                        flush=True,
-                    )
+                    sources = [None]
+                    if library == "kvcache" and args.baseline is not None:
+                        sources.append(args.baseline)
+                    for source in sources:
+                        row = run_config(checkpoint, library, cache, kernel, args, source)
+                        rounds[-1].append(row)
+                        print(
+                            f"{name:6s} {row['library']:16s} {cache:8s} {kernel or '':6s} "
+                            f"{row['decode_tokens_per_s']:8.1f} tok/s  ttft {row['ttft_ms']:7.1f} ms",
+                            flush=True,
+                        )
             results["models"][name] = summarise(rounds)
     results["load_average_at_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,11 +4,12 @@
     .venv/bin/python benchmarks/profile_decode_step.py --model DIR --steps 300
 
 A profiler's per-call hooks cost more than most lines of the step, so this takes the source of
-`NumpyDecoder.run`, puts a `time.perf_counter()` stamp after every simple statement, runs that
-copy on the loaded model (each step right after the previous one, so the weights have just
-streamed through the CPU caches, as in generation), and prints each statement's mean time per
-step, summed over the layers. The cache is reset to the same length before every step, so every
-step attends over `--context` keys. Not a test and not the step that ships: a measuring copy.
+`NumpyBackend._run` (kvcache.backends.numpy_step), puts a `time.perf_counter()` stamp after
+every simple statement, runs that copy on the loaded model (each step right after the previous
+one, so the weights have just streamed through the CPU caches, as in generation), and prints
+each statement's mean time per step, summed over the layers. The cache is reset to the same
+length before every step, so every step attends over `--context` keys. Not a test and not the
+step that ships: a measuring copy.
 Output: stdout only.
 """
 
@@ -22,24 +23,28 @@ import time
 
 
 def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: list[float]):
-    """A copy of NumpyDecoder.run with a stamp after every simple statement; returns (function,
+    """A copy of NumpyBackend._run with a stamp after every simple statement; returns (function,
     source lines) where stamps[i] accumulates the seconds spent up to source line i."""
-    from kvcache.model import numpy_decode
+    from kvcache.backends import numpy_step
 
-    lines = textwrap.dedent(inspect.getsource(numpy_decode.NumpyDecoder.run)).splitlines()
+    lines = textwrap.dedent(inspect.getsource(numpy_step.NumpyBackend._run)).splitlines()
     skip = ("#", "if ", "for ", "with ", "def ", '"""', "return", "raise", ")", 'f"', "else", "elif")
     out = []
     body_started = False
+    depth = 0  # open brackets: a statement split over lines is stamped after its last line
     for index, line in enumerate(lines):
         out.append(line)
         text = line.strip()
-        if text.endswith('"""') and index > 0:
-            body_started = True
+        code = text.split("  #")[0]
+        depth += sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
+        if (text.endswith('"""') and index > 0) or (text.startswith("def ") and text.endswith(":")):
+            body_started = True  # after the docstring, or after a one-line signature without one
+            continue
         indent = len(line) - len(line.lstrip())
         following = lines[index + 1] if index + 1 < len(lines) else ""
         following_indent = len(following) - len(following.lstrip())
         simple = text and not text.startswith(skip) and not text.endswith(("(", ",", ":"))
-        if body_started and simple and following_indent <= indent:
+        if body_started and simple and depth == 0 and following_indent <= indent:
             out.append(" " * indent + f"_stamp({index})")
 
     def _stamp(index: int) -> None:
@@ -49,7 +54,7 @@ def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: li
 
     scope = dict(namespace, _stamp=_stamp)
     exec("\n".join(out), scope)  # our own source, read from the installed module
-    return scope["run"], lines
+    return scope["_run"], lines
 
 
 def main() -> None:
@@ -62,27 +67,27 @@ def main() -> None:
     import torch
 
     from kvcache import load_model
+    from kvcache.backends import NumpyBackend, numpy_step
     from kvcache.cache import make_cache
-    from kvcache.model import numpy_decode
 
     torch.set_num_threads(1)
-    model = load_model(args.model, dtype=torch.float32, matvec="numpy")
+    model = load_model(args.model, dtype=torch.float32)
+    backend = NumpyBackend(model)
     stamps: collections.defaultdict = collections.defaultdict(float)
     clock = [0.0]
-    run, lines = instrumented_run(vars(numpy_decode), stamps, clock)
+    run, lines = instrumented_run(vars(numpy_step), stamps, clock)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context))
-    token = prompt[:, -1:]
+    token_ids = prompt[0, -1:].numpy()  # (1,)
     with torch.inference_mode():
         cache = make_cache("dynamic", config=model.config)
         model(prompt, past_key_values=cache, logits_to_keep=1)
-        decoder = model._numpy_decoder()
-        assert decoder.ready()
         total = 0.0
         for _ in range(args.steps):
             for layer in cache.layers:
                 layer.crop(args.context)
             started = clock[0] = time.perf_counter()
-            run(decoder, token, args.context, None, cache)
+            plan = cache.begin(1)
+            run(backend, token_ids, plan, cache)
             total += time.perf_counter() - started
     print(f"one decode step: {total / args.steps * 1e6:.0f} µs (mean of {args.steps}); per statement:")
     for index in sorted(stamps):

@@ -106,11 +106,11 @@ def test_held_out_loss_is_well_below_a_unigram_baseline(model, tokenizer):
 
 def test_generate_takes_paged_and_quantized_by_name(model, tokenizer):
     prompt = torch.tensor([tokenizer.encode("The for statement")])
-    exact = kvcache.generate(model, prompt, max_new_tokens=24, cache=None, eos_token_id=())
+    exact = kvcache.generate(model, prompt, max_new_tokens=24, cache="none", eos_token_id=())
     paged = kvcache.generate(model, prompt, max_new_tokens=24, cache="paged", eos_token_id=())
     assert paged.new_tokens == exact.new_tokens
     assert type(paged.cache).__name__ == "PagedCache"
     quantized = kvcache.generate(model, prompt, max_new_tokens=24, cache="quantized", eos_token_id=())
     assert type(quantized.cache).__name__ == "QuantizedCache" and len(quantized.new_tokens[0]) == 24
-    with pytest.raises(ValueError, match="cache must be one of"):
+    with pytest.raises(ValueError, match="cache kind must be one of"):
         kvcache.generate(model, prompt, max_new_tokens=2, cache="ring")

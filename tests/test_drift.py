@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import llama_checkpoint
 
 from kvcache.cli import main
 from kvcache.cli.drift import bits_list
@@ -19,25 +20,12 @@ JSON_KEYS = {"bits", "kind", "max_abs_logit_diff", "mean_kl", "greedy_agreement"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, one_thread):
-    """A random 2-layer Llama saved by transformers, with a small byte-level BPE tokenizer."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    torch.manual_seed(11)
-    config = transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        num_hidden_layers=2, vocab_size=300, max_position_embeddings=512, initializer_range=0.1,
+    """A random 2-layer Llama saved by transformers, with the test tokenizer."""
+    return llama_checkpoint(
+        tmp_path_factory.mktemp("drift_llama"), seed=11, hidden_size=64, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=300,
+        max_position_embeddings=512,
     )
-    folder = tmp_path_factory.mktemp("drift_llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(["for x in range(10):", "def read(path): return open(path)"], trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
 
 
 @pytest.fixture(scope="module")

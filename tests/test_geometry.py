@@ -9,23 +9,49 @@ from kvcache.geometry import FULL_ATTENTION as F
 from kvcache.geometry import SLIDING_ATTENTION as S
 from kvcache.geometry import GeometryError, read_geometry
 
-BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2)
+BASE = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 # (name, raw config.json, expected window in force, expected layer types)
 CASES = [
-    ("llama ignores a sliding_window key", dict(BASE, model_type="llama", sliding_window=4096), None,
-     (F, F, F)),
+    (
+        "llama ignores a sliding_window key",
+        dict(BASE, model_type="llama", sliding_window=4096),
+        None,
+        (F, F, F),
+    ),
     ("mistral windows every layer", dict(BASE, model_type="mistral", sliding_window=8), 8, (S, S, S)),
     ("mistral with a null window", dict(BASE, model_type="mistral", sliding_window=None), None, (F, F, F)),
-    ("qwen2 without use_sliding_window", dict(BASE, model_type="qwen2", sliding_window=8,
-                                              max_window_layers=1), None, (F, F, F)),
-    ("qwen2 from max_window_layers on", dict(BASE, model_type="qwen2", sliding_window=8,
-                                             use_sliding_window=True, max_window_layers=1), 8, (F, S, S)),
-    ("qwen2 listed layer types", dict(BASE, model_type="qwen2", sliding_window=8, use_sliding_window=True,
-                                      layer_types=[S, F, S]), 8, (S, F, S)),
-    ("listed sliding layers with no window", dict(BASE, model_type="mistral", sliding_window=None,
-                                                  layer_types=[S, F, S]), None, (F, F, F)),
+    (
+        "qwen2 without use_sliding_window",
+        dict(BASE, model_type="qwen2", sliding_window=8, max_window_layers=1),
+        None,
+        (F, F, F),
+    ),
+    (
+        "qwen2 from max_window_layers on",
+        dict(BASE, model_type="qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1),
+        8,
+        (F, S, S),
+    ),
+    (
+        "qwen2 listed layer types",
+        dict(BASE, model_type="qwen2", sliding_window=8, use_sliding_window=True, layer_types=[S, F, S]),
+        8,
+        (S, F, S),
+    ),
+    (
+        "listed sliding layers with no window",
+        dict(BASE, model_type="mistral", sliding_window=None, layer_types=[S, F, S]),
+        None,
+        (F, F, F),
+    ),
 ]
 
 
@@ -57,8 +83,11 @@ def test_model_cache_and_planner_read_the_same_layers(name, raw, window, types):
 @pytest.mark.parametrize("name, raw, window, types", CASES, ids=[case[0] for case in CASES])
 def test_agrees_with_transformers_configs(name, raw, window, types):
     transformers = pytest.importorskip("transformers")
-    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config}
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }
     theirs = classes[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
     # transformers windows a layer when a window is in force and the layer is sliding (its
     # llama keeps a stray sliding_window attribute but never reads it)
@@ -79,15 +108,26 @@ def test_text_config_of_a_multimodal_config():
     assert read_geometry(raw).layer_types == (S, S, S)
 
 
-@pytest.mark.parametrize("raw, match", [
-    (dict(num_hidden_layers="3"), "num_hidden_layers must be a positive integer"),
-    (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
-    (dict(hidden_size=10, num_attention_heads=3), "not divisible"),
-    (dict(num_hidden_layers=2, layer_types=[F]), "lists 1 layers but num_hidden_layers is 2"),
-    (dict(num_hidden_layers=1, layer_types=["chunked"]), "may hold"),
-    (dict(model_type="qwen2", num_hidden_layers=2, sliding_window=4, use_sliding_window=True,
-          max_window_layers=-1), "max_window_layers"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (dict(num_hidden_layers="3"), "num_hidden_layers must be a positive integer"),
+        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
+        (dict(hidden_size=10, num_attention_heads=3), "not divisible"),
+        (dict(num_hidden_layers=2, layer_types=[F]), "lists 1 layers but num_hidden_layers is 2"),
+        (dict(num_hidden_layers=1, layer_types=["chunked"]), "may hold"),
+        (
+            dict(
+                model_type="qwen2",
+                num_hidden_layers=2,
+                sliding_window=4,
+                use_sliding_window=True,
+                max_window_layers=-1,
+            ),
+            "max_window_layers",
+        ),
+    ],
+)
 def test_bad_fields_are_named(raw, match):
     with pytest.raises(GeometryError, match=match):
         read_geometry(raw)

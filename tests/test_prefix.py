@@ -180,8 +180,8 @@ def test_chat_session_with_a_real_chat_template_matches_re_sending_the_history(t
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "model"))
-    from model_helpers import VOCAB as TOKENIZER_VOCAB
-    from model_helpers import write_tokenizer
+    from tiny_models import HF_VOCAB as TOKENIZER_VOCAB
+    from tiny_models import write_tokenizer
 
     from kvcache.tokenizer import load_tokenizer
 

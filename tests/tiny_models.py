@@ -1,24 +1,24 @@
-"""A tiny random-weight Llama built in memory (no checkpoint), for tests of caches behind the
-model seam (paged, prefix reuse, prompt cache)."""
+"""Every tiny model the suite uses, built here and nowhere else (no hub, no network).
+
+- In memory: `tiny_config` / `tiny_model` / `random_model`, kvcache models with every weight
+  random (norm weights and biases too).
+- On disk: `hf_model` makes a random-weight transformers model of an architecture, and
+  `save_checkpoint` writes it as a hub-style folder (config.json, model.safetensors,
+  tokenizer.json, tokenizer_config.json with a Llama-2 chat template); `llama_checkpoint` does
+  both for a plain Llama of any size.
+- Inputs: `left_padded_batch`, `hf_positions`.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
 from kvcache.model import LlamaForCausalLM, ModelConfig
 
-VOCAB = 64
-
-
-def tiny_model(seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> LlamaForCausalLM:
-    """A random fp32 Llama (hidden 32, 4 heads, 2 kv heads), every weight randomised."""
-    config = ModelConfig.from_dict(dict(
-        model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256,
-    ))
-    torch.manual_seed(seed)
-    return randomize_weights(LlamaForCausalLM(config).eval())
+VOCAB = 64  # the in-memory tiny models'
 
 
 def randomize_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -28,3 +28,160 @@ def randomize_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
         for name, param in model.named_parameters():
             param.copy_(0.3 * torch.randn_like(param) + (1.0 if "norm" in name else 0.0))
     return model
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A config.json-style tiny Llama (hidden 32, 4 heads, 2 kv heads, 2 layers, vocab 64) read by
+    ModelConfig.from_dict; overrides are config.json fields (model_type, sliding_window, …)."""
+    raw = dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return ModelConfig.from_dict({**raw, **overrides})
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+    """A kvcache model of `config` with every weight random, in eval mode."""
+    torch.manual_seed(seed)
+    return randomize_weights(LlamaForCausalLM(config)).eval()
+
+
+def tiny_model(seed: int = 0, layers: int = 2, vocab: int = VOCAB, **overrides) -> LlamaForCausalLM:
+    """`random_model` of `tiny_config(num_hidden_layers=layers, vocab_size=vocab, **overrides)`."""
+    return random_model(tiny_config(num_hidden_layers=layers, vocab_size=vocab, **overrides), seed)
+
+
+HF_VOCAB = 272  # > the test tokenizer's 259 tokens
+WINDOW = 4  # mistral's sliding window: shorter than every test sequence
+
+LLAMA2_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}"
+    "{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+CORPUS = [
+    "Hello, what's your name?",
+    "My name is LLaMA and I keep keys and values in a cache.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Attention looks back at every earlier token; the cache keeps them.",
+]
+
+_SMALL = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    vocab_size=HF_VOCAB,
+    initializer_range=0.2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=None,  # tests that want an EOS pass one explicitly
+    pad_token_id=None,
+)
+
+
+def hf_model(arch: str, **overrides):
+    """A random-weight transformers model of `arch`, norms and biases randomised too."""
+    import transformers
+
+    if arch == "llama":
+        config = transformers.LlamaConfig(**{**_SMALL, **overrides})
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**{**_SMALL, "sliding_window": WINDOW, **overrides})
+        model = transformers.MistralForCausalLM(config)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**{**_SMALL, "tie_word_embeddings": True, **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "qwen2_mixed":  # layer 0 full attention, layer 1 sliding
+        settings = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
+        config = transformers.Qwen2Config(**{**_SMALL, **settings, **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+def write_tokenizer(folder: Path) -> None:
+    """tokenizer.json (byte-level BPE, BOS added) and tokenizer_config.json with a template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=259,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": LLAMA2_CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
+
+
+def save_checkpoint(model, folder: Path, **save_options) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True, **save_options)
+    write_tokenizer(folder)
+    return folder
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed")
+
+
+def left_padded_batch(lengths=(10, 7, 4), seed: int = 0):
+    """input_ids (B, T) with row b's prompt right-aligned, and the (B, T) attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 259, (len(lengths), width), generator=generator)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+        ids[row, : width - length] = 0  # pad id; masked out anyway
+    return ids, mask
+
+
+def hf_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as transformers.generate derives them from a left-padded mask."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def llama_checkpoint(folder: Path, *, seed: int, **config) -> Path:
+    """A random-weight transformers Llama of `config` (LlamaConfig fields; initializer_range 0.1
+    unless given) saved with the test tokenizer into `folder`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    settings = {"initializer_range": 0.1, **config}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
+    return save_checkpoint(model, folder)

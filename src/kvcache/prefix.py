@@ -56,7 +56,7 @@ def prefill_inputs(cache: PagedCache, prompts: Sequence[Sequence[int]]) -> tuple
     width = max(len(prompt) for prompt in prompts)
     if width == 0:
         raise ValueError("every prompt is empty: give each row at least one new token")
-    device = cache._storage_device()
+    device = cache.device
     input_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     attention_mask = torch.zeros((len(prompts), columns + width), dtype=torch.long, device=device)
     for row, (prompt, held) in enumerate(zip(prompts, lengths)):

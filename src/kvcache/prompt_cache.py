@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvcache.cache.paged import PagedCache
+from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
 
 FORMAT = "kvcache.prompt_cache"
 VERSION = "1"
@@ -66,23 +66,15 @@ def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: in
     """
     from safetensors.torch import save_file
 
-    seq = cache._row_seq(row)
-    state = cache.allocator.sequence(seq)
-    tokens = state.num_tokens
-    if tokens == 0:
-        raise PromptCacheError(f"row {row} holds no tokens: nothing to save")
-    if len(state.token_ids) < tokens:
-        raise PromptCacheError(
-            f"row {row} holds {tokens} tokens but only {len(state.token_ids)} token ids are "
-            f"declared; declare them (cache.declare_tokens) before saving"
-        )
-    slots = torch.tensor(cache.allocator.slots(seq, 0, tokens), dtype=torch.long)
+    try:
+        state = cache.row_state(row)
+    except CacheShapeError as error:
+        raise PromptCacheError(f"cannot save row {row}: {error}") from None
+    tokens = len(state.token_ids)
     tensors = {}
-    for index, layer in enumerate(cache.layers):
-        for name, storage in (("keys", layer._keys), ("values", layer._values)):
-            assert storage is not None
-            flat = storage.view(-1, *storage.shape[2:])  # (N·S, H_kv, D)
-            tensors[f"{name}.{index}"] = flat.index_select(0, slots.to(flat.device)).cpu().contiguous()
+    for index, (keys, values) in enumerate(zip(state.keys, state.values)):
+        tensors[f"keys.{index}"] = keys.cpu().contiguous()  # (T, H_kv, D)
+        tensors[f"values.{index}"] = values.cpu().contiguous()  # (T, H_kv, D_v)
     layout = _layout(model)
     if tensors["keys.0"].dtype != model.dtype:
         raise PromptCacheError(f"the cache stores {tensors['keys.0'].dtype}; the model runs {model.dtype}")
@@ -95,7 +87,7 @@ def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: in
         "value_head_dim": str(tensors["values.0"].shape[-1]),
         "block_size": str(cache.block_size),
         "num_tokens": str(tokens),
-        "token_ids": json.dumps(state.token_ids[:tokens]),
+        "token_ids": json.dumps(state.token_ids),
     }
     save_file(tensors, os.fspath(path), metadata=metadata)
     return tokens
@@ -172,40 +164,19 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
         size = block_size or header["block_size"]
         cache = PagedCache(num_blocks or -(-(2 * tokens + 256) // size), size, config=model.config,
                            dtype=model.dtype, device=model.device)
-    else:
-        stored = cache.layers[0]._keys
-        layout = (model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim)
-        if len(cache.layers) != layout[0] or (stored is not None and tuple(stored.shape[2:]) != layout[1:]):
-            raise PromptCacheError(
-                f"the cache holds {len(cache.layers)} layers of "
-                f"{None if stored is None else tuple(stored.shape[2:])} (kv_heads, head_dim); "
-                f"the file holds {layout[0]} layers of {layout[1:]}"
-            )
-        if stored is not None and stored.dtype != model.dtype:
-            raise PromptCacheError(f"the cache stores {stored.dtype}; the file holds {model.dtype}")
-    needed = cache.allocator.blocks_for(tokens)
-    if needed > cache.allocator.num_allocatable:
-        from kvcache.cache.blocks import OutOfBlocksError
-
-        raise OutOfBlocksError(needed, cache.allocator.num_allocatable, cache.num_blocks)
-    cache.add_sequence(token_ids, reuse_prefix=False)
-    seq = cache.rows[-1]
-    cache.allocator.reserve([seq], [tokens])
-    slots = torch.tensor(cache.allocator.slots(seq, 0, tokens), dtype=torch.long)
+    elif len(cache.layers) != model.config.num_hidden_layers:
+        raise PromptCacheError(
+            f"the cache holds {len(cache.layers)} layers; the file holds {model.config.num_hidden_layers}"
+        )
     with safe_open(os.fspath(path), "pt", device="cpu") as handle:
-        for index, layer in enumerate(cache.layers):
-            for name in ("keys", "values"):
-                rows = handle.get_tensor(f"{name}.{index}")  # (T, H_kv, D)
-                storage = layer._keys if name == "keys" else layer._values
-                if storage is None:  # a cache built without dtype: allocate from the file
-                    shape = (cache.num_blocks, cache.block_size, *rows.shape[1:])
-                    storage = torch.zeros(shape, dtype=rows.dtype, device=model.device)
-                    if name == "keys":
-                        layer._keys = storage
-                    else:
-                        layer._values = storage
-                flat = storage.view(-1, *storage.shape[2:])
-                flat.index_copy_(0, slots.to(flat.device), rows.to(flat.device, flat.dtype))
-    cache.allocator.commit(seq, tokens)
-    cache._set_columns(max(cache.get_seq_length(), tokens))
+        names = range(model.config.num_hidden_layers)
+        state = RowState(
+            list(token_ids),
+            [handle.get_tensor(f"keys.{layer}") for layer in names],  # (T, H_kv, D) each
+            [handle.get_tensor(f"values.{layer}") for layer in names],
+        )
+    try:
+        cache.load_row_state(state)
+    except (CacheShapeError, CacheDtypeError) as error:
+        raise PromptCacheError(f"{path} does not fit this cache: {error}") from None
     return cache

@@ -13,8 +13,10 @@ CONFIG = {
     "hidden_size": HEADS * DIM,
 }
 # dynamic_growing: 4-row steps, so buffers grow (are replaced) within a test;
-# dynamic_lazy: no config, layers created by the first update
-KINDS = ("dynamic", "dynamic_growing", "dynamic_lazy", "static", "sliding", "paged", "quantized")
+# dynamic_lazy: no config, layers created by the first update;
+# *_compiled: the torch.compile layers (whole buffers, the length in a tensor), used eagerly
+KINDS = ("dynamic", "dynamic_growing", "dynamic_lazy", "static", "static_compiled", "sliding",
+         "sliding_compiled", "paged", "quantized")
 
 
 def build_cache(kind: str, *, max_cache_len: int, window: int, max_batch_size: int | None = None):
@@ -26,8 +28,10 @@ def build_cache(kind: str, *, max_cache_len: int, window: int, max_batch_size: i
         return DynamicCache(config=CONFIG, step=4, growth=1.5)
     if kind in ("dynamic", "quantized"):
         return make_cache(kind, config=CONFIG)
+    compiled = kind.endswith("_compiled")
+    kind = kind.removesuffix("_compiled")
     config = dict(CONFIG, sliding_window=window) if kind == "sliding" else CONFIG
-    sizes = {"max_cache_len": max_cache_len}
+    sizes = {"max_cache_len": max_cache_len, **({"compiled": True} if compiled else {})}
     if max_batch_size is not None:
         sizes["max_batch_size"] = max_batch_size
     return make_cache(kind, config=config, **sizes)

@@ -1,5 +1,6 @@
-"""torch.compile: a compiled decode step through a static or sliding cache matches eager and
-is compiled once, not once per step (the write position lives in a tensor)."""
+"""torch.compile: a compiled decode step through a compiled static or sliding cache
+(`compiled=True`: whole buffers, the write position in a tensor) matches an eager cache and is
+compiled once, not once per step."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def decode_step(cache, q, k, v):
     return torch.stack(outputs)  # (LAYERS, B, H, T_new, D)
 
 
-def make(kind: str):
-    sizes = {"config": CONFIG, "max_batch_size": 1, "dtype": torch.float32}
+def make(kind: str, compiled: bool):
+    sizes = {"config": CONFIG, "max_batch_size": 1, "dtype": torch.float32, "compiled": compiled}
     if kind == "static":
         return make_cache("static", max_cache_len=32, **sizes)
     return make_cache("sliding", window=4, **sizes)
@@ -37,7 +38,7 @@ def make(kind: str):
 @pytest.mark.parametrize("kind", ["static", "sliding"])
 def test_compiled_decode_matches_eager_and_compiles_once(kind):
     torch._dynamo.reset()
-    eager, compiled = make(kind), make(kind)
+    eager, compiled = make(kind, False), make(kind, True)
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(decode_step, backend=counter, fullgraph=True)
     generator = torch.Generator().manual_seed(0)
@@ -66,7 +67,7 @@ def test_compiled_decode_matches_eager_and_compiles_once(kind):
 @pytest.mark.parametrize("kind", ["static", "sliding"])
 def test_compiled_chunk_after_wraparound_matches_eager(kind):
     torch._dynamo.reset()
-    eager, compiled = make(kind), make(kind)
+    eager, compiled = make(kind, False), make(kind, True)
     step = torch.compile(decode_step, backend="aot_eager", fullgraph=True)
     generator = torch.Generator().manual_seed(1)
     for tokens in (6, 3, 5):  # chunks that cross the ring's end (window 4)
@@ -95,7 +96,7 @@ def test_compiled_padded_batch_matches_eager_with_one_recompilation(kind):
     torch._dynamo.reset()
     sizes = {"config": CONFIG, "max_batch_size": 2, "dtype": torch.float32}
     extra = {"max_cache_len": 32} if kind == "static" else {"window": 4}
-    eager, compiled = make_cache(kind, **sizes, **extra), make_cache(kind, **sizes, **extra)
+    eager, compiled = make_cache(kind, **sizes, **extra), make_cache(kind, **sizes, **extra, compiled=True)
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(masked_step, backend=counter, fullgraph=True)
     generator = torch.Generator().manual_seed(2)

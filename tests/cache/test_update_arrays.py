@@ -12,8 +12,7 @@ from cache_kinds import CONFIG, DIM, HEADS, KINDS, LAYERS, build_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.cache import DynamicCache, DynamicLayer, make_cache
-from kvcache.cache.base import Cache
+from kvcache.cache import CacheError, DynamicCache, DynamicLayer
 
 
 def build(kind: str):
@@ -75,24 +74,23 @@ def test_update_arrays_equals_update(kind, actions, batch, seed):
         assert by_arrays.get_seq_length() == by_tensors.get_seq_length()
 
 
-def test_a_dynamic_layer_appends_through_numpy_and_grows_through_torch():
+def test_a_dynamic_layer_writes_through_numpy_views_and_grows_through_update():
     layer = DynamicLayer(step=4, growth=1.5)
     k = np.ones((1, HEADS, 3, DIM), np.float32)
-    assert layer.append_arrays(k, k) is None  # nothing stored yet: update allocates
-    layer.update(torch.from_numpy(k), torch.from_numpy(k))  # capacity 4
-    keys, values = layer.append_arrays(2 * k[:, :, :1], 3 * k[:, :, :1])  # row 4 of 4
-    assert keys.shape == (1, HEADS, 4, DIM)
+    keys, _ = layer.update_arrays(k, k)  # nothing stored yet: update allocates (capacity 4)
+    assert keys.shape == (1, HEADS, 3, DIM) and layer.capacity == 4
+    buffer = layer._keys
+    keys, values = layer.update_arrays(2 * k[:, :, :1], 3 * k[:, :, :1])  # row 4 of 4: no torch call
+    assert layer._keys is buffer and keys.shape == (1, HEADS, 4, DIM)
     assert float(keys[0, 0, 3, 0]) == 2 and float(values[0, 0, 3, 0]) == 3
     assert np.shares_memory(keys, layer.keys.numpy())
-    assert layer.append_arrays(k[:, :, :1], k[:, :, :1]) is None  # full: growing is update's work
-    assert layer.get_seq_length() == 4
-    layer.update(torch.from_numpy(k[:, :, :1]), torch.from_numpy(k[:, :, :1]))  # grows, new buffer
-    keys, _ = layer.append_arrays(5 * k[:, :, :1], k[:, :, :1])  # views of the new buffer
-    assert keys.shape[2] == 6 and float(keys[0, 0, 5, 0]) == 5
+    keys, _ = layer.update_arrays(5 * k[:, :, :1], k[:, :, :1])  # full: update grows it
+    assert layer._keys is not buffer and layer.capacity == 8
+    assert keys.shape[2] == 5 and float(keys[0, 0, 4, 0]) == 5
     np.testing.assert_array_equal(layer.keys.numpy(), keys)
 
 
-def test_a_layer_refuses_rows_that_do_not_fit_and_stores_nothing():
+def test_rows_that_do_not_fit_are_refused_as_update_refuses_them_and_nothing_is_stored():
     layer = DynamicLayer()
     k = np.zeros((1, HEADS, 2, DIM), np.float32)
     layer.update(torch.from_numpy(k), torch.from_numpy(k))
@@ -103,24 +101,12 @@ def test_a_layer_refuses_rows_that_do_not_fit_and_stores_nothing():
         (k[:, :, :1], k),  # k and v of different lengths
         (k[:, :, :0], k[:, :, :0]),  # no rows
     ]:
-        assert layer.append_arrays(bad_k, bad_v) is None
+        with pytest.raises(CacheError) as by_arrays:
+            layer.update_arrays(bad_k, bad_v)
+        with pytest.raises(CacheError) as by_tensors:
+            layer.update(torch.from_numpy(bad_k), torch.from_numpy(bad_v))
+        assert type(by_arrays.value) is type(by_tensors.value)
         assert layer.get_seq_length() == 2
-
-
-def test_a_cache_that_customises_update_gets_update():
-    calls = []
-
-    class Counting(type(make_cache("dynamic", config=CONFIG))):
-        def update(self, k, v, layer_idx):
-            calls.append(layer_idx)
-            return super().update(k, v, layer_idx)
-
-    cache = Counting(config=CONFIG)
-    k = np.zeros((1, HEADS, 1, DIM), np.float32)
-    for _ in range(3):
-        cache.update_arrays(k, k, 0)
-    assert calls == [0, 0, 0]
-    assert type(cache).update is not Cache.update
 
 
 def _decode(cache, steps: int, generator: torch.Generator) -> list[np.ndarray]:
@@ -166,7 +152,7 @@ def test_replacing_the_buffers_drops_the_views_of_the_old_ones():
     layer = DynamicLayer(step=4)
     k = np.ones((2, HEADS, 1, DIM), np.float32)
     layer.update(torch.from_numpy(k), torch.from_numpy(k))
-    assert layer.append_arrays(k, k) is not None  # views taken
+    layer.update_arrays(k, k)  # views taken
     for replace in (
         lambda: layer.select(torch.tensor([1, 0])),
         lambda: layer.repeat_interleave(1),
@@ -175,5 +161,5 @@ def test_replacing_the_buffers_drops_the_views_of_the_old_ones():
         assert layer._arrays is not None
         replace()
         assert layer._arrays is None and layer._arrays_of == ()
-        assert layer.append_arrays(k, k) is not None  # taken again, of the new buffers
+        layer.update_arrays(k, k)  # taken again, of the new buffers
         assert np.shares_memory(layer._arrays[0], layer.keys.numpy())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from model_helpers import hf_model
+from tiny_models import hf_model
 
 from kvcache.model import ConfigError, ModelConfig
 from kvcache.model.rope import RotaryEmbedding, apply_rope, inverse_frequencies

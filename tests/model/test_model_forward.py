@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import ARCHS, hf_positions, left_padded_batch
+from tiny_models import ARCHS, hf_positions, left_padded_batch
 
 from kvcache import DynamicCache, load_model
 from kvcache.model import CacheInTrainingError

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from model_helpers import hf_model, save_checkpoint
 from safetensors.torch import load_file, save_file
+from tiny_models import hf_model, save_checkpoint
 
 from kvcache import load_model
 from kvcache.model import CheckpointError, LlamaForCausalLM

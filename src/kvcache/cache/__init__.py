@@ -1,16 +1,17 @@
 """KV cache layers on PyTorch tensors behind one seam (`Cache.update`, `attention_masks`).
 
     cache = make_cache("dynamic", config=model_config)
-    masks = cache.attention_masks(new_tokens, attention_mask)   # once per forward
+    plan = cache.begin(new_tokens, attention_mask)              # once per forward
     K, V = cache.update(k, v, layer_idx)                        # once per layer
 
-Kinds: `DynamicLayer` (grows, amortised O(1) append), `StaticLayer` (preallocated,
-torch.compile friendly), `SlidingWindowLayer` (ring of the last W positions), `QuantizedLayer`
-(int8/int4/fp8 groups + a full-precision residual); `NoCache` keeps nothing; `PagedCache`
-keeps blocks of a shared pool (prefix reuse, forks).
+Kinds: `DynamicLayer` (grows, amortised O(1) append), `StaticLayer` (preallocated),
+`SlidingWindowLayer` (ring of the last W positions), their torch.compile twins
+`CompiledStaticLayer` and `CompiledSlidingWindowLayer`, `QuantizedLayer` (int8/int4/fp8 groups +
+a full-precision residual); `NoCache` keeps nothing; `PagedCache` keeps blocks of a shared pool
+(prefix reuse, forks, rows at their own lengths).
 """
 
-from .base import Cache, CacheLayer, LayerMasks
+from .base import Cache, CacheLayer, ForwardPlan, LayerMasks
 from .dynamic import DynamicCache, DynamicLayer
 from .errors import (
     CacheConfigError,
@@ -25,10 +26,11 @@ from .errors import (
 from .factory import make_cache
 from .masks import build_mask
 from .nocache import NoCache
-from .paged import OutOfBlocksError, PagedCache, PagedLayer
+from .paged import OutOfBlocksError, PagedCache, RowState
+from .paged_layer import PagedLayer
 from .quantized import QuantizedCache, QuantizedLayer
-from .sliding import SlidingWindowCache, SlidingWindowLayer
-from .static import StaticCache, StaticLayer
+from .sliding import CompiledSlidingWindowLayer, SlidingWindowCache, SlidingWindowLayer
+from .static import CompiledStaticLayer, StaticCache, StaticLayer
 
 __all__ = [
     "Cache",
@@ -40,8 +42,11 @@ __all__ = [
     "CacheLayer",
     "CacheOverflowError",
     "CacheShapeError",
+    "CompiledSlidingWindowLayer",
+    "CompiledStaticLayer",
     "DynamicCache",
     "DynamicLayer",
+    "ForwardPlan",
     "LayerIndexError",
     "LayerMasks",
     "NoCache",
@@ -50,6 +55,7 @@ __all__ = [
     "PagedLayer",
     "QuantizedCache",
     "QuantizedLayer",
+    "RowState",
     "SlidingWindowCache",
     "SlidingWindowLayer",
     "StaticCache",

@@ -1,6 +1,7 @@
 """The seam between model and cache: `Cache`, an ordered list of `CacheLayer`s.
 
-The model calls `attention_masks(new_tokens)` once per forward, then `update(k, v, layer_idx)`
+The model calls `begin(new_tokens, attention_mask)` once per forward (the new tokens' positions
+and each layer's mask, or no masks when every key is visible), then `update(k, v, layer_idx)`
 once per layer (or `update_arrays`, its numpy form); a layer's length moves only inside those.
 Every layer kind answers the same questions (its length, the absolute positions of the rows it
 will return), so the model never branches on the kind of cache.
@@ -9,6 +10,7 @@ will return), so the model never branches on the kind of cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +24,7 @@ from .errors import CacheShapeError, LayerIndexError
 from .layer import CacheLayer, is_compiling
 from .masks import build_mask
 
-__all__ = ["Cache", "CacheLayer", "LayerMasks", "is_compiling"]
+__all__ = ["Cache", "CacheLayer", "ForwardPlan", "LayerMasks", "is_compiling"]
 
 
 class LayerMasks(list):
@@ -42,11 +44,22 @@ class LayerMasks(list):
         return super().__getitem__(index)
 
 
-def update_through_tensors(cache, k, v, layer_idx: int):
-    """`cache.update` for numpy arrays k, v (B, H_kv, T_new, D): tensors sharing their memory
-    in, numpy views of the returned K, V out. Works for any object with an `update` seam."""
-    keys, values = cache.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
-    return keys.numpy(), values.numpy()
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What one forward of T_new new tokens needs from the cache (`Cache.begin`).
+
+    positions: (B or 1, T_new) long, the absolute position of each new token (for RoPE; a
+        padding query gets 0).
+    masks: one boolean mask per layer, (B or 1, 1, T_new, T_kv_i), True = may attend; None when
+        every key each layer's `update` returns is visible to every new token (attend unmasked).
+    """
+
+    positions: torch.Tensor
+    masks: LayerMasks | None
+
+    def mask(self, layer_idx: int) -> torch.Tensor | None:
+        """Layer `layer_idx`'s mask, or None (every key visible)."""
+        return None if self.masks is None else self.masks[layer_idx]
 
 
 class Cache:
@@ -107,17 +120,12 @@ class Cache:
         return layer.update(k, v)
 
     def update_arrays(self, k, v, layer_idx: int):
-        """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU; returns numpy (K, V).
-
-        The layer's numpy path (`CacheLayer.append_arrays`) when it has one and the cache does
-        not customise `update`; otherwise `update` itself on tensors sharing the arrays' memory.
-        Either way the cache ends in the same state and returns the same keys and values.
-        """
-        if type(self).update is Cache.update and type(layer_idx) is int and 0 <= layer_idx < len(self.layers):
-            arrays = self.layers[layer_idx].append_arrays(k, v)
-            if arrays is not None:
-                return arrays
-        return update_through_tensors(self, k, v, layer_idx)
+        """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU; returns numpy (K, V)
+        (B, H_kv, T_visible, D). The same operation as `update` (see
+        `CacheLayer.update_arrays`): the cache ends in the same state either way."""
+        layer = self._layer(layer_idx, create=True)
+        assert layer is not None
+        return layer.update_arrays(k, v)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far by layer `layer_idx` (0 for a layer not created yet)."""
@@ -176,15 +184,33 @@ class Cache:
             )
         return LayerMasks(masks, default)
 
-    def sees_every_key(
-        self, new_tokens: int, attention_mask: torch.Tensor | None = None, *, num_layers: int
-    ) -> bool:
-        """Whether every mask of the next chunk would be all True: no padding mask, all
-        `num_layers` layers created and each saying so (`CacheLayer.sees_every_key`). A model
-        may then attend without masks; False only means "build them"."""
-        if attention_mask is not None or len(self.layers) < num_layers:
-            return False
-        return all(layer.sees_every_key(new_tokens) for layer in self.layers[:num_layers])
+    def begin(
+        self,
+        new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> ForwardPlan:
+        """What the next forward of `new_tokens` tokens needs: their positions and each layer's
+        mask (`ForwardPlan`). Call once per forward, before its `update` calls.
+
+        attention_mask: optional (B, past + new_tokens), 1 = real token, 0 = padding; the new
+        tokens' positions count only the real tokens before them. Without it every row's new
+        tokens sit at past, past + 1, …, and when every layer says that all the keys its update
+        returns are visible (`CacheLayer.sees_every_key`: one new token, nothing windowed away)
+        the plan has no masks.
+        """
+        check_new_tokens(new_tokens)
+        if attention_mask is not None:
+            past = self.get_seq_length()
+            counted = attention_mask.long().cumsum(-1) - 1  # (B, past + T_new)
+            positions = counted[:, past:].clamp(min=0)  # (B, T_new)
+        else:
+            positions = self.positions(new_tokens, device=device)[None]  # (1, T_new)
+        layers = self.layers or ([self._layer_factory()] if self._layer_factory is not None else [])
+        if attention_mask is None and layers and all(layer.sees_every_key(new_tokens) for layer in layers):
+            return ForwardPlan(positions, None)
+        return ForwardPlan(positions, self.attention_masks(new_tokens, attention_mask, device=device))
 
     @staticmethod
     def _mask_for(

@@ -32,7 +32,9 @@ class CacheGeometry:
         """The sliding window; raise if a sliding layer has none."""
         if self.window is None:
             raise CacheConfigError(
-                "a sliding layer needs a window: pass window= or a config with sliding_window"
+                "a sliding layer needs a window, and the config has no sliding_window in force (the "
+                "model attends to its whole context, so a window would change its output); pass "
+                "window= to make one on purpose"
             )
         return self.window
 

@@ -64,14 +64,13 @@ class DynamicLayer(CacheLayer):
         self._length = end
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
-    def append_arrays(self, k, v):
-        """`update` on numpy arrays while the buffer has room (see CacheLayer.append_arrays):
-        two row writes into numpy views of the buffers, no torch call."""
-        if type(self).update is not DynamicLayer.update:
-            return None  # a subclass that changes update gets update
+    def update_arrays(self, k, v):
+        """`update` on numpy arrays (see CacheLayer.update_arrays): while the buffer has room,
+        two row writes into numpy views of the buffers and no torch call; else `update`."""
         written = self._write_arrays(k, v, self._length)
-        if written is not None:
-            self._length += k.shape[2]
+        if written is None:
+            return super().update_arrays(k, v)
+        self._length += k.shape[2]
         return written
 
     def get_seq_length(self) -> int:

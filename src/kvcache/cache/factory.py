@@ -31,6 +31,7 @@ def make_cache(
     max_rollback: int = 0,
     num_blocks: int | None = None,
     block_size: int = 16,
+    compiled: bool = False,
     **quantization: Any,
 ) -> Cache:
     """A cache of the given kind for a model described by `config` and/or explicit sizes.
@@ -47,11 +48,15 @@ def make_cache(
 
     "paged" is a `PagedCache` of `num_blocks` blocks of `block_size` tokens (default: enough
     blocks for max_batch_size sequences of max_cache_len tokens).
+    compiled: for "static" and "sliding", layers made for torch.compile (whole buffers, the
+    length in a tensor; `CompiledStaticLayer`).
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
     if quantization and kind != "quantized":
         raise CacheConfigError(f"{sorted(quantization)} apply to kind 'quantized' only, not {kind!r}")
+    if compiled and kind not in ("static", "sliding"):
+        raise CacheConfigError(f"compiled=True applies to kinds 'static' and 'sliding', not {kind!r}")
     if kind == "quantized":
         return QuantizedCache(
             num_layers, config=config, window=window, device=device, max_rollback=max_rollback,
@@ -73,6 +78,7 @@ def make_cache(
             max_rollback=max_rollback,
             dtype=dtype,
             device=device,
+            compiled=compiled,
         )
     if kind == "sliding":
         return SlidingWindowCache(
@@ -83,6 +89,7 @@ def make_cache(
             max_rollback=max_rollback,
             dtype=dtype,
             device=device,
+            compiled=compiled,
         )
     if kind == "paged":
         if num_blocks is None:

@@ -1,7 +1,8 @@
-"""FixedCapacityLayer: the storage shared by the static and sliding layers.
+"""FixedCapacityLayer: the storage shared by the static and sliding layers (eager and compiled).
 
 A buffer of `capacity` rows per (batch, kv head), allocated up front when every size is known,
-otherwise by the first update (which then fixes batch, heads, dims, dtype and device).
+otherwise by the first update (which then fixes batch, heads, dims, dtype and device). The length
+is a Python int here; the compiled layers (`kvcache.cache.compiled`) keep it in a tensor.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ import torch
 
 from .errors import CacheConfigError, CacheDeviceError, CacheDtypeError, CacheShapeError
 from .layer import CacheLayer
-from .length import LengthTracker
 
 
 class FixedCapacityLayer(CacheLayer):
-    """A layer with a preallocated (B, H_kv, capacity, D) buffer and a `LengthTracker`."""
+    """A layer with a preallocated (B, H_kv, capacity, D) buffer; `_length` counts tokens seen."""
 
     def __init__(
         self,
@@ -30,7 +30,7 @@ class FixedCapacityLayer(CacheLayer):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise CacheConfigError(f"capacity must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._length = LengthTracker()
+        self._length = 0
         sizes = (batch_size, kv_heads, head_dim, dtype)
         if all(size is not None for size in sizes):
             assert batch_size is not None and kv_heads is not None and head_dim is not None
@@ -47,7 +47,6 @@ class FixedCapacityLayer(CacheLayer):
     ) -> None:
         self._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (B, H_kv, C, D)
         self._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (B, H_kv, C, D_v)
-        self._length.bind(device)
 
     def _check_and_allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Validate k, v; on the first update, check them against given sizes and allocate."""
@@ -69,11 +68,11 @@ class FixedCapacityLayer(CacheLayer):
 
     def get_seq_length(self) -> int:
         """Tokens seen so far (absolute; a sliding layer counts evicted tokens too)."""
-        return self._length.get()
+        return self._length
 
     def reset(self) -> None:
         """Forget every token; the buffer is kept."""
-        self._length.set(0)
+        self._length = 0
 
     def select(self, indices: torch.Tensor) -> None:
         """Keep batch rows `indices`; the buffer is re-allocated for the new batch."""

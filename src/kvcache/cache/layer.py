@@ -22,6 +22,9 @@ class CacheLayer:
     Subclasses implement `update`, `get_seq_length`, `mask_key`, `mask_positions`, the
     `keys`/`values` views and `crop`. Storage is allocated lazily by the first update unless a
     subclass was given every size up front.
+
+    `update` and `update_arrays` are one operation in two forms (torch tensors, numpy arrays): a
+    kind that changes one changes both. The default `update_arrays` calls `update`.
     """
 
     #: a query at q sees keys in (q - window, q]; None = plain causal.
@@ -46,15 +49,15 @@ class CacheLayer:
         """A key equal for two layers exactly when their masks for this chunk are equal."""
         raise NotImplementedError
 
-    def append_arrays(self, k, v):
-        """The numpy form of `update`, for a numpy decode step on CPU: k, v numpy arrays
-        (B, H_kv, T_new, D). Returns numpy views (K, V) equal to what `update` would return, or
-        None when this layer kind has no such path or cannot take these rows without its torch
-        code (nothing stored yet, a full buffer, another shape or dtype): the caller then calls
-        `update` with tensors. Nothing is stored when it returns None."""
-        return None
+    def update_arrays(self, k, v):
+        """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU, as a numpy decode step
+        calls it: returns numpy (K, V) (B, H_kv, T_visible, D), what `update` returns, and leaves
+        the layer as `update` would. Here: `update` on tensors that share the arrays' memory; a
+        kind with buffers it can write through numpy views does that instead (no torch call)."""
+        keys, values = self.update(torch.from_numpy(k), torch.from_numpy(v))
+        return keys.numpy(), values.numpy()
 
-    # ---- numpy views of the buffers, for append_arrays -----------------------------------------
+    # ---- numpy views of the buffers, for update_arrays -----------------------------------------
     def _forget_arrays(self) -> None:
         """Drop the numpy views of the buffers (taken again when next needed)."""
         self._arrays: tuple | None = None  # (keys, values) numpy views of the whole buffers
@@ -93,7 +96,7 @@ class CacheLayer:
         """Write numpy k, v (B, H_kv, T_new, D) into buffer rows start..start+T_new-1 through
         numpy views; returns views (K, V) of rows 0..start+T_new-1, or None (and nothing written)
         when they do not fit: no buffer or views, other shapes or dtype, no rows, or past the
-        buffer's end. The caller moves its length on by T_new."""
+        buffer's end. The caller moves its length on by T_new, or calls `update` on None."""
         arrays = self._buffer_arrays()
         if arrays is None or k.ndim != 4 or v.ndim != 4:
             return None

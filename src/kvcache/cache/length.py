@@ -1,9 +1,9 @@
-"""The length of a fixed-capacity layer, kept so that compiled code never reads a Python int.
+"""The length of a compiled fixed-capacity layer, kept so that compiled code never reads a
+Python int.
 
-Eager code reads and sets a Python int (no device sync). Compiled code (torch.compile) reads
-and advances a 0-d tensor instead, so the graph does not specialise on the length and one
-compiled decode step serves every position; it marks the int stale, and the next eager read
-refreshes it from the tensor.
+Updates advance a 0-d tensor, so a compiled graph does not specialise on the length and one
+compiled decode step serves every position; they mark the int stale, and the next eager read
+refreshes it from the tensor (one read back). Eager code may also set it (crop, reset).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 
 
 class LengthTracker:
-    """Tokens seen by one layer: a Python int for eager code, a 0-d long tensor for compiled."""
+    """Tokens seen by one layer: a 0-d long tensor that updates advance, and a Python int for
+    eager reads."""
 
     def __init__(self) -> None:
         self._value = 0
@@ -37,8 +38,9 @@ class LengthTracker:
         if self.tensor is not None:
             self.tensor.fill_(length)
 
-    def advance_compiled(self, new_tokens: int) -> None:
-        """Advance the tensor from compiled code; the int is refreshed on the next `get`."""
+    def advance(self, new_tokens: int) -> None:
+        """Advance the tensor (compiled code may call this); the int is refreshed on the next
+        `get`."""
         assert self.tensor is not None
         self.tensor.add_(new_tokens)
         self._stale = True

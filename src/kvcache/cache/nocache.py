@@ -52,6 +52,11 @@ class NoCache(Cache):
         check_kv_pair(k, v, layer_idx)
         return k, v
 
+    def update_arrays(self, k, v, layer_idx: int):
+        """Return numpy k, v (B, H_kv, T_new, D) unchanged after checking them, as `update`."""
+        self.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
+        return k, v
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Always 0: nothing is kept."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:

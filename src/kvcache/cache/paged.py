@@ -2,12 +2,14 @@
 
 Each layer stores (num_blocks, block_size, H_kv, D); a `BlockAllocator` (plain Python) says
 which blocks each sequence (batch row) owns. Token p of a row lives in slot
-`table[p // block_size] * block_size + p % block_size`. `update` writes the new rows to their
-slots and gathers each row's visible keys and values (whole blocks, right-padded to the
-longest row), with a mask that hides the padding. Rows may hold different numbers of tokens:
-padding columns of an HF-style attention_mask are not stored at all, so a row's token p always
-sits at position p, and a prompt prefix cached in full blocks can be attached to a new row
-instead of recomputed.
+`table[p // block_size] * block_size + p % block_size`. `begin` reserves a forward's blocks
+(`paged_plan`); `update` writes the new rows to their slots and gathers each row's visible keys
+and values (whole blocks, right-padded to the longest row), with a mask that hides the padding.
+Rows may hold different numbers of tokens: without an attention_mask each row appends at its own
+length; padding columns of an HF-style attention_mask are not stored at all, so a row's token p
+always sits at position p, and a prompt prefix cached in full blocks can be attached to a new row
+instead of recomputed. `row_state` / `load_row_state` read a row out and put one back (prompt
+cache files).
 
 The gather copies every visible block once per layer and step (what a paged attention kernel
 avoids by reading the blocks in place); a single row whose blocks are consecutive in the pool
@@ -16,82 +18,32 @@ avoids by reading the blocks in place); a single row whose blocks are consecutiv
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import count
 
 import torch
 
-from .base import Cache, LayerMasks
+from .base import Cache, ForwardPlan, LayerMasks
 from .blocks import BlockAllocator, OutOfBlocksError
-from .checks import check_batch_index, check_crop, check_kv_pair, check_new_tokens, where
+from .checks import check_batch_index, check_crop, check_new_tokens, where
 from .config import read_cache_geometry
-from .errors import CacheConfigError, CacheDeviceError, CacheDtypeError, CacheShapeError
-from .layer import CacheLayer
-from .paged_storage import Step, gather_rows, write_and_gather
+from .errors import CacheConfigError, CacheShapeError
+from .paged_layer import PagedLayer
+from .paged_plan import plan_forward
+from .paged_storage import Step
 
-__all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer"]
+__all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer", "RowState"]
 
 
-class PagedLayer(CacheLayer):
-    """One layer's block storage (num_blocks, block_size, H_kv, D); the owning `PagedCache`
-    decides where rows go, so a layer is only usable inside its cache."""
+@dataclass
+class RowState:
+    """One row of a PagedCache read out: its token ids and, per layer, its keys (T, H_kv, D) and
+    values (T, H_kv, D_v) in position order (T = len(token_ids))."""
 
-    def __init__(self, cache: PagedCache) -> None:
-        super().__init__()
-        self._cache = cache
-        self._columns = 0  # columns of the batch timeline this layer has seen
-        self._last_step = -1
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, H_kv, T_new, D); return K, V (B, H_kv, T_kv, D), rows right-padded."""
-        return self._cache._update_layer(self, k, v)
-
-    def get_seq_length(self) -> int:
-        """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
-        return self._columns
-
-    def mask_key(self, new_tokens: int) -> Hashable:
-        """Unused: `PagedCache.attention_masks` builds one mask for every layer itself."""
-        return ("paged", self._cache._step_counter, new_tokens)
-
-    def mask_positions(self, new_tokens, device):
-        """Causal positions, for rows of equal length only (else the mask is per row)."""
-        past = self._cache._equal_length("mask_positions")
-        key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
-        return key_positions[past:], key_positions
-
-    @property
-    def batch_size(self) -> int | None:
-        return len(self._cache.rows) or None
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """Each row's keys (B, H_kv, T, D) gathered from its blocks, right-padded with zeros."""
-        return self._cache._gather_now(self._keys)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """Each row's values (B, H_kv, T, D_v) gathered from its blocks, right-padded with zeros."""
-        return self._cache._gather_now(self._values)
-
-    def _rows_held(self) -> int:
-        return self._cache.allocator.num_in_use * self._cache.block_size
-
-    @property
-    def nbytes_used(self) -> int:
-        """Bytes of the blocks in use (whole blocks: a partial last block counts in full)."""
-        if self._keys is None or self._values is None:
-            return 0
-        slots = self._keys.shape[0] * self._keys.shape[1]
-        return self._rows_held() * ((self._keys.nbytes + self._values.nbytes) // slots)
-
-    def crop(self, max_length: int) -> None:
-        """Rows are shared by every layer: crops the whole cache."""
-        self._cache.crop(max_length)
-
-    def reset(self) -> None:
-        """Rows are shared by every layer: resets the whole cache."""
-        self._cache.reset()
+    token_ids: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 class PagedCache(Cache):
@@ -140,7 +92,7 @@ class PagedCache(Cache):
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
             shape = (num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
             for layer in self.layers:
-                self._allocate(layer, shape, shape, dtype, self._device or torch.device("cpu"))
+                layer.allocate(shape, shape, dtype, self._device or torch.device("cpu"))
 
     # ---- pool ----------------------------------------------------------------------------------
     @property
@@ -156,18 +108,16 @@ class PagedCache(Cache):
         """Tokens stored per row (padding excluded)."""
         return [self.allocator.sequence(seq).num_tokens for seq in self.rows]
 
-    @staticmethod
-    def _allocate(layer: CacheLayer, key_shape, value_shape, dtype, device) -> None:
-        # zeros, not empty: gathered padding slots are masked, but a masked NaN still poisons
-        # SDPA (0 · NaN), so storage must never hold non-finite garbage
-        layer._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (N, S, H_kv, D)
-        layer._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (N, S, H_kv, D_v)
-
     def _storage_device(self, fallback: torch.device | None = None) -> torch.device:
         keys = self.layers[0]._keys
         if keys is not None:
             return keys.device
         return fallback or self._device or torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the blocks live (before the first update: the device given, else CPU)."""
+        return self._storage_device()
 
     # ---- rows ----------------------------------------------------------------------------------
     def add_sequence(self, token_ids: Sequence[int] = (), *, reuse_prefix: bool = True) -> int:
@@ -227,11 +177,13 @@ class PagedCache(Cache):
         past = self._equal_length("positions")
         return torch.arange(past, past + new_tokens, device=device or self._storage_device())
 
-    def attention_masks(self, new_tokens, attention_mask=None, *, device=None) -> list[torch.Tensor]:
-        """One mask (B or 1, 1, T_new, T_kv) for every layer; also reserves this forward's blocks
-        (raising `OutOfBlocksError` before anything is written).
+    def begin(self, new_tokens, attention_mask=None, *, device=None) -> ForwardPlan:
+        """Reserve the next forward's blocks (raising `OutOfBlocksError` before anything is
+        written) and give its positions (B, T_new) and one mask (B or 1, 1, T_new, T_kv) for
+        every layer, or none when every row holds the same keys and runs one new token.
 
         attention_mask: optional (B, columns + T_new), 1 = token, 0 = padding (not stored).
+        Without one, each row appends its T_new tokens at its own length.
         """
         check_new_tokens(new_tokens)
         fallback = attention_mask.device if attention_mask is not None else (
@@ -244,108 +196,52 @@ class PagedCache(Cache):
             self._step = None
             positions = torch.arange(new_tokens, device=where_)  # (T_new,)
             mask = positions[None, :] <= positions[:, None]  # (T_new, T_new)
-            return LayerMasks([mask[None, None]] * len(self.layers))  # (1, 1, T_new, T_new)
-        step, mask = self._begin(new_tokens, attention_mask, batch, where_)
-        self._step = step
-        return LayerMasks([mask] * len(self.layers))
+            return ForwardPlan(positions[None], LayerMasks([mask[None, None]] * len(self.layers)))
+        layout = self._plan(new_tokens, attention_mask, batch, where_)
+        masks = None if layout.mask is None else LayerMasks([layout.mask] * len(self.layers))
+        return ForwardPlan(layout.positions, masks)
 
-    def _begin(
-        self, new_tokens: int, attention_mask: torch.Tensor | None, batch: int, device: torch.device
-    ) -> tuple[Step, torch.Tensor]:
-        """Reserve blocks for this forward and compute its slots and mask."""
+    def attention_masks(self, new_tokens, attention_mask=None, *, device=None) -> list[torch.Tensor]:
+        """`begin`'s masks, built even where every key is visible (all True then)."""
+        plan = self.begin(new_tokens, attention_mask, device=device)
+        if plan.masks is not None:
+            return plan.masks
+        assert self._step is not None
+        every_key = torch.ones((1, 1, new_tokens, self._step.visible), dtype=torch.bool, device=self.device)
+        return LayerMasks([every_key] * len(self.layers))
+
+    def _plan(self, new_tokens: int, attention_mask: torch.Tensor | None, batch: int, device: torch.device):
+        """Reserve this forward's blocks, make its copies on write, and keep its Step."""
         if not self.rows:
             for _ in range(batch):
                 self.add_sequence()
         if batch != len(self.rows):
             raise CacheShapeError(f"the forward has batch {batch}; the cache holds {len(self.rows)} rows")
-        lengths = self.row_lengths
-        columns = self.get_seq_length()
-        if attention_mask is None:
-            self._equal_length("a forward without attention_mask")
-            real = None
-            counts = [new_tokens] * batch
-        else:
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, columns + new_tokens):
-                raise CacheShapeError(
-                    f"attention_mask must be (batch, columns + new_tokens) = "
-                    f"({batch}, {columns + new_tokens}), got shape {tuple(attention_mask.shape)}"
-                )
-            given = attention_mask.to(device=device, dtype=torch.bool)
-            held = given[:, :columns].sum(1).tolist()
-            if held != lengths:
-                raise CacheShapeError(
-                    f"attention_mask counts {held} earlier tokens per row; the cache holds "
-                    f"{lengths}: the mask must describe the tokens the cache holds"
-                )
-            real = given[:, columns:]  # (B, T_new)
-            counts = real.sum(1).tolist()
-            if all(c == new_tokens for c in counts):
-                real = None
-        totals = [held + new for held, new in zip(lengths, counts)]
-        copies = self.allocator.reserve(self.rows, totals)
-        for source, target in copies:  # a shared partial block is copied before it is written
-            for layer in self.layers:
-                for storage in (layer._keys, layer._values):
-                    if storage is not None:
-                        storage[target].copy_(storage[source])
-        visible = max(1, *totals)  # at least one key (masked) even if every row is padding so far
-        size = self.block_size
-        width = -(-visible // size)  # blocks per row in the gather
-        tables = [self.allocator.sequence(seq).table[:width] for seq in self.rows]
-        first_block = None
-        if batch == 1 and len(tables[0]) == width and tables[0] == list(
-            range(tables[0][0], tables[0][0] + width)
-        ):
-            first_block, read_blocks = tables[0][0], None
-        else:  # rows shorter than the longest repeat a block of theirs, or block 0 (masked)
-            padded = [
-                block for table in tables for block in table + (table or [0])[:1] * (width - len(table))
-            ]
-            read_blocks = torch.tensor(padded, dtype=torch.long, device=device)  # (B·n,)
-        write = [
-            slot for seq, held, total in zip(self.rows, lengths, totals)
-            for slot in self.allocator.slots(seq, held, total)
-        ]
-        write_slots = torch.tensor(write, dtype=torch.long, device=device)  # (N_real,)
-        key_positions = torch.arange(visible, device=device)  # (T_kv,)
-        past = torch.tensor(lengths, device=device)[:, None]  # (B, 1)
-        if real is None:
-            source_rows = None
-            query = past + torch.arange(new_tokens, device=device)  # (B, T_new)
-        else:
-            source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,) row-major, as write
-            query = (past + real.long().cumsum(1) - 1).masked_fill(~real, -1)  # (B, T_new)
-        if real is None and len(set(lengths)) == 1 and new_tokens == 1:  # decode: every key
-            mask = torch.ones((1, 1, 1, visible), dtype=torch.bool, device=device)  # (1, 1, 1, T_kv)
-        elif real is None and len(set(lengths)) == 1:
-            mask = (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
-        else:
-            allowed = key_positions[None, None, :] <= query[:, :, None]  # (B, T_new, T_kv)
-            # a padding query sees key 0 of its row, so no row of the mask is empty (no NaN)
-            allowed |= (query[:, :, None] < 0) & (key_positions == 0)
-            mask = allowed[:, None]  # (B, 1, T_new, T_kv)
         self._step_counter += 1
-        step = Step(
-            self._step_counter, new_tokens, batch, totals, write_slots, source_rows,
-            read_blocks, first_block, visible,
+        layout = plan_forward(
+            self.allocator, self.rows, self.get_seq_length(), new_tokens, attention_mask, device,
+            self._step_counter,
         )
-        return step, mask
+        for source, target in layout.copies:  # a shared partial block is copied before it is written
+            for layer in self.layers:
+                layer.copy_block(source, target)
+        self._step = layout.step
+        return layout
 
     def _update_layer(
         self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check(layer, k, v)
-        batch, heads, new_tokens, _ = k.shape
+        layer.check(k, v)
+        batch, _, new_tokens, _ = k.shape
         step = self._step
         if layer.layer_idx == 0:
             if step is not None and step.pending and (step.new_tokens, step.batch) != (new_tokens, batch):
                 raise CacheShapeError(
-                    f"attention_masks was asked for {step.new_tokens} tokens of batch {step.batch}; "
+                    f"begin was asked for {step.new_tokens} tokens of batch {step.batch}; "
                     f"update got {new_tokens} tokens of batch {batch}"
                 )
             if step is None or not step.pending:  # used directly: a forward without padding
-                step, _ = self._begin(new_tokens, None, batch, self._storage_device(k.device))
-                self._step = step
+                step = self._plan(new_tokens, None, batch, self._storage_device(k.device)).step
             step.pending = False
             for seq, total in zip(self.rows, step.totals):
                 self.allocator.commit(seq, total)
@@ -359,56 +255,68 @@ class PagedCache(Cache):
                 f"k{where(layer.layer_idx)} has {new_tokens} tokens of batch {batch}; layer 0 "
                 f"stored {step.new_tokens} tokens of batch {step.batch} in this forward"
             )
-        layer._last_step = step.step_id
-        layer._columns += new_tokens
-        keys_out = write_and_gather(layer._keys, k, step)
-        values_out = write_and_gather(layer._values, v, step)
-        return keys_out, values_out
+        return layer.write_and_gather(k, v, step)
 
-    def _check(self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
-        stored_k, stored_v = layer._keys, layer._values
-        if stored_k is not None and stored_v is not None and type(k) is type(v) is torch.Tensor:
-            # fast path of the decode loop: one pass of comparisons, no messages built
-            ks, vs, sk = k.shape, v.shape, stored_k.shape
-            if (
-                len(ks) == 4
-                and len(vs) == 4
-                and ks[:3] == vs[:3]
-                and ks[2] >= 1
-                and ks[1] == sk[2]
-                and ks[3] == sk[3]
-                and vs[3] == stored_v.shape[3]
-                and k.dtype == v.dtype == stored_k.dtype
-                and k.device == v.device == stored_k.device
-            ):
-                return
-        check_kv_pair(k, v, layer.layer_idx)
-        if layer._keys is None:
-            shape = (self.num_blocks, self.block_size, k.shape[1])
-            self._allocate(layer, (*shape, k.shape[3]), (*shape, v.shape[3]), k.dtype, k.device)
-        stored_k, stored_v = layer._keys, layer._values
-        assert stored_k is not None and stored_v is not None
-        place = where(layer.layer_idx)
-        if (k.shape[1], k.shape[3], v.shape[3]) != (stored_k.shape[2], stored_k.shape[3], stored_v.shape[3]):
+    # ---- a row out and back in ----------------------------------------------------------------
+    def row_state(self, row: int) -> RowState:
+        """Row `row`'s token ids and keys and values (copies, in position order). Every position
+        it holds needs its token id declared (`add_sequence`, `declare_tokens`)."""
+        seq = self._row_seq(row)
+        state = self.allocator.sequence(seq)
+        tokens = state.num_tokens
+        if tokens == 0:
+            raise CacheShapeError(f"row {row} holds no tokens")
+        if len(state.token_ids) < tokens:
             raise CacheShapeError(
-                f"k, v{place} have {k.shape[1]} kv heads and head dims {k.shape[3]}, {v.shape[3]}; "
-                f"the cache stores {stored_k.shape[2]} heads of dims {stored_k.shape[3]}, "
-                f"{stored_v.shape[3]}"
+                f"row {row} holds {tokens} tokens but only {len(state.token_ids)} token ids are "
+                f"declared; declare them (declare_tokens) first"
             )
-        if k.dtype != stored_k.dtype:
-            raise CacheDtypeError(f"k, v{place} have dtype {k.dtype}; the cache stores {stored_k.dtype}")
-        if k.device != stored_k.device:
-            raise CacheDeviceError(f"k, v{place} are on {k.device}; the cache is on {stored_k.device}")
+        slots = torch.tensor(self.allocator.slots(seq, 0, tokens), dtype=torch.long, device=self.device)
+        read = [layer.read_slots(slots) for layer in self.layers]
+        return RowState(list(state.token_ids[:tokens]), [k for k, _ in read], [v for _, v in read])
 
-    def _gather_now(self, storage: torch.Tensor | None) -> torch.Tensor | None:
-        if storage is None or not self.rows:
-            return None
-        lengths = self.row_lengths
-        visible = max(lengths)
-        if visible == 0:
-            return None
-        slots = [self.allocator.slots(seq, 0, length) for seq, length in zip(self.rows, lengths)]
-        return gather_rows(storage, slots)
+    def load_row_state(self, state: RowState) -> int:
+        """Add a row holding `state` (its full blocks hashed, so prompts that start with these
+        tokens find them); return its index. Shapes, dtypes and free blocks are checked before
+        anything is allocated or written (CacheShapeError, CacheDtypeError, OutOfBlocksError),
+        so a refused state leaves the cache as it was."""
+        tokens = len(state.token_ids)
+        if tokens == 0 or len(state.keys) != len(self.layers) or len(state.values) != len(self.layers):
+            raise CacheShapeError(
+                f"a row state needs >= 1 token and keys and values for {len(self.layers)} layers; got "
+                f"{tokens} tokens, {len(state.keys)} keys, {len(state.values)} values"
+            )
+        first_keys, first_values = state.keys[0], state.values[0]
+        for index, (layer, keys, values) in enumerate(zip(self.layers, state.keys, state.values)):
+            if keys.dim() != 3 or values.dim() != 3 or keys.shape[0] != tokens or values.shape[0] != tokens:
+                raise CacheShapeError(
+                    f"layer {index}: keys and values must be (tokens={tokens}, kv_heads, head_dim), got "
+                    f"{tuple(keys.shape)} and {tuple(values.shape)}"
+                )
+            if (keys.shape[1:], values.shape[1:], keys.dtype, values.dtype) != (
+                first_keys.shape[1:], first_values.shape[1:], first_keys.dtype, first_keys.dtype
+            ):
+                raise CacheShapeError(f"layer {index}: keys and values differ in layout from layer 0's")
+            layer.check_layout(keys.shape[1], keys.shape[2], values.shape[2], keys.dtype,
+                               f"the state's layer {index} keys and values")
+        needed = self.allocator.blocks_for(tokens)
+        if needed > self.allocator.num_allocatable:
+            raise OutOfBlocksError(needed, self.allocator.num_allocatable, self.num_blocks)
+        device = self.device
+        pool = (self.num_blocks, self.block_size)
+        for layer in self.layers:
+            if layer._keys is None:  # a cache built without dtype: storage from the state
+                layer.allocate((*pool, *first_keys.shape[1:]), (*pool, *first_values.shape[1:]),
+                               first_keys.dtype, device)
+        self.add_sequence(state.token_ids, reuse_prefix=False)
+        seq = self.rows[-1]
+        self.allocator.reserve([seq], [tokens])
+        slots = torch.tensor(self.allocator.slots(seq, 0, tokens), dtype=torch.long, device=device)
+        for layer, keys, values in zip(self.layers, state.keys, state.values):
+            layer.write_slots(slots, keys, values)
+        self.allocator.commit(seq, tokens)
+        self._set_columns(max(self.get_seq_length(), tokens))
+        return len(self.rows) - 1
 
     # ---- whole-cache operations ----------------------------------------------------------------
     def crop(self, max_length: int) -> None:

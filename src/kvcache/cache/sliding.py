@@ -22,7 +22,7 @@ from .checks import check_crop
 from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheCropError
 from .fixed import FixedCapacityLayer
-from .layer import is_compiling
+from .length import LengthTracker
 
 
 def ring_positions(last: int | torch.Tensor, capacity: int, slots: torch.Tensor) -> torch.Tensor:
@@ -78,28 +78,28 @@ class SlidingWindowLayer(FixedCapacityLayer):
         return past + new_tokens <= self.capacity
 
     def mask_key(self, new_tokens: int) -> Hashable:
-        """Ring size, past (eager only) and chunk length determine the mask."""
-        if is_compiling():
-            return ("ring-compiled", self.capacity, new_tokens)
-        return ("ring", self.capacity, self._length.get(), new_tokens)
+        """Ring size, past and chunk length determine the mask."""
+        return ("ring", self.capacity, self._length, new_tokens)
 
     def mask_positions(
         self, new_tokens: int, device: torch.device | str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries at past + (0..T_new-1) (T_new,); keys at the absolute positions of the rows
         the next update returns (T_kv,), -1 for a slot never written."""
+        past = self._length
+        if self._returns_prefix(past, new_tokens):
+            key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
+            return key_positions[past:], key_positions
+        slots = torch.arange(min(past, self.capacity), device=device)  # (C or past,)
+        return self._ring_positions(past, new_tokens, slots)
+
+    def _ring_positions(
+        self, past: int | torch.Tensor, new_tokens: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query positions (T_new,), key positions) of an update that returns the ring's
+        `slots` (and, for a chunk of several tokens, the chunk after them)."""
         capacity = self.capacity
-        if is_compiling() and self._length.tensor is not None:
-            past: int | torch.Tensor = self._length.tensor
-            device = self._length.tensor.device
-            slots = torch.arange(capacity, device=device)  # (C,)
-        else:
-            past = self._length.get()
-            if self._returns_prefix(past, new_tokens):
-                key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
-                return key_positions[past:], key_positions
-            slots = torch.arange(min(past, capacity), device=device)  # (C or past,)
-        query_positions = past + torch.arange(new_tokens, device=device)  # (T_new,)
+        query_positions = past + torch.arange(new_tokens, device=slots.device)  # (T_new,)
         if new_tokens == 1:
             # written into the ring first, so the newest position is the query's own
             return query_positions, ring_positions(past, capacity, slots)
@@ -118,26 +118,24 @@ class SlidingWindowLayer(FixedCapacityLayer):
         keys, values = self._keys, self._values
         assert keys is not None and values is not None
         new_tokens = k.shape[2]
-        if is_compiling():
-            return self._update_compiled(k, v, keys, values)
-        past = self._length.get()
+        past = self._length
         end = past + new_tokens
         if self._returns_prefix(past, new_tokens):
             keys.narrow(2, past, new_tokens).copy_(k)
             values.narrow(2, past, new_tokens).copy_(v)
-            self._length.set(end)
+            self._length = end
             return keys.narrow(2, 0, end), values.narrow(2, 0, end)
         if new_tokens == 1:
             slot = past % self.capacity
             keys.narrow(2, slot, 1).copy_(k)
             values.narrow(2, slot, 1).copy_(v)
-            self._length.set(end)
+            self._length = end
             return keys, values
         held = min(past, self.capacity)
         out_keys = torch.cat([keys.narrow(2, 0, held), k], dim=2)  # (B, H_kv, held + T_new, D)
         out_values = torch.cat([values.narrow(2, 0, held), v], dim=2)  # (B, H_kv, held+T_new, D_v)
         self._write_tail(k, v, past)
-        self._length.set(end)
+        self._length = end
         return out_keys, out_values
 
     def _write_tail(self, k: torch.Tensor, v: torch.Tensor, past: int) -> None:
@@ -156,33 +154,11 @@ class SlidingWindowLayer(FixedCapacityLayer):
             values.narrow(2, slot, run).copy_(v.narrow(2, source, run))
             done += run
 
-    def _update_compiled(
-        self, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same rows as eager, without reading the length as a Python int."""
-        past = self._length.tensor
-        assert past is not None
-        new_tokens = k.shape[2]
-        kept = min(new_tokens, self.capacity)
-        positions = past + torch.arange(new_tokens - kept, new_tokens, device=past.device)
-        slots = torch.remainder(positions, self.capacity)  # (kept,)
-        if new_tokens == 1:
-            keys.index_copy_(2, slots, k)
-            values.index_copy_(2, slots, v)
-            self._length.advance_compiled(new_tokens)
-            return keys, values
-        out_keys = torch.cat([keys, k], dim=2)  # (B, H_kv, C + T_new, D)
-        out_values = torch.cat([values, v], dim=2)  # (B, H_kv, C + T_new, D_v)
-        keys.index_copy_(2, slots, k.narrow(2, new_tokens - kept, kept))
-        values.index_copy_(2, slots, v.narrow(2, new_tokens - kept, kept))
-        self._length.advance_compiled(new_tokens)
-        return out_keys, out_values
-
     # ---- views and bookkeeping -------------------------------------------------------------
     def _ordered(self, buffer: torch.Tensor | None) -> torch.Tensor | None:
         if buffer is None:
             return None
-        length = self._length.get()
+        length = self._length
         held = min(length, self.window)
         first = length - held
         slots = torch.remainder(
@@ -203,11 +179,11 @@ class SlidingWindowLayer(FixedCapacityLayer):
     @property
     def positions(self) -> torch.Tensor:
         """Absolute positions (T_held,) of the rows `keys`/`values` show."""
-        length = self._length.get()
+        length = self._length
         return torch.arange(length - min(length, self.window), length)
 
     def _rows_held(self) -> int:
-        return min(self._length.get(), self.window)
+        return min(self._length, self.window)
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens.
@@ -217,9 +193,9 @@ class SlidingWindowLayer(FixedCapacityLayer):
         after a wrap that allows rolling back `max_rollback` tokens.
         """
         self.validate_crop(max_length)
-        length = self._length.get()
+        length = self._length
         self._high_water = max(self._high_water, length)
-        self._length.set(min(max_length, length))
+        self._length = min(max_length, length)
 
     def reset(self) -> None:
         """Forget every token; the ring's storage is kept for reuse."""
@@ -229,7 +205,7 @@ class SlidingWindowLayer(FixedCapacityLayer):
     def validate_crop(self, max_length: int) -> None:
         """Raise `CacheCropError` if crop(max_length) would need rows the ring has evicted."""
         check_crop(max_length)
-        length = self._length.get()
+        length = self._length
         if max_length >= length:
             return
         evicted_below = max(0, max(self._high_water, length) - self.capacity)
@@ -244,12 +220,74 @@ class SlidingWindowLayer(FixedCapacityLayer):
             )
 
 
+class CompiledSlidingWindowLayer(SlidingWindowLayer):
+    """A SlidingWindowLayer for torch.compile: `update` returns the whole ring (a chunk: the
+    ring, then the chunk) and the length lives in a 0-d tensor, so a compiled step does not
+    specialise on the position. Rows of slots never written sit at negative positions (masked)."""
+
+    def __init__(self, window: int, **options) -> None:
+        self._tracker = LengthTracker()  # before the buffer is allocated (it binds the tensor)
+        super().__init__(window, **options)
+
+    @property
+    def _length(self) -> int:  # type: ignore[override]
+        """Tokens seen, as a Python int (eager reads only: may read the tensor back once)."""
+        return self._tracker.get()
+
+    @_length.setter
+    def _length(self, length: int) -> None:
+        self._tracker.set(length)
+
+    def _allocate(self, key_shape, value_shape, dtype, device) -> None:
+        super()._allocate(key_shape, value_shape, dtype, device)
+        self._tracker.bind(device)
+
+    def mask_key(self, new_tokens: int) -> Hashable:
+        """The whole ring: the same for every layer and position."""
+        return ("ring-compiled", self.capacity, new_tokens)
+
+    def mask_positions(
+        self, new_tokens: int, device: torch.device | str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries at past + (0..T_new-1) from the tensor length; keys at the absolute position
+        of every ring slot (-1 or less: never written), then the chunk's own for T_new > 1."""
+        past = self._tracker.tensor
+        if past is None:  # nothing allocated yet: nothing written, past is 0
+            past = torch.zeros((), dtype=torch.long, device=device)
+        return self._ring_positions(past, new_tokens, torch.arange(self.capacity, device=past.device))
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T_new, D) at the tensor position; return the ring (C rows) for
+        one token, or the ring before the write and then the chunk (C + T_new rows)."""
+        self._check_and_allocate(k, v)
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None
+        past = self._tracker.tensor
+        assert past is not None
+        new_tokens = k.shape[2]
+        kept = min(new_tokens, self.capacity)
+        positions = past + torch.arange(new_tokens - kept, new_tokens, device=past.device)
+        slots = torch.remainder(positions, self.capacity)  # (kept,)
+        if new_tokens == 1:
+            keys.index_copy_(2, slots, k)
+            values.index_copy_(2, slots, v)
+            self._tracker.advance(new_tokens)
+            return keys, values
+        out_keys = torch.cat([keys, k], dim=2)  # (B, H_kv, C + T_new, D)
+        out_values = torch.cat([values, v], dim=2)  # (B, H_kv, C + T_new, D_v)
+        keys.index_copy_(2, slots, k.narrow(2, new_tokens - kept, kept))
+        values.index_copy_(2, slots, v.narrow(2, new_tokens - kept, kept))
+        self._tracker.advance(new_tokens)
+        return out_keys, out_values
+
+
 class SlidingWindowCache(Cache):
     """A cache whose every layer is a `SlidingWindowLayer` of `window` rows.
 
     For a model whose layer_types mix full and sliding attention use `StaticCache` or
     `DynamicCache`, which give each layer its kind; a config with full-attention layers is
-    refused here rather than silently windowed.
+    refused here rather than silently windowed. compiled: `CompiledSlidingWindowLayer`s, for
+    torch.compile.
     """
 
     def __init__(
@@ -264,11 +302,13 @@ class SlidingWindowCache(Cache):
         max_rollback: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        compiled: bool = False,
     ) -> None:
         geometry = read_cache_geometry(
             config, num_layers=num_layers, window=window, kv_heads=kv_heads, head_dim=head_dim
         )
         size = geometry.require_window()
+        layer_kind = CompiledSlidingWindowLayer if compiled else SlidingWindowLayer
         if geometry.layer_kinds is not None and "full" in geometry.layer_kinds:
             full = [i for i, kind in enumerate(geometry.layer_kinds) if kind == "full"]
             raise CacheConfigError(
@@ -277,7 +317,7 @@ class SlidingWindowCache(Cache):
             )
 
         def make() -> SlidingWindowLayer:
-            return SlidingWindowLayer(
+            return layer_kind(
                 size,
                 max_rollback=max_rollback,
                 batch_size=max_batch_size,

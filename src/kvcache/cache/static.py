@@ -1,9 +1,11 @@
 """StaticLayer: a preallocated buffer of max_cache_len rows, written at absolute positions.
 
-Eager code attends over the filled rows only (a view). Under torch.compile the layer returns
-the whole buffer, whose unfilled rows sit at positions greater than every query and are
-masked by causality, and it keeps its write position in a 0-d tensor, so shapes and guards
-stay the same at every step and one compiled decode step serves the whole generation.
+`StaticLayer.update` returns the filled rows (a view); a write past max_cache_len raises
+`CacheOverflowError`. `CompiledStaticLayer` is the same storage for torch.compile: it returns the
+whole buffer, whose unfilled rows sit at positions greater than every query and are masked by
+causality, and keeps its length in a 0-d tensor, so shapes and guards stay the same at every step
+and one compiled decode step serves the whole generation. A cache picks one kind when it is made
+(`make_cache("static", compiled=True)`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheOverflowError
 from .fixed import FixedCapacityLayer
 from .layer import CacheLayer, is_compiling
-from .sliding import SlidingWindowLayer
+from .length import LengthTracker
+from .sliding import CompiledSlidingWindowLayer, SlidingWindowLayer
 
 
 class StaticLayer(FixedCapacityLayer):
@@ -55,67 +58,47 @@ class StaticLayer(FixedCapacityLayer):
         return self.capacity
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, H_kv, T_new, D) at positions past..past+T_new-1.
-
-        Returns K, V: eager, the filled rows (B, H_kv, past + T_new, D); compiled, the whole
-        buffer (B, H_kv, max_cache_len, D). Raises `CacheOverflowError` (eager) when
-        past + T_new > max_cache_len.
-        """
+        """Write k, v (B, H_kv, T_new, D) at positions past..past+T_new-1; return the filled rows
+        K, V (B, H_kv, past + T_new, D). Raises `CacheOverflowError` when past + T_new >
+        max_cache_len (nothing written)."""
         self._check_and_allocate(k, v)
         keys, values = self._keys, self._values
         assert keys is not None and values is not None
         new_tokens = k.shape[2]
-        if is_compiling():
-            start = self._length.tensor
-            assert start is not None
-            index = start + torch.arange(new_tokens, device=keys.device)  # (T_new,)
-            keys.index_copy_(2, index, k)
-            values.index_copy_(2, index, v)
-            self._length.advance_compiled(new_tokens)
-            return keys, values
-        start = self._length.get()
+        start = self._length
         end = start + new_tokens
         if end > self.capacity:
             raise CacheOverflowError(self.capacity, end, self.layer_idx)
         keys.narrow(2, start, new_tokens).copy_(k)
         values.narrow(2, start, new_tokens).copy_(v)
-        self._length.set(end)
+        self._length = end
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
-    def append_arrays(self, k, v):
-        """Eager `update` on numpy arrays (see CacheLayer.append_arrays): the rows written
-        through numpy views of the buffers; None when compiling or past max_cache_len (then
-        `update` raises CacheOverflowError)."""
-        if type(self).update is not StaticLayer.update or is_compiling():
-            return None
-        start = self._length.get()
+    def update_arrays(self, k, v):
+        """`update` on numpy arrays: the rows written through numpy views of the buffers (see
+        CacheLayer.update_arrays); past max_cache_len, `update` raises CacheOverflowError."""
+        start = self._length
         written = self._write_arrays(k, v, start)
-        if written is not None:
-            self._length.set(start + k.shape[2])
+        if written is None:
+            return super().update_arrays(k, v)
+        self._length = start + k.shape[2]
         return written
 
     def sees_every_key(self, new_tokens: int) -> bool:
-        """Eager, one new query sees every filled row (the rows update returns): itself and all
-        before it. Compiled, the whole buffer comes back and its unfilled rows are masked."""
-        return new_tokens == 1 and not is_compiling()
+        """One new query sees every filled row (the rows update returns): itself and all before."""
+        return new_tokens == 1
 
     def mask_key(self, new_tokens: int) -> Hashable:
-        """Eager: causal geometry (past, new_tokens); compiled: the whole buffer."""
-        if is_compiling():
-            return ("static-buffer", self.capacity, new_tokens)
-        return ("causal", self._length.get(), new_tokens)
+        """Causal geometry (past, new_tokens)."""
+        return ("causal", self._length, new_tokens)
 
     def mask_positions(
         self, new_tokens: int, device: torch.device | str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries at past + (0..T_new-1); keys at 0..past+T_new-1 (eager) or at every buffer
-        row 0..max_cache_len-1 (compiled: rows past the queries are masked by causality)."""
-        if is_compiling() and self._length.tensor is not None:
-            past = self._length.tensor
-            query_positions = past + torch.arange(new_tokens, device=past.device)  # (T_new,)
-            return query_positions, torch.arange(self.capacity, device=past.device)  # (C,)
-        past = self._length.get()
-        if not is_compiling() and past + new_tokens > self.capacity:
+        """Queries at past + (0..T_new-1); keys at 0..past+T_new-1. Raises CacheOverflowError
+        when the chunk does not fit."""
+        past = self._length
+        if past + new_tokens > self.capacity:
             raise CacheOverflowError(self.capacity, past + new_tokens, self.layer_idx)
         key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
         return key_positions[past:], key_positions
@@ -123,20 +106,85 @@ class StaticLayer(FixedCapacityLayer):
     @property
     def keys(self) -> torch.Tensor | None:
         """Filled keys (B, H_kv, T, D), a view; None before allocation."""
-        return None if self._keys is None else self._keys.narrow(2, 0, self._length.get())
+        return None if self._keys is None else self._keys.narrow(2, 0, self._length)
 
     @property
     def values(self) -> torch.Tensor | None:
         """Filled values (B, H_kv, T, D_v), a view; None before allocation."""
-        return None if self._values is None else self._values.narrow(2, 0, self._length.get())
+        return None if self._values is None else self._values.narrow(2, 0, self._length)
 
     def _rows_held(self) -> int:
-        return self._length.get()
+        return self._length
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens (later writes overwrite the rest)."""
         check_crop(max_length)
-        self._length.set(min(self._length.get(), max_length))
+        self._length = min(self._length, max_length)
+
+
+class CompiledStaticLayer(StaticLayer):
+    """A StaticLayer for torch.compile: `update` returns the whole buffer (B, H_kv,
+    max_cache_len, D) and the length lives in a 0-d tensor (see the module docstring).
+
+    Eager code (a prefill) may use it too; it then checks for overflow, which compiled code
+    cannot do without reading the length back to the host.
+    """
+
+    def __init__(self, max_cache_len: int, **sizes) -> None:
+        self._tracker = LengthTracker()  # before the buffer is allocated (it binds the tensor)
+        super().__init__(max_cache_len, **sizes)
+
+    @property
+    def _length(self) -> int:  # type: ignore[override]
+        """Tokens seen, as a Python int (eager reads only: may read the tensor back once)."""
+        return self._tracker.get()
+
+    @_length.setter
+    def _length(self, length: int) -> None:
+        self._tracker.set(length)
+
+    def _allocate(self, key_shape, value_shape, dtype, device) -> None:
+        super()._allocate(key_shape, value_shape, dtype, device)
+        self._tracker.bind(device)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, H_kv, T_new, D) at the tensor position; return the whole buffer."""
+        self._check_and_allocate(k, v)
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None
+        new_tokens = k.shape[2]
+        if not is_compiling() and self._length + new_tokens > self.capacity:
+            raise CacheOverflowError(self.capacity, self._length + new_tokens, self.layer_idx)
+        start = self._tracker.tensor
+        assert start is not None
+        index = start + torch.arange(new_tokens, device=keys.device)  # (T_new,)
+        keys.index_copy_(2, index, k)
+        values.index_copy_(2, index, v)
+        self._tracker.advance(new_tokens)
+        return keys, values
+
+    def update_arrays(self, k, v):
+        """Through `update` (the whole buffer comes back)."""
+        return CacheLayer.update_arrays(self, k, v)
+
+    def sees_every_key(self, new_tokens: int) -> bool:
+        """Never: the unfilled rows of the buffer come back too, masked."""
+        return False
+
+    def mask_key(self, new_tokens: int) -> Hashable:
+        """The whole buffer: the same for every layer and position."""
+        return ("static-buffer", self.capacity, new_tokens)
+
+    def mask_positions(
+        self, new_tokens: int, device: torch.device | str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries at past + (0..T_new-1) from the tensor length; keys at every buffer row
+        0..max_cache_len-1 (rows past the queries are masked by causality)."""
+        past = self._tracker.tensor
+        if past is None:  # nothing allocated yet: nothing written, past is 0
+            return torch.arange(new_tokens, device=device), torch.arange(self.capacity, device=device)
+        query_positions = past + torch.arange(new_tokens, device=past.device)  # (T_new,)
+        return query_positions, torch.arange(self.capacity, device=past.device)  # (C,)
 
 
 class StaticCache(Cache):
@@ -148,6 +196,7 @@ class StaticCache(Cache):
     kv_heads and head_dim come from `config` or are given; with batch, heads, dim and dtype
     all known the buffers are allocated now, otherwise by each layer's first update.
     max_rollback: extra ring rows of the sliding layers (see `SlidingWindowLayer`).
+    compiled: layers for torch.compile (`CompiledStaticLayer`, `CompiledSlidingWindowLayer`).
     """
 
     def __init__(
@@ -163,6 +212,7 @@ class StaticCache(Cache):
         max_rollback: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        compiled: bool = False,
     ) -> None:
         geometry = read_cache_geometry(
             config, num_layers=num_layers, window=window, kv_heads=kv_heads, head_dim=head_dim
@@ -177,12 +227,13 @@ class StaticCache(Cache):
             "device": device,
         }
 
+        sliding_kind = CompiledSlidingWindowLayer if compiled else SlidingWindowLayer
+        static_kind = CompiledStaticLayer if compiled else StaticLayer
+
         def make(kind: str) -> CacheLayer:
             if kind == "sliding":
-                return SlidingWindowLayer(
-                    geometry.require_window(), max_rollback=max_rollback, **sizes
-                )
-            return StaticLayer(max_cache_len, **sizes)
+                return sliding_kind(geometry.require_window(), max_rollback=max_rollback, **sizes)
+            return static_kind(max_cache_len, **sizes)
 
         if geometry.layer_kinds is None:
             default = geometry.default_kind

@@ -16,7 +16,9 @@ from pathlib import Path
 from kvcache.cli._args import positive_int
 from kvcache.defaults import resolve_model_dir
 
+# make_cache's kinds ("quantized": int8 with its defaults; "none": keep nothing, recompute)
 CACHE_CHOICES = ("dynamic", "static", "sliding", "paged", "quantized", "none")
+BACKEND_CHOICES = ("auto", "numpy", "torch")
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +46,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument(
-        "--matvec",
-        choices=("auto", "torch", "numpy"),
+        "--backend",
+        choices=BACKEND_CHOICES,
         default="auto",
-        help="decode step: the torch forward or the numpy step (float32 on CPU); auto times both "
-        "on this machine and keeps the faster (default)",
+        help="what runs the decode steps: the numpy step (float32 on CPU), the model's torch "
+        "forward, or auto: numpy where it applies, else torch (default)",
     )
 
 
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     folder = Path(resolve_model_dir(args.model))
     try:
-        model = load_model(folder, dtype=args.dtype, matvec=args.matvec)
+        model = load_model(folder, dtype=args.dtype)
         tokenizer = load_tokenizer(folder)
         if args.chat is not None:
             messages = [{"role": "user", "content": args.chat}]
@@ -122,30 +124,30 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
         prefill_chunk_size=args.prefill_chunk,
     )
-    cache = None if args.cache == "none" else args.cache
     stream = _TextStream(tokenizer, sys.stdout)
     try:
         result = generate(
             model,
             input_ids,
-            cache=cache,
+            cache=args.cache,
+            backend=args.backend,
             streamer=stream,
             generator=torch.Generator().manual_seed(args.seed),
             **options,
         )
-    except ValueError as error:
+    except ValueError as error:  # BackendError and CacheError are ValueErrors too
         print(f"\nkvcache generate: error: {error}", file=sys.stderr)
         return 2
     new = result.new_tokens[0]
     print()
     print(
         f"[{len(new)} new tokens after a {input_ids.shape[1]}-token prompt; stopped by "
-        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; decode step {model.matvec_backend}]"
+        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; decode step {result.backend}]"
     )
     print(_timing_line(result))
     if args.compare_nocache:
         plain = generate(
-            model, input_ids, cache=None, generator=torch.Generator().manual_seed(args.seed), **options
+            model, input_ids, cache="none", generator=torch.Generator().manual_seed(args.seed), **options
         )
         same = plain.new_tokens[0] == new
         print(f"no cache: {_timing_line(plain)}")

@@ -2,8 +2,9 @@
 
 Module names equal the Hugging Face checkpoint keys (`model.layers.3.self_attn.q_proj.weight`),
 so loading is a strict name-for-name copy. The model talks to its cache only through the seam
-(`update`, `get_seq_length`, `attention_masks`) and never asks what kind of cache it has: the
-no-cache path is `NoCache`, an object that keeps nothing.
+(`begin` once per forward for positions and masks, then `update` per layer) and never asks what
+kind of cache it has: the no-cache path is `NoCache`, an object that keeps nothing. It knows
+nothing of decode backends (`kvcache.backends`), which are built from it.
 
 Per token and layer, the forward does: RMSNorm -> q/k/v projections -> RoPE on q, k ->
 cache.update(k, v) -> SDPA over the visible keys (GQA: kv heads shared by query groups) ->
@@ -18,16 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcache.cache import make_cache
 from kvcache.model.config import ModelConfig
-from kvcache.model.kernels import MATVEC_ROWS, FusedLinear, calls_more_than_forward
 from kvcache.model.rope import RotaryEmbedding, apply_rope
-
-
-def no_cache(config: ModelConfig):
-    """A cache object that keeps nothing past this forward (masks still windowed per layer)."""
-    from kvcache.cache import make_cache
-
-    return make_cache("none", config=config)
 
 
 class CacheInTrainingError(RuntimeError):
@@ -61,25 +55,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-# rows (B·T) up to which a forward multiplies by the fused q/k/v and gate/up weights
-FUSED_ROWS = 8
-
-
-def _fused_applies(fused: FusedLinear | None, x: torch.Tensor) -> bool:
-    """Whether x (B, T, in) goes through the fused weight: up to FUSED_ROWS rows (decode steps,
-    short chunks), inference only, and only where that is the same as calling the linears
-    (FusedLinear.replaces_calls). With more rows (a prefill) the separate projections run: on
-    the CPU measured, MKL's product of 128 rows with the fused ~125M gate/up weight took 1.2-1.4×
-    as long as the two halves', and a 128-token prefill of that model 280 against 248 ms; one
-    decode row is faster fused (21.9 against 19.1 tok/s). Batches of 9+ rows were not measured."""
-    return (
-        fused is not None
-        and x.numel() <= FUSED_ROWS * x.shape[-1]
-        and not torch.is_grad_enabled()
-        and fused.replaces_calls()
-    )
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; keys and values go through the cache."""
 
@@ -99,18 +74,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_width, hidden, bias=config.o_bias)
 
-    fused_qkv: FusedLinear | None = None  # set by kernels.fuse_projections
-
-    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, hidden) -> (B, T, (H + 2·H_kv)·D): q, k, v side by side."""
-        fused = self.fused_qkv
-        if _fused_applies(fused, x):
-            return F.linear(x, fused.weight, fused.bias)
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        """x (B, T, hidden), cos/sin (B or 1, 1, T, D), mask (B or 1, 1, T, T_kv) or None
+        (every key visible) -> (B, T, hidden)."""
         batch, new_tokens, _ = x.shape  # (B, T, hidden)
-        heads = self._qkv(x).view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (B, T, (H+2·H_kv)·D)
+        heads = qkv.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
         # heads: (B, H + 2·H_kv, T, D); RoPE turns q and k in one op, v is left as it is
         qk = apply_rope(heads[:, : self.num_heads + self.kv_heads], cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # (B, H, T, D), (B, H_kv, T, D)
@@ -126,8 +95,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    fused_gate_up: FusedLinear | None = None  # set by kernels.fuse_projections
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
@@ -136,12 +103,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused_gate_up
-        if _fused_applies(fused, x):
-            gate, up = F.linear(x, fused.weight, fused.bias).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        """(B, T, hidden) -> (B, T, hidden)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -177,12 +140,6 @@ class LlamaForCausalLM(nn.Module):
     position_ids=None)` -> CausalLMOutput(logits (B, T_new, vocab), past_key_values).
     """
 
-    #: decode steps: "torch" (the module forward) or "numpy" (numpy_decode; float32 CPU, one new
-    #: token per row, batch <= MATVEC_ROWS); see kernels.choose_decode_path
-    matvec_backend: str = "torch"
-    #: torch CPU threads for decode steps in kvcache.generate (None: the caller's setting)
-    decode_threads: int | None = None
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -212,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
 
         attention_mask: (B, past + T_new), 1 = token, 0 = left padding. use_cache=None means
         "cache unless training": a new DynamicCache is made when none is given. With
-        use_cache=False nothing is kept (NoCache). Positions, unless given, are counted from
-        the mask (so left padding does not shift them) or else from the cache length.
+        use_cache=False nothing is kept (NoCache). Positions, unless given, come from the cache
+        (`begin`): counted from the mask (so left padding does not shift them), else from the
+        cache length (each row's own, in a paged cache).
         logits_to_keep=n > 0 scores only the last n positions (0 = all).
         """
         if input_ids.dim() != 2:
@@ -227,14 +185,9 @@ class LlamaForCausalLM(nn.Module):
         if use_cache is None:
             use_cache = not training
         cache = past_key_values
-        if cache is None:
-            from kvcache.cache import make_cache
-
-            cache = (
-                make_cache("dynamic", config=self.config, dtype=self.dtype, device=self.device)
-                if use_cache
-                else no_cache(self.config)
-            )
+        if cache is None:  # a new cache: one that grows, or one that keeps nothing
+            kind = "dynamic" if use_cache else "none"
+            cache = make_cache(kind, config=self.config, dtype=self.dtype, device=self.device)
 
         batch, new_tokens = input_ids.shape
         past = cache.get_seq_length()
@@ -244,81 +197,14 @@ class LlamaForCausalLM(nn.Module):
                     f"attention_mask must be (batch, past + new) = ({batch}, {past + new_tokens}), "
                     f"got {tuple(attention_mask.shape)}: append a 1 per generated token"
                 )
-        if self._numpy_step_applies(batch, new_tokens):
-            # without a mask every row's new token sits at `past`: no position tensor is built
-            positions = position_ids
-            if positions is None:
-                positions = past if attention_mask is None else self._positions(attention_mask, past, 1, None)
-            logits = self._decode_on_numpy(input_ids, positions, attention_mask, cache)  # (B, 1, vocab)
-            if logits is not None:  # None: the step declined (weights not float32 on CPU, …)
-                return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
+        plan = cache.begin(new_tokens, attention_mask, device=input_ids.device)  # positions, masks
         if position_ids is None:
-            position_ids = self._positions(attention_mask, past, new_tokens, input_ids.device)
-
-        masks = cache.attention_masks(new_tokens, attention_mask)
+            position_ids = plan.positions  # (B or 1, T_new)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, masks[layer_idx], cache)
+            x = layer(x, cos, sin, plan.mask(layer_idx), cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # only the last positions are scored (prefill)
         logits = self.lm_head(self.model.norm(x))  # (B, T, vocab)
         return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)
-
-    def _numpy_step_applies(self, batch: int, new_tokens: int) -> bool:
-        """Whether this forward is a decode step the numpy kernel takes (see numpy_decode)."""
-        return (
-            self.matvec_backend == "numpy"
-            and new_tokens == 1
-            and batch <= MATVEC_ROWS
-            and not torch.is_grad_enabled()
-        )
-
-    def decode_logits(self, input_ids: torch.Tensor, cache, *, check: bool = True) -> torch.Tensor | None:
-        """(B, vocab) float32 logits of one decode step of input_ids (B, 1), every row unpadded
-        at the cache's length, on the numpy step; None when that step does not apply (the caller
-        then runs the model). The same step as `model(input_ids, past_key_values=cache)`, without
-        its call overhead. check=False skips re-checking the step's weight views and hooks (see
-        NumpyDecoder.ready): only for a caller that ran no other code since its last call."""
-        batch, new_tokens = input_ids.shape
-        if type(self).forward is not LlamaForCausalLM.forward or calls_more_than_forward(self):
-            return None  # a subclass's forward, a hook or an instance forward: call the model
-        if not self._numpy_step_applies(batch, new_tokens):
-            return None
-        logits = self._decode_on_numpy(input_ids, cache.get_seq_length(), None, cache, check=check)
-        return None if logits is None else logits[:, 0]
-
-    def _decode_on_numpy(
-        self, input_ids, position_ids, attention_mask, cache, check: bool = True
-    ) -> torch.Tensor | None:
-        """Logits (B, 1, vocab) of a decode step on the numpy step, or None if it declines.
-        Masks are built only when the cache cannot say that every key is visible."""
-        decoder = self._numpy_decoder()
-        if not decoder.ready(check):
-            return None
-        sees_all = getattr(cache, "sees_every_key", None)
-        every_key = sees_all is not None and sees_all(
-            1, attention_mask, num_layers=self.config.num_hidden_layers
-        )
-        masks = None if every_key else cache.attention_masks(1, attention_mask)
-        return decoder.run(input_ids, position_ids, masks, cache)
-
-    def forget_numpy_step(self) -> None:
-        """Drop the numpy step's views (it is built again, from the current weights, when needed)."""
-        self.__dict__.pop("_numpy_step", None)
-
-    def _numpy_decoder(self):
-        decoder = self.__dict__.get("_numpy_step")
-        if decoder is None:
-            from kvcache.model.numpy_decode import NumpyDecoder
-
-            decoder = self.__dict__["_numpy_step"] = NumpyDecoder(self)
-        return decoder
-
-    @staticmethod
-    def _positions(attention_mask, past: int, new_tokens: int, device) -> torch.Tensor:
-        """(B or 1, T_new) position of each new token: real tokens before it (padding skipped)."""
-        if attention_mask is None:
-            return torch.arange(past, past + new_tokens, device=device).unsqueeze(0)
-        counted = attention_mask.long().cumsum(-1) - 1  # (B, past + T)
-        return counted[:, past:].clamp(min=0)

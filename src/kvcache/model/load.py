@@ -16,15 +16,9 @@ import torch
 from kvcache.defaults import resolve_model_dir
 from kvcache.model.config import ModelConfig
 from kvcache.model.errors import CheckpointError
-from kvcache.model.kernels import (
-    BACKENDS,
-    choose_decode_path,
-    fuse_projections,
-    store_tall_weights_transposed,
-)
+from kvcache.model.heap import release_freed_memory
 from kvcache.model.llama import LlamaForCausalLM
 from kvcache.model.safetensors_read import read_tensors
-from kvcache.model.weight_arena import move_weights_to_huge_pages, release_freed_memory
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -177,21 +171,13 @@ def load_model(
     path: str | Path | None = None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
-    matvec: str = "torch",
 ) -> LlamaForCausalLM:
     """Load a local llama / mistral / qwen2 checkpoint folder, strictly, in eval mode.
 
     path: the folder; None loads kvcache's bundled default model (`kvcache.defaults`).
-
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype);
     otherwise every tensor is converted to it.
-    matvec: kernel for decode rows, "torch", "numpy" (float32 on CPU) or "auto" (time decode
-    steps with each kernel and torch thread count on this machine, keep the fastest; see
-    kvcache.model.kernels).
-    q/k/v and gate/up weights are stored fused (the parameters are views), same names.
     """
-    if matvec not in (*BACKENDS, "auto"):
-        raise ValueError(f"matvec must be one of {(*BACKENDS, 'auto')}, got {matvec!r}")
     folder = checkpoint_folder(resolve_model_dir(path))
     config = ModelConfig.from_file(folder)
     dtype = resolve_dtype(dtype)
@@ -214,15 +200,5 @@ def load_model(
     left_empty = [name for name, param in model.named_parameters() if param.is_meta]
     if left_empty:
         raise CheckpointError(f"tensor(s) not loaded: {left_empty[:8]}")
-    fuse_projections(model)
-    if matvec == "auto":
-        choose_decode_path(model)
-    else:
-        model.matvec_backend = matvec
-        if matvec == "numpy":
-            model.decode_threads = 1  # the numpy step's products thread in OpenBLAS, not torch
-    if model.matvec_backend == "numpy":
-        store_tall_weights_transposed(model)
-        move_weights_to_huge_pages(model)  # a layout only (small models, where the OS has them)
-    release_freed_memory()  # the loader's and the re-layouts' freed buffers leave resident memory
+    release_freed_memory()  # the loader's freed buffers leave resident memory
     return model.eval()

@@ -92,7 +92,7 @@ def latency_figures(model, lengths: Sequence[int], repeats: int, seed: int = 0,
     say(1.0, "latency: done")
     skipped = sorted(set(lengths) - set(usable))
     return {"repeats": repeats, "threads": torch.get_num_threads(), "dtype": str(model.dtype),
-            "matvec": getattr(model, "matvec_backend", "torch"), "skipped_lengths": skipped, "rows": rows}
+            "backend": "torch", "skipped_lengths": skipped, "rows": rows}
 
 
 def _windowed(config, window: int):

@@ -49,7 +49,8 @@ def _latency(report: dict, plots: dict) -> list[str]:
            f"{model['name']} ({model['parameters']:,} parameters, {model['layers']} layers, hidden "
            f"{model['hidden_size']}, {model['heads']} heads / {model['kv_heads']} kv heads), "
            f"{latency['dtype'].removeprefix('torch.')}, {latency['threads']} torch thread(s), "
-           f"matvec `{latency['matvec']}`. A cached step runs one new token against a cache of "
+           f"backend `{latency['backend']}` (the model's forward). "
+           "A cached step runs one new token against a cache of "
            "L − 1 tokens; an uncached step recomputes all L positions. "
            f"Milliseconds, median (min–max) of {latency['repeats']} repeats, the two paths alternating; "
            "wall time on a machine that may be shared (see section 6 for its load).", "",

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvcache
 from kvcache.cache.blocks import BlockAllocator, OutOfBlocksError, UnknownSequenceError, block_hash
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "kvcache" / "cache"
+SOURCE = Path(kvcache.__file__).resolve().parent / "cache"  # kvcache itself imports no torch
 
 
 def test_allocator_runs_where_torch_cannot_be_imported():
@@ -26,6 +27,7 @@ import kvcache
 package = types.ModuleType("kvcache.cache")
 package.__path__ = [{str(SOURCE)!r}]
 sys.modules["kvcache.cache"] = package
+import kvcache
 from kvcache.cache.blocks import BlockAllocator
 pool = BlockAllocator(4, 2)
 pool.add_sequence("a", [1, 2, 3])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import ARCHS, left_padded_batch
+from tiny_models import ARCHS, left_padded_batch
 
 from kvcache import generate, load_model, load_tokenizer, make_cache
 from kvcache.cache import CacheConfigError
@@ -193,13 +193,15 @@ def test_a_given_cache_object_is_used_and_holds_the_context(models):
 def test_bad_requests_fail_with_named_errors(models):
     model = models["llama"]
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
         generate(model, ids, max_new_tokens=0)
+    with pytest.raises(TypeError, match="max_tokens"):
+        generate(model, ids, max_tokens=5)  # a misspelt setting is refused, not ignored
     with pytest.raises(ValueError, match="pad on the left"):
         generate(model, ids, torch.tensor([[1, 1, 0]]))
-    with pytest.raises(ValueError, match="cache must be one of"):
+    with pytest.raises(ValueError, match="cache kind must be one of"):
         generate(model, ids, cache="ring")
-    with pytest.raises(ValueError, match="needs a model whose config has a sliding_window"):
+    with pytest.raises(ValueError, match="no sliding_window in force"):
         generate(model, ids, cache="sliding")
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 272\)"):
         generate(model, torch.tensor([[5, 999]]))

@@ -169,8 +169,8 @@ def test_a_model_with_sliding_layers_gets_a_report_with_paged_skipped(tmp_path):
     keeps working on its rings, the paged cache (full attention only) is a skipped row."""
     import shutil
 
+    from kvcache.backends import torch_threads
     from kvcache.defaults import default_model_dir
-    from kvcache.model.kernels import torch_threads
     from kvcache.report.collect import collect_report
     from kvcache.report.render import report_markdown
     from kvcache.report.settings import ReportSettings

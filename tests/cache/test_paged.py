@@ -168,17 +168,26 @@ def test_misuse_raises_named_errors():
         PagedCache(8, 4, config={"num_hidden_layers": 2, "sliding_window": 4})
 
 
-def test_rows_of_different_lengths_need_an_attention_mask():
+def test_rows_of_different_lengths_append_at_their_own_lengths_without_a_mask():
+    """The serving case: no attention_mask, each row's new token at its own position, and each
+    row sees exactly its own keys (a shorter row's right padding masked)."""
     cache = PagedCache(8, 4, num_layers=1)
     cache.add_sequence()
     cache.add_sequence()
     k = torch.randn(2, 2, 3, 8)
-    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
-    cache.attention_masks(3, mask)
+    cache.begin(3, torch.tensor([[1, 1, 1], [0, 1, 1]]))
     cache.update(k, k, 0)
     assert cache.row_lengths == [3, 2]
+    plan = cache.begin(1)
+    assert plan.positions.tolist() == [[3], [2]]
+    assert plan.mask(0).tolist() == [[[[True, True, True, True]]], [[[True, True, True, False]]]]
+    new = torch.randn(2, 2, 1, 8)
+    keys, _ = cache.update(new, new, 0)
+    assert cache.row_lengths == [4, 3] and keys.shape == (2, 2, 4, 8)
+    torch.testing.assert_close(keys[1, :, 2], new[1, :, 0])  # row 1's token 2 is the new one
+    torch.testing.assert_close(keys[1, :, :2], k[1, :, 1:])  # after its own two, not row 0's
     with pytest.raises(CacheShapeError, match="different token counts"):
-        cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), 0)
+        cache.positions(1)  # one position for all rows does not exist
 
 
 def test_nbytes_match_the_memory_planner():

@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import llama_checkpoint
 
+from kvcache.backends import torch_threads
 from kvcache.cache import QuantizedCache, make_cache
 from kvcache.generation import generate
 from kvcache.model import load_model
-from kvcache.model.kernels import torch_threads
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    import transformers
-
-    torch.manual_seed(7)
-    config = transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        num_hidden_layers=2, vocab_size=256, max_position_embeddings=512, initializer_range=0.1,
+    folder = llama_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama"), seed=7, hidden_size=64, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+        max_position_embeddings=512,
     )
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
     with torch_threads(1):  # tiny shapes: one thread is faster on a shared machine
         yield load_model(folder)
 

@@ -1,0 +1,29 @@
+"""What a decode backend is: one step of B rows, one new token each, through the cache seam."""
+
+from __future__ import annotations
+
+import torch
+
+
+class BackendError(ValueError):
+    """A backend that cannot run this model, or a backend name that does not exist."""
+
+
+class DecodeBackend:
+    """One decode step for B rows, each one new token, each row at its own position.
+
+    `decode(input_ids (B, 1), cache, attention_mask=None) -> logits (B, vocab)` float32: the last
+    (only) position's logits, after the cache took the rows' keys and values. attention_mask
+    (B, past + 1), 1 = token, 0 = left padding, as the model takes it; without one every row's
+    token sits at the row's own length (in a paged cache rows may differ). A backend is built
+    from a model and computes that model's forward; the generation loop and the engine are handed
+    one explicitly (`kvcache.backends.choose_backend`).
+    """
+
+    #: the name a summary prints ("torch", "numpy")
+    name: str = ""
+
+    def decode(
+        self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,238 @@
+"""NumpyBackend: the decode step of a float32 CPU Llama-family model, computed in numpy.
+
+Why: a decode step is one new token per row. Its weights are read once each, so on CPU the step
+is memory bandwidth (large models) or per-operation overhead (small ones). numpy's OpenBLAS
+matrix-vector product reads weights faster than torch's MKL one on the machines measured, and a
+numpy operation on a few hundred floats costs a fraction of a torch one (`docs/backends.md`). So
+the step runs the layers as a few dozen numpy calls on weights packed once when the backend is
+built (`packing`), and talks to the cache through the same seam as the model in its numpy form:
+`plan = cache.begin(1, attention_mask)`, then `K, V = cache.update_arrays(k, v, layer_idx)`.
+
+It computes the model's forward: RMSNorm, fused q/k/v, RoPE (pairs i, i + D/2), the cache
+update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU, residuals, the
+final norm, lm_head; for B rows of one new token each, every row at its own position (left
+padding, or a paged cache's rows of different lengths).
+
+It calls no module: a model whose modules would do more than their forwards (hooks, subclasses,
+a replaced `forward`) is refused when the backend is built (`unsupported`), and a model changed
+afterwards needs a new backend (`PackedWeights.matches`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvcache.backends.base import BackendError, DecodeBackend
+from kvcache.backends.packing import pack_weights
+from kvcache.backends.threads import torch_threads
+from kvcache.model import LlamaForCausalLM
+from kvcache.model.llama import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm
+from kvcache.model.rope import RotaryEmbedding
+
+# module classes whose forwards the step computes
+_STANDARD_MODULES = frozenset(
+    (
+        LlamaForCausalLM,
+        DecoderModel,
+        DecoderLayer,
+        Attention,
+        MLP,
+        RMSNorm,
+        RotaryEmbedding,
+        nn.ModuleList,
+        nn.Linear,
+        nn.Embedding,
+    )
+)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` does more than its class's forward: a forward hook or pre-hook,
+    or a `forward` set on the instance."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def unsupported(model) -> str | None:
+    """Why the numpy step cannot stand in for `model`'s decode forward, or None when it can."""
+    registry = torch.nn.modules.module
+    if registry._global_forward_hooks or registry._global_forward_pre_hooks:
+        return "global module forward hooks are registered (the numpy step calls no module)"
+    for name, module in model.named_modules():
+        where = f"module {name or 'model'}"
+        if type(module) not in _STANDARD_MODULES:
+            return f"{where} is a {type(module).__name__}, whose forward the numpy step lacks"
+        if _hooked(module):
+            return f"{where} has forward hooks or its own forward (the numpy step calls no module)"
+    for name, parameter in model.named_parameters():
+        if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
+            return (
+                f"parameter {name} is {parameter.dtype} on {parameter.device}; "
+                "the numpy step needs float32 on CPU"
+            )
+    return None
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (rows, hidden) / rms(x) * weight, float32."""
+    if x.shape[0] == 1:
+        row = x[0]
+        inverse_rms = 1.0 / math.sqrt(float(row @ row) / row.shape[0] + eps)  # a Python float
+        out = x * weight
+        out *= inverse_rms
+        return out
+    squares = np.add.reduce(x * x, axis=-1, keepdims=True)  # (rows, 1)
+    squares *= 1.0 / x.shape[-1]
+    squares += eps
+    np.sqrt(squares, out=squares)
+    out = x / squares
+    out *= weight
+    return out
+
+
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x (rows, in) @ weight (in, out) (+ bias) -> (rows, out); for one row numpy runs OpenBLAS's
+    matrix-vector product."""
+    out = x @ weight
+    if bias is not None:
+        out += bias
+    return out
+
+
+class NumpyBackend(DecodeBackend):
+    """Decode steps of a float32 CPU LlamaForCausalLM in numpy, on weights packed once (see the
+    module docstring). Raises `BackendError` for a model it cannot stand in for."""
+
+    name = "numpy"
+
+    def __init__(self, model) -> None:
+        reason = unsupported(model)
+        if reason is not None:
+            raise BackendError(f"the numpy backend cannot run this model: {reason}; use the torch backend")
+        config = model.config
+        self.config = config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.group = self.heads // self.kv_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        with torch.no_grad():
+            self.weights = pack_weights(model)
+        self.rotary = RotaryEmbedding(config)
+        diagonal = np.arange(self.head_dim)
+        partner = (diagonal + self.head_dim // 2) % self.head_dim
+        # where cos and signed sin go in a flattened (D, D) rotation: (i, i) and (partner(i), i)
+        self._cos_at = diagonal * self.head_dim + diagonal
+        self._sin_at = partner * self.head_dim + diagonal
+        empty = np.zeros((0, self.head_dim), np.float32)
+        self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
+
+    def matches(self, model) -> bool:
+        """Whether this backend still computes `model`'s step: the same config, and every
+        parameter still the packed one (see `PackedWeights.matches`)."""
+        return model.config == self.config and self.weights.matches(model)
+
+    # ---- RoPE --------------------------------------------------------------------------------
+    def rotations(self, positions: np.ndarray) -> np.ndarray:
+        """RoPE as matrices (B, D, D) for positions (B,): row vector x @ R is x turned to its
+        position. x_i' = x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, the model's `apply_rope`;
+        one small product per layer (queries and keys together) replaces a roll, two products and
+        a sum."""
+        needed = int(positions.max()) + 1
+        if needed > len(self._cos):
+            self._extend_rope_table(needed)
+        rotation = np.zeros((len(positions), self.head_dim * self.head_dim), np.float32)  # as (D, D)
+        rotation[:, self._cos_at] = self._cos[positions]
+        rotation[:, self._sin_at] = self._signed_sin[positions]
+        return rotation.reshape(len(positions), self.head_dim, self.head_dim)
+
+    def _extend_rope_table(self, needed: int) -> None:
+        """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
+        model's own RotaryEmbedding. Its range check (dynamic scaling stops at
+        max_position_embeddings) applies: the table never grows past that limit, and a position
+        beyond it raises as on the torch path."""
+        size = max(needed, 2 * len(self._cos), 256)
+        if self.rotary.limit is not None:
+            size = max(needed, min(size, self.rotary.limit))
+        cos, signed_sin = self.rotary(torch.arange(size)[None], torch.float32)  # (1, 1, N, D)
+        self._cos, self._signed_sin = cos[0, 0].numpy(), signed_sin[0, 0].numpy()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def decode(
+        self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, vocab) float32 logits of one decode step of input_ids (B, 1) on `cache` (see
+        `DecodeBackend.decode`)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise ValueError(f"a decode step takes input_ids (batch, 1), got shape {tuple(input_ids.shape)}")
+        token_ids = input_ids.cpu().numpy()[:, 0]  # (B,)
+        listed = token_ids.tolist()  # (a few ints: cheaper than two numpy reductions)
+        vocab = len(self.weights.embed)
+        if min(listed) < 0 or max(listed) >= vocab:
+            raise IndexError(
+                f"token ids must lie in [0, {vocab}), got min {min(listed)} and max {max(listed)}"
+            )
+        with torch_threads(1):  # the cache's torch calls: no OpenMP pool spinning beside OpenBLAS
+            plan = cache.begin(1, attention_mask, device=torch.device("cpu"))
+            return torch.from_numpy(self._run(token_ids, plan, cache))
+
+    def _run(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
+        batch = len(token_ids)
+        heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
+        rotated = heads + kv_heads
+        turn = self.rotations(plan.positions.numpy()[:, 0])  # (B or 1, D, D)
+        visible_by_mask: dict[int, np.ndarray | None] = {}
+        x = self.weights.embed[token_ids]  # (B, hidden), a copy
+        with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
+            for index, w in enumerate(self.weights.layers):
+                qkv = _linear(_rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
+                qkv = qkv.reshape(batch, rotated + kv_heads, head_dim)  # (B, H + 2·H_kv, D)
+                turned = qkv[:, :rotated] @ turn  # (B, H + H_kv, D): queries and keys
+                q = turned[:, :heads]  # (B, H, D)
+                q *= self.scale  # the 1/sqrt(D) of attention, on the queries (fewer than scores)
+                k = turned[:, heads:].reshape(batch, kv_heads, 1, head_dim)
+                v = qkv[:, rotated:].reshape(batch, kv_heads, 1, head_dim)
+                keys, values = cache.update_arrays(k, v, index)  # (B, H_kv, T_kv, D)
+                # (B, H_kv, G, D) @ (B, H_kv, D, T_kv): each kv head with its group of queries
+                scores = q.reshape(batch, kv_heads, group, head_dim) @ keys.swapaxes(-1, -2)
+                visible = self._visible(plan.mask(index), visible_by_mask)
+                if visible is not None:
+                    scores = np.where(visible, scores, np.float32(-np.inf))
+                # softmax; the ufuncs' reduce directly (ndarray.max/.sum add a Python wrapper)
+                scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+                np.exp(scores, out=scores)
+                attended = scores @ values  # (B, H_kv, G, D), weights not yet normalised
+                attended /= np.add.reduce(scores, axis=-1, keepdims=True)
+                x += _linear(attended.reshape(batch, heads * head_dim), w.o, w.o_bias)
+                gate_up = _linear(_rms_norm(x, w.norm2, self.eps), w.gate_up, w.gate_up_bias)
+                inner = gate_up.shape[-1] // 2
+                gate, up = gate_up[:, :inner], gate_up[:, inner:]
+                act = np.negative(gate)
+                np.exp(act, out=act)
+                act += 1.0
+                np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
+                act *= up
+                x += _linear(act, w.down, w.down_bias)
+        return _linear(
+            _rms_norm(x, self.weights.final_norm, self.eps), self.weights.lm_head, None
+        )  # (B, vocab)
+
+    @staticmethod
+    def _visible(mask: torch.Tensor | None, seen: dict[int, np.ndarray | None]) -> np.ndarray | None:
+        """A layer's mask (B or 1, 1, 1, T_kv) as numpy, None when absent or all True (layers
+        that share a mask object convert it once)."""
+        if mask is None:
+            return None
+        key = id(mask)
+        if key not in seen:
+            if mask.dtype != torch.bool:
+                raise BackendError(
+                    f"the numpy step reads boolean masks (True = may attend), got {mask.dtype}"
+                )
+            visible = mask.numpy()
+            seen[key] = None if visible.all() else visible
+        return seen[key]

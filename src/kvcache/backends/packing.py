@@ -1,0 +1,183 @@
+"""The weights of a float32 CPU model, packed once for the numpy decode step.
+
+What measured well on CPU (`docs/backends.md`): fewer, larger products (q/k/v as one matrix,
+gate/up as one), tall matrices stored column-major (OpenBLAS's column-major matrix-vector kernel
+streams them faster; wide and square ones stay row-major), and a small model's weights on 2 MB
+pages (`huge_pages`).
+
+One copy serves both paths: every parameter whose memory was re-laid out (fused, transposed, moved
+onto huge pages) is pointed at its slice of the packed arrays, with the same values, names and
+shapes, so the model's own forward (prefill) reads the same memory and no weight is stored twice.
+Parameters whose layout already fits are viewed, not copied. An in-place write to a parameter
+(`load_state_dict`, an optimizer step) is therefore seen by both; a parameter replaced by another
+tensor, or moved or cast, is not: build a new backend (`PackedWeights.matches` says whether the
+model still reads these arrays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvcache.backends.huge_pages import MOVE_LIMIT, Arena, aligned, huge_pages_available
+from kvcache.model.heap import release_freed_memory
+
+#: out/in ratio from which a product's weight is stored column-major
+TALL = 1.5
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer for the step; every matrix as (in, out), so a projection of rows
+    x (B, in) is `x @ matrix`."""
+
+    norm1: np.ndarray  # (hidden,)
+    qkv: np.ndarray  # (hidden, (H + 2·H_kv)·D)
+    qkv_bias: np.ndarray | None
+    o: np.ndarray  # (H·D, hidden)
+    o_bias: np.ndarray | None
+    norm2: np.ndarray  # (hidden,)
+    gate_up: np.ndarray  # (hidden, 2·inner): gate columns, then up
+    gate_up_bias: np.ndarray | None
+    down: np.ndarray  # (inner, hidden)
+    down_bias: np.ndarray | None
+
+
+@dataclass
+class PackedWeights:
+    """Every weight the step reads, and the parameters they came from (to tell later whether the
+    model still reads this memory)."""
+
+    layers: list[LayerWeights]
+    embed: np.ndarray  # (vocab, hidden)
+    final_norm: np.ndarray  # (hidden,)
+    lm_head: np.ndarray  # (hidden, vocab)
+    on_huge_pages: bool
+    sources: list[tuple[torch.Tensor, int]]  # (parameter, its data pointer after packing)
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether `model`'s parameters are still the ones packed, reading the packed memory
+        (none replaced, moved or cast since)."""
+        parameters = list(model.parameters())
+        return len(parameters) == len(self.sources) and all(
+            parameter is source and parameter.data_ptr() == pointer
+            for parameter, (source, pointer) in zip(parameters, self.sources)
+        )
+
+
+class _Packer:
+    """Makes the step's arrays from parameters, in the model's order, from an arena of huge
+    pages (every array copied there) or from ordinary memory (only re-laid-out arrays copied)."""
+
+    def __init__(self, arena: Arena | None) -> None:
+        self.arena = arena
+
+    def _new(self, shape: tuple[int, ...]) -> np.ndarray:
+        return self.arena.array(shape) if self.arena is not None else np.empty(shape, np.float32)
+
+    def vector(self, parameter: nn.Parameter | None) -> np.ndarray | None:
+        """A norm weight or bias (n,), copied into the arena when there is one."""
+        if parameter is None:
+            return None
+        return self.matrices([parameter], column_major=False)
+
+    def matrices(self, parameters: list[nn.Parameter], *, column_major: bool) -> np.ndarray:
+        """The (out_i, in) weights (or (n_i,) biases) of `parameters`, stacked along out, as
+        (in, sum out) for a product (biases: (sum n,)). Each parameter is pointed at its slice
+        where the memory is new."""
+        tensors = [parameter.detach() for parameter in parameters]
+        rows = sum(tensor.shape[0] for tensor in tensors)
+        rest = tuple(tensors[0].shape[1:])
+        single = len(tensors) == 1 and not column_major and self.arena is None
+        if single and tensors[0].is_contiguous():
+            array = tensors[0].numpy()  # already laid out: a view, nothing moves
+            return array.T if array.ndim == 2 else array
+        if column_major:
+            packed = self._new((rest[0], rows))  # (in, sum out), C-contiguous
+            stacked = packed.T  # (sum out, in) view, column-major
+        else:
+            packed = self._new((rows, *rest))  # (sum out, in) or (sum n,)
+            stacked = packed
+        start = 0
+        with torch.no_grad():
+            for parameter, tensor in zip(parameters, tensors):
+                count = tensor.shape[0]
+                view = stacked[start : start + count]
+                view[...] = tensor.numpy()
+                parameter.data = torch.from_numpy(view)  # same values and shape, packed memory
+                start += count
+        return packed if column_major or packed.ndim == 1 else packed.T
+
+
+def _layout_bytes(model) -> int:
+    """Bytes of every array the step reads (each aligned), for sizing an arena."""
+    seen: set[int] = set()
+    total = 0
+    for parameter in model.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            total += aligned(parameter.numel() * 4)
+    return total
+
+
+def _tall(rows: int, columns: int) -> bool:
+    return rows >= TALL * columns
+
+
+def pack_weights(model) -> PackedWeights:
+    """Pack a float32 CPU LlamaForCausalLM's weights for the numpy step (see the module
+    docstring); its parameters are pointed at the packed memory where it is new."""
+    total = _layout_bytes(model)
+    arena = Arena(total) if huge_pages_available() and total <= MOVE_LIMIT else None
+    packer = _Packer(arena)
+    decoder = model.model
+    embed = packer.matrices([decoder.embed_tokens.weight], column_major=False).T  # (vocab, hidden)
+    layers = []
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        qkv_rows = sum(p.out_features for p in projections)
+        gate_up_rows = sum(p.out_features for p in gate_up)
+        layers.append(
+            LayerWeights(
+                norm1=packer.vector(layer.input_layernorm.weight),
+                qkv=packer.matrices(
+                    [p.weight for p in projections], column_major=_tall(qkv_rows, attn.q_proj.in_features)
+                ),
+                qkv_bias=_biases(packer, projections),
+                o=packer.matrices([attn.o_proj.weight], column_major=False),
+                o_bias=packer.vector(attn.o_proj.bias),
+                norm2=packer.vector(layer.post_attention_layernorm.weight),
+                gate_up=packer.matrices(
+                    [p.weight for p in gate_up], column_major=_tall(gate_up_rows, mlp.gate_proj.in_features)
+                ),
+                gate_up_bias=_biases(packer, gate_up),
+                down=packer.matrices([mlp.down_proj.weight], column_major=False),
+                down_bias=packer.vector(mlp.down_proj.bias),
+            )
+        )
+        release_freed_memory()  # the replaced storages leave resident memory layer by layer
+    final_norm = packer.vector(decoder.norm.weight)
+    head = model.lm_head
+    if head.weight is decoder.embed_tokens.weight:  # tied: the embedding, read as (hidden, vocab)
+        lm_head = embed.T
+    else:
+        lm_head = packer.matrices([head.weight], column_major=_tall(head.out_features, head.in_features))
+    release_freed_memory()
+    sources = [(parameter, parameter.data_ptr()) for parameter in model.parameters()]
+    assert final_norm is not None
+    return PackedWeights(layers, embed, final_norm, lm_head, arena is not None, sources)
+
+
+def _biases(packer: _Packer, linears: list[nn.Linear]) -> np.ndarray | None:
+    """The linears' biases stacked (sum out,), or None when they have none."""
+    biases = [linear.bias for linear in linears]
+    if all(bias is None for bias in biases):
+        return None
+    if any(bias is None for bias in biases):
+        raise ValueError("cannot fuse projections of which only some have a bias")
+    return packer.matrices(biases, column_major=False)

@@ -1,0 +1,169 @@
+"""PagedLayer: one layer's block storage of a PagedCache, (num_blocks, block_size, H_kv, D) for
+keys and for values. The owning cache decides where rows go (block tables, the forward's
+`Step`); the layer allocates, checks, writes and reads its own tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from .checks import check_kv_pair, where
+from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
+from .layer import CacheLayer
+from .paged_storage import Step, gather_rows, write_and_gather
+
+
+class PagedLayer(CacheLayer):
+    """One layer of a PagedCache; only usable inside its cache (`cache`: the PagedCache)."""
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self._cache = cache
+        self._columns = 0  # columns of the batch timeline this layer has seen
+        self._last_step = -1
+
+    # ---- the seam --------------------------------------------------------------------------
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T_new, D); return K, V (B, H_kv, T_kv, D), rows right-padded."""
+        return self._cache._update_layer(self, k, v)
+
+    def get_seq_length(self) -> int:
+        """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
+        return self._columns
+
+    def mask_key(self, new_tokens: int) -> Hashable:
+        """Unused: `PagedCache.begin` builds one mask for every layer itself."""
+        return ("paged", self._last_step, new_tokens)
+
+    def mask_positions(self, new_tokens, device):
+        """Causal positions (T_new,), (T_kv,), for rows of equal length only (else the mask is per
+        row and comes from `PagedCache.begin`)."""
+        past = self._cache.positions(new_tokens)[0].item()
+        key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
+        return key_positions[past:], key_positions
+
+    # ---- storage ---------------------------------------------------------------------------
+    def allocate(self, key_shape: tuple, value_shape: tuple, dtype: torch.dtype, device) -> None:
+        """Zeroed storage of (num_blocks, block_size, H_kv, D) keys and (…, D_v) values. Zeros,
+        not empty: gathered padding slots are masked, but a masked NaN still poisons SDPA
+        (0 · NaN), so storage must never hold non-finite garbage."""
+        self._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (N, S, H_kv, D)
+        self._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (N, S, H_kv, D_v)
+
+    def check(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise a named error unless k, v (B, H_kv, T_new, D) fit the storage (allocated here,
+        from k and v, on the first update)."""
+        stored_k, stored_v = self._keys, self._values
+        if stored_k is not None and stored_v is not None and type(k) is type(v) is torch.Tensor:
+            # fast path of the decode loop: one pass of comparisons, no messages built
+            ks, vs, sk = k.shape, v.shape, stored_k.shape
+            if (
+                len(ks) == 4
+                and len(vs) == 4
+                and ks[:3] == vs[:3]
+                and ks[2] >= 1
+                and ks[1] == sk[2]
+                and ks[3] == sk[3]
+                and vs[3] == stored_v.shape[3]
+                and k.dtype == v.dtype == stored_k.dtype
+                and k.device == v.device == stored_k.device
+            ):
+                return
+        check_kv_pair(k, v, self.layer_idx)
+        if self._keys is None:
+            pool = (self._cache.num_blocks, self._cache.block_size, k.shape[1])
+            self.allocate((*pool, k.shape[3]), (*pool, v.shape[3]), k.dtype, k.device)
+        self.check_layout(k.shape[1], k.shape[3], v.shape[3], k.dtype, f"k, v{where(self.layer_idx)}")
+        assert self._keys is not None
+        if k.device != self._keys.device:
+            raise CacheDeviceError(
+                f"k, v{where(self.layer_idx)} are on {k.device}; the cache is on {self._keys.device}"
+            )
+
+    def check_layout(
+        self, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, what: str
+    ) -> None:
+        """Raise CacheShapeError / CacheDtypeError unless rows of that layout fit the storage
+        (any layout fits before it is allocated)."""
+        keys, values = self._keys, self._values
+        if keys is None or values is None:
+            return
+        if (kv_heads, head_dim, value_dim) != (keys.shape[2], keys.shape[3], values.shape[3]):
+            raise CacheShapeError(
+                f"{what} have {kv_heads} kv heads and head dims {head_dim}, {value_dim}; the cache "
+                f"stores {keys.shape[2]} heads of dims {keys.shape[3]}, {values.shape[3]}"
+            )
+        if dtype != keys.dtype:
+            raise CacheDtypeError(f"{what} have dtype {dtype}; the cache stores {keys.dtype}")
+
+    def write_and_gather(
+        self, k: torch.Tensor, v: torch.Tensor, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's k, v to their slots; return every row's visible K, V."""
+        assert self._keys is not None and self._values is not None
+        self._last_step = step.step_id
+        self._columns += k.shape[2]
+        return write_and_gather(self._keys, k, step), write_and_gather(self._values, v, step)
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (T, H_kv, D) and values (T, H_kv, D_v) at storage `slots` (T,), copies."""
+        assert self._keys is not None and self._values is not None
+        return tuple(  # type: ignore[return-value]
+            storage.view(-1, *storage.shape[2:]).index_select(0, slots)
+            for storage in (self._keys, self._values)
+        )
+
+    def write_slots(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys (T, H_kv, D) and values (T, H_kv, D_v) to storage `slots` (T,)."""
+        assert self._keys is not None and self._values is not None
+        for storage, rows in ((self._keys, keys), (self._values, values)):
+            storage.view(-1, *storage.shape[2:]).index_copy_(0, slots, rows.to(storage.device))
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy block `source` onto block `target` (copy on write of a shared partial block)."""
+        for storage in (self._keys, self._values):
+            if storage is not None:
+                storage[target].copy_(storage[source])
+
+    # ---- views and bookkeeping ---------------------------------------------------------------
+    @property
+    def batch_size(self) -> int | None:
+        return len(self._cache.rows) or None
+
+    def _gather(self, storage: torch.Tensor | None) -> torch.Tensor | None:
+        """Each row's rows of `storage` (B, H_kv, T, D), right-padded with zeros."""
+        cache = self._cache
+        lengths = cache.row_lengths
+        if storage is None or not lengths or max(lengths) == 0:
+            return None
+        return gather_rows(storage, [cache.allocator.slots(seq, 0, n) for seq, n in zip(cache.rows, lengths)])
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Each row's keys (B, H_kv, T, D) gathered from its blocks, right-padded with zeros."""
+        return self._gather(self._keys)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Each row's values (B, H_kv, T, D_v) gathered from its blocks, right-padded with zeros."""
+        return self._gather(self._values)
+
+    def _rows_held(self) -> int:
+        return self._cache.allocator.num_in_use * self._cache.block_size
+
+    @property
+    def nbytes_used(self) -> int:
+        """Bytes of the blocks in use (whole blocks: a partial last block counts in full)."""
+        if self._keys is None or self._values is None:
+            return 0
+        slots = self._keys.shape[0] * self._keys.shape[1]
+        return self._rows_held() * ((self._keys.nbytes + self._values.nbytes) // slots)
+
+    def crop(self, max_length: int) -> None:
+        """Rows are shared by every layer: crops the whole cache."""
+        self._cache.crop(max_length)
+
+    def reset(self) -> None:
+        """Rows are shared by every layer: resets the whole cache."""
+        self._cache.reset()

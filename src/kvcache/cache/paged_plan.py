@@ -1,0 +1,110 @@
+"""Planning one forward of a PagedCache: reserve each row's blocks, then say where its new rows
+go, which blocks each row reads, the new tokens' positions and the mask.
+
+Rows may hold different numbers of tokens. Without an attention_mask every row appends all
+T_new new tokens at its own length (the serving case: each sequence at its own position); with
+one (B, columns + T_new), 0 marks padding columns, which are not stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import BlockAllocator
+from .errors import CacheShapeError
+from .paged_storage import Step
+
+
+@dataclass
+class ForwardLayout:
+    """A planned forward: where rows go (`step`), the shared partial blocks to copy before any
+    write (source, target), each new token's position (B, T_new) (0 for padding queries) and
+    the mask (B or 1, 1, T_new, T_kv), None when every gathered key is visible to every query."""
+
+    step: Step
+    copies: list[tuple[int, int]]
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def plan_forward(
+    allocator: BlockAllocator,
+    rows: list[int],
+    columns: int,
+    new_tokens: int,
+    attention_mask: torch.Tensor | None,
+    device: torch.device,
+    step_id: int,
+) -> ForwardLayout:
+    """Reserve the blocks of one forward of `new_tokens` columns over `rows` (allocator sequence
+    ids, one per batch row) and lay it out. Raises `OutOfBlocksError` (nothing reserved) when
+    the pool is short, `CacheShapeError` for a mask that does not describe the rows."""
+    batch = len(rows)
+    lengths = [allocator.sequence(seq).num_tokens for seq in rows]
+    real = None  # (B, T_new) bool: which new columns are tokens; None = all of them
+    counts = [new_tokens] * batch
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, columns + new_tokens):
+            raise CacheShapeError(
+                f"attention_mask must be (batch, columns + new_tokens) = "
+                f"({batch}, {columns + new_tokens}), got shape {tuple(attention_mask.shape)}"
+            )
+        given = attention_mask.to(device=device, dtype=torch.bool)
+        held = given[:, :columns].sum(1).tolist()
+        if held != lengths:
+            raise CacheShapeError(
+                f"attention_mask counts {held} earlier tokens per row; the cache holds "
+                f"{lengths}: the mask must describe the tokens the cache holds"
+            )
+        real = given[:, columns:]  # (B, T_new)
+        counts = real.sum(1).tolist()
+        if all(count == new_tokens for count in counts):
+            real = None
+    totals = [held + new for held, new in zip(lengths, counts)]
+    copies = allocator.reserve(rows, totals)
+    visible = max(1, *totals)  # at least one key (masked) even if every row is padding so far
+    size = allocator.block_size
+    width = -(-visible // size)  # blocks per row in the gather
+    tables = [allocator.sequence(seq).table[:width] for seq in rows]
+    first_block = None
+    read_blocks = None
+    if (
+        batch == 1
+        and len(tables[0]) == width
+        and tables[0] == list(range(tables[0][0], tables[0][0] + width))
+    ):
+        first_block = tables[0][0]  # one row on consecutive blocks: read in place
+    else:  # rows shorter than the longest repeat a block of theirs, or block 0 (masked)
+        padded = [block for table in tables for block in table + (table or [0])[:1] * (width - len(table))]
+        read_blocks = torch.tensor(padded, dtype=torch.long, device=device)  # (B·n,)
+    write = [
+        slot for seq, held, total in zip(rows, lengths, totals) for slot in allocator.slots(seq, held, total)
+    ]
+    write_slots = torch.tensor(write, dtype=torch.long, device=device)  # (N_real,)
+    past = torch.tensor(lengths, device=device)[:, None]  # (B, 1)
+    if real is None:
+        source_rows = None
+        query = past + torch.arange(new_tokens, device=device)  # (B, T_new)
+    else:
+        source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,) row-major, as write
+        query = (past + real.long().cumsum(1) - 1).masked_fill(~real, -1)  # (B, T_new)
+    step = Step(
+        step_id, new_tokens, batch, totals, write_slots, source_rows, read_blocks, first_block, visible
+    )
+    equal = len(set(lengths)) == 1
+    if real is None and equal and new_tokens == 1:
+        mask = None  # every row holds the same keys, all visible to its one new token
+    else:
+        key_positions = torch.arange(visible, device=device)  # (T_kv,)
+        if real is None and equal:
+            mask = (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
+        else:
+            # a key past the row's own length (right padding of a shorter row) lies past its
+            # queries, so causality hides it
+            allowed = key_positions[None, None, :] <= query[:, :, None]  # (B, T_new, T_kv)
+            # a padding query sees key 0 of its row, so no row of the mask is empty (no NaN)
+            allowed |= (query[:, :, None] < 0) & (key_positions == 0)
+            mask = allowed[:, None]  # (B, 1, T_new, T_kv)
+    return ForwardLayout(step, copies, query.clamp(min=0), mask)

@@ -1,0 +1,48 @@
+"""How one `generate` call runs: lengths, sampling, stopping and prefill chunks, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcache.generation.sampling import SamplingSettings
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The settings of `generate` / `stream_generate`, which take them as keywords.
+
+    max_new_tokens: tokens to generate per row (>= 1).
+    do_sample, temperature, top_k, top_p: greedy unless do_sample (`SamplingSettings`).
+    eos_token_id: None = the model config's (and tokenizer's) EOS ids; () = never stop early.
+    pad_token_id: the token of a row after it stopped (None: the first EOS id, else the
+        tokenizer's pad token, else 0).
+    stop_strings: stop a row once its new text contains one (needs a tokenizer).
+    prefill_chunk_size: run the prompt through the model this many tokens at a time.
+    """
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int | None = None
+    stop_strings: Sequence[str] | None = None
+    prefill_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1 or None, got {self.prefill_chunk_size}")
+        self.sampling  # noqa: B018 (validates temperature, top_k, top_p)
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        """How to pick each token."""
+        return SamplingSettings(self.do_sample, self.temperature, self.top_k, self.top_p)

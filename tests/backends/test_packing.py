@@ -1,0 +1,126 @@
+"""Packing the weights for the numpy step is a layout only: the model keeps its Parameters, names,
+shapes and values, reads the packed memory itself (one copy of every weight), and decodes the
+same tokens; a small model's weights sit in one block on 2 MB pages that lives as long as any
+weight viewing it."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from tiny_models import random_model, tiny_config
+
+from kvcache import generate
+from kvcache.backends import NumpyBackend, TorchBackend, huge_pages, packing
+from kvcache.cache import make_cache
+
+
+def _storages(model) -> dict[int, int]:
+    """data pointer -> bytes of every storage the model's parameters use."""
+    storages = {}
+    for parameter in model.parameters():
+        storage = parameter.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return storages
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"attention_bias": True, "tie_word_embeddings": True}], ids=["plain", "biases+tied"]
+)
+def test_values_names_shapes_and_tokens_stay_and_the_model_reads_the_packed_memory(overrides):
+    model = random_model(tiny_config(num_hidden_layers=3, **overrides), 0)
+    before = {name: (id(p), p.shape, p.detach().clone()) for name, p in model.named_parameters()}
+    names = sorted(model.state_dict())
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    tokens = generate(model, prompt, max_new_tokens=12, eos_token_id=(), backend="torch").sequences
+
+    backend = NumpyBackend(model)
+
+    for name, parameter in model.named_parameters():
+        identity, shape, values = before[name]
+        assert id(parameter) == identity and parameter.shape == shape, name
+        assert torch.equal(parameter, values), name
+    assert sorted(model.state_dict()) == names
+    layer = backend.weights.layers[0]
+    attention = model.model.layers[0].self_attn
+    fused = range(layer.qkv.ctypes.data, layer.qkv.ctypes.data + layer.qkv.nbytes)
+    for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+        assert projection.weight.data_ptr() in fused  # slices of the one matrix the step reads
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    if model.config.qkv_bias:
+        assert layer.qkv_bias is not None
+        assert attention.q_proj.bias.data_ptr() == layer.qkv_bias.ctypes.data
+    assert backend.matches(model)
+    for name in ("numpy", "torch"):
+        again = generate(model, prompt, max_new_tokens=12, eos_token_id=(), backend=name).sequences
+        assert torch.equal(again, tokens), name
+
+
+def test_tall_matrices_are_stored_column_major_and_the_rest_row_major():
+    model = random_model(tiny_config(), 1)  # hidden 32: q/k/v (64 rows) and gate/up (128) are tall
+    backend = NumpyBackend(model)
+    layer = backend.weights.layers[0]
+    assert layer.gate_up.flags.c_contiguous and layer.gate_up.shape == (32, 128)  # (in, out) rows
+    assert model.model.layers[0].mlp.gate_proj.weight.stride() == (1, 128)  # a transposed view
+    assert layer.down.T.flags.c_contiguous  # (out, in) rows, read as (in, out)
+    assert model.model.layers[0].mlp.down_proj.weight.is_contiguous()
+
+
+@pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="no transparent huge pages on this OS")
+def test_a_small_model_moves_into_one_aligned_block_that_lives_as_long_as_a_weight():
+    model = random_model(tiny_config(), 2)
+    assert NumpyBackend(model).weights.on_huge_pages
+    storages = _storages(model)
+    starts = sorted(storages)
+    assert starts[0] % huge_pages.HUGE_PAGE == 0  # the block starts on a 2 MB boundary
+    span = starts[-1] + storages[starts[-1]] - starts[0]
+    assert span < sum(storages.values()) + huge_pages.ALIGN * len(storages) * 4  # one block
+    kept = model.model.layers[1].mlp.down_proj.weight
+    expected = kept.detach().clone()
+    del model
+    gc.collect()
+    churn = [torch.randn(256, 256) for _ in range(64)]  # reuse whatever memory was freed
+    assert torch.equal(kept, expected)
+    del churn
+
+
+def test_a_large_model_keeps_its_layout_where_it_fits(monkeypatch):
+    """Past MOVE_LIMIT nothing moves onto huge pages: weights already laid out as the step reads
+    them (o_proj, down_proj, norms, the embedding) are viewed in place, not copied."""
+    monkeypatch.setattr(packing, "MOVE_LIMIT", 1024)
+    model = random_model(tiny_config(), 3)
+    kept = {
+        name: p.data_ptr()
+        for name, p in model.named_parameters()
+        if name.endswith(("o_proj.weight", "down_proj.weight", "norm.weight", "embed_tokens.weight"))
+    }
+    backend = NumpyBackend(model)
+    assert not backend.weights.on_huge_pages
+    now = dict((name, p.data_ptr()) for name, p in model.named_parameters())
+    assert all(now[name] == pointer for name, pointer in kept.items())
+    assert backend.weights.layers[0].down.ctypes.data == kept["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_matches_tells_an_in_place_write_from_a_replaced_or_moved_parameter():
+    model = random_model(tiny_config(), 4)
+    backend = NumpyBackend(model)
+    with torch.no_grad():
+        model.load_state_dict({name: t * 1.5 for name, t in model.state_dict().items()})  # in place
+    assert backend.matches(model)  # the same memory: the step reads the new values
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    with torch.inference_mode():
+        for step in (backend, TorchBackend(model)):
+            cache = make_cache("dynamic", config=model.config)
+            model(ids[:, :-1], past_key_values=cache)
+            logits[step.name] = step.decode(ids[:, -1:], cache)
+    torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
+    down = model.model.layers[0].mlp.down_proj
+    down.weight.data = down.weight.data * 2  # the same Parameter, new memory
+    assert not backend.matches(model)
+    rebuilt = NumpyBackend(model)
+    assert rebuilt.matches(model)
+    model.lm_head = torch.nn.Linear(32, 64, bias=False)  # a new module, a new Parameter
+    assert not rebuilt.matches(model)
