@@ -25,6 +25,8 @@ _LAZY = {
     "load_model": "kvcache.model",
     "load_tokenizer": "kvcache.tokenizer",
     "generate": "kvcache.generation",
+    "stream_generate": "kvcache.generation",
+    "choose_backend": "kvcache.backends",
 }
 
 __all__ = ["__version__", *_LAZY]
