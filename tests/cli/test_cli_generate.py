@@ -59,3 +59,37 @@ def test_generate_errors_are_one_line_and_exit_2(llama_dir, tmp_path, capsys):
 def test_building_the_parser_does_not_import_torch():
     code = "import sys, kvcache.cli; kvcache.cli.build_parser(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_summary_names_the_decode_path_that_ran(llama_dir, capsys):
+    """float32 on CPU runs the numpy step by default; bfloat16, a forced torch backend and the
+    no-cache path run the model's forward, and the summary says so."""
+    cases = [
+        ([], "decode step numpy"),
+        (["--backend", "torch"], "decode step torch"),
+        (["--dtype", "bfloat16"], "decode step torch"),
+        (["--cache", "none"], "decode step torch"),
+    ]
+    for extra, expected in cases:
+        code = main(
+            ["generate", "--model", str(llama_dir), "--prompt", "The quick", "--max-new-tokens", "3", *extra]
+        )
+        assert code == 0, extra
+        assert expected in capsys.readouterr().out, extra
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(llama_dir),
+                "--prompt",
+                "x",
+                "--dtype",
+                "bfloat16",
+                "--backend",
+                "numpy",
+            ]
+        )
+        == 2
+    )
+    assert "numpy backend cannot run this model" in capsys.readouterr().err
