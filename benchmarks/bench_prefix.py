@@ -19,7 +19,7 @@ Part 2, sequences of --seq-len tokens in --budget (default 1000 tokens, 1 GiB), 
 and what `kvcache memory` predicts for both.
 
 Part 3, the seam's cost per decode step at --seq-len tokens of context: median microseconds of
-`attention_masks(1)` + one `update` per layer (no model), paged vs dynamic, taking turns.
+`begin(1)` + one `update` per layer (no model), paged vs dynamic, taking turns.
 
     .venv/bin/python benchmarks/bench_prefix.py --json                 # default model if present
     .venv/bin/python benchmarks/bench_prefix.py --model DIR --json
@@ -223,7 +223,7 @@ def seam_step(model, args, steps: int = 200) -> dict:
     for _ in range(steps):
         for name, cache in caches.items():
             started = time.perf_counter()
-            cache.attention_masks(1)
+            cache.begin(1)
             for layer in range(layers):
                 cache.update(row, row, layer)
             times[name].append(time.perf_counter() - started)

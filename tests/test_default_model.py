@@ -54,8 +54,9 @@ def test_logits_match_transformers(model, tokenizer):
 def test_greedy_64_tokens_identical_with_every_exact_cache_and_without(model, tokenizer):
     prompt = torch.tensor([tokenizer.encode("def update(self, key, value):\n    ")])
     caches = {
-        "none": None,
+        "none": "none",
         "dynamic": "dynamic",
+        "default (None)": None,
         "static": "static",
         "sliding (window wider than the text)": SlidingWindowCache(window=256),
         "dynamic object": make_cache("dynamic", config=model.config),

@@ -55,11 +55,11 @@ def _config(draw) -> ModelConfig:
 @st.composite
 def cases(draw):
     config = _config(draw)
-    kinds = ["dynamic", "static", "quantized"]
+    kinds = ["dynamic", "static", "static_compiled", "quantized", "none"]
     if SLIDING_ATTENTION not in config.layer_types:
         kinds.append("paged")  # it holds full-attention layers only
     elif FULL_ATTENTION not in config.layer_types:
-        kinds.append("sliding")  # its rings window every layer
+        kinds += ["sliding", "sliding_compiled"]  # its rings window every layer
     batch = draw(st.sampled_from([1, 3, 8]))
     return dict(
         config=config,
@@ -73,8 +73,10 @@ def cases(draw):
 def _cache(kind: str, model, batch: int, max_length: int):
     if kind == "quantized":  # a short residual, so the history is quantized within the test
         return QuantizedCache(config=model.config, bits=8, group_size=2, residual_length=2)
+    compiled = {"compiled": True} if kind.endswith("_compiled") else {}  # whole buffers, masked
     return make_cache(
-        kind, config=model.config, dtype=model.dtype, max_batch_size=batch, max_cache_len=max_length
+        kind.removesuffix("_compiled"), config=model.config, dtype=model.dtype, max_batch_size=batch,
+        max_cache_len=max_length, **compiled,
     )
 
 
@@ -100,7 +102,8 @@ def test_numpy_step_equals_the_torch_forward_and_the_solo_no_cache_run(case):
     ids, mask = _left_padded(rows)
     # dense caches see the rows left-padded, with a growing mask; a paged cache keeps each row at
     # its own length and decodes without a mask
-    grows = kind != "paged" and bool((mask == 0).any())
+    # (a cache that keeps nothing sees each step's token alone, with no mask)
+    grows = kind not in ("paged", "none") and bool((mask == 0).any())
     caches = {}
     with torch.inference_mode():
         for name in ("numpy", "torch"):
@@ -117,6 +120,8 @@ def test_numpy_step_equals_the_torch_forward_and_the_solo_no_cache_run(case):
             theirs = torch_step.decode(token, caches["torch"], given_mask)
             assert ours.shape == (batch, config.vocab_size) and ours.dtype == torch.float32
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        if kind == "none":
+            return  # it keeps nothing: each step saw only its own token, on both backends alike
         for layer in range(config.num_hidden_layers):
             mine, reference = caches["numpy"].layers[layer], caches["torch"].layers[layer]
             assert mine.get_seq_length() == reference.get_seq_length()

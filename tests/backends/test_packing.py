@@ -124,3 +124,15 @@ def test_matches_tells_an_in_place_write_from_a_replaced_or_moved_parameter():
     assert rebuilt.matches(model)
     model.lm_head = torch.nn.Linear(32, 64, bias=False)  # a new module, a new Parameter
     assert not rebuilt.matches(model)
+
+
+def test_the_model_still_trains_after_generate_packed_it():
+    """generate builds the backend inside its inference mode; the packed parameters must still
+    be ordinary tensors that take gradients."""
+    model = random_model(tiny_config(), 6)
+    generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=3)  # packs the weights
+    assert not any(parameter.is_inference() for parameter in model.parameters())
+    model.train()
+    loss = model(torch.tensor([[1, 2, 3, 4]]), use_cache=False).logits.sum()
+    loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None

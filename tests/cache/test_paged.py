@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
 
-from kvcache.cache import CacheShapeError, OutOfBlocksError, PagedCache, make_cache
+from kvcache.cache import CacheError, CacheShapeError, OutOfBlocksError, PagedCache, RowState, make_cache
 from kvcache.generation import generate
 from kvcache.memory import kv_cache_bytes
 from kvcache.model import LlamaForCausalLM
@@ -226,3 +226,40 @@ def test_layer_keys_are_each_rows_tokens_right_padded_with_zeros():
     torch.testing.assert_close(keys[0], k[0], atol=0, rtol=0)
     torch.testing.assert_close(keys[1, :, :1], k[1, :, 2:], atol=0, rtol=0)
     assert not keys[1, :, 1:].any()
+
+
+def test_a_row_read_out_and_loaded_back_holds_the_same_keys_and_prefix():
+    cache = PagedCache(8, 4, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
+    cache.add_sequence(list(range(10, 19)))  # 9 token ids declared
+    k = torch.randn(1, 2, 9, 8)
+    for layer in range(2):
+        cache.update(k * (layer + 1), -k, layer)
+    state = cache.row_state(0)
+    assert state.token_ids == list(range(10, 19)) and state.keys[1].shape == (9, 2, 8)
+    other = PagedCache(6, 2, num_layers=2)  # another block size, storage not yet allocated
+    row = other.load_row_state(state)
+    assert row == 0 and other.row_lengths == [9]
+    for layer in range(2):
+        torch.testing.assert_close(other.layers[layer].keys[0], (k * (layer + 1))[0])
+        torch.testing.assert_close(other.layers[layer].values[0], -k[0])
+    assert other.add_sequence(list(range(10, 19)) + [1]) == 8  # its full blocks are findable
+
+
+def test_a_refused_row_state_leaves_the_cache_as_it_was():
+    cache = PagedCache(4, 4, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
+    source = PagedCache(8, 4, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
+    source.add_sequence(list(range(9)))
+    for layer in range(2):
+        source.update(torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), layer)
+    good = source.row_state(0)
+    wrong_dim = RowState(good.token_ids, [t[..., :4] for t in good.keys], good.values)
+    wrong_dtype = RowState(good.token_ids, [t.double() for t in good.keys], [t.double() for t in good.values])
+    too_long = RowState(list(range(20)), [torch.zeros(20, 2, 8)] * 2, [torch.zeros(20, 2, 8)] * 2)
+    before = (cache.rows, cache.allocator.num_free, cache.allocator.num_in_use)
+    refusals = ((wrong_dim, CacheShapeError), (wrong_dtype, CacheError), (too_long, OutOfBlocksError))
+    for state, error in refusals:
+        with pytest.raises(error):
+            cache.load_row_state(state)
+        assert (cache.rows, cache.allocator.num_free, cache.allocator.num_in_use) == before
+        cache.allocator.check_invariants()
+    assert cache.load_row_state(good) == 0 and cache.row_lengths == [9]

@@ -3,6 +3,8 @@ and the no-cache path; chunked prefill, batches, EOS, stop strings, sampling, st
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny_models import ARCHS, left_padded_batch
@@ -15,10 +17,14 @@ NEW = 12
 
 
 def kinds_for(model) -> list:
-    """Every cache kind that keeps this model's answer (a window only where the model has one)."""
-    kinds = ["dynamic", "static", None]
+    """Every cache kind that keeps this model's answer (a window only where the model has one;
+    paged for full attention only; quantized with its default 128-token full-precision residual,
+    which these short sequences never leave), and the no-cache path."""
+    kinds = ["dynamic", "static", "quantized", "none"]
     if set(model.config.layer_types) == {"sliding_attention"}:
         kinds.append("sliding")
+    if "sliding_attention" not in model.config.layer_types:
+        kinds.append("paged")
     return kinds
 
 
@@ -211,3 +217,52 @@ def test_bad_requests_fail_with_named_errors(models):
         generate(model, ids, do_sample=True, temperature=0.0)
     with pytest.raises(CacheConfigError):
         generate(models["qwen2_mixed"], ids, cache="sliding")  # layer 0 attends to everything
+
+
+def test_a_supplied_cache_that_holds_a_context_continues_it(models):
+    """A dense cache filled with a left-padded context, then generate on new tokens with the
+    (B, past + T) mask and chunked prefill: each row's tokens are those of one solo run over its
+    whole context."""
+    model = models["llama"]
+    context, mask = left_padded_batch((6, 3), seed=3)
+    new = torch.randint(3, 259, (2, 5), generator=torch.Generator().manual_seed(4))
+    cache = make_cache("dynamic", config=model.config)
+    with torch.inference_mode():
+        model(context, attention_mask=mask, past_key_values=cache)
+    full_mask = torch.cat([mask, torch.ones(2, 5, dtype=torch.long)], dim=1)
+    result = generate(
+        model, new, full_mask, cache=cache, max_new_tokens=6, eos_token_id=(), prefill_chunk_size=2
+    )
+    for row in range(2):
+        solo = torch.cat([context[row][mask[row].bool()], new[row]])[None]
+        alone = generate(model, solo, max_new_tokens=6, eos_token_id=())
+        assert result.new_tokens[row] == alone.new_tokens[0], row
+
+
+def test_chunked_prefill_without_a_cache_runs_the_rest_in_one_forward(models):
+    model = models["llama"]
+    fed: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    try:
+        ids = torch.randint(3, 259, (1, 10), generator=torch.Generator().manual_seed(5))
+        chunked = generate(model, ids, cache="none", max_new_tokens=1, prefill_chunk_size=2, eos_token_id=())
+    finally:
+        handle.remove()
+    assert fed == [2, 10]  # not 2, 4, 6, 8, 10: a cache that keeps nothing is not refilled per chunk
+    whole = generate(model, ids, cache="none", max_new_tokens=1, eos_token_id=())
+    assert chunked.new_tokens == whole.new_tokens
+    assert chunked.backend == "none" and chunked.decode_steps == 0  # no decode step ran
+
+
+def test_a_backend_built_before_the_model_changed_is_refused(models):
+    from kvcache.backends import BackendError, NumpyBackend
+
+    model = copy.deepcopy(models["llama"])
+    backend = NumpyBackend(model)
+    ids = torch.tensor([[5, 6, 7]])
+    assert generate(model, ids, max_new_tokens=2, backend=backend).backend == "numpy"
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with pytest.raises(BackendError, match="build a new one"):
+        generate(model, ids, max_new_tokens=2, backend=backend)
+    with pytest.raises(BackendError, match="another model"):
+        generate(copy.deepcopy(model), ids, max_new_tokens=2, backend=backend)

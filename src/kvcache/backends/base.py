@@ -27,3 +27,8 @@ class DecodeBackend:
         self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def matches(self, model) -> bool:
+        """Whether this backend computes `model`'s decode step: it was built from that model, and
+        the model has not changed since in a way the backend would miss."""
+        raise NotImplementedError

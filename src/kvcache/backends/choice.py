@@ -13,10 +13,11 @@ from __future__ import annotations
 import weakref
 
 from kvcache.backends.base import BackendError, DecodeBackend
-from kvcache.backends.numpy_step import NumpyBackend, unsupported
+from kvcache.backends.numpy_step import NumpyBackend, require_supported, unsupported
 from kvcache.backends.torch_step import TorchBackend
+from kvcache.kinds import BACKEND_NAMES
 
-BACKENDS = ("auto", "numpy", "torch")
+BACKENDS = BACKEND_NAMES
 
 _numpy_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> NumpyBackend
 
@@ -33,6 +34,11 @@ def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> Decod
     "numpy" (raises `BackendError` saying why if the model is not one it can run); "auto" or None
     (the rule in the module docstring)."""
     if isinstance(backend, DecodeBackend):
+        if not backend.matches(model):
+            raise BackendError(
+                f"this {type(backend).__name__} was built from another model, or the model changed "
+                "since (parameters replaced, moved or cast): build a new one, or pass backend='auto'"
+            )
         return backend
     if backend is None:
         backend = "auto"
@@ -40,9 +46,7 @@ def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> Decod
         raise BackendError(f"backend must be one of {BACKENDS} or a DecodeBackend, got {backend!r}")
     if backend == "torch":
         return TorchBackend(model)
-    reason = unsupported(model)
-    if reason is None:
-        return _numpy_backend(model)
     if backend == "numpy":
-        raise BackendError(f"the numpy backend cannot run this model: {reason}; use the torch backend")
-    return TorchBackend(model)
+        require_supported(model)
+        return _numpy_backend(model)
+    return TorchBackend(model) if unsupported(model) is not None else _numpy_backend(model)

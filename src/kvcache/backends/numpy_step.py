@@ -73,7 +73,19 @@ def unsupported(model) -> str | None:
                 f"parameter {name} is {parameter.dtype} on {parameter.device}; "
                 "the numpy step needs float32 on CPU"
             )
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if len(list(model.parameters())) != len(list(model.named_parameters(remove_duplicate=False))) - tied:
+        return "a parameter is shared between modules (other than tied embeddings)"
+    if len({module.eps for module in model.modules() if isinstance(module, RMSNorm)}) != 1:
+        return "its RMSNorms have different eps"
     return None
+
+
+def require_supported(model) -> None:
+    """Raise `BackendError` saying why, unless the numpy step can stand in for `model`."""
+    reason = unsupported(model)
+    if reason is not None:
+        raise BackendError(f"the numpy backend cannot run this model: {reason}; use the torch backend")
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -109,20 +121,21 @@ class NumpyBackend(DecodeBackend):
     name = "numpy"
 
     def __init__(self, model) -> None:
-        reason = unsupported(model)
-        if reason is not None:
-            raise BackendError(f"the numpy backend cannot run this model: {reason}; use the torch backend")
+        require_supported(model)
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.group = self.heads // self.kv_heads
-        self.eps = float(config.rms_norm_eps)
+        self.eps = float(model.model.norm.eps)  # every RMSNorm's (unsupported() checked)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        with torch.no_grad():
+        # packed outside inference mode (a caller's, or generate's), so the model's parameters
+        # stay ordinary tensors it can still train
+        with torch.inference_mode(False), torch.no_grad():
             self.weights = pack_weights(model)
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = model.model.rotary_emb  # its table is built from the model's own frequencies
+        self._buffers = [(buffer, buffer.data_ptr()) for buffer in model.buffers()]
         diagonal = np.arange(self.head_dim)
         partner = (diagonal + self.head_dim // 2) % self.head_dim
         # where cos and signed sin go in a flattened (D, D) rotation: (i, i) and (partner(i), i)
@@ -132,23 +145,34 @@ class NumpyBackend(DecodeBackend):
         self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
 
     def matches(self, model) -> bool:
-        """Whether this backend still computes `model`'s step: the same config, and every
-        parameter still the packed one (see `PackedWeights.matches`)."""
-        return model.config == self.config and self.weights.matches(model)
+        """Whether this backend still computes `model`'s step: the same config and eps, every
+        parameter still the packed one (see `PackedWeights.matches`), every buffer (the RoPE
+        frequencies) the one it read. An in-place write to a buffer is not seen."""
+        buffers = list(model.buffers())
+        return (
+            model.config == self.config
+            and float(model.model.norm.eps) == self.eps
+            and self.weights.matches(model)
+            and len(buffers) == len(self._buffers)
+            and all(b is mine and b.data_ptr() == ptr for b, (mine, ptr) in zip(buffers, self._buffers))
+        )
 
     # ---- RoPE --------------------------------------------------------------------------------
-    def rotations(self, positions: np.ndarray) -> np.ndarray:
-        """RoPE as matrices (B, D, D) for positions (B,): row vector x @ R is x turned to its
-        position. x_i' = x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, the model's `apply_rope`;
-        one small product per layer (queries and keys together) replaces a roll, two products and
-        a sum."""
-        needed = int(positions.max()) + 1
+    def rotations(self, positions: np.ndarray | int) -> np.ndarray:
+        """RoPE as matrices (B, D, D) for positions (B,), or (1, D, D) for one int position of
+        every row: row vector x @ R is x turned to its position. x_i' = x_i·cos_i +
+        x_{(i + D/2) mod D}·signed_sin_i, the model's `apply_rope`; one small product per layer
+        (queries and keys together) replaces a roll, two products and a sum."""
+        if isinstance(positions, int):  # the usual case: scalar indexing, no index array
+            needed, rows = positions + 1, 1
+        else:
+            needed, rows = int(positions.max()) + 1, len(positions)
         if needed > len(self._cos):
             self._extend_rope_table(needed)
-        rotation = np.zeros((len(positions), self.head_dim * self.head_dim), np.float32)  # as (D, D)
+        rotation = np.zeros((rows, self.head_dim * self.head_dim), np.float32)  # filled as (D, D)
         rotation[:, self._cos_at] = self._cos[positions]
         rotation[:, self._sin_at] = self._signed_sin[positions]
-        return rotation.reshape(len(positions), self.head_dim, self.head_dim)
+        return rotation.reshape(rows, self.head_dim, self.head_dim)
 
     def _extend_rope_table(self, needed: int) -> None:
         """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
@@ -184,7 +208,9 @@ class NumpyBackend(DecodeBackend):
         batch = len(token_ids)
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
         rotated = heads + kv_heads
-        turn = self.rotations(plan.positions.numpy()[:, 0])  # (B or 1, D, D)
+        start = plan.start  # one int position for every row, or each row's own
+        positions = start if isinstance(start, int) else plan.positions.numpy()[:, 0]
+        turn = self.rotations(positions)  # (B or 1, D, D)
         visible_by_mask: dict[int, np.ndarray | None] = {}
         x = self.weights.embed[token_ids]  # (B, hidden), a copy
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0

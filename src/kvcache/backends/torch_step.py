@@ -7,6 +7,15 @@ import torch
 from kvcache.backends.base import DecodeBackend
 
 
+def last_logits(model, input_ids: torch.Tensor, attention_mask, cache) -> torch.Tensor:
+    """(B, vocab) float logits of the last position after running input_ids (B, T) on `cache`
+    through the model's forward (attention_mask: (B, past + T) or None)."""
+    out = model(
+        input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
+    )
+    return out.logits[:, -1].float()
+
+
 class TorchBackend(DecodeBackend):
     """Decode steps through `model(...)`: the reference path, which runs the model's modules as
     they are (hooks, subclasses and all). Built for free; it keeps the model it was given."""
@@ -20,7 +29,8 @@ class TorchBackend(DecodeBackend):
         self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """(B, vocab) float32 logits of one decode step of input_ids (B, 1) on `cache`."""
-        out = self.model(
-            input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
-        )
-        return out.logits[:, -1].float()
+        return last_logits(self.model, input_ids, attention_mask, cache)
+
+    def matches(self, model) -> bool:
+        """It calls the model it keeps: it matches that model, whatever it has become."""
+        return model is self.model

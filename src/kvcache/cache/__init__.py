@@ -1,4 +1,4 @@
-"""KV cache layers on PyTorch tensors behind one seam (`Cache.update`, `attention_masks`).
+"""KV cache layers on PyTorch tensors behind one seam (`Cache.begin`, `Cache.update`).
 
     cache = make_cache("dynamic", config=model_config)
     plan = cache.begin(new_tokens, attention_mask)              # once per forward

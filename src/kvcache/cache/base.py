@@ -10,7 +10,6 @@ will return), so the model never branches on the kind of cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -44,22 +43,52 @@ class LayerMasks(list):
         return super().__getitem__(index)
 
 
-@dataclass(frozen=True)
 class ForwardPlan:
     """What one forward of T_new new tokens needs from the cache (`Cache.begin`).
 
     positions: (B or 1, T_new) long, the absolute position of each new token (for RoPE; a
-        padding query gets 0).
+        padding query gets 0). Built on first use when every row starts at `start`.
+    start: where every row's first new token sits (a Python int, or a 0-d tensor for a compiled
+        layer), or None when rows differ (padding, a paged cache's rows).
     masks: one boolean mask per layer, (B or 1, 1, T_new, T_kv_i), True = may attend; None when
         every key each layer's `update` returns is visible to every new token (attend unmasked).
     """
 
-    positions: torch.Tensor
-    masks: LayerMasks | None
+    __slots__ = ("masks", "start", "_positions", "_new_tokens", "_device")
+
+    def __init__(
+        self,
+        masks: LayerMasks | None,
+        *,
+        positions: torch.Tensor | None = None,
+        start: int | torch.Tensor | None = None,
+        new_tokens: int = 1,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if (positions is None) == (start is None):
+            raise ValueError("a ForwardPlan needs either positions or a start")
+        self.masks = masks
+        self.start = start
+        self._positions = positions
+        self._new_tokens = new_tokens
+        self._device = device
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B or 1, T_new) long absolute positions of the new tokens."""
+        if self._positions is None:
+            assert self.start is not None
+            device = self.start.device if isinstance(self.start, torch.Tensor) else self._device
+            self._positions = (self.start + torch.arange(self._new_tokens, device=device))[None]  # (1, T_new)
+        return self._positions
 
     def mask(self, layer_idx: int) -> torch.Tensor | None:
         """Layer `layer_idx`'s mask, or None (every key visible)."""
         return None if self.masks is None else self.masks[layer_idx]
+
+    def __repr__(self) -> str:
+        where = f"start={self.start}" if self._positions is None else f"positions={self._positions.tolist()}"
+        return f"ForwardPlan({where}, masks={'none' if self.masks is None else len(self.masks)})"
 
 
 class Cache:
@@ -137,17 +166,21 @@ class Cache:
     ) -> torch.Tensor:
         """Absolute positions past .. past + new_tokens - 1 of the next chunk, (T_new,) long.
 
-        The same as torch.arange(past, past + new_tokens), but under torch.compile a static or
-        sliding layer derives it from its position tensor, so a compiled step that needs the
+        The same as torch.arange(past, past + new_tokens), but a compiled layer derives it from
+        its length tensor (`CacheLayer.start_position`), so a compiled step that needs the
         positions (e.g. for RoPE without padding) does not specialise on the length the way
         reading get_seq_length() (a Python int) would.
         """
         check_new_tokens(new_tokens)
-        layer = self._layer(layer_idx, create=False)
-        if layer is None:
-            return torch.arange(new_tokens, device=device or self._device)
-        query_positions, _ = layer.mask_positions(new_tokens, layer.device or device)
-        return query_positions
+        start = self._start(layer_idx)
+        where = start.device if isinstance(start, torch.Tensor) else (device or self._device)
+        return start + torch.arange(new_tokens, device=where)
+
+    def _start(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Where layer `layer_idx`'s next token sits (0 for a layer not created yet, or a cache
+        that holds no layers: it starts at 0)."""
+        layer = None if not self.layers and layer_idx == 0 else self._layer(layer_idx, create=False)
+        return 0 if layer is None else layer.start_position()
 
     def attention_masks(
         self,
@@ -205,12 +238,13 @@ class Cache:
             past = self.get_seq_length()
             counted = attention_mask.long().cumsum(-1) - 1  # (B, past + T_new)
             positions = counted[:, past:].clamp(min=0)  # (B, T_new)
-        else:
-            positions = self.positions(new_tokens, device=device)[None]  # (1, T_new)
+            masks = self.attention_masks(new_tokens, attention_mask, device=device)
+            return ForwardPlan(masks, positions=positions)
+        where = dict(start=self._start(), new_tokens=new_tokens, device=device or self._device)
         layers = self.layers or ([self._layer_factory()] if self._layer_factory is not None else [])
-        if attention_mask is None and layers and all(layer.sees_every_key(new_tokens) for layer in layers):
-            return ForwardPlan(positions, None)
-        return ForwardPlan(positions, self.attention_masks(new_tokens, attention_mask, device=device))
+        if layers and all(layer.sees_every_key(new_tokens) for layer in layers):
+            return ForwardPlan(None, **where)
+        return ForwardPlan(self.attention_masks(new_tokens, device=device), **where)
 
     @staticmethod
     def _mask_for(

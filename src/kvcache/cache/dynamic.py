@@ -82,8 +82,8 @@ class DynamicLayer(CacheLayer):
         return ("causal", self._length, new_tokens)
 
     def sees_every_key(self, new_tokens: int) -> bool:
-        """One new query sees every key held: itself and all before it (no window here)."""
-        return new_tokens == 1 and self.window is None
+        """One new query sees every key held: itself and all before it."""
+        return new_tokens == 1
 
     def mask_positions(
         self, new_tokens: int, device: torch.device | str | None

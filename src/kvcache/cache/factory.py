@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from kvcache.kinds import CACHE_KINDS
+
 from .base import Cache
 from .dynamic import DynamicCache
 from .errors import CacheConfigError
@@ -15,7 +17,7 @@ from .quantized import QuantizedCache
 from .sliding import SlidingWindowCache
 from .static import StaticCache
 
-KINDS = ("dynamic", "static", "sliding", "quantized", "none", "paged")
+KINDS = CACHE_KINDS
 
 
 def make_cache(

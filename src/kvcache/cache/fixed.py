@@ -2,7 +2,8 @@
 
 A buffer of `capacity` rows per (batch, kv head), allocated up front when every size is known,
 otherwise by the first update (which then fixes batch, heads, dims, dtype and device). The length
-is a Python int here; the compiled layers (`kvcache.cache.compiled`) keep it in a tensor.
+is a Python int here; the compiled layers (`CompiledStaticLayer`, `CompiledSlidingWindowLayer`)
+keep it in a tensor.
 """
 
 from __future__ import annotations

@@ -45,6 +45,11 @@ class CacheLayer:
         """Tokens this layer has seen so far (absolute, including evicted ones)."""
         raise NotImplementedError
 
+    def start_position(self) -> int | torch.Tensor:
+        """Where the next token sits: `get_seq_length()`, or a 0-d tensor for a layer that keeps
+        its length in one (compiled layers), so compiled code never reads a Python int."""
+        return self.get_seq_length()
+
     def mask_key(self, new_tokens: int) -> Hashable:
         """A key equal for two layers exactly when their masks for this chunk are equal."""
         raise NotImplementedError

@@ -63,13 +63,6 @@ class NoCache(Cache):
             raise LayerIndexError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
         return 0
 
-    def positions(
-        self, new_tokens: int, layer_idx: int = 0, *, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """0 .. new_tokens - 1, (T_new,): nothing is kept, every chunk starts at 0."""
-        check_new_tokens(new_tokens)
-        return torch.arange(new_tokens, device=device or self._device)
-
     def attention_masks(
         self,
         new_tokens: int,

@@ -186,23 +186,28 @@ class PagedCache(Cache):
         Without one, each row appends its T_new tokens at its own length.
         """
         check_new_tokens(new_tokens)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise CacheShapeError(
+                "attention_mask must be 2-D (batch, columns + new_tokens), got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
         fallback = attention_mask.device if attention_mask is not None else (
             torch.device(device) if device is not None else None
         )
         where_ = self._storage_device(fallback)
-        batch = attention_mask.shape[0] if attention_mask is not None and attention_mask.dim() == 2 \
-            else (len(self.rows) or None)
+        batch = attention_mask.shape[0] if attention_mask is not None else (len(self.rows) or None)
         if batch is None:  # rows are made by the first update, which gives the batch size
             self._step = None
             positions = torch.arange(new_tokens, device=where_)  # (T_new,)
             mask = positions[None, :] <= positions[:, None]  # (T_new, T_new)
-            return ForwardPlan(positions[None], LayerMasks([mask[None, None]] * len(self.layers)))
+            return ForwardPlan(LayerMasks([mask[None, None]] * len(self.layers)), positions=positions[None])
         layout = self._plan(new_tokens, attention_mask, batch, where_)
         masks = None if layout.mask is None else LayerMasks([layout.mask] * len(self.layers))
-        return ForwardPlan(layout.positions, masks)
+        return ForwardPlan(masks, positions=layout.positions)
 
     def attention_masks(self, new_tokens, attention_mask=None, *, device=None) -> list[torch.Tensor]:
-        """`begin`'s masks, built even where every key is visible (all True then)."""
+        """`begin`'s masks, built even where every key is visible (all True then). Like `begin`,
+        it reserves the forward's blocks: the masks depend on where the rows go."""
         plan = self.begin(new_tokens, attention_mask, device=device)
         if plan.masks is not None:
             return plan.masks
@@ -294,9 +299,13 @@ class PagedCache(Cache):
                     f"{tuple(keys.shape)} and {tuple(values.shape)}"
                 )
             if (keys.shape[1:], values.shape[1:], keys.dtype, values.dtype) != (
-                first_keys.shape[1:], first_values.shape[1:], first_keys.dtype, first_keys.dtype
+                first_keys.shape[1:], first_values.shape[1:], first_keys.dtype, first_values.dtype
             ):
-                raise CacheShapeError(f"layer {index}: keys and values differ in layout from layer 0's")
+                raise CacheShapeError(
+                    f"layer {index}: keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} "
+                    f"{values.dtype} differ from layer 0's {tuple(first_keys.shape)} {first_keys.dtype} and "
+                    f"{tuple(first_values.shape)} {first_values.dtype}"
+                )
             layer.check_layout(keys.shape[1], keys.shape[2], values.shape[2], keys.dtype,
                                f"the state's layer {index} keys and values")
         needed = self.allocator.blocks_for(tokens)

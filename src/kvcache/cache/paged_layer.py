@@ -4,8 +4,6 @@ keys and for values. The owning cache decides where rows go (block tables, the f
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
 
 from .checks import check_kv_pair, where
@@ -31,17 +29,6 @@ class PagedLayer(CacheLayer):
     def get_seq_length(self) -> int:
         """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
         return self._columns
-
-    def mask_key(self, new_tokens: int) -> Hashable:
-        """Unused: `PagedCache.begin` builds one mask for every layer itself."""
-        return ("paged", self._last_step, new_tokens)
-
-    def mask_positions(self, new_tokens, device):
-        """Causal positions (T_new,), (T_kv,), for rows of equal length only (else the mask is per
-        row and comes from `PagedCache.begin`)."""
-        past = self._cache.positions(new_tokens)[0].item()
-        key_positions = torch.arange(past + new_tokens, device=device)  # (T_kv,)
-        return key_positions[past:], key_positions
 
     # ---- storage ---------------------------------------------------------------------------
     def allocate(self, key_shape: tuple, value_shape: tuple, dtype: torch.dtype, device) -> None:

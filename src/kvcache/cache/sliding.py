@@ -242,6 +242,10 @@ class CompiledSlidingWindowLayer(SlidingWindowLayer):
         super()._allocate(key_shape, value_shape, dtype, device)
         self._tracker.bind(device)
 
+    def start_position(self) -> int | torch.Tensor:
+        """The length tensor (0 before the buffer exists)."""
+        return 0 if self._tracker.tensor is None else self._tracker.tensor
+
     def mask_key(self, new_tokens: int) -> Hashable:
         """The whole ring: the same for every layer and position."""
         return ("ring-compiled", self.capacity, new_tokens)

@@ -147,6 +147,10 @@ class CompiledStaticLayer(StaticLayer):
         super()._allocate(key_shape, value_shape, dtype, device)
         self._tracker.bind(device)
 
+    def start_position(self) -> int | torch.Tensor:
+        """The length tensor (0 before the buffer exists)."""
+        return 0 if self._tracker.tensor is None else self._tracker.tensor
+
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H_kv, T_new, D) at the tensor position; return the whole buffer."""
         self._check_and_allocate(k, v)

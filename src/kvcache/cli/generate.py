@@ -15,10 +15,7 @@ from pathlib import Path
 
 from kvcache.cli._args import positive_int
 from kvcache.defaults import resolve_model_dir
-
-# make_cache's kinds ("quantized": int8 with its defaults; "none": keep nothing, recompute)
-CACHE_CHOICES = ("dynamic", "static", "sliding", "paged", "quantized", "none")
-BACKEND_CHOICES = ("auto", "numpy", "torch")
+from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +27,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     text.add_argument("--prompt", help="plain text to continue")
     text.add_argument("--chat", help="a user message, wrapped in the checkpoint's chat template")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
-    parser.add_argument("--cache", choices=CACHE_CHOICES, default="dynamic", help="default dynamic")
+    parser.add_argument("--cache", choices=CACHE_KINDS, default="dynamic", help="default dynamic")
     parser.add_argument(
         "--compare-nocache",
         action="store_true",
@@ -47,7 +44,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument(
         "--backend",
-        choices=BACKEND_CHOICES,
+        choices=BACKEND_NAMES,
         default="auto",
         help="what runs the decode steps: the numpy step (float32 on CPU), the model's torch "
         "forward, or auto: numpy where it applies, else torch (default)",

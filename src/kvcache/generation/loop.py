@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.backends import DecodeBackend, choose_backend
+from kvcache.backends.torch_step import last_logits
 from kvcache.cache import Cache, make_cache
 from kvcache.generation.sampling import choose_next
 from kvcache.generation.settings import GenerationSettings
@@ -40,21 +41,15 @@ class GenerationResult:
     time_to_first_token_s: float = 0.0  # prefill + choosing the first token
     decode_time_s: float = 0.0  # from the first token to the last
     decode_steps: int = 0  # forwards after the prefill (tokens per row after the first)
-    backend: str = ""  # what ran the decode steps: a backend's name, or "torch" (whole sequences)
+    # what ran the decode steps: a backend's name, "torch" for whole sequences again (a cache that
+    # keeps nothing), "none" when no decode step ran
+    backend: str = "none"
     cache: Cache | None = field(default=None, repr=False)  # the cache, holding the context
 
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens per second per row after the first token (batch rows run in parallel)."""
         return self.decode_steps / self.decode_time_s if self.decode_time_s > 0 else 0.0
-
-
-def _forward_last(model, input_ids, attention_mask, cache) -> torch.Tensor:
-    """(B, vocab) float logits of the last position after running input_ids (B, T) on cache."""
-    out = model(
-        input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
-    )
-    return out.logits[:, -1].float()
 
 
 def _unheld(ids: torch.Tensor, end: int, cache: Cache, past: int) -> torch.Tensor:
@@ -67,10 +62,16 @@ def prefill(model, input_ids, attention_mask, cache: Cache, chunk_size: int | No
     once); return the last position's logits (B, vocab). attention_mask: (B, past + T) or None."""
     past = cache.get_seq_length()
     length = input_ids.shape[1]
-    for end in [*range(chunk_size or length, length, chunk_size or length), length]:
+    end = min(chunk_size or length, length)
+    while True:
         mask = None if attention_mask is None else attention_mask[:, : past + end]
-        logits = _forward_last(model, _unheld(input_ids, end, cache, past), mask, cache)
-    return logits
+        logits = last_logits(model, _unheld(input_ids, end, cache, past), mask, cache)
+        if end == length:
+            return logits
+        # a cache that kept nothing of the chunk (NoCache) would re-run it with every later
+        # chunk: the rest goes in one forward
+        assert chunk_size is not None
+        end = length if cache.get_seq_length() - past < end else min(end + chunk_size, length)
 
 
 def decode_step(
@@ -80,7 +81,7 @@ def decode_step(
     row on the backend, several (a cache that keeps nothing) on the model's forward."""
     if new_ids.shape[1] == 1:
         return backend.decode(new_ids, cache, attention_mask)
-    return _forward_last(model, new_ids, attention_mask, cache)
+    return last_logits(model, new_ids, attention_mask, cache)
 
 
 def resolve_eos(model, eos_token_id, tokenizer=None) -> tuple[int, ...]:
@@ -132,6 +133,9 @@ def stream_generate(
     The model must not change while a call runs (its backend was built from it).
     """
     options = GenerationSettings(**settings)
+    # built once per model and kept (its weights are packed), outside the loop's inference mode;
+    # like loading, not part of the time to first token
+    backend = choose_backend(model, backend)
     return _steps(model, input_ids, attention_mask, cache, backend, tokenizer, generator, options)
 
 
@@ -159,11 +163,8 @@ def generate(
 def _steps(
     model, input_ids, attention_mask, cache, backend, tokenizer, generator, options: GenerationSettings
 ):
-    input_ids, attention_mask = _check_inputs(model, input_ids, attention_mask)
-    # built once per model and kept (its weights are packed): like loading, not part of the
-    # time to first token
-    backend = choose_backend(model, backend)
     started = time.perf_counter()
+    input_ids, attention_mask = _check_inputs(model, input_ids, attention_mask)
     if options.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to read the generated text")
     eos_ids = resolve_eos(model, options.eos_token_id, tokenizer)
@@ -179,7 +180,7 @@ def _steps(
     ids[:, :prompt_length] = input_ids
     stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer)
     sampling = options.sampling
-    ran = backend.name
+    ran = "none"  # no decode step yet
 
     logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size)
     first_token_at = decode_started = time.perf_counter()

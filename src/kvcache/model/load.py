@@ -194,7 +194,7 @@ def load_model(
         model = LlamaForCausalLM(config)
     model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(device)
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
-    del state  # the model holds the tensors now; fusing below frees the unfused ones layer by layer
+    del state  # the model holds the tensors now
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     left_empty = [name for name, param in model.named_parameters() if param.is_meta]

@@ -1,10 +1,9 @@
 """Reading tensors out of a .safetensors file with plain reads, into memory this process owns.
 
 Why not `safe_open(...).get_tensor`: it returns views of a memory map of the file, which keeps
-the whole mapping alive (and resident) as long as one tensor does. After fusing q/k/v and
-gate/up (copies), the file's pages of the unfused originals stayed resident beside them: the
-~125M model peaked near 1.0 GB where its weights are 0.5 GB. Here every tensor is read with
-`readinto` into a tensor allocated for it, in file order, and nothing maps the file.
+the whole mapping alive (and resident) as long as one tensor does, beside every copy made from
+those tensors later. Here every tensor is read with `readinto` into a tensor allocated for it,
+in file order, and nothing maps the file.
 
 The header is the format's own (8-byte little-endian length, JSON, raw little-endian data).
 Sizes are validated before anything is allocated: the header length against the file size, each

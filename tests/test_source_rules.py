@@ -1,0 +1,49 @@
+"""Rules the source keeps: the model and the cache talk through one seam with no capability
+probes, docstrings say what and why (measured figures live in benchmarks/results and docs), files
+stay small, and nothing points outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import kvcache
+
+SOURCE = Path(kvcache.__file__).resolve().parent
+FILES = sorted(SOURCE.rglob("*.py"))
+# probes for optional capabilities and checks of which methods a subclass overrode
+PROBES = re.compile(r"type\((self|model)\)\.\w+ is|getattr\(type\(|getattr\(cache|dict\(locals\(\)\)")
+# a measured figure: a number with a unit of time, speed or bandwidth
+FIGURE = re.compile(r"\d+(\.\d+)?\s*(µs|ms\b|GB/s|tokens/s|tok/s)")
+
+
+def test_no_capability_probes_or_override_checks():
+    found = [f"{path.relative_to(SOURCE)}:{number}" for path in FILES
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if PROBES.search(line)]
+    assert not found, found
+
+
+def test_docstrings_carry_no_measured_figures():
+    found = []
+    for path in FILES:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node) or ""
+                found += [f"{path.relative_to(SOURCE)}: {m.group(0)!r}" for m in FIGURE.finditer(text)]
+    assert not found, found
+
+
+def test_source_files_stay_small():
+    large = {str(path.relative_to(SOURCE)): n for path in FILES
+             if (n := len(path.read_text(encoding="utf-8").splitlines())) > 400}
+    assert not large, large
+
+
+def test_nothing_points_outside_the_repository():
+    root = SOURCE.parents[1]
+    texts = [*FILES, root / "README.md", *(root / "docs").glob("*.md")]
+    outside = re.compile(r"PERF-NOTES|\.\./shared/")
+    found = [str(path) for path in texts if outside.search(path.read_text(encoding="utf-8"))]
+    assert not found, found
