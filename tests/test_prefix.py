@@ -8,8 +8,9 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 from kvcache.cache import PagedCache, make_cache
+from kvcache.cache.paged_rows import prefill_inputs
 from kvcache.generation import generate
-from kvcache.prefix import ChatSession, PrefixCache, prefill_inputs
+from kvcache.prefix import ChatSession, PrefixCache
 
 BLOCK = 4
 

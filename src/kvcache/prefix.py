@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvcache.cache.paged import PagedCache
+from kvcache.cache.paged_rows import prefill_inputs
 from kvcache.generation import GenerationResult, generate
 
 
@@ -43,29 +44,6 @@ class PrefixResult:
 def new_cache(model, num_blocks: int, block_size: int = 16) -> PagedCache:
     """A PagedCache for `model` (its layers, heads, dtype and device)."""
     return PagedCache(num_blocks, block_size, config=model.config, dtype=model.dtype, device=model.device)
-
-
-def prefill_inputs(cache: PagedCache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) that run `prompts` (one per row, the tokens not yet in the
-    cache) on top of what each row holds: input_ids (B, T) left-padded, attention_mask
-    (B, columns + T) with 1 for every held and new token, left-padded too."""
-    columns = cache.get_seq_length()
-    lengths = cache.row_lengths
-    if len(prompts) != len(lengths):
-        raise ValueError(f"{len(prompts)} prompts for a cache of {len(lengths)} rows")
-    width = max(len(prompt) for prompt in prompts)
-    if width == 0:
-        raise ValueError("every prompt is empty: give each row at least one new token")
-    device = cache.device
-    input_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-    attention_mask = torch.zeros((len(prompts), columns + width), dtype=torch.long, device=device)
-    for row, (prompt, held) in enumerate(zip(prompts, lengths)):
-        if not prompt:
-            raise ValueError(f"prompt {row} is empty: each row needs at least one new token")
-        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        attention_mask[row, columns - held : columns] = 1
-        attention_mask[row, columns + width - len(prompt) :] = 1
-    return input_ids, attention_mask
 
 
 class PrefixCache:

@@ -147,6 +147,16 @@ class BlockAllocator:
         """Tokens at the start of `token_ids` that `add_sequence` would attach (changes nothing)."""
         return len(self._match([int(t) for t in token_ids])) * self.block_size
 
+    def prefix_cost(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """(tokens `add_sequence` would attach, how many of those blocks no sequence uses now: attaching
+        takes them out of the blocks a new allocation may evict). Changes nothing."""
+        found = self._match([int(t) for t in token_ids])
+        return len(found) * self.block_size, sum(1 for block, _ in found if self.ref_counts[block] == 0)
+
+    def unshared_blocks(self, seq_id: Hashable) -> int:
+        """Blocks of `seq_id` that no other sequence holds (what freeing it gives back)."""
+        return sum(1 for block in self.sequence(seq_id).table if self.ref_counts[block] == 1)
+
     def _match(self, token_ids: list[int]) -> list[tuple[int, bytes]]:
         size = self.block_size
         usable = (len(token_ids) - 1) // size if token_ids else 0  # keep >= 1 token to compute

@@ -19,7 +19,6 @@ avoids by reading the blocks in place); a single row whose blocks are consecutiv
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -31,19 +30,10 @@ from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheShapeError
 from .paged_layer import PagedLayer
 from .paged_plan import plan_forward
+from .paged_rows import RowState, read_row, write_row
 from .paged_storage import Step
 
 __all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer", "RowState"]
-
-
-@dataclass
-class RowState:
-    """One row of a PagedCache read out: its token ids and, per layer, its keys (T, H_kv, D) and
-    values (T, H_kv, D_v) in position order (T = len(token_ids))."""
-
-    token_ids: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
 
 
 class PagedCache(Cache):
@@ -262,70 +252,26 @@ class PagedCache(Cache):
             )
         return layer.write_and_gather(k, v, step)
 
-    # ---- a row out and back in ----------------------------------------------------------------
-    def row_state(self, row: int) -> RowState:
-        """Row `row`'s token ids and keys and values (copies, in position order). Every position
-        it holds needs its token id declared (`add_sequence`, `declare_tokens`)."""
-        seq = self._row_seq(row)
-        state = self.allocator.sequence(seq)
-        tokens = state.num_tokens
-        if tokens == 0:
-            raise CacheShapeError(f"row {row} holds no tokens")
-        if len(state.token_ids) < tokens:
-            raise CacheShapeError(
-                f"row {row} holds {tokens} tokens but only {len(state.token_ids)} token ids are "
-                f"declared; declare them (declare_tokens) first"
-            )
-        slots = torch.tensor(self.allocator.slots(seq, 0, tokens), dtype=torch.long, device=self.device)
-        read = [layer.read_slots(slots) for layer in self.layers]
-        return RowState(list(state.token_ids[:tokens]), [k for k, _ in read], [v for _, v in read])
+    # ---- a row out and back in (prompt-cache files), and views for batched forwards -------------
+    row_state = read_row
+    load_row_state = write_row
 
-    def load_row_state(self, state: RowState) -> int:
-        """Add a row holding `state` (its full blocks hashed, so prompts that start with these
-        tokens find them); return its index. Shapes, dtypes and free blocks are checked before
-        anything is allocated or written (CacheShapeError, CacheDtypeError, OutOfBlocksError),
-        so a refused state leaves the cache as it was."""
-        tokens = len(state.token_ids)
-        if tokens == 0 or len(state.keys) != len(self.layers) or len(state.values) != len(self.layers):
-            raise CacheShapeError(
-                f"a row state needs >= 1 token and keys and values for {len(self.layers)} layers; got "
-                f"{tokens} tokens, {len(state.keys)} keys, {len(state.values)} values"
-            )
-        first_keys, first_values = state.keys[0], state.values[0]
-        for index, (layer, keys, values) in enumerate(zip(self.layers, state.keys, state.values)):
-            if keys.dim() != 3 or values.dim() != 3 or keys.shape[0] != tokens or values.shape[0] != tokens:
-                raise CacheShapeError(
-                    f"layer {index}: keys and values must be (tokens={tokens}, kv_heads, head_dim), got "
-                    f"{tuple(keys.shape)} and {tuple(values.shape)}"
-                )
-            if (keys.shape[1:], values.shape[1:], keys.dtype, values.dtype) != (
-                first_keys.shape[1:], first_values.shape[1:], first_keys.dtype, first_values.dtype
-            ):
-                raise CacheShapeError(
-                    f"layer {index}: keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} "
-                    f"{values.dtype} differ from layer 0's {tuple(first_keys.shape)} {first_keys.dtype} and "
-                    f"{tuple(first_values.shape)} {first_values.dtype}"
-                )
-            layer.check_layout(keys.shape[1], keys.shape[2], values.shape[2], keys.dtype,
-                               f"the state's layer {index} keys and values")
-        needed = self.allocator.blocks_for(tokens)
-        if needed > self.allocator.num_allocatable:
-            raise OutOfBlocksError(needed, self.allocator.num_allocatable, self.num_blocks)
-        device = self.device
-        pool = (self.num_blocks, self.block_size)
-        for layer in self.layers:
-            if layer._keys is None:  # a cache built without dtype: storage from the state
-                layer.allocate((*pool, *first_keys.shape[1:]), (*pool, *first_values.shape[1:]),
-                               first_keys.dtype, device)
-        self.add_sequence(state.token_ids, reuse_prefix=False)
-        seq = self.rows[-1]
-        self.allocator.reserve([seq], [tokens])
-        slots = torch.tensor(self.allocator.slots(seq, 0, tokens), dtype=torch.long, device=device)
-        for layer, keys, values in zip(self.layers, state.keys, state.values):
-            layer.write_slots(slots, keys, values)
-        self.allocator.commit(seq, tokens)
-        self._set_columns(max(self.get_seq_length(), tokens))
-        return len(self.rows) - 1
+    def view(self, rows: Sequence[int]) -> PagedCache:
+        """A cache of rows `rows` (indices, in that order) over the same blocks: a forward through it
+        reads and writes those rows' blocks, each row at its own length. The engine runs decode rows
+        and prefill chunks as separate forwards this way. Rows are added, dropped and declared on
+        this cache; the view is for forwards (its columns start at its longest row)."""
+        if self.layers and self.layers[0]._keys is None:
+            raise CacheShapeError("a view needs the blocks allocated: build the PagedCache with its dtype")
+        seqs = [self._row_seq(row) for row in rows]
+        view = PagedCache.__new__(PagedCache)
+        view.allocator, view.rows, view._seq_ids = self.allocator, seqs, self._seq_ids
+        view._step, view._step_counter = None, 0
+        Cache.__init__(view, [PagedLayer(view) for _ in self.layers], device=self._device)
+        for mine, theirs in zip(view.layers, self.layers):
+            mine._keys, mine._values = theirs._keys, theirs._values
+        view._set_columns(max(view.row_lengths, default=0))
+        return view
 
     # ---- whole-cache operations ----------------------------------------------------------------
     def crop(self, max_length: int) -> None:

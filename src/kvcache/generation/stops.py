@@ -1,10 +1,35 @@
-"""When each row of a generation stops: an EOS token, a stop string in its new text, or length."""
+"""When a sequence stops: an EOS token, a stop string in its new text, or length."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+
+class StopRule:
+    """The stop conditions of one sequence: EOS ids, and stop strings (read with `tokenizer`)."""
+
+    def __init__(
+        self, eos_ids: Sequence[int], stop_strings: Sequence[str] | None = None, tokenizer=None
+    ) -> None:
+        self.eos = {int(token) for token in eos_ids}  # ints (0-d tensors would hash by identity)
+        self.stop_strings = list(stop_strings or ())
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to read the generated text")
+        self.tokenizer = tokenizer
+        # enough tokens to spell any stop string (a token is at least one character)
+        self.window = max((len(stop) for stop in self.stop_strings), default=0) + 8
+
+    def reason(self, new_tokens: list[int]) -> str | None:
+        """ "eos" or "stop_string" when the newest of `new_tokens` stops the sequence, else None."""
+        if new_tokens[-1] in self.eos:
+            return "eos"
+        if self.stop_strings:
+            text = self.tokenizer.decode(new_tokens[-self.window :])
+            if any(stop in text for stop in self.stop_strings):
+                return "stop_string"
+        return None
 
 
 class Stops:
@@ -19,10 +44,8 @@ class Stops:
         stop_strings: Sequence[str] | None,
         tokenizer,
     ) -> None:
-        self.eos = {int(token) for token in eos_ids}  # ints (0-d tensors would hash by identity)
+        self.rule = StopRule(eos_ids, stop_strings, tokenizer)
         self.pad_token_id = pad_token_id
-        self.stop_strings = list(stop_strings or ())
-        self.tokenizer = tokenizer
         self.finished = [False] * batch
         self.reasons = ["length"] * batch
         self.new_tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -42,14 +65,7 @@ class Stops:
             if self.finished[row]:
                 continue
             self.new_tokens[row].append(token)
-            if token in self.eos:
-                self.reasons[row], self.finished[row] = "eos", True
-            elif self.stop_strings and self._ends_with_stop(self.new_tokens[row]):
-                self.reasons[row], self.finished[row] = "stop_string", True
+            reason = self.rule.reason(self.new_tokens[row])
+            if reason is not None:
+                self.reasons[row], self.finished[row] = reason, True
         return chosen
-
-    def _ends_with_stop(self, tokens: list[int]) -> bool:
-        """Whether the text of the newest tokens contains a stop string (checked every step)."""
-        longest = max(len(stop) for stop in self.stop_strings)
-        text = self.tokenizer.decode(tokens[-(longest + 8) :])  # enough tokens to spell any stop string
-        return any(stop in text for stop in self.stop_strings)

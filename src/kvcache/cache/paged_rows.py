@@ -1,0 +1,121 @@
+"""PagedCache rows: one read out and put back (its token ids and its keys and values per layer, in
+position order: `PagedCache.row_state` / `load_row_state`, what prompt-cache files use), and the
+inputs that run new tokens on top of what each row holds (`prefill_inputs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import OutOfBlocksError
+from .errors import CacheShapeError
+
+
+@dataclass
+class RowState:
+    """One row of a PagedCache read out: its token ids and, per layer, its keys (T, H_kv, D) and
+    values (T, H_kv, D_v) in position order (T = len(token_ids))."""
+
+    token_ids: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def read_row(cache, row: int) -> RowState:
+    """Row `row`'s token ids and keys and values (copies, in position order). Every position
+    it holds needs its token id declared (`add_sequence`, `declare_tokens`)."""
+    seq = cache._row_seq(row)
+    state = cache.allocator.sequence(seq)
+    tokens = state.num_tokens
+    if tokens == 0:
+        raise CacheShapeError(f"row {row} holds no tokens")
+    if len(state.token_ids) < tokens:
+        raise CacheShapeError(
+            f"row {row} holds {tokens} tokens but only {len(state.token_ids)} token ids are "
+            f"declared; declare them (declare_tokens) first"
+        )
+    slots = torch.tensor(cache.allocator.slots(seq, 0, tokens), dtype=torch.long, device=cache.device)
+    read = [layer.read_slots(slots) for layer in cache.layers]
+    return RowState(list(state.token_ids[:tokens]), [k for k, _ in read], [v for _, v in read])
+
+
+def write_row(cache, state: RowState) -> int:
+    """Add a row holding `state` (its full blocks hashed, so prompts that start with these
+    tokens find them); return its index. Shapes, dtypes and free blocks are checked before
+    anything is allocated or written (CacheShapeError, CacheDtypeError, OutOfBlocksError),
+    so a refused state leaves the cache as it was."""
+    tokens = len(state.token_ids)
+    if tokens == 0 or len(state.keys) != len(cache.layers) or len(state.values) != len(cache.layers):
+        raise CacheShapeError(
+            f"a row state needs >= 1 token and keys and values for {len(cache.layers)} layers; got "
+            f"{tokens} tokens, {len(state.keys)} keys, {len(state.values)} values"
+        )
+    first_keys, first_values = state.keys[0], state.values[0]
+    for index, (layer, keys, values) in enumerate(zip(cache.layers, state.keys, state.values)):
+        if keys.dim() != 3 or values.dim() != 3 or keys.shape[0] != tokens or values.shape[0] != tokens:
+            raise CacheShapeError(
+                f"layer {index}: keys and values must be (tokens={tokens}, kv_heads, head_dim), got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        if (keys.shape[1:], values.shape[1:], keys.dtype, values.dtype) != (
+            first_keys.shape[1:],
+            first_values.shape[1:],
+            first_keys.dtype,
+            first_values.dtype,
+        ):
+            raise CacheShapeError(
+                f"layer {index}: keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} "
+                f"{values.dtype} differ from layer 0's {tuple(first_keys.shape)} {first_keys.dtype} and "
+                f"{tuple(first_values.shape)} {first_values.dtype}"
+            )
+        layer.check_layout(
+            keys.shape[1],
+            keys.shape[2],
+            values.shape[2],
+            keys.dtype,
+            f"the state's layer {index} keys and values",
+        )
+    needed = cache.allocator.blocks_for(tokens)
+    if needed > cache.allocator.num_allocatable:
+        raise OutOfBlocksError(needed, cache.allocator.num_allocatable, cache.num_blocks)
+    device = cache.device
+    pool = (cache.num_blocks, cache.block_size)
+    for layer in cache.layers:
+        if layer._keys is None:  # a cache built without dtype: storage from the state
+            layer.allocate(
+                (*pool, *first_keys.shape[1:]), (*pool, *first_values.shape[1:]), first_keys.dtype, device
+            )
+    cache.add_sequence(state.token_ids, reuse_prefix=False)
+    seq = cache.rows[-1]
+    cache.allocator.reserve([seq], [tokens])
+    slots = torch.tensor(cache.allocator.slots(seq, 0, tokens), dtype=torch.long, device=device)
+    for layer, keys, values in zip(cache.layers, state.keys, state.values):
+        layer.write_slots(slots, keys, values)
+    cache.allocator.commit(seq, tokens)
+    cache._set_columns(max(cache.get_seq_length(), tokens))
+    return len(cache.rows) - 1
+
+
+def prefill_inputs(cache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) that run `prompts` (one per row, the tokens not yet in the
+    cache) on top of what each row holds: input_ids (B, T) left-padded, attention_mask
+    (B, columns + T) with 1 for every held and new token, left-padded too."""
+    columns = cache.get_seq_length()
+    lengths = cache.row_lengths
+    if len(prompts) != len(lengths):
+        raise ValueError(f"{len(prompts)} prompts for a cache of {len(lengths)} rows")
+    width = max(len(prompt) for prompt in prompts)
+    if width == 0:
+        raise ValueError("every prompt is empty: give each row at least one new token")
+    device = cache.device
+    input_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    attention_mask = torch.zeros((len(prompts), columns + width), dtype=torch.long, device=device)
+    for row, (prompt, held) in enumerate(zip(prompts, lengths)):
+        if not prompt:
+            raise ValueError(f"prompt {row} is empty: each row needs at least one new token")
+        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, columns - held : columns] = 1
+        attention_mask[row, columns + width - len(prompt) :] = 1
+    return input_ids, attention_mask
