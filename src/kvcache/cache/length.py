@@ -44,3 +44,31 @@ class LengthTracker:
         assert self.tensor is not None
         self.tensor.add_(new_tokens)
         self._stale = True
+
+
+class LengthInTensor:
+    """What a compiled fixed-capacity layer puts before its eager class (`class
+    CompiledStaticLayer(LengthInTensor, StaticLayer)`): the eager class's `_length` becomes a
+    `LengthTracker`, bound to the buffer's device when the buffer is allocated, and the next
+    token's position is the length tensor."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._tracker = LengthTracker()  # before the buffer is allocated (it binds the tensor)
+        super().__init__(*args, **kwargs)
+
+    @property
+    def _length(self) -> int:
+        """Tokens seen, as a Python int (eager reads only: may read the tensor back once)."""
+        return self._tracker.get()
+
+    @_length.setter
+    def _length(self, length: int) -> None:
+        self._tracker.set(length)
+
+    def _allocate(self, key_shape, value_shape, dtype, device) -> None:
+        super()._allocate(key_shape, value_shape, dtype, device)  # type: ignore[misc]
+        self._tracker.bind(device)
+
+    def start_position(self) -> int | torch.Tensor:
+        """The length tensor (0 before the buffer exists)."""
+        return 0 if self._tracker.tensor is None else self._tracker.tensor

@@ -22,7 +22,7 @@ from .checks import check_crop
 from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheCropError
 from .fixed import FixedCapacityLayer
-from .length import LengthTracker
+from .length import LengthInTensor
 
 
 def ring_positions(last: int | torch.Tensor, capacity: int, slots: torch.Tensor) -> torch.Tensor:
@@ -220,31 +220,10 @@ class SlidingWindowLayer(FixedCapacityLayer):
             )
 
 
-class CompiledSlidingWindowLayer(SlidingWindowLayer):
+class CompiledSlidingWindowLayer(LengthInTensor, SlidingWindowLayer):
     """A SlidingWindowLayer for torch.compile: `update` returns the whole ring (a chunk: the
     ring, then the chunk) and the length lives in a 0-d tensor, so a compiled step does not
     specialise on the position. Rows of slots never written sit at negative positions (masked)."""
-
-    def __init__(self, window: int, **options) -> None:
-        self._tracker = LengthTracker()  # before the buffer is allocated (it binds the tensor)
-        super().__init__(window, **options)
-
-    @property
-    def _length(self) -> int:  # type: ignore[override]
-        """Tokens seen, as a Python int (eager reads only: may read the tensor back once)."""
-        return self._tracker.get()
-
-    @_length.setter
-    def _length(self, length: int) -> None:
-        self._tracker.set(length)
-
-    def _allocate(self, key_shape, value_shape, dtype, device) -> None:
-        super()._allocate(key_shape, value_shape, dtype, device)
-        self._tracker.bind(device)
-
-    def start_position(self) -> int | torch.Tensor:
-        """The length tensor (0 before the buffer exists)."""
-        return 0 if self._tracker.tensor is None else self._tracker.tensor
 
     def mask_key(self, new_tokens: int) -> Hashable:
         """The whole ring: the same for every layer and position."""

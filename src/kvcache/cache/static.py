@@ -20,7 +20,7 @@ from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheOverflowError
 from .fixed import FixedCapacityLayer
 from .layer import CacheLayer, is_compiling
-from .length import LengthTracker
+from .length import LengthInTensor
 from .sliding import CompiledSlidingWindowLayer, SlidingWindowLayer
 
 
@@ -122,34 +122,13 @@ class StaticLayer(FixedCapacityLayer):
         self._length = min(self._length, max_length)
 
 
-class CompiledStaticLayer(StaticLayer):
+class CompiledStaticLayer(LengthInTensor, StaticLayer):
     """A StaticLayer for torch.compile: `update` returns the whole buffer (B, H_kv,
     max_cache_len, D) and the length lives in a 0-d tensor (see the module docstring).
 
     Eager code (a prefill) may use it too; it then checks for overflow, which compiled code
     cannot do without reading the length back to the host.
     """
-
-    def __init__(self, max_cache_len: int, **sizes) -> None:
-        self._tracker = LengthTracker()  # before the buffer is allocated (it binds the tensor)
-        super().__init__(max_cache_len, **sizes)
-
-    @property
-    def _length(self) -> int:  # type: ignore[override]
-        """Tokens seen, as a Python int (eager reads only: may read the tensor back once)."""
-        return self._tracker.get()
-
-    @_length.setter
-    def _length(self, length: int) -> None:
-        self._tracker.set(length)
-
-    def _allocate(self, key_shape, value_shape, dtype, device) -> None:
-        super()._allocate(key_shape, value_shape, dtype, device)
-        self._tracker.bind(device)
-
-    def start_position(self) -> int | torch.Tensor:
-        """The length tensor (0 before the buffer exists)."""
-        return 0 if self._tracker.tensor is None else self._tracker.tensor
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H_kv, T_new, D) at the tensor position; return the whole buffer."""
