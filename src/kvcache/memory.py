@@ -213,6 +213,13 @@ def paged_kv_cache_bytes(shape: KVShape, seq_len: int, block_size: int, batch: i
     return batch * blocks_for_tokens(seq_len, block_size) * paged_block_bytes(shape, block_size, dtype)
 
 
+def paged_blocks_in_budget(shape: KVShape, budget_bytes: int, block_size: int, dtype: str = "float16") -> int:
+    """Whole blocks of `block_size` tokens (every layer's keys and values) that fit in
+    `budget_bytes`: the pool a paged cache or the engine builds for that budget."""
+    _check_sizes(budget_bytes=budget_bytes)
+    return budget_bytes // paged_block_bytes(shape, block_size, dtype)
+
+
 def max_paged_sequences(shape: KVShape, budget_bytes: int, seq_len: int, block_size: int,
                         dtype: str = "float16") -> int:
     """How many sequences of `seq_len` tokens a pool of blocks filling `budget_bytes` holds at once

@@ -48,7 +48,10 @@ def check_kv_pair(k: torch.Tensor, v: torch.Tensor, layer_idx: int | None = None
 def check_batch_index(
     indices: torch.Tensor | Sequence[int], batch: int, device: torch.device
 ) -> torch.Tensor:
-    """Return `indices` as a 1-D long tensor on `device`; raise unless each is in [0, batch)."""
+    """Return `indices` as a 1-D long tensor on `device`; raise unless each is in [0, batch).
+    An empty list keeps no row."""
+    if not isinstance(indices, torch.Tensor) and len(indices) == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
     index = torch.as_tensor(indices, device=device)
     if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
         raise CacheShapeError(

@@ -14,6 +14,7 @@ from kvcache.memory import (
     max_paged_sequences,
     max_sequences,
     max_tokens,
+    paged_blocks_in_budget,
     paged_kv_cache_bytes,
     parse_size,
 )
@@ -115,6 +116,8 @@ def _paged(shape: KVShape, args: argparse.Namespace) -> dict:
         "paged_rounding_bytes_per_sequence": per_sequence - shape.bytes(args.tokens, 1, args.dtype),
     }
     if args.budget is not None:
+        figures["paged_blocks_in_budget"] = paged_blocks_in_budget(
+            shape, args.budget, args.block_size, args.dtype)
         figures["max_paged_sequences_of_tokens"] = max_paged_sequences(
             shape, args.budget, args.tokens, args.block_size, args.dtype)
     return figures
@@ -127,5 +130,5 @@ def _print_paged(result: dict, args: argparse.Namespace) -> None:
           f"{result['paged_rounding_bytes_per_sequence']:,} B unused in its last block); batch of "
           f"{args.batch}: {result['paged_bytes']:,} B")
     if args.budget is not None:
-        print(f"  paged, in a budget of {format_bytes(args.budget)}: sequences of {args.tokens:,} tokens: "
-              f"{result['max_paged_sequences_of_tokens']:,}")
+        print(f"  paged, in a budget of {format_bytes(args.budget)}: {result['paged_blocks_in_budget']:,} "
+              f"blocks; sequences of {args.tokens:,} tokens: {result['max_paged_sequences_of_tokens']:,}")

@@ -1,0 +1,25 @@
+"""The serving engine: continuous batching over one paged KV pool, with prefix sharing across
+requests (`Engine`), its pure scheduler (`schedule`), per-request sampling (`SamplingParams`) and
+what a request gives back (`RequestHandle`, `Completion`, `Usage`)."""
+
+from kvcache.engine.engine import Engine
+from kvcache.engine.metrics import EngineMetrics
+from kvcache.engine.params import RequestError, SamplingParams
+from kvcache.engine.request import FINISH_REASONS, Completion, RequestHandle, Usage
+from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq, schedule
+
+__all__ = [
+    "FINISH_REASONS",
+    "Completion",
+    "Engine",
+    "EngineMetrics",
+    "Limits",
+    "Plan",
+    "RequestError",
+    "RequestHandle",
+    "RunningSeq",
+    "SamplingParams",
+    "Usage",
+    "WaitingSeq",
+    "schedule",
+]

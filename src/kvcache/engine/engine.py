@@ -1,0 +1,393 @@
+"""The serving engine: requests in, token streams out, over one paged KV pool.
+
+    engine = Engine(model, tokenizer, kv_budget="256MiB", max_running=16)
+    handle = engine.submit("Once upon a time", max_tokens=32)    # or token ids, or chat messages
+    for token in handle: ...                                      # tokens as they are made
+    handle.result().finish_reason, handle.result().usage
+
+Each `step()` asks the scheduler (`engine.scheduler`, a pure function) for a plan, then runs ONE
+batched decode forward on the backend over every decoding row (each row at its own length in the
+pool, the weights read once for all of them) and one prefill forward over the planned prompt
+chunks, samples each request's next token with its own settings and generator, and retires the
+finished (their blocks freed; full blocks stay cached, found by later prompts that start the same
+way). A request whose decode step finds no block is preempted: its row is freed and it is
+recomputed later from its tokens, attaching whatever of them is still cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvcache.backends import choose_backend
+from kvcache.backends.torch_step import last_logits
+from kvcache.cache import PagedCache
+from kvcache.cache.paged_rows import prefill_inputs
+from kvcache.engine.metrics import EngineMetrics
+from kvcache.engine.params import RequestError, SamplingParams
+from kvcache.engine.request import Completion, Request, RequestHandle
+from kvcache.engine.scheduler import Limits, RunningSeq, WaitingSeq, blocks_for, schedule
+from kvcache.generation.sampling import SamplingSettings, choose_next
+from kvcache.generation.stops import StopRule
+from kvcache.geometry import read_geometry
+from kvcache.memory import KVShape, paged_block_bytes, paged_blocks_in_budget, parse_size
+
+
+class Engine:
+    """Continuous batching of many requests over one PagedCache of `kv_budget` bytes (or
+    `num_blocks` blocks) of `block_size` tokens.
+
+    Args:
+        model: a kvcache model; tokenizer: for text and chat prompts and stop strings.
+        backend: the decode step ("auto", "numpy", "torch" or a DecodeBackend).
+        kv_budget: bytes for keys and values (an int, or "256MiB"); the pool holds as many whole
+            blocks as `kvcache.memory` says fit. num_blocks: the pool's size in blocks instead.
+        max_running: sequences holding a row at once. token_budget: tokens one step runs (decode
+            rows and prefill chunks together), so a long prompt is prefilled in chunks while the
+            others keep decoding.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        backend="auto",
+        kv_budget: int | str | None = "256MiB",
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_running: int = 16,
+        token_budget: int = 256,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.shape = KVShape.from_geometry(read_geometry(model.config))
+        self.dtype_name = str(model.dtype).removeprefix("torch.")
+        self.block_bytes = paged_block_bytes(self.shape, block_size, self.dtype_name)
+        if num_blocks is None:
+            budget = parse_size(kv_budget) if isinstance(kv_budget, str) else kv_budget
+            if not isinstance(budget, int) or budget < self.block_bytes:
+                raise RequestError(
+                    f"kv_budget must hold at least one block of {self.block_bytes} bytes, got {kv_budget!r}"
+                )
+            num_blocks = paged_blocks_in_budget(self.shape, budget, block_size, self.dtype_name)
+        self.pool = PagedCache(
+            num_blocks, block_size, config=model.config, dtype=model.dtype, device=model.device
+        )
+        if max_running < 1 or token_budget < max_running:
+            raise RequestError(
+                f"need max_running >= 1 and token_budget >= max_running, got {max_running} and {token_budget}"
+            )
+        self.limits = Limits(block_size, max_running, token_budget)
+        self.backend = choose_backend(model, backend)
+        self.metrics = EngineMetrics()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in the order of self.pool.rows
+        self._incoming: list[Request] = []
+        self._ids = 0
+        self._lock = threading.Lock()  # guards _incoming and _ids (submit may come from any thread)
+        self._step_lock = threading.Lock()
+        self._wake_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # ---- capacity ---------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def capacity(self, tokens: int) -> int:
+        """How many sequences of `tokens` tokens the pool holds at once (no prefix shared)."""
+        return self.num_blocks // blocks_for(tokens, self.limits.block_size)
+
+    # ---- submitting -------------------------------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams | None = None, **fields) -> RequestHandle:
+        """Queue one request; return its handle. prompt: token ids, a text (needs the tokenizer),
+        or chat messages [{"role", "content"}, …] (through the tokenizer's chat template). params,
+        or its fields as keywords (max_tokens=…, temperature=…). Refused with RequestError, and
+        nothing queued, when a field is out of range or the request cannot fit even alone."""
+        params = params if params is not None else SamplingParams(**fields)
+        config = self.model.config
+        params.check(config.vocab_size)
+        ids = self._token_ids(prompt)
+        total = len(ids) + params.max_tokens
+        if total > config.max_position_embeddings:
+            raise RequestError(
+                f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} make {total}, past the "
+                f"model's context of {config.max_position_embeddings}"
+            )
+        if blocks_for(total, self.limits.block_size) > self.num_blocks:
+            raise RequestError(
+                f"the request needs up to {total} tokens; the KV pool holds {self.num_blocks} blocks "
+                f"of {self.limits.block_size} ({self.num_blocks * self.limits.block_size} tokens): "
+                "raise kv_budget"
+            )
+        eos = () if params.ignore_eos else (*config.eos_token_id, *self._tokenizer_eos())
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the engine's tokenizer to read the generated text")
+        rule = StopRule((*eos, *params.stop_token_ids), params.stop, self.tokenizer)
+        with self._lock:
+            request_id = self._ids
+            self._ids += 1
+            handle = RequestHandle(request_id, self)
+            self._incoming.append(Request(request_id, ids, params, rule, handle, arrival=request_id))
+        self.metrics.submitted += 1
+        self._wake()
+        return handle
+
+    def _tokenizer_eos(self) -> tuple[int, ...]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return () if eos is None else (eos,)
+
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise RequestError("a text or chat prompt needs the engine's tokenizer; pass token ids")
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        else:
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not ids:
+            raise RequestError("the prompt holds no tokens: give at least one")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            bad = next(
+                t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)
+            )
+            raise RequestError(f"prompt token ids must be ints in [0, {vocab}), got {bad!r}")
+        return ids
+
+    def stats(self) -> dict:
+        """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
+        allocator = self.pool.allocator
+        m = self.metrics
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting) + len(self._incoming),
+            "preemptions": m.preemptions,
+            "blocks_used": allocator.num_in_use,
+            "blocks_free": allocator.num_free,
+            "blocks_cached": allocator.num_cached,
+            "blocks_total": allocator.num_blocks,
+            "prefix_hit_rate": m.prefix_hit_rate,
+            "prefill_tokens_per_s": m.prefill_tokens_per_s,
+            "decode_tokens_per_s": m.decode_tokens_per_s,
+            "submitted": m.submitted,
+            "finished": dict(m.finished),
+            "generated_tokens": m.generated_tokens,
+        }
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """End `handle`'s request at the next step (finish reason "cancelled")."""
+        handle.cancel()
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one scheduling step; False when there was nothing to do."""
+        with self._step_lock:
+            with self._lock:
+                self.waiting.extend(self._incoming)
+                self._incoming.clear()
+            self._retire(
+                [r for r in (*self.running, *self.waiting) if r.handle.cancel_requested], "cancelled"
+            )
+            if not self.running and not self.waiting:
+                return False
+            plan = schedule(
+                self._running_view(), self._waiting_view(), self.pool.allocator.num_allocatable, self.limits
+            )
+            by_id = {request.id: request for request in (*self.running, *self.waiting)}
+            self._preempt([by_id[i] for i in plan.preempt])
+            self._admit([by_id[i] for i in plan.admit])
+            with torch.inference_mode():
+                self._decode([by_id[i] for i in plan.decode])
+                self._prefill([(by_id[i], count) for i, count in plan.prefill])
+            self._retire([r for r in self.running if r.finish is not None], None)
+            self.metrics.steps += 1
+            return True
+
+    def _running_view(self) -> list[RunningSeq]:
+        allocator = self.pool.allocator
+        return [
+            RunningSeq(
+                r.id,
+                r.arrival,
+                len(r.tokens),
+                r.cached,
+                len(allocator.sequence(seq).table),
+                allocator.unshared_blocks(seq),
+            )
+            for r, seq in zip(self.running, self.pool.rows)
+        ]
+
+    def _waiting_view(self) -> list[WaitingSeq]:
+        seen = []
+        for request in self.waiting:  # only as many as could join: the scheduler stops at the cap
+            if len(seen) >= self.limits.max_running:
+                break
+            prefix, idle = self.pool.allocator.prefix_cost(request.tokens)
+            seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
+        return seen
+
+    def _preempt(self, victims: list[Request]) -> None:
+        if not victims:
+            return
+        self._drop_rows(victims)
+        for request in sorted(victims, key=lambda r: r.arrival, reverse=True):
+            request.cached = 0
+            self.waiting.appendleft(request)  # recomputed first, in arrival order
+        self.metrics.preemptions += len(victims)
+
+    def _admit(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.waiting.remove(request)
+            request.cached = self.pool.add_sequence(request.tokens)
+            if not request.admitted:
+                request.admitted = True
+                request.usage.cached_tokens = request.cached
+                self.metrics.prompt_tokens += len(request.prompt)
+                self.metrics.cached_prompt_tokens += request.cached
+            self.running.append(request)
+
+    def _rows(self, requests) -> list[int]:
+        index = {request.id: row for row, request in enumerate(self.running)}
+        return [index[request.id] for request in requests]
+
+    def _decode(self, requests: list[Request]) -> None:
+        if not requests:
+            return
+        ids = torch.tensor([[r.tokens[-1]] for r in requests], device=self.model.device)  # (B, 1)
+        with self.metrics.timing("decode", len(requests)):
+            logits = self._forward(requests, lambda view: self.backend.decode(ids, view))
+        if logits is not None:
+            for request, row_logits in zip(requests, logits):
+                request.cached += 1
+                self._sample(request, row_logits)
+
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
+        if not chunks:
+            return
+        requests = [request for request, _ in chunks]
+        pieces = [r.tokens[r.cached : r.cached + count] for r, count in chunks]
+
+        def run(view):
+            ids, mask = prefill_inputs(view, pieces)
+            return last_logits(self.model, ids, mask, view)
+
+        with self.metrics.timing("prefill", sum(len(piece) for piece in pieces)):
+            logits = self._forward(requests, run)
+        if logits is not None:
+            for (request, count), row_logits in zip(chunks, logits):
+                request.cached += count
+                if request.cached == len(request.tokens):
+                    self._sample(request, row_logits)
+
+    def _forward(self, requests: list[Request], run: Callable):
+        """run(view) over these requests' rows; on an exception they fail (the others go on)."""
+        try:
+            return run(self.pool.view(self._rows(requests)))
+        except Exception as error:  # noqa: BLE001 (a failed forward fails its requests only)
+            for request in requests:
+                request.finish = ("error", f"{type(error).__name__}: {error}")
+            return None
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> None:
+        """Pick the request's next token from its logits (vocab,), stream it, and decide whether it
+        stopped; an exception here fails this request only."""
+        params = request.params
+        try:
+            settings = SamplingSettings(
+                not params.greedy, params.temperature or 1.0, params.top_k, params.top_p
+            )
+            token = int(choose_next(logits[None].float(), settings, request.generator)[0])
+            request.tokens.append(token)
+            request.token_times.append(self.metrics.now())
+            self.pool.declare_tokens(self._rows([request])[0], [token])
+            request.handle._put_token(token)
+            self.metrics.generated_tokens += 1
+            if request.stop_rule.reason(request.generated) is not None:
+                request.finish = ("stop", None)
+            elif len(request.generated) >= params.max_tokens:
+                request.finish = ("length", None)
+        except Exception as error:  # noqa: BLE001 (a failing sampler or stop check: this request only)
+            request.finish = ("error", f"{type(error).__name__}: {error}")
+
+    def _retire(self, requests: list[Request], reason: str | None) -> None:
+        """Finish these requests (reason, or each one's own) and free their rows."""
+        if not requests:
+            return
+        self._drop_rows([r for r in requests if r in self.running])
+        for request in requests:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            finish, error = (reason, None) if reason is not None else request.finish
+            completion: Completion = request.completion(finish, error)
+            self.metrics.finished[finish] = self.metrics.finished.get(finish, 0) + 1
+            request.handle._finish(completion)
+
+    def _drop_rows(self, requests: list[Request]) -> None:
+        gone = {request.id for request in requests}
+        keep = [row for row, request in enumerate(self.running) if request.id not in gone]
+        self.pool.select(keep)  # the dropped rows' blocks go back; hashed full blocks stay cached
+        self.running = [self.running[row] for row in keep]
+
+    # ---- running many ------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence,
+        params: SamplingParams | None = None,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        **fields,
+    ) -> list[Completion]:
+        """Run every prompt to completion (offline); progress(done, total) after each step that
+        finished some. Every prompt is checked before any is queued."""
+        params = params if params is not None else SamplingParams(**fields)
+        for prompt in prompts:  # refuse a bad batch before queueing any of it
+            self._token_ids(prompt)
+        handles = [self.submit(prompt, params) for prompt in prompts]
+        done = 0
+        while done < len(handles):
+            if not self.running_in_background:
+                self.step()
+            else:
+                handles[done].result()
+            finished = sum(handle.done for handle in handles)
+            if finished != done and progress is not None:
+                progress(finished, len(handles))
+            done = finished
+        return [handle.result() for handle in handles]
+
+    @property
+    def running_in_background(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Run steps on a background thread until `stop()` (handles then wait for it)."""
+        if self.running_in_background:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="kvcache-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the background thread after its current step."""
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.step():
+                self._wake_event.wait(0.05)
+                self._wake_event.clear()
+
+    def _wake(self) -> None:
+        self._wake_event.set()

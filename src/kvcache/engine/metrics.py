@@ -1,0 +1,56 @@
+"""What the engine counts: requests, tokens, preemptions, and the time its forwards take."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineMetrics:
+    """Counters since the engine was made (gauges of the pool: `Engine.stats`)."""
+
+    submitted: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0  # of requests admitted
+    cached_prompt_tokens: int = 0  # of those, attached from the prefix cache
+    generated_tokens: int = 0
+    prefill_tokens: int = 0  # run through prefill forwards (recomputations included)
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    @contextmanager
+    def timing(self, kind: str, tokens: int):
+        """Add the block's seconds and `tokens` to the prefill or decode totals."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            if kind == "prefill":
+                self.prefill_seconds += elapsed
+                self.prefill_tokens += tokens
+            else:
+                self.decode_seconds += elapsed
+                self.decode_tokens += tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from the prefix cache."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0

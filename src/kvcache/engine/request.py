@@ -1,0 +1,155 @@
+"""A request inside the engine, and the handle its submitter holds: tokens as they are made, then a
+finish reason and usage."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.engine.params import SamplingParams
+from kvcache.generation.stops import StopRule
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass
+class Usage:
+    """Tokens of one request: its prompt, how many of those came from the prefix cache (attached,
+    not recomputed) when it was first admitted, and the tokens it made."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A finished request: its new tokens, why it stopped (one of FINISH_REASONS), its usage, and
+    the error message when it failed."""
+
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+    usage: Usage
+    error: str | None = None
+    time_to_first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list, repr=False)  # when each token came
+
+
+class RequestHandle:
+    """What `Engine.submit` returns. Iterate it for the new token ids as they are made; `result()`
+    waits for the Completion; `cancel()` ends the request at the next step (its blocks freed).
+
+    With the engine's background thread running (`Engine.start`) the handle waits for it; without,
+    iterating or `result()` runs the engine's steps itself, so one thread can drive many handles.
+    """
+
+    def __init__(self, request_id: int, engine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._events: queue.Queue = queue.Queue()
+        self._completion: Completion | None = None
+        self.cancel_requested = False
+
+    # ---- the engine's side ----------------------------------------------------------------------
+    def _put_token(self, token: int) -> None:
+        self._events.put(token)
+
+    def _finish(self, completion: Completion) -> None:
+        self._completion = completion
+        self._events.put(completion)
+
+    # ---- the submitter's side -------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the engine to end this request (finish reason "cancelled") at its next step."""
+        self.cancel_requested = True
+        self._engine._wake()
+
+    @property
+    def done(self) -> bool:
+        return self._completion is not None
+
+    def _next_event(self, timeout: float | None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._events.get_nowait()
+            except queue.Empty:
+                pass
+            if not self._engine.running_in_background:
+                if not self._engine.step():
+                    raise RuntimeError("the engine has no work left but this request has not finished")
+                continue
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"request {self.request_id} did not finish in time")
+            try:
+                return self._events.get(timeout=0.1 if remaining is None else min(remaining, 0.1))
+            except queue.Empty:
+                continue
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            event = self._next_event(None)
+            if isinstance(event, Completion):
+                return
+            yield event
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """The Completion, once the request finished (tokens not yet read are skipped)."""
+        while self._completion is None:
+            self._next_event(timeout)
+        return self._completion
+
+
+class Request:
+    """The engine's record of one request: its known tokens (prompt, then generated), how many of
+    them the cache holds, and how it samples and stops."""
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt: list[int],
+        params: SamplingParams,
+        stop_rule: StopRule,
+        handle: RequestHandle,
+        arrival: int,
+    ) -> None:
+        self.id = request_id
+        self.prompt = prompt
+        self.tokens = list(prompt)  # prompt, then every generated token
+        self.params = params
+        self.stop_rule = stop_rule
+        self.handle = handle
+        self.arrival = arrival
+        self.cached = 0  # tokens whose keys and values the cache holds
+        self.usage = Usage(prompt_tokens=len(prompt))
+        self.admitted = False  # once admitted, later admissions are recomputations
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.generator = torch.Generator().manual_seed(seed)
+        self.submitted_at = time.perf_counter()
+        self.token_times: list[float] = []
+        self.finish: tuple[str, str | None] | None = None  # (reason, error) once it stopped
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    def completion(self, reason: str, error: str | None = None) -> Completion:
+        self.usage.completion_tokens = len(self.generated)
+        first = self.token_times[0] - self.submitted_at if self.token_times else None
+        return Completion(
+            self.id,
+            self.prompt,
+            self.generated,
+            reason,
+            self.usage,
+            error,
+            first,
+            [moment - self.submitted_at for moment in self.token_times],
+        )

@@ -1,0 +1,289 @@
+"""The engine on the bundled default model: every greedy request's tokens equal its solo
+`generate` whatever else runs beside it and whenever it arrives (chunked prefill, preemption and
+cancellations included); prefix blocks are shared and counted; the allocator returns to its
+baseline; bad requests are refused at submit; one request's failure stays its own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import kvcache
+from kvcache.engine import Engine, RequestError, SamplingParams
+from kvcache.memory import KVShape, paged_blocks_in_budget
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    return kvcache.load_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return kvcache.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def solo(model):
+    """Greedy solo generate of (prompt ids, max tokens), memoised: the reference of every test."""
+    memo: dict = {}
+
+    def run(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            ids = torch.tensor([prompt])
+            memo[key] = kvcache.generate(model, ids, max_new_tokens=max_tokens, eos_token_id=()).new_tokens[0]
+        return memo[key]
+
+    return run
+
+
+def _assert_baseline(engine: Engine) -> None:
+    """No row left, no block in use, the bookkeeping consistent."""
+    allocator = engine.pool.allocator
+    allocator.check_invariants()
+    assert not engine.running and not engine.waiting and not engine.pool.rows
+    assert allocator.num_in_use == 0 and allocator.num_free + allocator.num_cached == allocator.num_blocks
+
+
+requests = st.lists(
+    st.tuples(
+        st.integers(0, 12),  # the step it arrives at
+        st.lists(st.integers(0, 1023), min_size=1, max_size=48),  # prompt ids
+        st.integers(1, 24),  # max tokens
+        st.none() | st.integers(1, 30),  # cancelled this many steps after it arrived
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=requests,
+    budget=st.sampled_from([8, 24, 64]),
+    blocks=st.sampled_from([12, 40, 200]),
+    shared=st.lists(st.integers(0, 1023), min_size=0, max_size=40),
+)
+def test_each_request_gives_its_solo_tokens_whatever_runs_beside_it(
+    model, solo, batch, budget, blocks, shared
+):
+    """Random arrivals, prompt lengths (some sharing a prefix), max tokens, cancellations, token
+    budgets (chunked prefill) and pool sizes (preemption): greedy tokens equal the solo run, a
+    cancelled request's are a prefix of it, and every block comes back."""
+    engine = Engine(model, num_blocks=blocks, block_size=4, max_running=4, token_budget=budget)
+    batch = [
+        (arrive, shared + prompt, min(max_tokens, 4 * blocks - len(shared + prompt)), cancel)
+        for arrive, prompt, max_tokens, cancel in batch
+        if len(shared + prompt) < 4 * blocks
+    ]
+    batch = [item for item in batch if item[2] >= 1]
+    handles: dict[int, object] = {}
+    step = 0
+    while len(handles) < len(batch) or not all(h.done for h in handles.values()):
+        for index, (arrive, prompt, max_tokens, cancel) in enumerate(batch):
+            if arrive == step and index not in handles:
+                handles[index] = engine.submit(prompt, max_tokens=max_tokens, ignore_eos=True)
+            if cancel is not None and index in handles and step == arrive + cancel:
+                handles[index].cancel()
+        engine.step()
+        step += 1
+        assert step < 5000
+    event(f"preempted: {engine.metrics.preemptions > 0}")
+    event(f"chunked: {any(len(prompt) > budget for _, prompt, _, _ in batch)}")
+    event(f"prefix hits: {engine.metrics.cached_prompt_tokens > 0}")
+    event(f"requests: {len(batch)}")
+    for index, (_, prompt, max_tokens, _) in enumerate(batch):
+        result = handles[index].result()
+        event(f"finish: {result.finish_reason}")
+        expected = solo(prompt, max_tokens)
+        if result.finish_reason == "cancelled":
+            assert result.tokens == expected[: len(result.tokens)]
+        else:
+            assert result.finish_reason == "length" and result.tokens == expected, index
+    _assert_baseline(engine)
+
+
+def test_a_shared_system_prompt_is_served_from_cache(model, tokenizer, solo):
+    engine = Engine(model, tokenizer, kv_budget="4MiB", block_size=16)
+    system = tokenizer.encode("You answer questions about Python. " * 6)
+    first = engine.submit(
+        system + tokenizer.encode("What is a class?"), max_tokens=8, ignore_eos=True
+    ).result()
+    second = engine.submit(
+        system + tokenizer.encode("What is a with?"), max_tokens=8, ignore_eos=True
+    ).result()
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == len(system) // 16 * 16 > 0  # whole blocks of the system prompt
+    assert second.tokens == solo(second.prompt, 8)
+    stats = engine.stats()
+    assert stats["prefix_hit_rate"] == pytest.approx(
+        second.usage.cached_tokens / (len(first.prompt) + len(second.prompt))
+    )
+    _assert_baseline(engine)
+
+
+def test_preemption_recomputes_and_still_gives_the_solo_tokens(model, solo):
+    """A pool too small for every running sequence: the newest are preempted and recomputed."""
+    engine = Engine(model, num_blocks=16, block_size=4, max_running=4, token_budget=32)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1024, (12,), generator=generator).tolist() for _ in range(4)]
+    handles = [engine.submit(prompt, max_tokens=16, ignore_eos=True) for prompt in prompts]
+    results = [handle.result() for handle in handles]
+    assert engine.metrics.preemptions > 0
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == solo(prompt, 16)
+    _assert_baseline(engine)
+
+
+def test_a_hundred_random_cancellations_return_every_block(model):
+    engine = Engine(model, num_blocks=64, block_size=4, max_running=6, token_budget=24)
+    generator = torch.Generator().manual_seed(4)
+    handles = []
+    for _ in range(100):
+        prompt = torch.randint(
+            0, 1024, (int(torch.randint(1, 30, (1,), generator=generator)),), generator=generator
+        ).tolist()
+        handles.append(engine.submit(prompt, max_tokens=20, ignore_eos=True))
+        for _ in range(int(torch.randint(0, 3, (1,), generator=generator))):
+            engine.step()
+        handles[int(torch.randint(0, len(handles), (1,), generator=generator))].cancel()
+    for handle in handles:
+        handle.cancel()
+    while engine.step():
+        pass
+    assert all(handle.done for handle in handles)
+    assert sum(h.result().finish_reason == "cancelled" for h in handles) >= 50
+    _assert_baseline(engine)
+
+
+def test_bad_requests_are_refused_at_submit_and_nothing_is_queued(model, tokenizer):
+    engine = Engine(model, tokenizer, num_blocks=8, block_size=16)
+    cases = [
+        ([], {}, "holds no tokens"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ([1, 2], {"max_tokens": 10_000}, "past the model's context"),
+        ([1, 2], {"max_tokens": 200}, "the KV pool holds 8 blocks"),
+        ([1, 2], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ([1, 2], {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ([1, 2], {"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        ([1, 2], {"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ([1, 2], {"stop_token_ids": (5000,)}, r"stop_token_ids must lie in \[0, 1024\)"),
+        ([1, 2], {"stop": ("",)}, "non-empty strings"),
+        ([1, 5000], {}, r"prompt token ids must be ints in \[0, 1024\)"),
+        ([1, 2], {"top_k": 0}, "top_k must be an integer >= 1"),
+    ]
+    for prompt, fields, match in cases:
+        with pytest.raises(RequestError, match=match):
+            engine.submit(prompt, **fields)
+    assert engine.stats()["waiting"] == 0 and engine.metrics.submitted == 0
+    with pytest.raises(RequestError, match="needs the engine's tokenizer"):
+        Engine(model, num_blocks=8).submit("text")
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        engine.submit([1, 2], max_new_tokens=4)  # a misspelt field, not ignored
+
+
+def test_a_failing_stop_check_fails_that_request_only(model, solo):
+    engine = Engine(model, num_blocks=64, block_size=4)
+    good = engine.submit([1, 2, 3], max_tokens=6, ignore_eos=True)
+    bad = engine.submit([4, 5, 6], max_tokens=6, ignore_eos=True)
+    request = engine._incoming[-1]
+
+    def broken(tokens):
+        raise ValueError("a stop check that breaks")
+
+    request.stop_rule.reason = broken
+    assert good.result().tokens == solo([1, 2, 3], 6)
+    failed = bad.result()
+    assert failed.finish_reason == "error" and "a stop check that breaks" in failed.error
+    assert len(failed.tokens) == 1  # the token chosen before the check failed
+    _assert_baseline(engine)
+
+
+def test_the_pool_is_what_the_memory_planner_predicts(model):
+    shape = KVShape.from_config(kvcache.defaults.default_model_dir())
+    for budget in (2**20, 3 * 2**20 + 12345, 64 * 2**20):
+        engine = Engine(model, kv_budget=budget, block_size=16)
+        assert engine.num_blocks == paged_blocks_in_budget(shape, budget, 16, "float32")
+        assert engine.pool.nbytes == engine.num_blocks * engine.block_bytes <= budget
+    assert Engine(model, kv_budget="8MiB", block_size=16).capacity(256) == 8
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(model, solo):
+    engine = Engine(model, num_blocks=256, block_size=16, max_running=4, token_budget=40)
+    running = [engine.submit([7, 8, 9], max_tokens=30, ignore_eos=True) for _ in range(3)]
+    engine.step()  # their prefill, and each one's first token
+    long_prompt = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    late = engine.submit(long_prompt, max_tokens=4, ignore_eos=True)
+    request = engine._incoming[-1]
+    steps = 0
+    while not request.generated:
+        counts = [len(r.generated) for r in engine.running if r.id != request.id]
+        engine.step()
+        steps += 1
+        after = [len(r.generated) for r in engine.running if r.id != request.id]
+        assert after == [count + 1 for count in counts], steps  # every decoding row moved on
+    assert steps == -(-300 // (40 - 3))  # the prompt took what was left of each step's budget
+    assert late.result().tokens == solo(long_prompt, 4)
+    assert all(h.result().tokens == solo([7, 8, 9], 30) for h in running)
+
+
+def test_the_background_thread_serves_submitters_on_other_threads(model, solo):
+    engine = Engine(model, num_blocks=128, block_size=8, max_running=8)
+    engine.start()
+    try:
+        results: dict[int, list[int]] = {}
+
+        def client(index: int) -> None:
+            prompt = [index + 1, index + 2, index + 3]
+            results[index] = list(engine.submit(prompt, max_tokens=10, ignore_eos=True))
+
+        threads = [threading.Thread(target=client, args=(index,)) for index in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert engine.running_in_background
+    finally:
+        engine.stop(timeout=10)
+    assert not engine.running_in_background
+    for index in range(6):
+        assert results[index] == solo([index + 1, index + 2, index + 3], 10)
+
+
+def test_sampling_params_are_per_request(model, tokenizer):
+    engine = Engine(model, tokenizer, num_blocks=128, block_size=8)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
+    first = engine.submit([1, 2, 3], sampled).result().tokens
+    again = engine.submit([1, 2, 3], sampled).result().tokens
+    other = engine.submit([1, 2, 3], SamplingParams(**{**sampled.__dict__, "seed": 12})).result().tokens
+    assert first == again and first != other  # the seed is the request's own
+    text = engine.submit("The with statement", max_tokens=40, stop=" statement", ignore_eos=True).result()
+    assert text.finish_reason == "stop" and " statement" in tokenizer.decode(text.tokens)
+    ids = engine.submit([1, 2, 3], max_tokens=20, ignore_eos=True).result().tokens
+    stopped = engine.submit([1, 2, 3], max_tokens=20, ignore_eos=True, stop_token_ids=(ids[4],)).result()
+    assert stopped.finish_reason == "stop" and stopped.tokens == ids[: ids.index(ids[4]) + 1]
+    chat = engine.submit([{"role": "user", "content": "What is a class?"}], max_tokens=5).result()
+    assert chat.usage.prompt_tokens == len(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is a class?"}], add_generation_prompt=True
+        )
+    )
+
+
+def test_offline_generate_reports_progress_and_refuses_a_bad_batch_whole(model, solo):
+    engine = Engine(model, num_blocks=128, block_size=8)
+    seen: list[tuple[int, int]] = []
+    prompts = [[1, 2], [3, 4, 5], [6]]
+    results = engine.generate(
+        prompts, max_tokens=5, ignore_eos=True, progress=lambda done, total: seen.append((done, total))
+    )
+    assert [r.tokens for r in results] == [solo(p, 5) for p in prompts]
+    assert seen[-1] == (3, 3) and all(total == 3 for _, total in seen)
+    with pytest.raises(RequestError):
+        engine.generate([[1, 2], []], max_tokens=5)
+    assert engine.stats()["waiting"] == 0

@@ -1,0 +1,105 @@
+"""The scheduler is a pure function; over random states its plans keep every rule: the token
+budget and the running cap, no more blocks than are free, every decoding sequence served unless
+preempted, the newest preempted first, first come first served, nothing admitted while memory is
+short."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.engine.scheduler import Limits, RunningSeq, WaitingSeq, blocks_for, schedule
+
+SIZE = 4
+
+
+@st.composite
+def states(draw):
+    limits = Limits(SIZE, max_running=draw(st.integers(1, 6)), token_budget=draw(st.integers(6, 40)))
+    count = draw(st.integers(0, limits.max_running))
+    running = []
+    for index in range(count):
+        tokens = draw(st.integers(1, 40))
+        cached = draw(st.sampled_from([tokens - 1, max(0, tokens - draw(st.integers(2, 40)))]))
+        blocks = blocks_for(cached, SIZE)
+        running.append(RunningSeq(index, index, tokens, max(cached, 0), blocks, draw(st.integers(0, blocks))))
+    waiting = []
+    for index in range(draw(st.integers(0, 6))):
+        tokens = draw(st.integers(1, 40))
+        prefix = draw(st.integers(0, (tokens - 1) // SIZE)) * SIZE
+        waiting.append(
+            WaitingSeq(100 + index, 100 + index, tokens, prefix, draw(st.integers(0, prefix // SIZE)))
+        )
+    return running, waiting, draw(st.integers(0, 30)), limits
+
+
+def _new_blocks(seq_cached: int, blocks: int, count: int) -> int:
+    return max(0, blocks_for(seq_cached + count, SIZE) - blocks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(state=states())
+def test_every_plan_keeps_the_rules(state):
+    running, waiting, free, limits = state
+    try:
+        plan = schedule(running, waiting, free, limits)
+    except RuntimeError:  # a lone sequence whose next token cannot fit: refused at submit in practice
+        decoding = [s for s in running if s.tokens - s.cached == 1]
+        assert len(running) == 1 and decoding
+        return
+    by_id = {s.seq_id: s for s in running}
+    waits = {w.seq_id: w for w in waiting}
+    assert plan.tokens <= limits.token_budget
+    assert len(running) - len(plan.preempt) + len(plan.admit) <= limits.max_running
+    kept = [s for s in running if s.seq_id not in plan.preempt]
+    # every decoding sequence that was not preempted decodes, exactly once
+    assert sorted(plan.decode) == sorted(s.seq_id for s in kept if s.tokens - s.cached == 1)
+    # the newest go first
+    if plan.preempt:
+        assert min(by_id[i].arrival for i in plan.preempt) > max((s.arrival for s in kept), default=-1)
+        assert not plan.admit
+    # blocks: what the plan takes fits in what was free plus what preempting gave back
+    given_back = sum(by_id[i].freeable for i in plan.preempt)
+    taken = sum(_new_blocks(by_id[i].cached, by_id[i].blocks, 1) for i in plan.decode)
+    for seq_id, count in plan.prefill:
+        if seq_id in by_id:
+            seq = by_id[seq_id]
+            assert 0 < count <= seq.tokens - seq.cached
+            taken += _new_blocks(seq.cached, seq.blocks, count)
+        else:
+            seq = waits[seq_id]
+            assert seq_id in plan.admit and 0 < count <= seq.tokens - seq.prefix
+            taken += seq.prefix_idle + _new_blocks(seq.prefix, seq.prefix // SIZE, count)
+    assert taken <= free + given_back
+    # first come, first served: the admitted are the first of the queue
+    assert plan.admit == [w.seq_id for w in waiting[: len(plan.admit)]]
+
+
+def test_a_long_prompt_is_chunked_while_the_others_decode():
+    """Three rows decode; a 1,000-token prompt arrives: each step the three get their token and
+    the prompt takes only what is left of the budget."""
+    limits = Limits(SIZE, max_running=4, token_budget=32)
+    running = [RunningSeq(i, i, 10, 9, 3, 3) for i in range(3)]
+    waiting = [WaitingSeq(9, 9, 1000, 0, 0)]
+    plan = schedule(running, waiting, free_blocks=1000, limits=limits)
+    assert plan.decode == [0, 1, 2] and plan.admit == [9] and plan.prefill == [(9, 29)]
+
+
+def test_when_decode_blocks_run_out_the_newest_is_preempted():
+    limits = Limits(SIZE, max_running=4, token_budget=32)
+    running = [RunningSeq(i, i, 9, 8, 2, 2) for i in range(3)]  # each needs a third block now
+    plan = schedule(running, [WaitingSeq(9, 9, 5, 0, 0)], free_blocks=1, limits=limits)
+    assert plan.preempt == [2] and plan.decode == [0, 1] and not plan.admit  # 2 blocks back: enough
+    shared = [RunningSeq(0, 0, 9, 8, 2, 2), RunningSeq(1, 1, 9, 8, 2, 0), RunningSeq(2, 2, 9, 8, 2, 0)]
+    plan = schedule(shared, [], free_blocks=1, limits=limits)  # the newest give nothing back (shared)
+    assert plan.preempt == [2, 1] and plan.decode == [0]
+    with pytest.raises(RuntimeError, match="one running sequence"):
+        schedule(running[:1], [], free_blocks=0, limits=limits)
+
+
+def test_a_prefix_hit_costs_only_its_idle_blocks():
+    limits = Limits(SIZE, max_running=2, token_budget=32)
+    waiting = [WaitingSeq(1, 1, 13, 12, 3)]  # 12 tokens attached (3 blocks, all idle), 1 to run
+    assert schedule([], waiting, free_blocks=4, limits=limits).prefill == [(1, 1)]
+    assert schedule([], waiting, free_blocks=3, limits=limits).admit == []  # 3 idle + 1 new > 3
