@@ -14,7 +14,11 @@ from kvcache.memory import (
     max_paged_sequences,
     max_sequences,
     paged_block_bytes,
+    paged_blocks_in_budget,
     paged_kv_cache_bytes,
+    paged_pool,
+    window_block_bytes,
+    window_blocks_per_sequence,
 )
 
 
@@ -30,14 +34,46 @@ def test_paged_bytes_round_each_sequence_up_to_whole_blocks():
     assert max_sequences(shape, 2**30, 1000, "float32") == 262
 
 
-def test_paged_figures_refuse_sliding_layers_and_bad_sizes():
-    sliding = KVShape(2, 2, 8, sliding_window=4, layer_types=("sliding_attention",) * 2)
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        paged_kv_cache_bytes(sliding, 10, 4)
+def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="block_size must be ≥ 1"):
         blocks_for_tokens(10, 0)
     with pytest.raises(ValueError, match="seq_len ≥ 1"):
         max_paged_sequences(KVShape(2, 2, 8), 1000, 0, 4)
+    sliding = KVShape(2, 2, 8, sliding_window=4, layer_types=("sliding_attention",) * 2)
+    with pytest.raises(ValueError, match="paged_pool"):
+        paged_blocks_in_budget(sliding, 10_000, 4)
+    with pytest.raises(ValueError, match="cannot hold the sliding layers"):
+        paged_pool(sliding, 100, 4, max_sequences=16, chunk=64)
+
+
+@pytest.mark.parametrize(
+    "layer_types", [("sliding_attention",) * 3, ("full_attention", "sliding_attention", "full_attention")]
+)
+@pytest.mark.parametrize("tokens", [1, 5, 6, 7, 8, 13, 30])
+def test_windowed_paged_bytes_equal_what_a_paged_cache_holds(layer_types, tokens):
+    """A sliding layer holds only its window's blocks: the planner's bytes for one sequence equal
+    a real PagedCache's bytes in use after a prefill of that many tokens."""
+    torch = pytest.importorskip("torch")
+    from kvcache.cache import PagedCache
+
+    shape = KVShape(3, 2, 8, sliding_window=6, layer_types=layer_types)
+    config = {
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "sliding_window": 6,
+        "layer_types": list(layer_types),
+    }
+    cache = PagedCache(16, 4, config=config, dtype=torch.float32)
+    for layer in range(3):
+        k = torch.randn(1, 2, tokens, 8)
+        cache.update(k, k, layer)
+    assert cache.nbytes_used == paged_kv_cache_bytes(shape, tokens, 4, dtype="float32")
+    sequences, chunk = 3, 5
+    full, window = paged_pool(shape, 50_000, 4, "float32", max_sequences=sequences, chunk=chunk)
+    assert window == sequences * window_blocks_per_sequence(6, 4, chunk)
+    spent = window * window_block_bytes(shape, 4, "float32") + full * paged_block_bytes(shape, 4, "float32")
+    assert spent <= 50_000 and (full == 0 or 50_000 - spent < paged_block_bytes(shape, 4, "float32"))
 
 
 def test_sequences_in_a_budget_equal_what_a_paged_cache_can_allocate():
@@ -60,8 +96,23 @@ def test_sequences_in_a_budget_equal_what_a_paged_cache_can_allocate():
 
 
 def test_cli_memory_block_size(capsys):
-    argv = ["memory", "--layers", "4", "--kv-heads", "4", "--head-dim", "32", "--tokens", "1000",
-            "--dtype", "float32", "--budget", "1GiB", "--block-size", "16"]
+    argv = [
+        "memory",
+        "--layers",
+        "4",
+        "--kv-heads",
+        "4",
+        "--head-dim",
+        "32",
+        "--tokens",
+        "1000",
+        "--dtype",
+        "float32",
+        "--budget",
+        "1GiB",
+        "--block-size",
+        "16",
+    ]
     assert main([*argv, "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["paged_bytes_per_sequence"] == 63 * 16 * 4096

@@ -29,8 +29,16 @@ DTYPE_BITS: dict[str, int] = {
     "int8": 8,
     "int4": 4,
 }
-_DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-                  "half": "float16", "float": "float32", "double": "float64", "fp8": "float8_e4m3fn"}
+_DTYPE_ALIASES = {
+    "fp64": "float64",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "float": "float32",
+    "double": "float64",
+    "fp8": "float8_e4m3fn",
+}
 
 FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
 
@@ -58,8 +66,9 @@ def kv_cache_elements(n_layers: int, n_heads: int, seq_len: int, head_dim: int, 
     return 2 * n_layers * n_heads * seq_len * head_dim * batch
 
 
-def kv_cache_bytes(n_layers: int, n_heads: int, seq_len: int, head_dim: int, batch: int = 1,
-                   dtype: str = "float16") -> int:
+def kv_cache_bytes(
+    n_layers: int, n_heads: int, seq_len: int, head_dim: int, batch: int = 1, dtype: str = "float16"
+) -> int:
     """Bytes of a full KV cache: elements × bytes per element (int4: half a byte; exact,
     since the element count is even)."""
     bits = dtype_bits(dtype)
@@ -84,8 +93,7 @@ class KVShape:
         _check_sizes(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim)
         if self.layer_types is not None:
             if len(self.layer_types) != self.layers:
-                raise ValueError(
-                    f"layer_types has {len(self.layer_types)} entries but layers={self.layers}")
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries but layers={self.layers}")
             unknown = set(self.layer_types) - {FULL, SLIDING}
             if unknown:
                 raise ValueError(f"unknown layer types {sorted(unknown)}; known: {FULL}, {SLIDING}")
@@ -192,55 +200,122 @@ def blocks_for_tokens(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
-def _full_layers_only(shape: KVShape) -> None:
-    if shape.layer_types and SLIDING in shape.layer_types:
-        raise ValueError("paged figures are for full-attention layers (a paged cache keeps every "
-                         "token of every layer); this shape has sliding-window layers")
+def _layer_counts(shape: KVShape) -> tuple[int, int]:
+    """(full-attention layers, sliding-window layers) of `shape`."""
+    sliding = sum(kind == SLIDING for kind in shape.layer_types or ())
+    return shape.layers - sliding, sliding
+
+
+def window_blocks_per_sequence(window: int, block_size: int, chunk: int) -> int:
+    """The most blocks one sequence holds in a sliding layer of a paged cache during a forward of
+    up to `chunk` new tokens: its last window - 1 positions and the chunk, one block more when they
+    start inside a block."""
+    return -(-(window - 1 + chunk) // block_size) + 1
+
+
+def window_blocks_held(seq_len: int, window: int, block_size: int) -> int:
+    """Blocks a sequence of `seq_len` tokens holds in a sliding layer of a paged cache between
+    forwards: from the block of position seq_len - window + 1 (the first the next token sees) to its
+    last."""
+    if seq_len == 0:
+        return 0
+    return blocks_for_tokens(seq_len, block_size) - max(0, seq_len - window + 1) // block_size
 
 
 def paged_block_bytes(shape: KVShape, block_size: int, dtype: str = "float16") -> int:
-    """Bytes of one block across all layers: keys and values of `block_size` tokens."""
-    _full_layers_only(shape)
+    """Bytes of one block of the full-attention layers (keys and values of `block_size` tokens in
+    each); 0 when every layer slides."""
     blocks_for_tokens(0, block_size)  # checks block_size
-    return kv_cache_bytes(shape.layers, shape.kv_heads, block_size, shape.head_dim, 1, dtype)
+    full, _ = _layer_counts(shape)
+    return kv_cache_bytes(full, shape.kv_heads, block_size, shape.head_dim, 1, dtype)
 
 
-def paged_kv_cache_bytes(shape: KVShape, seq_len: int, block_size: int, batch: int = 1,
-                         dtype: str = "float16") -> int:
-    """KV bytes of `batch` sequences of `seq_len` tokens in a paged cache: each sequence holds
-    whole blocks, so its last block's unused slots count too (at most block_size - 1 tokens)."""
+def window_block_bytes(shape: KVShape, block_size: int, dtype: str = "float16") -> int:
+    """Bytes of one block of the sliding-window layers; 0 when none slides."""
+    blocks_for_tokens(0, block_size)
+    _, sliding = _layer_counts(shape)
+    return kv_cache_bytes(sliding, shape.kv_heads, block_size, shape.head_dim, 1, dtype)
+
+
+def paged_kv_cache_bytes(
+    shape: KVShape, seq_len: int, block_size: int, batch: int = 1, dtype: str = "float16"
+) -> int:
+    """KV bytes of `batch` sequences of `seq_len` tokens in a paged cache between forwards: each
+    holds whole blocks (its last block's unused slots count too, at most block_size - 1 tokens) of
+    every full-attention layer, and of each sliding layer only the blocks its window still needs."""
     _check_sizes(batch=batch)
-    return batch * blocks_for_tokens(seq_len, block_size) * paged_block_bytes(shape, block_size, dtype)
+    full = blocks_for_tokens(seq_len, block_size) * paged_block_bytes(shape, block_size, dtype)
+    held = window_blocks_held(seq_len, shape.sliding_window, block_size) if shape.sliding_window else 0
+    return batch * (full + held * window_block_bytes(shape, block_size, dtype))
+
+
+def paged_pool(
+    shape: KVShape,
+    budget_bytes: int,
+    block_size: int,
+    dtype: str = "float16",
+    *,
+    max_sequences: int,
+    chunk: int,
+) -> tuple[int, int]:
+    """(full-attention blocks, sliding-window blocks) of the pool a budget buys: the sliding layers
+    get enough for `max_sequences` sequences at once, each in forwards of up to `chunk` tokens
+    (`window_blocks_per_sequence`, so they never run short), the full layers every byte left."""
+    _check_sizes(budget_bytes=budget_bytes, max_sequences=max_sequences, chunk=chunk)
+    window = 0
+    if shape.sliding_window and _layer_counts(shape)[1]:
+        window = max_sequences * window_blocks_per_sequence(shape.sliding_window, block_size, chunk)
+    left = budget_bytes - window * window_block_bytes(shape, block_size, dtype)
+    if left < 0:
+        raise ValueError(
+            f"a budget of {budget_bytes} bytes cannot hold the sliding layers' {window} blocks for "
+            f"{max_sequences} sequences; raise the budget or lower the sequences"
+        )
+    full_bytes = paged_block_bytes(shape, block_size, dtype)
+    return (left // full_bytes if full_bytes else 0), window
 
 
 def paged_blocks_in_budget(shape: KVShape, budget_bytes: int, block_size: int, dtype: str = "float16") -> int:
     """Whole blocks of `block_size` tokens (every layer's keys and values) that fit in
-    `budget_bytes`: the pool a paged cache or the engine builds for that budget."""
+    `budget_bytes`, for a shape whose every layer is full attention (else see `paged_pool`)."""
     _check_sizes(budget_bytes=budget_bytes)
+    if _layer_counts(shape)[1]:
+        raise ValueError("this shape has sliding-window layers: its pool is split (see paged_pool)")
     return budget_bytes // paged_block_bytes(shape, block_size, dtype)
 
 
-def max_paged_sequences(shape: KVShape, budget_bytes: int, seq_len: int, block_size: int,
-                        dtype: str = "float16") -> int:
-    """How many sequences of `seq_len` tokens a pool of blocks filling `budget_bytes` holds at once
-    (no prefix shared): (budget // bytes per block) // blocks per sequence."""
+def max_paged_sequences(
+    shape: KVShape, budget_bytes: int, seq_len: int, block_size: int, dtype: str = "float16"
+) -> int:
+    """How many sequences of `seq_len` tokens fit in `budget_bytes` of a paged cache at once (no
+    prefix shared): the budget over one sequence's paged bytes."""
     _check_sizes(budget_bytes=budget_bytes)
-    per_sequence = blocks_for_tokens(seq_len, block_size)
-    if per_sequence == 0:
+    if seq_len < 1:
         raise ValueError("a sequence of 0 tokens takes no block; give seq_len ≥ 1")
-    return budget_bytes // paged_block_bytes(shape, block_size, dtype) // per_sequence
+    return budget_bytes // paged_kv_cache_bytes(shape, seq_len, block_size, 1, dtype)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
-    """"24GiB" -> 25769803776. Units: B, KB, MB, GB, TB (powers of 1000), KiB … TiB (1024)."""
+    """ "24GiB" -> 25769803776. Units: B, KB, MB, GB, TB (powers of 1000), KiB … TiB (1024)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(
-            f"cannot read size {text!r}: expected a number and a unit such as 24GiB, 512MB, 1.5TB")
+            f"cannot read size {text!r}: expected a number and a unit such as 24GiB, 512MB, 1.5TB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -254,16 +329,28 @@ def format_bytes(count: float) -> str:
     return f"{int(count)} B" if exponent == 0 else f"{count:.3g} {units[exponent]}"
 
 
-def memory_table(shape: KVShape, lengths: Sequence[int], dtypes: Sequence[str],
-                 batch: int = 1) -> list[dict[str, int]]:
+def memory_table(
+    shape: KVShape, lengths: Sequence[int], dtypes: Sequence[str], batch: int = 1
+) -> list[dict[str, int]]:
     """Rows of {"tokens": T, dtype: bytes, …} for each length."""
     return [{"tokens": t, **{d: shape.bytes(t, batch, d) for d in dtypes}} for t in lengths]
 
 
-def quantized_kv_cache_bytes(n_layers: int, n_heads: int, seq_len: int, head_dim: int, batch: int = 1,
-                             *, bits: int | str = 8, group_size: int = 64, residual_length: int = 128,
-                             dtype: str = "float16", scale_dtype: str | None = None,
-                             key_axis: str = "channel", value_axis: str = "token") -> int:
+def quantized_kv_cache_bytes(
+    n_layers: int,
+    n_heads: int,
+    seq_len: int,
+    head_dim: int,
+    batch: int = 1,
+    *,
+    bits: int | str = 8,
+    group_size: int = 64,
+    residual_length: int = 128,
+    dtype: str = "float16",
+    scale_dtype: str | None = None,
+    key_axis: str = "channel",
+    value_axis: str = "token",
+) -> int:
     """Bytes a quantized KV cache (`kvcache.cache.QuantizedCache`) holds after `seq_len` tokens.
 
     The first Q = floor((seq_len - residual_length) / group_size) · group_size tokens are packed
@@ -272,8 +359,15 @@ def quantized_kv_cache_bytes(n_layers: int, n_heads: int, seq_len: int, head_dim
     group is `group_size` tokens of one channel (axis "channel") or min(group_size, head_dim)
     channels of one token (axis "token").
     """
-    _check_sizes(n_layers=n_layers, n_heads=n_heads, seq_len=seq_len, head_dim=head_dim, batch=batch,
-                 group_size=group_size, residual_length=residual_length)
+    _check_sizes(
+        n_layers=n_layers,
+        n_heads=n_heads,
+        seq_len=seq_len,
+        head_dim=head_dim,
+        batch=batch,
+        group_size=group_size,
+        residual_length=residual_length,
+    )
     if bits not in (8, 4, "fp8") or isinstance(bits, bool):
         raise ValueError(f"bits must be 8, 4 or 'fp8', got {bits!r}")
     if group_size < 1:

@@ -55,10 +55,8 @@ def _config(draw) -> ModelConfig:
 @st.composite
 def cases(draw):
     config = _config(draw)
-    kinds = ["dynamic", "static", "static_compiled", "quantized", "none"]
-    if SLIDING_ATTENTION not in config.layer_types:
-        kinds.append("paged")  # it holds full-attention layers only
-    elif FULL_ATTENTION not in config.layer_types:
+    kinds = ["dynamic", "static", "static_compiled", "quantized", "paged", "none"]
+    if FULL_ATTENTION not in config.layer_types:
         kinds += ["sliding", "sliding_compiled"]  # its rings window every layer
     batch = draw(st.sampled_from([1, 3, 8]))
     return dict(

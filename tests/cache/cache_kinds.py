@@ -16,7 +16,7 @@ CONFIG = {
 # dynamic_lazy: no config, layers created by the first update;
 # *_compiled: the torch.compile layers (whole buffers, the length in a tensor), used eagerly
 KINDS = ("dynamic", "dynamic_growing", "dynamic_lazy", "static", "static_compiled", "sliding",
-         "sliding_compiled", "paged", "quantized")
+         "sliding_compiled", "paged", "paged_sliding", "quantized")
 
 
 def build_cache(kind: str, *, max_cache_len: int, window: int, max_batch_size: int | None = None):
@@ -30,7 +30,11 @@ def build_cache(kind: str, *, max_cache_len: int, window: int, max_batch_size: i
         return make_cache(kind, config=CONFIG)
     compiled = kind.endswith("_compiled")
     kind = kind.removesuffix("_compiled")
-    config = dict(CONFIG, sliding_window=window) if kind == "sliding" else CONFIG
+    if kind == "paged_sliding":  # every layer windowed: the window's blocks only, the rest given back
+        config = dict(CONFIG, sliding_window=window)
+        kind = "paged"
+    else:
+        config = dict(CONFIG, sliding_window=window) if kind == "sliding" else CONFIG
     sizes = {"max_cache_len": max_cache_len, **({"compiled": True} if compiled else {})}
     if max_batch_size is not None:
         sizes["max_batch_size"] = max_batch_size

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcache
-from kvcache.cache.blocks import BlockAllocator, OutOfBlocksError, UnknownSequenceError, block_hash
+from kvcache.cache.blocks import BlockAllocator, block_hash
+from kvcache.cache.errors import OutOfBlocksError, UnknownSequenceError
 
 SOURCE = Path(kvcache.__file__).resolve().parent / "cache"  # kvcache itself imports no torch
 

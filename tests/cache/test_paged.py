@@ -164,8 +164,11 @@ def test_misuse_raises_named_errors():
         cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), 0)
     with pytest.raises(CacheShapeError, match="earlier tokens"):
         cache.attention_masks(1, torch.tensor([[0, 1, 1, 1]]))
-    with pytest.raises(ValueError, match="full-attention layers only"):
-        PagedCache(8, 4, config={"num_hidden_layers": 2, "sliding_window": 4})
+    windowed = PagedCache(8, 4, config={"num_hidden_layers": 2, "sliding_window": 4})
+    assert [allocator.window for allocator in windowed.allocators] == [4]  # its layers slide
+    windowed.add_sequence([1, 2, 3])
+    with pytest.raises(CacheShapeError, match="hold only their window"):
+        windowed.row_state(0)
 
 
 def test_rows_of_different_lengths_append_at_their_own_lengths_without_a_mask():

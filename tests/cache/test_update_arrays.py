@@ -17,7 +17,8 @@ from kvcache.cache import CacheError, DynamicCache, DynamicLayer
 
 def build(kind: str):
     # no batch size where the first update may fix it; paged needs one (then batch 1 is refused)
-    return build_cache(kind, max_cache_len=80, window=5, max_batch_size=2 if kind == "paged" else None)
+    batch = 2 if kind.startswith("paged") else None
+    return build_cache(kind, max_cache_len=80, window=5, max_batch_size=batch)
 
 
 # one action: ("update", tokens) | ("crop", length) | ("reset", 0) | ("reorder", 0)

@@ -287,3 +287,24 @@ def test_offline_generate_reports_progress_and_refuses_a_bad_batch_whole(model, 
     with pytest.raises(RequestError):
         engine.generate([[1, 2], []], max_tokens=5)
     assert engine.stats()["waiting"] == 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2_mixed", "qwen2"])
+def test_every_model_family_is_served_including_sliding_windows(checkpoints, arch):
+    """Windows of 4, shorter than every sequence: the sliding layers hold only their window's
+    blocks, the full ones every token; tokens equal each request's solo generate."""
+    model = kvcache.load_model(checkpoints[arch][0])
+    engine = Engine(model, kv_budget="2MiB", block_size=4, max_running=3, token_budget=8)
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 259, (n,), generator=generator).tolist() for n in (5, 11, 17, 3)]
+    prompts.append(prompts[2][:13] + [5, 6])  # a prefix hit on a sliding model: the window's blocks
+    handles = [engine.submit(prompt, max_tokens=9, ignore_eos=True) for prompt in prompts]
+    for prompt, handle in zip(prompts, handles):
+        expected = kvcache.generate(model, torch.tensor([prompt]), max_new_tokens=9, eos_token_id=())
+        assert handle.result().tokens == expected.new_tokens[0], prompt
+    assert handles[-1].result().usage.cached_tokens == 12  # 3 whole blocks of the shared 13 tokens
+    for allocator in engine.pool.allocators:
+        allocator.check_invariants()
+        assert allocator.num_in_use == 0
+    windows = [allocator.window for allocator in engine.pool.allocators]
+    assert (4 in windows) == (arch != "qwen2")

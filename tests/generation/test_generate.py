@@ -18,13 +18,11 @@ NEW = 12
 
 def kinds_for(model) -> list:
     """Every cache kind that keeps this model's answer (a window only where the model has one;
-    paged for full attention only; quantized with its default 128-token full-precision residual,
-    which these short sequences never leave), and the no-cache path."""
-    kinds = ["dynamic", "static", "quantized", "none"]
+    paged with its windowed layers' own block tables; quantized with its default 128-token
+    full-precision residual, which these short sequences never leave), and the no-cache path."""
+    kinds = ["dynamic", "static", "quantized", "paged", "none"]
     if set(model.config.layer_types) == {"sliding_attention"}:
         kinds.append("sliding")
-    if "sliding_attention" not in model.config.layer_types:
-        kinds.append("paged")
     return kinds
 
 

@@ -164,7 +164,7 @@ def test_machine_and_versions_are_recorded(run):
     assert machine["python"] == ".".join(map(str, sys.version_info[:3]))
 
 
-def test_a_model_with_sliding_layers_gets_a_report_with_paged_skipped(tmp_path):
+def test_a_model_with_sliding_layers_gets_a_report_with_every_cache_kind_exact(tmp_path):
     """The default checkpoint relabelled as a Mistral with a 16-token window: the latency crop
     keeps working on its rings, the paged cache (full attention only) is a skipped row."""
     import shutil
@@ -187,14 +187,13 @@ def test_a_model_with_sliding_layers_gets_a_report_with_paged_skipped(tmp_path):
     with torch_threads(1):
         report = collect_report(settings, folder)
     rows = {row["kind"]: row for row in report["equality"]["rows"]}
-    assert "PagedCache" in rows["paged"]["skipped"]
     assert rows["sliding"]["window"] == 16
-    for kind in ("dynamic", "static", "sliding", "dynamic, windowed layers"):
-        assert rows[kind]["max_abs_logit_diff"] < 1e-3, rows[kind]
+    for kind in ("dynamic", "static", "paged", "sliding", "dynamic, windowed layers"):  # paged: its window
+        assert "skipped" not in rows[kind] and rows[kind]["max_abs_logit_diff"] < 1e-3, rows[kind]
     assert report["memory"]["models"][0]["sliding_window"] == 16
     assert report["drift"]["engine"]["rows"][0]["quantized_fraction"] == 0  # rings stay full precision
     report["elapsed_s"] = 0.0
-    assert "| paged | blocks of 16 tokens | skipped: " in report_markdown(report, {})
+    assert "skipped" not in report_markdown(report, {})
 
 
 def test_importing_the_report_package_and_command_imports_neither_torch_nor_matplotlib():

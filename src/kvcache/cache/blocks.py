@@ -19,30 +19,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import CacheConfigError, CacheError
+from .errors import CacheConfigError, CacheError, OutOfBlocksError, UnknownSequenceError
 
 ROOT_HASH = b""  # the parent hash of a sequence's first block
-
-
-class OutOfBlocksError(CacheError):
-    """The pool cannot supply the blocks asked for; nothing was changed."""
-
-    def __init__(self, requested: int, available: int, num_blocks: int) -> None:
-        super().__init__(
-            f"paged cache out of blocks: {requested} more block(s) needed, {available} available "
-            f"(free or cached) of {num_blocks}; free finished sequences, or build the cache with "
-            f"more blocks"
-        )
-        self.requested = requested
-        self.available = available
-        self.num_blocks = num_blocks
-
-
-class UnknownSequenceError(CacheError, KeyError):
-    """A sequence id the allocator does not hold (or one that it already holds, when adding)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
+HOLE = -1  # a table entry whose block was given back (a windowed allocator's, out of the window)
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -74,6 +54,9 @@ class BlockAllocator:
     findable by its hash) or in use (reference count >= 1), so
     `num_free + num_cached + num_in_use == num_blocks` at all times.
     """
+
+    #: a query at q sees positions in (q - window, q]; None: every position (see blocks_window.py)
+    window: int | None = None
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -122,53 +105,92 @@ class BlockAllocator:
         return state
 
     def add_sequence(
-        self, seq_id: Hashable, token_ids: Sequence[int] = (), *, reuse_prefix: bool = True
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int] = (),
+        *,
+        reuse_prefix: bool = True,
+        attach: int | None = None,
     ) -> int:
         """Start `seq_id`, declaring its first `token_ids`; return the tokens attached from cache.
 
-        With reuse_prefix, the longest run of cached full blocks matching the start of token_ids
-        is attached (shared, nothing copied), leaving at least the last token to compute (its
-        logits are what the caller wants). The caller then writes positions from the returned
-        count on.
+        With reuse_prefix, cached full blocks matching the start of token_ids are attached
+        (shared, nothing copied): the longest run this allocator can attach (`attachable`), or
+        exactly `attach` tokens (a multiple of block_size it can attach, as a cache with several
+        allocators agrees on), leaving at least the last token to compute (its logits are what the
+        caller wants). The caller then writes positions from the returned count on.
         """
         if seq_id in self.sequences:
             raise UnknownSequenceError(f"sequence {seq_id!r} is already in the allocator")
         state = SequenceBlocks(token_ids=[int(t) for t in token_ids])
         if reuse_prefix:
-            for block, digest in self._match(state.token_ids):
-                self._take(block)
-                state.table.append(block)
-                state.hashes.append(digest)
-            state.num_tokens = len(state.table) * self.block_size
+            digests = self.prefix_digests(state.token_ids)
+            count = self.attachable(digests) if attach is None else attach // self.block_size
+            if not self.can_attach(digests, count):
+                raise CacheError(f"sequence {seq_id!r}: {count} blocks of its prefix are not all cached")
+            self._attach(state, digests[:count])
         self.sequences[seq_id] = state
         return state.num_tokens
 
+    def prefix_digests(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The chained hashes of the full blocks of `token_ids` a prefix hit may cover (keeping at
+        least the last token to compute)."""
+        size = self.block_size
+        ids = [int(t) for t in token_ids]
+        digests: list[bytes] = []
+        parent = ROOT_HASH
+        for index in range((len(ids) - 1) // size if ids else 0):
+            parent = block_hash(parent, ids[index * size : (index + 1) * size])
+            digests.append(parent)
+        return digests
+
+    def attachable(self, digests: Sequence[bytes]) -> int:
+        """The most leading blocks of `digests` this allocator can attach: here, the longest run
+        of them cached from the first."""
+        count = 0
+        while count < len(digests) and digests[count] in self._by_hash:
+            count += 1
+        return count
+
+    def can_attach(self, digests: Sequence[bytes], count: int) -> bool:
+        """Whether the first `count` blocks of `digests` can be attached (every block it needs is
+        cached: here, all of them)."""
+        return all(digest in self._by_hash for digest in self._needed(digests[:count]))
+
+    def _needed(self, digests: Sequence[bytes]) -> Sequence[bytes]:
+        """Of an attached prefix's digests, the ones whose blocks are taken: here, all."""
+        return digests
+
+    def _attach(self, state: SequenceBlocks, digests: Sequence[bytes]) -> None:
+        """Take the cached blocks of `digests` as the start of `state`."""
+        for digest in digests:
+            block = self._by_hash[digest]
+            self._take(block)
+            state.table.append(block)
+            state.hashes.append(digest)
+        state.num_tokens = len(digests) * self.block_size
+
     def match_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens at the start of `token_ids` that `add_sequence` would attach (changes nothing)."""
-        return len(self._match([int(t) for t in token_ids])) * self.block_size
+        return self.attachable(self.prefix_digests(token_ids)) * self.block_size
 
     def prefix_cost(self, token_ids: Sequence[int]) -> tuple[int, int]:
-        """(tokens `add_sequence` would attach, how many of those blocks no sequence uses now: attaching
-        takes them out of the blocks a new allocation may evict). Changes nothing."""
-        found = self._match([int(t) for t in token_ids])
-        return len(found) * self.block_size, sum(1 for block, _ in found if self.ref_counts[block] == 0)
+        """(tokens `add_sequence` would attach, how many of those blocks no sequence uses now:
+        attaching takes them out of the blocks a new allocation may evict). Changes nothing."""
+        digests = self.prefix_digests(token_ids)
+        count = self.attachable(digests)
+        return count * self.block_size, self.idle_blocks(digests, count)
+
+    def idle_blocks(self, digests: Sequence[bytes], count: int) -> int:
+        """Of the blocks attaching the first `count` of `digests` takes, the ones no sequence uses."""
+        return sum(
+            1 for digest in self._needed(digests[:count]) if self.ref_counts[self._by_hash[digest]] == 0
+        )
 
     def unshared_blocks(self, seq_id: Hashable) -> int:
         """Blocks of `seq_id` that no other sequence holds (what freeing it gives back)."""
-        return sum(1 for block in self.sequence(seq_id).table if self.ref_counts[block] == 1)
-
-    def _match(self, token_ids: list[int]) -> list[tuple[int, bytes]]:
-        size = self.block_size
-        usable = (len(token_ids) - 1) // size if token_ids else 0  # keep >= 1 token to compute
-        found: list[tuple[int, bytes]] = []
-        parent = ROOT_HASH
-        for index in range(usable):
-            parent = block_hash(parent, token_ids[index * size : (index + 1) * size])
-            block = self._by_hash.get(parent)
-            if block is None:
-                break
-            found.append((block, parent))
-        return found
+        table = self.sequence(seq_id).table
+        return sum(1 for block in table if block != HOLE and self.ref_counts[block] == 1)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start `child_id` as a copy of `parent_id` that shares all its blocks (copy on write)."""
@@ -179,7 +201,8 @@ class BlockAllocator:
         # the parent's, so the only shared block a write can reach is a partial last one
         shared = parent.table[: self.blocks_for(parent.num_tokens)]
         for block in shared:
-            self.ref_counts[block] += 1
+            if block != HOLE:
+                self.ref_counts[block] += 1
         self.sequences[child_id] = SequenceBlocks(
             list(shared), parent.num_tokens, list(parent.token_ids), list(parent.hashes)
         )
@@ -188,7 +211,8 @@ class BlockAllocator:
         """Drop `seq_id`; its blocks lose a reference (tail first, so tails are evicted first)."""
         state = self.sequence(seq_id)
         for block in reversed(state.table):
-            self._release(block)
+            if block != HOLE:
+                self._release(block)
         del self.sequences[seq_id]
 
     def declare_tokens(self, seq_id: Hashable, token_ids: Iterable[int], start: int | None = None) -> None:
@@ -260,6 +284,10 @@ class BlockAllocator:
         state.num_tokens = max(state.num_tokens, num_tokens)
         self._hash_full_blocks(state)
 
+    def validate_truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Raise CacheCropError if `truncate(seq_id, num_tokens)` is impossible (nothing here:
+        every position is still held)."""
+
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep the first `num_tokens` positions of `seq_id`; later blocks lose a reference."""
         state = self.sequence(seq_id)
@@ -267,7 +295,8 @@ class BlockAllocator:
             return
         keep = self.blocks_for(num_tokens)
         for block in reversed(state.table[keep:]):
-            self._release(block)
+            if block != HOLE:
+                self._release(block)
         del state.table[keep:]
         state.num_tokens = num_tokens
         del state.token_ids[num_tokens:]
@@ -278,14 +307,17 @@ class BlockAllocator:
                 self._unregister(last)
 
     def slots(self, seq_id: Hashable, start: int, stop: int) -> list[int]:
-        """Storage slots of positions start..stop-1 of `seq_id` (they must be reserved)."""
+        """Storage slots of positions start..stop-1 of `seq_id` (they must be reserved, and held:
+        a windowed allocator has given back the blocks its window left behind)."""
         table, size = self.sequence(seq_id).table, self.block_size
         if stop > len(table) * size or start < 0:
             raise CacheError(
-                f"sequence {seq_id!r}: positions {start}..{stop - 1} asked, blocks hold "
-                f"{len(table) * size}"
+                f"sequence {seq_id!r}: positions {start}..{stop - 1} asked, blocks hold {len(table) * size}"
             )
-        return [table[pos // size] * size + pos % size for pos in range(start, stop)]
+        slots = [table[pos // size] * size + pos % size for pos in range(start, stop)]
+        if start < stop and (table[start // size] == HOLE):
+            raise CacheError(f"sequence {seq_id!r}: position {start} is out of its window (given back)")
+        return slots
 
     # ---- block states ------------------------------------------------------------------------
     def _allocate(self) -> int:
@@ -330,7 +362,7 @@ class BlockAllocator:
             digest = block_hash(parent, state.token_ids[index * size : (index + 1) * size])
             state.hashes.append(digest)
             block = state.table[index]
-            if digest not in self._by_hash and self.block_hashes[block] is None:
+            if block != HOLE and digest not in self._by_hash and self.block_hashes[block] is None:
                 self._by_hash[digest] = block
                 self.block_hashes[block] = digest
 
@@ -340,7 +372,8 @@ class BlockAllocator:
         for state in self.sequences.values():
             assert len(state.table) >= self.blocks_for(state.num_tokens), "table too short"
             for block in state.table:
-                in_tables[block] += 1
+                if block != HOLE:
+                    in_tables[block] += 1
         assert in_tables == self.ref_counts, "reference counts differ from the block tables"
         free, cached = set(self._free), set(self._cached)
         assert len(free) == len(self._free) and not free & cached, "a block listed twice"

@@ -48,3 +48,24 @@ class CacheOverflowError(CacheError):
 
 class CacheConfigError(CacheError):
     """Contradictory or missing sizes when building a cache (from a config or by hand)."""
+
+
+class OutOfBlocksError(CacheError):
+    """The pool cannot supply the blocks asked for; nothing was changed."""
+
+    def __init__(self, requested: int, available: int, num_blocks: int) -> None:
+        super().__init__(
+            f"paged cache out of blocks: {requested} more block(s) needed, {available} available "
+            f"(free or cached) of {num_blocks}; free finished sequences, or build the cache with "
+            f"more blocks"
+        )
+        self.requested = requested
+        self.available = available
+        self.num_blocks = num_blocks
+
+
+class UnknownSequenceError(CacheError, KeyError):
+    """A sequence id the allocator does not hold (or one that it already holds, when adding)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])

@@ -24,12 +24,13 @@ from itertools import count
 import torch
 
 from .base import Cache, ForwardPlan, LayerMasks
-from .blocks import BlockAllocator, OutOfBlocksError
+from .blocks import BlockAllocator
+from .blocks_window import WindowedBlockAllocator
 from .checks import check_batch_index, check_crop, check_new_tokens, where
 from .config import read_cache_geometry
-from .errors import CacheConfigError, CacheShapeError
+from .errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .paged_layer import PagedLayer
-from .paged_plan import plan_forward
+from .paged_plan import first_forward_plan, group_mask, plan_forward
 from .paged_rows import RowState, read_row, write_row
 from .paged_storage import Step
 
@@ -43,11 +44,17 @@ class PagedCache(Cache):
     per batch row. To reuse cached prompt prefixes, add rows yourself with `add_sequence`
     (see `kvcache.prefix`), then run only the tokens that were not attached.
 
+    Sliding-window layers (a config with a window in force) form their own group with its own
+    block tables (`WindowedBlockAllocator`): a row there holds only the blocks its window still
+    needs, and gives the rest back as the window moves; full-attention layers hold every token.
+
     Args:
-        num_blocks: blocks in the pool (each layer stores num_blocks × block_size rows).
+        num_blocks: blocks in the pool of the full-attention layers (each such layer stores
+            num_blocks × block_size rows); window_blocks: the sliding layers' pool (default
+            num_blocks; `kvcache.memory.window_blocks_per_sequence` says what one row needs).
         block_size: tokens per block.
         config: model config (object or dict) giving num_hidden_layers, num_key_value_heads,
-            head_dim; every layer must be full attention.
+            head_dim, and the window and layer types.
         num_layers, kv_heads, head_dim: explicit sizes, merged with the config.
         dtype, device: storage is allocated now when heads, dim and dtype are known, else by
             the first update (with k's dtype and device).
@@ -58,6 +65,7 @@ class PagedCache(Cache):
         num_blocks: int,
         block_size: int = 16,
         *,
+        window_blocks: int | None = None,
         config: object = None,
         num_layers: int | None = None,
         kv_heads: int | None = None,
@@ -68,23 +76,41 @@ class PagedCache(Cache):
         geometry = read_cache_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
         if geometry.num_layers is None:
             raise CacheConfigError("PagedCache needs the layer count: pass num_layers= or config=")
-        if geometry.layer_kinds is not None and "sliding" in geometry.layer_kinds:
-            raise CacheConfigError(
-                "PagedCache holds full-attention layers only; this config has sliding-window "
-                "layers (use the dynamic or sliding cache for it)"
-            )
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocators: list[BlockAllocator] = []  # one per group of layers (full; windowed)
+        self._groups: list[int] = []  # each layer's group
+        by_kind: dict[str, int] = {}
+        for kind in geometry.layer_kinds or ("full",) * geometry.num_layers:
+            if kind not in by_kind:
+                by_kind[kind] = len(self.allocators)
+                self.allocators.append(
+                    BlockAllocator(num_blocks, block_size)
+                    if kind == "full"
+                    else WindowedBlockAllocator(
+                        window_blocks or num_blocks, block_size, geometry.require_window()
+                    )
+                )
+            self._groups.append(by_kind[kind])
         self.rows: list[int] = []  # allocator sequence id of each batch row
         self._seq_ids = count()
-        self._step: Step | None = None
+        self._steps: list[Step] | None = None  # this forward's, one per group
         self._step_counter = 0
-        super().__init__([PagedLayer(self) for _ in range(geometry.num_layers)], device=device)
+        super().__init__([PagedLayer(self, group) for group in self._groups], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
-            shape = (num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
             for layer in self.layers:
+                shape = (layer.allocator.num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
                 layer.allocate(shape, shape, dtype, self._device or torch.device("cpu"))
 
     # ---- pool ----------------------------------------------------------------------------------
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The full-attention layers' block bookkeeping (a windowed group's when every layer slides)."""
+        return self.full_allocator or self.allocators[0]
+
+    @property
+    def full_allocator(self) -> BlockAllocator | None:
+        """The full-attention layers' allocator, or None when every layer slides."""
+        return next((a for a in self.allocators if a.window is None), None)
+
     @property
     def block_size(self) -> int:
         return self.allocator.block_size
@@ -117,17 +143,33 @@ class PagedCache(Cache):
         len(token_ids) - 1) need no forward: run token_ids[attached:] through the model.
         """
         seq = next(self._seq_ids)
-        attached = self.allocator.add_sequence(seq, token_ids, reuse_prefix=reuse_prefix)
+        attach = self.prefix_cost(token_ids)[0] if reuse_prefix else None
+        for allocator in self.allocators:
+            attached = allocator.add_sequence(seq, token_ids, reuse_prefix=reuse_prefix, attach=attach)
         self.rows.append(seq)
         self._set_columns(max(self.get_seq_length(), attached))
         return attached
+
+    def prefix_cost(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """(tokens `add_sequence` would attach, the full-attention blocks of those that no row uses
+        now: attaching takes them from the blocks a new allocation may evict). Every group attaches
+        the same tokens: the most whole blocks each can attach (a windowed group needs only the
+        blocks inside the window of the last one). Changes nothing."""
+        digests = self.allocators[0].prefix_digests(token_ids)
+        full = self.full_allocator
+        count = len(digests) if full is None else full.attachable(digests)
+        while count and not all(allocator.can_attach(digests, count) for allocator in self.allocators):
+            count -= 1
+        return count * self.block_size, 0 if full is None else full.idle_blocks(digests, count)
 
     def declare_tokens(self, row: int, token_ids: Sequence[int], start: int | None = None) -> None:
         """Tell the cache the token ids of row `row`'s positions start, start+1, … (default:
         after those already declared), e.g. generated tokens, so its full blocks become
         findable by later prompts that start the same way. Declare only the tokens actually
         run (or to be run) through the model at those positions."""
-        self.allocator.declare_tokens(self._row_seq(row), token_ids, start)
+        seq = self._row_seq(row)
+        for allocator in self.allocators:
+            allocator.declare_tokens(seq, token_ids, start)
 
     def token_ids(self, row: int) -> list[int]:
         """The token ids declared for row `row` (may run ahead of the positions stored)."""
@@ -136,7 +178,8 @@ class PagedCache(Cache):
     def fork(self, row: int) -> int:
         """Add a row that shares row `row`'s blocks (copied on write); return its index."""
         seq = next(self._seq_ids)
-        self.allocator.fork(self._row_seq(row), seq)
+        for allocator in self.allocators:
+            allocator.fork(self._row_seq(row), seq)
         self.rows.append(seq)
         return len(self.rows) - 1
 
@@ -181,19 +224,18 @@ class PagedCache(Cache):
                 "attention_mask must be 2-D (batch, columns + new_tokens), got shape "
                 f"{tuple(attention_mask.shape)}"
             )
-        fallback = attention_mask.device if attention_mask is not None else (
-            torch.device(device) if device is not None else None
-        )
-        where_ = self._storage_device(fallback)
+        given = attention_mask.device if attention_mask is not None else device
+        where_ = self._storage_device(None if given is None else torch.device(given))
         batch = attention_mask.shape[0] if attention_mask is not None else (len(self.rows) or None)
         if batch is None:  # rows are made by the first update, which gives the batch size
-            self._step = None
-            positions = torch.arange(new_tokens, device=where_)  # (T_new,)
-            mask = positions[None, :] <= positions[:, None]  # (T_new, T_new)
-            return ForwardPlan(LayerMasks([mask[None, None]] * len(self.layers)), positions=positions[None])
-        layout = self._plan(new_tokens, attention_mask, batch, where_)
-        masks = None if layout.mask is None else LayerMasks([layout.mask] * len(self.layers))
-        return ForwardPlan(masks, positions=layout.positions)
+            self._steps = None
+            windows = [self.allocators[group].window for group in self._groups]
+            return first_forward_plan(new_tokens, windows, where_)
+        layouts = self._plan(new_tokens, attention_mask, batch, where_)
+        masks = None
+        if any(layout.mask is not None for layout in layouts):
+            masks = LayerMasks([group_mask(layouts[g], new_tokens) for g in self._groups])
+        return ForwardPlan(masks, positions=layouts[0].positions)
 
     def attention_masks(self, new_tokens, attention_mask=None, *, device=None) -> list[torch.Tensor]:
         """`begin`'s masks, built even where every key is visible (all True then). Like `begin`,
@@ -201,8 +243,10 @@ class PagedCache(Cache):
         plan = self.begin(new_tokens, attention_mask, device=device)
         if plan.masks is not None:
             return plan.masks
-        assert self._step is not None
-        every_key = torch.ones((1, 1, new_tokens, self._step.visible), dtype=torch.bool, device=self.device)
+        assert self._steps is not None
+        every_key = torch.ones(
+            (1, 1, new_tokens, self._steps[0].visible), dtype=torch.bool, device=self.device
+        )
         return LayerMasks([every_key] * len(self.layers))
 
     def _plan(self, new_tokens: int, attention_mask: torch.Tensor | None, batch: int, device: torch.device):
@@ -213,33 +257,40 @@ class PagedCache(Cache):
         if batch != len(self.rows):
             raise CacheShapeError(f"the forward has batch {batch}; the cache holds {len(self.rows)} rows")
         self._step_counter += 1
-        layout = plan_forward(
-            self.allocator, self.rows, self.get_seq_length(), new_tokens, attention_mask, device,
-            self._step_counter,
-        )
-        for source, target in layout.copies:  # a shared partial block is copied before it is written
-            for layer in self.layers:
+        columns = self.get_seq_length()
+        layouts = [
+            plan_forward(
+                allocator, self.rows, columns, new_tokens, attention_mask, device, self._step_counter
+            )
+            for allocator in self.allocators
+        ]
+        for layer, group in zip(self.layers, self._groups):
+            for source, target in layouts[group].copies:  # a shared partial block, copied before the write
                 layer.copy_block(source, target)
-        self._step = layout.step
-        return layout
+        self._steps = [layout.step for layout in layouts]
+        return layouts
 
     def _update_layer(
         self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer.check(k, v)
         batch, _, new_tokens, _ = k.shape
-        step = self._step
+        steps = self._steps
         if layer.layer_idx == 0:
-            if step is not None and step.pending and (step.new_tokens, step.batch) != (new_tokens, batch):
+            first = None if steps is None else steps[layer.group]
+            if first is not None and first.pending and (first.new_tokens, first.batch) != (new_tokens, batch):
                 raise CacheShapeError(
-                    f"begin was asked for {step.new_tokens} tokens of batch {step.batch}; "
+                    f"begin was asked for {first.new_tokens} tokens of batch {first.batch}; "
                     f"update got {new_tokens} tokens of batch {batch}"
                 )
-            if step is None or not step.pending:  # used directly: a forward without padding
-                step = self._plan(new_tokens, None, batch, self._storage_device(k.device)).step
-            step.pending = False
+            if first is None or not first.pending:  # used directly: a forward without padding
+                self._plan(new_tokens, None, batch, self._storage_device(k.device))
+        steps = self._steps
+        step = None if steps is None else steps[layer.group]
+        if step is not None and step.pending and layer.layer_idx == self._groups.index(layer.group):
+            step.pending = False  # the group's first layer: its rows' positions are written now
             for seq, total in zip(self.rows, step.totals):
-                self.allocator.commit(seq, total)
+                self.allocators[layer.group].commit(seq, total)
         elif step is None or step.pending or layer._last_step == step.step_id:
             raise CacheShapeError(
                 f"layer {layer.layer_idx} updated before layer 0 in this forward: update the layers "
@@ -263,11 +314,11 @@ class PagedCache(Cache):
         this cache; the view is for forwards (its columns start at its longest row)."""
         if self.layers and self.layers[0]._keys is None:
             raise CacheShapeError("a view needs the blocks allocated: build the PagedCache with its dtype")
-        seqs = [self._row_seq(row) for row in rows]
         view = PagedCache.__new__(PagedCache)
-        view.allocator, view.rows, view._seq_ids = self.allocator, seqs, self._seq_ids
-        view._step, view._step_counter = None, 0
-        Cache.__init__(view, [PagedLayer(view) for _ in self.layers], device=self._device)
+        view.allocators, view._groups, view._seq_ids = self.allocators, self._groups, self._seq_ids
+        view.rows = [self._row_seq(row) for row in rows]
+        view._steps, view._step_counter = None, 0
+        Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):
             mine._keys, mine._values = theirs._keys, theirs._values
         view._set_columns(max(view.row_lengths, default=0))
@@ -281,11 +332,15 @@ class PagedCache(Cache):
         columns = self.get_seq_length()
         if max_length >= columns:
             return
-        for seq, length in zip(self.rows, self.row_lengths):
-            keep = max(0, min(length, max_length - (columns - length)))
-            self.allocator.truncate(seq, keep)
+        keeps = [max(0, min(length, max_length - (columns - length))) for length in self.row_lengths]
+        for allocator in self.allocators:  # all or nothing: a window may no longer hold what is kept
+            for seq, keep in zip(self.rows, keeps):
+                allocator.validate_truncate(seq, keep)
+        for allocator in self.allocators:
+            for seq, keep in zip(self.rows, keeps):
+                allocator.truncate(seq, keep)
         self._set_columns(max_length)
-        self._step = None
+        self._steps = None
 
     def select(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep rows `indices` in that order; a repeated row is forked (blocks shared)."""
@@ -296,16 +351,18 @@ class PagedCache(Cache):
             seq = self.rows[row]
             if seq in used:
                 child = next(self._seq_ids)
-                self.allocator.fork(seq, child)
+                for allocator in self.allocators:
+                    allocator.fork(seq, child)
                 kept.append(child)
             else:
                 used.add(seq)
                 kept.append(seq)
         for seq in self.rows:
             if seq not in used:
-                self.allocator.free_sequence(seq)
+                for allocator in self.allocators:
+                    allocator.free_sequence(seq)
         self.rows = kept
-        self._step = None
+        self._steps = None
 
     def repeat_interleave(self, repeats: int) -> None:
         """Repeat each row `repeats` times (forks that share blocks)."""
@@ -316,10 +373,11 @@ class PagedCache(Cache):
     def free_rows(self) -> None:
         """Release every row; hashed full blocks stay cached for later prompts (see reset)."""
         for seq in self.rows:
-            self.allocator.free_sequence(seq)
+            for allocator in self.allocators:
+                allocator.free_sequence(seq)
         self.rows = []
         self._set_columns(0)
-        self._step = None
+        self._steps = None
 
     def reset(self) -> None:
         """Forget every row; full blocks with known token ids stay findable by prefix."""

@@ -15,9 +15,10 @@ from .paged_storage import Step, gather_rows, write_and_gather
 class PagedLayer(CacheLayer):
     """One layer of a PagedCache; only usable inside its cache (`cache`: the PagedCache)."""
 
-    def __init__(self, cache) -> None:
+    def __init__(self, cache, group: int = 0) -> None:
         super().__init__()
         self._cache = cache
+        self.group = group  # which of the cache's block tables (full or windowed) it follows
         self._columns = 0  # columns of the batch timeline this layer has seen
         self._last_step = -1
 
@@ -59,7 +60,7 @@ class PagedLayer(CacheLayer):
                 return
         check_kv_pair(k, v, self.layer_idx)
         if self._keys is None:
-            pool = (self._cache.num_blocks, self._cache.block_size, k.shape[1])
+            pool = (self.allocator.num_blocks, self._cache.block_size, k.shape[1])
             self.allocate((*pool, k.shape[3]), (*pool, v.shape[3]), k.dtype, k.device)
         self.check_layout(k.shape[1], k.shape[3], v.shape[3], k.dtype, f"k, v{where(self.layer_idx)}")
         assert self._keys is not None
@@ -115,16 +116,31 @@ class PagedLayer(CacheLayer):
 
     # ---- views and bookkeeping ---------------------------------------------------------------
     @property
+    def allocator(self):
+        """The block tables this layer follows (its group's)."""
+        return self._cache.allocators[self.group]
+
+    @property
+    def window(self) -> int | None:
+        return self.allocator.window
+
+    @property
     def batch_size(self) -> int | None:
         return len(self._cache.rows) or None
 
     def _gather(self, storage: torch.Tensor | None) -> torch.Tensor | None:
-        """Each row's rows of `storage` (B, H_kv, T, D), right-padded with zeros."""
+        """Each row's rows of `storage` (B, H_kv, T, D), right-padded with zeros: every token, or a
+        windowed layer's last `window`."""
         cache = self._cache
         lengths = cache.row_lengths
         if storage is None or not lengths or max(lengths) == 0:
             return None
-        return gather_rows(storage, [cache.allocator.slots(seq, 0, n) for seq, n in zip(cache.rows, lengths)])
+        window = self.window
+        slots = [
+            self.allocator.slots(seq, 0 if window is None else max(0, n - window), n)
+            for seq, n in zip(cache.rows, lengths)
+        ]
+        return gather_rows(storage, slots)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -137,7 +153,7 @@ class PagedLayer(CacheLayer):
         return self._gather(self._values)
 
     def _rows_held(self) -> int:
-        return self._cache.allocator.num_in_use * self._cache.block_size
+        return self.allocator.num_in_use * self._cache.block_size
 
     @property
     def nbytes_used(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import ForwardPlan, LayerMasks
 from .blocks import BlockAllocator
 from .errors import CacheShapeError
 from .paged_storage import Step
@@ -64,10 +65,16 @@ def plan_forward(
             real = None
     totals = [held + new for held, new in zip(lengths, counts)]
     copies = allocator.reserve(rows, totals)
-    visible = max(1, *totals)  # at least one key (masked) even if every row is padding so far
-    size = allocator.block_size
-    width = -(-visible // size)  # blocks per row in the gather
-    tables = [allocator.sequence(seq).table[:width] for seq in rows]
+    size, window = allocator.block_size, allocator.window
+    if window is None:  # every row reads its blocks from the first
+        firsts = [0] * batch
+        visible = max(1, *totals)  # at least one key (masked) even if every row is padding so far
+        width = -(-visible // size)  # blocks per row in the gather
+    else:  # each row reads from the first block its earliest query's window reaches
+        firsts = [max(0, held - window + 1) // size for held in lengths]
+        visible = max(max(1, total - first * size) for total, first in zip(totals, firsts))
+        width = -(-visible // size)
+    tables = [allocator.sequence(seq).table[first : first + width] for seq, first in zip(rows, firsts)]
     first_block = None
     read_blocks = None
     if (
@@ -94,7 +101,15 @@ def plan_forward(
         step_id, new_tokens, batch, totals, write_slots, source_rows, read_blocks, first_block, visible
     )
     equal = len(set(lengths)) == 1
-    if real is None and equal and new_tokens == 1:
+    if window is not None:
+        key_positions = torch.tensor(firsts, device=device)[:, None] * size + torch.arange(
+            visible, device=device
+        )
+        keys, queries = key_positions[:, None, :], query[:, :, None]  # (B, 1, T_kv), (B, T_new, 1)
+        allowed = (keys <= queries) & (keys > queries - window)  # (B, T_new, T_kv)
+        allowed |= (queries < 0) & (torch.arange(visible, device=device) == 0)  # padding: its first key
+        mask = allowed[:, None]  # (B, 1, T_new, T_kv)
+    elif real is None and equal and new_tokens == 1:
         mask = None  # every row holds the same keys, all visible to its one new token
     else:
         key_positions = torch.arange(visible, device=device)  # (T_kv,)
@@ -108,3 +123,22 @@ def plan_forward(
             allowed |= (query[:, :, None] < 0) & (key_positions == 0)
             mask = allowed[:, None]  # (B, 1, T_new, T_kv)
     return ForwardLayout(step, copies, query.clamp(min=0), mask)
+
+
+def group_mask(layout: ForwardLayout, new_tokens: int) -> torch.Tensor:
+    """A layout's mask (B or 1, 1, T_new, T_kv); all True where its plan needs none."""
+    if layout.mask is not None:
+        return layout.mask
+    return torch.ones(
+        (1, 1, new_tokens, layout.step.visible), dtype=torch.bool, device=layout.positions.device
+    )
+
+
+def first_forward_plan(new_tokens: int, windows: list[int | None], device: torch.device) -> ForwardPlan:
+    """The plan of a forward into an empty cache (its rows are made by the first update): each
+    layer's keys are the new tokens, causal, within the layer's window where it has one."""
+    positions = torch.arange(new_tokens, device=device)  # (T_new,)
+    keys, queries = positions[None, :], positions[:, None]
+    causal = keys <= queries  # (T_new, T_new)
+    masks = [causal if window is None else causal & (keys > queries - window) for window in windows]
+    return ForwardPlan(LayerMasks([mask[None, None] for mask in masks]), positions=positions[None])

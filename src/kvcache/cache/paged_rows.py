@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import OutOfBlocksError
-from .errors import CacheShapeError
+from .errors import CacheShapeError, OutOfBlocksError
 
 
 @dataclass
@@ -23,9 +22,18 @@ class RowState:
     values: list[torch.Tensor]
 
 
+def _whole_rows_only(cache) -> None:
+    if any(allocator.window is not None for allocator in cache.allocators):
+        raise CacheShapeError(
+            "this paged cache has sliding-window layers, whose rows hold only their window: a row "
+            "cannot be read out or loaded whole"
+        )
+
+
 def read_row(cache, row: int) -> RowState:
     """Row `row`'s token ids and keys and values (copies, in position order). Every position
     it holds needs its token id declared (`add_sequence`, `declare_tokens`)."""
+    _whole_rows_only(cache)
     seq = cache._row_seq(row)
     state = cache.allocator.sequence(seq)
     tokens = state.num_tokens
@@ -46,6 +54,7 @@ def write_row(cache, state: RowState) -> int:
     tokens find them); return its index. Shapes, dtypes and free blocks are checked before
     anything is allocated or written (CacheShapeError, CacheDtypeError, OutOfBlocksError),
     so a refused state leaves the cache as it was."""
+    _whole_rows_only(cache)
     tokens = len(state.token_ids)
     if tokens == 0 or len(state.keys) != len(cache.layers) or len(state.values) != len(cache.layers):
         raise CacheShapeError(

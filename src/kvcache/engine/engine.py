@@ -28,12 +28,13 @@ from kvcache.cache import PagedCache
 from kvcache.cache.paged_rows import prefill_inputs
 from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.params import RequestError, SamplingParams
+from kvcache.engine.prompts import prompt_ids, tokenizer_eos
 from kvcache.engine.request import Completion, Request, RequestHandle
 from kvcache.engine.scheduler import Limits, RunningSeq, WaitingSeq, blocks_for, schedule
 from kvcache.generation.sampling import SamplingSettings, choose_next
 from kvcache.generation.stops import StopRule
 from kvcache.geometry import read_geometry
-from kvcache.memory import KVShape, paged_block_bytes, paged_blocks_in_budget, parse_size
+from kvcache.memory import KVShape, paged_block_bytes, paged_pool, parse_size
 
 
 class Engine:
@@ -63,24 +64,35 @@ class Engine:
         token_budget: int = 256,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        if max_running < 1 or token_budget < max_running:
+            raise RequestError(
+                f"need max_running >= 1 and token_budget >= max_running, got {max_running} and {token_budget}"
+            )
+        self.limits = Limits(block_size, max_running, token_budget)
         self.shape = KVShape.from_geometry(read_geometry(model.config))
         self.dtype_name = str(model.dtype).removeprefix("torch.")
-        self.block_bytes = paged_block_bytes(self.shape, block_size, self.dtype_name)
+        self.block_bytes = paged_block_bytes(self.shape, block_size, self.dtype_name)  # full layers'
+        budget = 0
         if num_blocks is None:
             budget = parse_size(kv_budget) if isinstance(kv_budget, str) else kv_budget
             if not isinstance(budget, int) or budget < self.block_bytes:
                 raise RequestError(
                     f"kv_budget must hold at least one block of {self.block_bytes} bytes, got {kv_budget!r}"
                 )
-            num_blocks = paged_blocks_in_budget(self.shape, budget, block_size, self.dtype_name)
-        self.pool = PagedCache(
-            num_blocks, block_size, config=model.config, dtype=model.dtype, device=model.device
-        )
-        if max_running < 1 or token_budget < max_running:
-            raise RequestError(
-                f"need max_running >= 1 and token_budget >= max_running, got {max_running} and {token_budget}"
+        try:  # the sliding layers get enough for max_running rows of any length, the full ones the rest
+            full, window = paged_pool(
+                self.shape, budget, block_size, self.dtype_name, max_sequences=max_running, chunk=token_budget
             )
-        self.limits = Limits(block_size, max_running, token_budget)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        self.pool = PagedCache(
+            num_blocks if num_blocks is not None else max(full, 1),
+            block_size,
+            window_blocks=window or None,
+            config=model.config,
+            dtype=model.dtype,
+            device=model.device,
+        )
         self.backend = choose_backend(model, backend)
         self.metrics = EngineMetrics()
         self.waiting: deque[Request] = deque()
@@ -96,10 +108,14 @@ class Engine:
     # ---- capacity ---------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks of the full-attention layers' pool (0 when every layer slides)."""
+        return 0 if self.pool.full_allocator is None else self.pool.num_blocks
 
     def capacity(self, tokens: int) -> int:
-        """How many sequences of `tokens` tokens the pool holds at once (no prefix shared)."""
+        """How many sequences of `tokens` tokens the pool holds at once (no prefix shared); the
+        sliding layers' blocks are sized for max_running sequences of any length."""
+        if self.pool.full_allocator is None:
+            return self.limits.max_running
         return self.num_blocks // blocks_for(tokens, self.limits.block_size)
 
     # ---- submitting -------------------------------------------------------------------------------
@@ -111,20 +127,23 @@ class Engine:
         params = params if params is not None else SamplingParams(**fields)
         config = self.model.config
         params.check(config.vocab_size)
-        ids = self._token_ids(prompt)
+        ids = prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
         total = len(ids) + params.max_tokens
         if total > config.max_position_embeddings:
             raise RequestError(
                 f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} make {total}, past the "
                 f"model's context of {config.max_position_embeddings}"
             )
-        if blocks_for(total, self.limits.block_size) > self.num_blocks:
+        if (
+            self.pool.full_allocator is not None
+            and blocks_for(total, self.limits.block_size) > self.num_blocks
+        ):
             raise RequestError(
                 f"the request needs up to {total} tokens; the KV pool holds {self.num_blocks} blocks "
                 f"of {self.limits.block_size} ({self.num_blocks * self.limits.block_size} tokens): "
                 "raise kv_budget"
             )
-        eos = () if params.ignore_eos else (*config.eos_token_id, *self._tokenizer_eos())
+        eos = () if params.ignore_eos else (*config.eos_token_id, *tokenizer_eos(self.tokenizer))
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer to read the generated text")
         rule = StopRule((*eos, *params.stop_token_ids), params.stop, self.tokenizer)
@@ -136,31 +155,6 @@ class Engine:
         self.metrics.submitted += 1
         self._wake()
         return handle
-
-    def _tokenizer_eos(self) -> tuple[int, ...]:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return () if eos is None else (eos,)
-
-    def _token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
-            if self.tokenizer is None:
-                raise RequestError("a text or chat prompt needs the engine's tokenizer; pass token ids")
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
-            else:
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        else:
-            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-        if not ids:
-            raise RequestError("the prompt holds no tokens: give at least one")
-        vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            bad = next(
-                t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)
-            )
-            raise RequestError(f"prompt token ids must be ints in [0, {vocab}), got {bad!r}")
-        return ids
 
     def stats(self) -> dict:
         """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
@@ -198,9 +192,9 @@ class Engine:
             )
             if not self.running and not self.waiting:
                 return False
-            plan = schedule(
-                self._running_view(), self._waiting_view(), self.pool.allocator.num_allocatable, self.limits
-            )
+            full = self.pool.full_allocator
+            free = full.num_allocatable if full is not None else 1 << 40  # sliding blocks never run short
+            plan = schedule(self._running_view(), self._waiting_view(), free, self.limits)
             by_id = {request.id: request for request in (*self.running, *self.waiting)}
             self._preempt([by_id[i] for i in plan.preempt])
             self._admit([by_id[i] for i in plan.admit])
@@ -212,15 +206,15 @@ class Engine:
             return True
 
     def _running_view(self) -> list[RunningSeq]:
-        allocator = self.pool.allocator
+        full = self.pool.full_allocator  # the sliding layers' blocks never run short (paged_pool)
         return [
             RunningSeq(
                 r.id,
                 r.arrival,
                 len(r.tokens),
                 r.cached,
-                len(allocator.sequence(seq).table),
-                allocator.unshared_blocks(seq),
+                0 if full is None else len(full.sequence(seq).table),
+                0 if full is None else full.unshared_blocks(seq),
             )
             for r, seq in zip(self.running, self.pool.rows)
         ]
@@ -230,7 +224,7 @@ class Engine:
         for request in self.waiting:  # only as many as could join: the scheduler stops at the cap
             if len(seen) >= self.limits.max_running:
                 break
-            prefix, idle = self.pool.allocator.prefix_cost(request.tokens)
+            prefix, idle = self.pool.prefix_cost(request.tokens)
             seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
         return seen
 
@@ -349,7 +343,7 @@ class Engine:
         finished some. Every prompt is checked before any is queued."""
         params = params if params is not None else SamplingParams(**fields)
         for prompt in prompts:  # refuse a bad batch before queueing any of it
-            self._token_ids(prompt)
+            prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
         handles = [self.submit(prompt, params) for prompt in prompts]
         done = 0
         while done < len(handles):
