@@ -31,7 +31,7 @@ from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .paged_layer import PagedLayer
 from .paged_plan import first_forward_plan, group_mask, plan_forward
-from .paged_rows import RowState, read_row, write_row
+from .paged_rows import RowState, prefix_cost, prefix_digests, read_row, write_row
 from .paged_storage import Step
 
 __all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer", "RowState"]
@@ -150,17 +150,8 @@ class PagedCache(Cache):
         self._set_columns(max(self.get_seq_length(), attached))
         return attached
 
-    def prefix_cost(self, token_ids: Sequence[int]) -> tuple[int, int]:
-        """(tokens `add_sequence` would attach, the full-attention blocks of those that no row uses
-        now: attaching takes them from the blocks a new allocation may evict). Every group attaches
-        the same tokens: the most whole blocks each can attach (a windowed group needs only the
-        blocks inside the window of the last one). Changes nothing."""
-        digests = self.allocators[0].prefix_digests(token_ids)
-        full = self.full_allocator
-        count = len(digests) if full is None else full.attachable(digests)
-        while count and not all(allocator.can_attach(digests, count) for allocator in self.allocators):
-            count -= 1
-        return count * self.block_size, 0 if full is None else full.idle_blocks(digests, count)
+    prefix_cost = prefix_cost
+    prefix_digests = prefix_digests
 
     def declare_tokens(self, row: int, token_ids: Sequence[int], start: int | None = None) -> None:
         """Tell the cache the token ids of row `row`'s positions start, start+1, … (default:

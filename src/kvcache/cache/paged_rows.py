@@ -1,6 +1,7 @@
-"""PagedCache rows: one read out and put back (its token ids and its keys and values per layer, in
-position order: `PagedCache.row_state` / `load_row_state`, what prompt-cache files use), and the
-inputs that run new tokens on top of what each row holds (`prefill_inputs`)."""
+"""PagedCache rows: what a prompt's prefix would attach (`prefix_cost`), a row read out and put back
+(its token ids and its keys and values per layer, in position order: `PagedCache.row_state` /
+`load_row_state`, what prompt-cache files use), and the inputs that run new tokens on top of what
+each row holds (`prefill_inputs`)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,23 @@ def prefill_inputs(cache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tenso
         attention_mask[row, columns - held : columns] = 1
         attention_mask[row, columns + width - len(prompt) :] = 1
     return input_ids, attention_mask
+
+
+def prefix_cost(cache, token_ids: Sequence[int], digests: Sequence[bytes] | None = None) -> tuple[int, int]:
+    """(tokens `add_sequence` would attach, the full-attention blocks of those that no row uses
+    now: attaching takes them from the blocks a new allocation may evict). Every group attaches
+    the same tokens: the most whole blocks each can attach (a windowed group needs only the
+    blocks inside the window of the last one). digests: `prefix_digests(token_ids)` when the
+    caller keeps them (they depend on the tokens only). Changes nothing."""
+    if digests is None:
+        digests = cache.prefix_digests(token_ids)
+    full = cache.full_allocator
+    count = len(digests) if full is None else full.attachable(digests)
+    while count and not all(allocator.can_attach(digests, count) for allocator in cache.allocators):
+        count -= 1
+    return count * cache.block_size, 0 if full is None else full.idle_blocks(digests, count)
+
+
+def prefix_digests(cache, token_ids: Sequence[int]) -> list[bytes]:
+    """The chained hashes of the whole blocks of `token_ids` a prefix hit may cover."""
+    return cache.allocators[0].prefix_digests(token_ids)

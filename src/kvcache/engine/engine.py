@@ -49,6 +49,8 @@ class Engine:
         max_running: sequences holding a row at once. token_budget: tokens one step runs (decode
             rows and prefill chunks together), so a long prompt is prefilled in chunks while the
             others keep decoding.
+        prefix_caching: attach cached blocks of earlier prompts that start the same way (False:
+            every prompt is prefilled whole).
     """
 
     def __init__(
@@ -62,8 +64,10 @@ class Engine:
         block_size: int = 16,
         max_running: int = 16,
         token_budget: int = 256,
+        prefix_caching: bool = True,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.prefix_caching = prefix_caching
         if max_running < 1 or token_budget < max_running:
             raise RequestError(
                 f"need max_running >= 1 and token_budget >= max_running, got {max_running} and {token_budget}"
@@ -224,7 +228,11 @@ class Engine:
         for request in self.waiting:  # only as many as could join: the scheduler stops at the cap
             if len(seen) >= self.limits.max_running:
                 break
-            prefix, idle = self.pool.prefix_cost(request.tokens)
+            prefix, idle = (0, 0)
+            if self.prefix_caching:
+                if request.digests is None or request.digests[0] != len(request.tokens):
+                    request.digests = (len(request.tokens), self.pool.prefix_digests(request.tokens))
+                prefix, idle = self.pool.prefix_cost(request.tokens, request.digests[1])
             seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
         return seen
 
@@ -240,7 +248,7 @@ class Engine:
     def _admit(self, requests: list[Request]) -> None:
         for request in requests:
             self.waiting.remove(request)
-            request.cached = self.pool.add_sequence(request.tokens)
+            request.cached = self.pool.add_sequence(request.tokens, reuse_prefix=self.prefix_caching)
             if not request.admitted:
                 request.admitted = True
                 request.usage.cached_tokens = request.cached

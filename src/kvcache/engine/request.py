@@ -135,6 +135,8 @@ class Request:
         self.submitted_at = time.perf_counter()
         self.token_times: list[float] = []
         self.finish: tuple[str, str | None] | None = None  # (reason, error) once it stopped
+        # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
+        self.digests: tuple[int, list[bytes]] | None = None
 
     @property
     def generated(self) -> list[int]:
