@@ -161,7 +161,21 @@ def test_a_hundred_random_cancellations_return_every_block(model):
     _assert_baseline(engine)
 
 
+def test_a_dropped_handle_cancels_its_request_and_frees_its_blocks(model):
+    engine = Engine(model, num_blocks=64, block_size=4, max_running=4, token_budget=24)
+    kept = engine.submit([5, 6, 7], max_tokens=12, ignore_eos=True)
+    engine.submit([1, 2, 3, 4, 5, 6], max_tokens=40, ignore_eos=True)  # the handle is dropped at once
+    engine.step()
+    assert len(engine.running) == 1  # the dropped one never took a row
+    assert kept.result().finish_reason == "length"
+    assert engine.stats()["finished"] == {"cancelled": 1, "length": 1}
+    _assert_baseline(engine)
+
+
 def test_bad_requests_are_refused_at_submit_and_nothing_is_queued(model, tokenizer):
+    for bad in (dict(num_blocks=0), dict(num_blocks=2.5), dict(kv_budget="1KiB"), dict(kv_budget=True)):
+        with pytest.raises(RequestError, match="num_blocks|kv_budget"):
+            Engine(model, **bad)
     engine = Engine(model, tokenizer, num_blocks=8, block_size=16)
     cases = [
         ([], {}, "holds no tokens"),
@@ -275,7 +289,7 @@ def test_sampling_params_are_per_request(model, tokenizer):
     )
 
 
-def test_offline_generate_reports_progress_and_refuses_a_bad_batch_whole(model, solo):
+def test_offline_generate_reports_progress_and_refuses_a_bad_batch_whole(model, solo, capsys):
     engine = Engine(model, num_blocks=128, block_size=8)
     seen: list[tuple[int, int]] = []
     prompts = [[1, 2], [3, 4, 5], [6]]
@@ -284,6 +298,9 @@ def test_offline_generate_reports_progress_and_refuses_a_bad_batch_whole(model, 
     )
     assert [r.tokens for r in results] == [solo(p, 5) for p in prompts]
     assert seen[-1] == (3, 3) and all(total == 3 for _, total in seen)
+    engine.generate(prompts, max_tokens=2, progress=True)
+    drawn = capsys.readouterr().err.splitlines()
+    assert drawn and drawn[-1].startswith("kvcache engine [") and "3/3 requests finished" in drawn[-1]
     with pytest.raises(RequestError):
         engine.generate([[1, 2], []], max_tokens=5)
     assert engine.stats()["waiting"] == 0

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from kvcache.cli._args import positive_int
 from kvcache.memory import format_bytes, parse_size
+from kvcache.progress import ProgressBar
 
 
 def _size(text: str) -> int:
@@ -35,29 +35,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                              "is small work, and one thread gives the steadiest figures on a shared machine)")
     parser.add_argument("--budget", type=_size, default=24 * 2**30,
                         help="KV memory budget for the capacity figures (default 24GiB)")
-
-
-class _Bar:
-    """A progress bar on stderr: redrawn in place on a terminal, one line per step otherwise."""
-
-    def __init__(self, stream=None, width: int = 28):
-        self.stream, self.width = stream or sys.stderr, width
-        self.live = self.stream.isatty()
-        self.started = time.perf_counter()
-        self.last_label = None
-
-    def __call__(self, fraction: float, label: str) -> None:
-        filled = int(round(fraction * self.width))
-        line = (f"kvcache report [{'#' * filled}{'.' * (self.width - filled)}] {fraction:4.0%} "
-                f"{time.perf_counter() - self.started:5.1f}s  {label}")
-        if self.live:
-            self.stream.write("\r" + line[:110].ljust(110))
-            if fraction >= 1.0:
-                self.stream.write("\n")
-        elif label != self.last_label:
-            self.stream.write(line + "\n")
-        self.last_label = label
-        self.stream.flush()
 
 
 def _headline(report: dict) -> list[str]:
@@ -103,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        report = write_report(args.out, args.model, quick=args.quick, progress=_Bar(),
+        report = write_report(args.out, args.model, quick=args.quick, progress=ProgressBar("kvcache report"),
                               budget_bytes=args.budget)
     except (ValueError, OSError) as error:
         print(f"kvcache report: error: {error}", file=sys.stderr)

@@ -24,17 +24,16 @@ import torch
 
 from kvcache.backends import choose_backend
 from kvcache.backends.torch_step import last_logits
-from kvcache.cache import PagedCache
 from kvcache.cache.paged_rows import prefill_inputs
 from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.params import RequestError, SamplingParams
+from kvcache.engine.pool import build_pool
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
 from kvcache.engine.request import Completion, Request, RequestHandle
 from kvcache.engine.scheduler import Limits, RunningSeq, WaitingSeq, blocks_for, schedule
 from kvcache.generation.sampling import SamplingSettings, choose_next
 from kvcache.generation.stops import StopRule
-from kvcache.geometry import read_geometry
-from kvcache.memory import KVShape, paged_block_bytes, paged_pool, parse_size
+from kvcache.progress import ProgressBar
 
 
 class Engine:
@@ -73,30 +72,7 @@ class Engine:
                 f"need max_running >= 1 and token_budget >= max_running, got {max_running} and {token_budget}"
             )
         self.limits = Limits(block_size, max_running, token_budget)
-        self.shape = KVShape.from_geometry(read_geometry(model.config))
-        self.dtype_name = str(model.dtype).removeprefix("torch.")
-        self.block_bytes = paged_block_bytes(self.shape, block_size, self.dtype_name)  # full layers'
-        budget = 0
-        if num_blocks is None:
-            budget = parse_size(kv_budget) if isinstance(kv_budget, str) else kv_budget
-            if not isinstance(budget, int) or budget < self.block_bytes:
-                raise RequestError(
-                    f"kv_budget must hold at least one block of {self.block_bytes} bytes, got {kv_budget!r}"
-                )
-        try:  # the sliding layers get enough for max_running rows of any length, the full ones the rest
-            full, window = paged_pool(
-                self.shape, budget, block_size, self.dtype_name, max_sequences=max_running, chunk=token_budget
-            )
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        self.pool = PagedCache(
-            num_blocks if num_blocks is not None else max(full, 1),
-            block_size,
-            window_blocks=window or None,
-            config=model.config,
-            dtype=model.dtype,
-            device=model.device,
-        )
+        self.pool, self.block_bytes = build_pool(model, self.limits, kv_budget, num_blocks)
         self.backend = choose_backend(model, backend)
         self.metrics = EngineMetrics()
         self.waiting: deque[Request] = deque()
@@ -192,7 +168,7 @@ class Engine:
                 self.waiting.extend(self._incoming)
                 self._incoming.clear()
             self._retire(
-                [r for r in (*self.running, *self.waiting) if r.handle.cancel_requested], "cancelled"
+                [r for r in (*self.running, *self.waiting) if r.cancelled], "cancelled"
             )
             if not self.running and not self.waiting:
                 return False
@@ -310,7 +286,7 @@ class Engine:
             request.tokens.append(token)
             request.token_times.append(self.metrics.now())
             self.pool.declare_tokens(self._rows([request])[0], [token])
-            request.handle._put_token(token)
+            request.deliver(token)
             self.metrics.generated_tokens += 1
             if request.stop_rule.reason(request.generated) is not None:
                 request.finish = ("stop", None)
@@ -330,7 +306,7 @@ class Engine:
             finish, error = (reason, None) if reason is not None else request.finish
             completion: Completion = request.completion(finish, error)
             self.metrics.finished[finish] = self.metrics.finished.get(finish, 0) + 1
-            request.handle._finish(completion)
+            request.finished(completion)
 
     def _drop_rows(self, requests: list[Request]) -> None:
         gone = {request.id for request in requests}
@@ -344,14 +320,16 @@ class Engine:
         prompts: Sequence,
         params: SamplingParams | None = None,
         *,
-        progress: Callable[[int, int], None] | None = None,
+        progress: bool | Callable[[int, int], None] = False,
         **fields,
     ) -> list[Completion]:
-        """Run every prompt to completion (offline); progress(done, total) after each step that
-        finished some. Every prompt is checked before any is queued."""
+        """Run every prompt to completion (offline) and return their Completions in order.
+        progress: True for a bar on stderr, or a callable progress(done, total) called after each
+        step that finished some. Every prompt is checked before any is queued."""
         params = params if params is not None else SamplingParams(**fields)
         for prompt in prompts:  # refuse a bad batch before queueing any of it
             prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
+        report = _progress_reporter(progress)
         handles = [self.submit(prompt, params) for prompt in prompts]
         done = 0
         while done < len(handles):
@@ -360,8 +338,8 @@ class Engine:
             else:
                 handles[done].result()
             finished = sum(handle.done for handle in handles)
-            if finished != done and progress is not None:
-                progress(finished, len(handles))
+            if finished != done and report is not None:
+                report(finished, len(handles))
             done = finished
         return [handle.result() for handle in handles]
 
@@ -393,3 +371,13 @@ class Engine:
 
     def _wake(self) -> None:
         self._wake_event.set()
+
+
+def _progress_reporter(progress) -> Callable[[int, int], None] | None:
+    """generate's progress argument as a callable (done, total), or None."""
+    if callable(progress):
+        return progress
+    if not progress:
+        return None
+    bar = ProgressBar("kvcache engine")
+    return lambda done, total: bar(done / total, f"{done}/{total} requests finished")

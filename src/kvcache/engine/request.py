@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -43,7 +44,8 @@ class Completion:
 
 class RequestHandle:
     """What `Engine.submit` returns. Iterate it for the new token ids as they are made; `result()`
-    waits for the Completion; `cancel()` ends the request at the next step (its blocks freed).
+    waits for the Completion; `cancel()` ends the request at the next step (its blocks freed), and so
+does dropping the last reference to the handle (nobody is left to read what it makes).
 
     With the engine's background thread running (`Engine.start`) the handle waits for it; without,
     iterating or `result()` runs the engine's steps itself, so one thread can drive many handles.
@@ -125,7 +127,7 @@ class Request:
         self.tokens = list(prompt)  # prompt, then every generated token
         self.params = params
         self.stop_rule = stop_rule
-        self.handle = handle
+        self._handle = weakref.ref(handle)  # a handle its submitter dropped cancels the request
         self.arrival = arrival
         self.cached = 0  # tokens whose keys and values the cache holds
         self.usage = Usage(prompt_tokens=len(prompt))
@@ -137,6 +139,24 @@ class Request:
         self.finish: tuple[str, str | None] | None = None  # (reason, error) once it stopped
         # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
         self.digests: tuple[int, list[bytes]] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        """Cancelled by its submitter, or its handle dropped (nobody can read what it makes)."""
+        handle = self._handle()
+        return handle is None or handle.cancel_requested
+
+    def deliver(self, token: int) -> None:
+        """Hand a new token to the submitter's handle (if it still has one)."""
+        handle = self._handle()
+        if handle is not None:
+            handle._put_token(token)
+
+    def finished(self, completion: Completion) -> None:
+        """Hand the Completion to the submitter's handle (if it still has one)."""
+        handle = self._handle()
+        if handle is not None:
+            handle._finish(completion)
 
     @property
     def generated(self) -> list[int]:
