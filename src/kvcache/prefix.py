@@ -129,6 +129,7 @@ class ChatSession:
             self.messages.append({"role": "system", "content": system})
         self.token_ids: list[int] = []  # every token of the conversation so far
         self.prefilled_tokens = 0  # tokens run through the model as prompt, over all turns
+        self.last_turn = (0, 0)  # the latest turn's (tokens reused from the cache, tokens prefilled)
         self.last_result: GenerationResult | None = None  # the latest turn's generation
 
     @property
@@ -159,16 +160,23 @@ class ChatSession:
         self.cache.declare_tokens(0, reply)
         self.token_ids = conversation_ids + reply
         self.prefilled_tokens += len(new)
+        self.last_turn = (common, len(new))
         self.last_result = result
         return reply
 
     def send(self, text: str, **options: Any) -> str:
-        """Add a user message, generate the reply, return its text (special tokens skipped)."""
+        """Add a user message, generate the reply, return its text (special tokens skipped).
+        options: `kvcache.generate`'s (a `streamer` sees each token as it is made). If the turn
+        fails or is interrupted, the message is taken back and the conversation stays as it was."""
         if self.tokenizer is None:
             raise ValueError("send(text) needs a tokenizer; use send_ids with token ids")
         self.messages.append({"role": "user", "content": text})
-        ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-        reply = self.send_ids(_as_list(ids), **options)
+        try:
+            ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+            reply = self.send_ids(_as_list(ids), **options)
+        except BaseException:
+            self.messages.pop()
+            raise
         text_out = self.tokenizer.decode(reply, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": text_out})
         return text_out

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate text with a local checkpoint, streamed, with timings"),
     "drift": ("drift", "how far a quantized KV cache moves the output, against tolerance"),
     "report": ("report", "counted and measured figures in one document, with plots"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server on the engine (continuous batching)"),
+    "chat": ("chat", "an interactive multi-turn chat that keeps the conversation's cache"),
 }
 
 

@@ -9,7 +9,6 @@ torch is imported inside `run`, so building the command-line parser stays torch-
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -51,44 +50,28 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _eos_ids(folder: Path, model, tokenizer) -> tuple[int, ...]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, in that order."""
-    ids = list(model.config.eos_token_id)
-    generation_config = folder / "generation_config.json"
-    if generation_config.is_file():
-        extra = json.loads(generation_config.read_text(encoding="utf-8")).get("eos_token_id")
-        ids += extra if isinstance(extra, list) else [] if extra is None else [extra]
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(ids))
-
-
 class _TextStream:
-    """Prints the text of new tokens as they come, holding back incomplete UTF-8 characters."""
+    """Prints the text of new tokens as they come (`ReplyText`: no broken characters)."""
 
     def __init__(self, tokenizer, out) -> None:
-        self.tokenizer = tokenizer
+        from kvcache.generation.text import ReplyText
+
+        self.text = ReplyText(tokenizer)
         self.out = out
-        self.tokens: list[int] = []
-        self.printed = ""
-        self.done = False
 
     def __call__(self, step_tokens) -> None:
-        if self.done:
-            return
-        token = int(step_tokens[0])
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return  # part of a multi-byte character: wait for the rest
-        self.out.write(text[len(self.printed) :])
+        self.out.write(self.text.add(int(step_tokens[0])))
         self.out.flush()
-        self.printed = text
+
+    def finish(self) -> None:
+        self.out.write(self.text.finish())
+        self.out.flush()
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvcache.engine.prompts import tokenizer_eos
     from kvcache.generation import generate
     from kvcache.model import load_model
     from kvcache.tokenizer import load_tokenizer
@@ -116,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        eos_token_id=_eos_ids(folder, model, tokenizer),
+        eos_token_id=(*model.config.eos_token_id, *tokenizer_eos(tokenizer)),
         stop_strings=args.stop or None,
         tokenizer=tokenizer,
         prefill_chunk_size=args.prefill_chunk,
@@ -136,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nkvcache generate: error: {error}", file=sys.stderr)
         return 2
     new = result.new_tokens[0]
+    stream.finish()
     print()
     print(
         f"[{len(new)} new tokens after a {input_ids.shape[1]}-token prompt; stopped by "

@@ -30,8 +30,8 @@ from kvcache.engine.params import RequestError, SamplingParams
 from kvcache.engine.pool import build_pool
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
 from kvcache.engine.request import Completion, Request, RequestHandle
-from kvcache.engine.scheduler import Limits, RunningSeq, WaitingSeq, blocks_for, schedule
-from kvcache.generation.sampling import SamplingSettings, choose_next
+from kvcache.engine.scheduler import Limits, blocks_for, schedule
+from kvcache.engine.views import running_view, waiting_view
 from kvcache.generation.stops import StopRule
 from kvcache.progress import ProgressBar
 
@@ -75,6 +75,8 @@ class Engine:
         self.pool, self.block_bytes = build_pool(model, self.limits, kv_budget, num_blocks)
         self.backend = choose_backend(model, backend)
         self.metrics = EngineMetrics()
+        # called with every Completion as its request ends (a server's metrics); must not raise
+        self.on_finish: Callable[[Completion], None] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order of self.pool.rows
         self._incoming: list[Request] = []
@@ -160,6 +162,19 @@ class Engine:
         """End `handle`'s request at the next step (finish reason "cancelled")."""
         handle.cancel()
 
+    def cancel_all(self) -> None:
+        """Cancel every request not yet finished (at the next step, or now if no step runs)."""
+        with self._lock:
+            waiting = [*self._incoming, *self.waiting, *self.running]
+        for request in waiting:
+            request.cancel()
+        self._wake()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet holding a row."""
+        return len(self.waiting) + len(self._incoming)
+
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one scheduling step; False when there was nothing to do."""
@@ -174,7 +189,9 @@ class Engine:
                 return False
             full = self.pool.full_allocator
             free = full.num_allocatable if full is not None else 1 << 40  # sliding blocks never run short
-            plan = schedule(self._running_view(), self._waiting_view(), free, self.limits)
+            running = running_view(self.running, self.pool)
+            waiting = waiting_view(self.waiting, self.pool, self.prefix_caching, self.limits.max_running)
+            plan = schedule(running, waiting, free, self.limits)
             by_id = {request.id: request for request in (*self.running, *self.waiting)}
             self._preempt([by_id[i] for i in plan.preempt])
             self._admit([by_id[i] for i in plan.admit])
@@ -184,33 +201,6 @@ class Engine:
             self._retire([r for r in self.running if r.finish is not None], None)
             self.metrics.steps += 1
             return True
-
-    def _running_view(self) -> list[RunningSeq]:
-        full = self.pool.full_allocator  # the sliding layers' blocks never run short (paged_pool)
-        return [
-            RunningSeq(
-                r.id,
-                r.arrival,
-                len(r.tokens),
-                r.cached,
-                0 if full is None else len(full.sequence(seq).table),
-                0 if full is None else full.unshared_blocks(seq),
-            )
-            for r, seq in zip(self.running, self.pool.rows)
-        ]
-
-    def _waiting_view(self) -> list[WaitingSeq]:
-        seen = []
-        for request in self.waiting:  # only as many as could join: the scheduler stops at the cap
-            if len(seen) >= self.limits.max_running:
-                break
-            prefix, idle = (0, 0)
-            if self.prefix_caching:
-                if request.digests is None or request.digests[0] != len(request.tokens):
-                    request.digests = (len(request.tokens), self.pool.prefix_digests(request.tokens))
-                prefix, idle = self.pool.prefix_cost(request.tokens, request.digests[1])
-            seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
-        return seen
 
     def _preempt(self, victims: list[Request]) -> None:
         if not victims:
@@ -275,38 +265,27 @@ class Engine:
             return None
 
     def _sample(self, request: Request, logits: torch.Tensor) -> None:
-        """Pick the request's next token from its logits (vocab,), stream it, and decide whether it
-        stopped; an exception here fails this request only."""
-        params = request.params
-        try:
-            settings = SamplingSettings(
-                not params.greedy, params.temperature or 1.0, params.top_k, params.top_p
-            )
-            token = int(choose_next(logits[None].float(), settings, request.generator)[0])
-            request.tokens.append(token)
-            request.token_times.append(self.metrics.now())
+        """The request's next token from its logits (vocab,), declared to the pool and streamed."""
+        token = request.take(logits, self.metrics.now())
+        if token is not None:
             self.pool.declare_tokens(self._rows([request])[0], [token])
             request.deliver(token)
             self.metrics.generated_tokens += 1
-            if request.stop_rule.reason(request.generated) is not None:
-                request.finish = ("stop", None)
-            elif len(request.generated) >= params.max_tokens:
-                request.finish = ("length", None)
-        except Exception as error:  # noqa: BLE001 (a failing sampler or stop check: this request only)
-            request.finish = ("error", f"{type(error).__name__}: {error}")
 
-    def _retire(self, requests: list[Request], reason: str | None) -> None:
-        """Finish these requests (reason, or each one's own) and free their rows."""
+    def _retire(self, requests: list[Request], reason: str | None, error: str | None = None) -> None:
+        """Finish these requests (reason and error, or each one's own) and free their rows."""
         if not requests:
             return
         self._drop_rows([r for r in requests if r in self.running])
         for request in requests:
             if request in self.waiting:
                 self.waiting.remove(request)
-            finish, error = (reason, None) if reason is not None else request.finish
-            completion: Completion = request.completion(finish, error)
+            finish, message = (reason, error) if reason is not None else request.finish
+            completion: Completion = request.completion(finish, message)
             self.metrics.finished[finish] = self.metrics.finished.get(finish, 0) + 1
             request.finished(completion)
+            if self.on_finish is not None:
+                self.on_finish(completion)
 
     def _drop_rows(self, requests: list[Request]) -> None:
         gone = {request.id for request in requests}
@@ -365,9 +344,23 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as error:  # noqa: BLE001 (a fault outside any one request's work)
+                self._fail_everything(f"{type(error).__name__}: {error}")
+                busy = True
+            if not busy:
                 self._wake_event.wait(0.05)
                 self._wake_event.clear()
+
+    def _fail_everything(self, message: str) -> None:
+        """End every queued and running request with finish reason "error" and free the pool's
+        rows: what an engine fault leaves cannot be trusted."""
+        with self._step_lock:
+            with self._lock:
+                self.waiting.extend(self._incoming)
+                self._incoming.clear()
+            self._retire([*self.running, *self.waiting], "error", message)
 
     def _wake(self) -> None:
         self._wake_event.set()

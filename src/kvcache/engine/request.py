@@ -3,15 +3,17 @@ finish reason and usage."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from kvcache.engine.params import SamplingParams
+from kvcache.generation.sampling import SamplingSettings, choose_next
 from kvcache.generation.stops import StopRule
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -56,15 +58,27 @@ does dropping the last reference to the handle (nobody is left to read what it m
         self._engine = engine
         self._events: queue.Queue = queue.Queue()
         self._completion: Completion | None = None
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # an async reader
         self.cancel_requested = False
 
     # ---- the engine's side ----------------------------------------------------------------------
     def _put_token(self, token: int) -> None:
         self._events.put(token)
+        self._notify()
 
     def _finish(self, completion: Completion) -> None:
         self._completion = completion
         self._events.put(completion)
+        self._notify()
+
+    def _notify(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            loop, event = waiter
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the reader's loop closed: nobody to wake
+                pass
 
     # ---- the submitter's side -------------------------------------------------------------------
     def cancel(self) -> None:
@@ -102,6 +116,28 @@ does dropping the last reference to the handle (nobody is left to read what it m
                 return
             yield event
 
+    async def __aiter__(self) -> AsyncIterator[int]:
+        """The new token ids, awaited on the running event loop (a server's); needs the engine's
+        background thread (`Engine.start`), which makes them."""
+        if not self._engine.running_in_background:
+            raise RuntimeError("async iteration needs the engine's background thread: call engine.start()")
+        event = asyncio.Event()
+        self._waiter = (asyncio.get_running_loop(), event)
+        try:
+            while True:
+                try:
+                    item = self._events.get_nowait()
+                except queue.Empty:
+                    event.clear()
+                    if self._events.empty():  # checked after clear(): a token put meanwhile sets it
+                        await event.wait()
+                    continue
+                if isinstance(item, Completion):
+                    return
+                yield item
+        finally:
+            self._waiter = None
+
     def result(self, timeout: float | None = None) -> Completion:
         """The Completion, once the request finished (tokens not yet read are skipped)."""
         while self._completion is None:
@@ -128,6 +164,7 @@ class Request:
         self.params = params
         self.stop_rule = stop_rule
         self._handle = weakref.ref(handle)  # a handle its submitter dropped cancels the request
+        self.cancel_requested = False
         self.arrival = arrival
         self.cached = 0  # tokens whose keys and values the cache holds
         self.usage = Usage(prompt_tokens=len(prompt))
@@ -140,11 +177,16 @@ class Request:
         # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
         self.digests: tuple[int, list[bytes]] | None = None
 
+    def cancel(self) -> None:
+        """End this request at the engine's next step (the engine's own cancel: shutting down)."""
+        self.cancel_requested = True
+
     @property
     def cancelled(self) -> bool:
-        """Cancelled by its submitter, or its handle dropped (nobody can read what it makes)."""
+        """Cancelled (by its submitter or the engine), or its handle dropped (nobody can read what
+        it makes)."""
         handle = self._handle()
-        return handle is None or handle.cancel_requested
+        return self.cancel_requested or handle is None or handle.cancel_requested
 
     def deliver(self, token: int) -> None:
         """Hand a new token to the submitter's handle (if it still has one)."""
@@ -157,6 +199,29 @@ class Request:
         handle = self._handle()
         if handle is not None:
             handle._finish(completion)
+
+    def take(self, logits: torch.Tensor, now: float) -> int | None:
+        """Pick the next token from logits (vocab,) with this request's settings and generator,
+        append it, and set `finish` if it stopped ("stop", "length"). Returns the token, or None
+        when sampling failed; an exception here fails this request only (finish "error")."""
+        params = self.params
+        try:
+            greedy, temperature = params.greedy, params.temperature or 1.0
+            settings = SamplingSettings(not greedy, temperature, params.top_k, params.top_p)
+            token = int(choose_next(logits[None].float(), settings, self.generator)[0])
+        except Exception as error:  # noqa: BLE001 (a failing sampler: this request only)
+            self.finish = ("error", f"{type(error).__name__}: {error}")
+            return None
+        self.tokens.append(token)
+        self.token_times.append(now)
+        try:
+            if self.stop_rule.reason(self.generated) is not None:
+                self.finish = ("stop", None)
+            elif len(self.generated) >= params.max_tokens:
+                self.finish = ("length", None)
+        except Exception as error:  # noqa: BLE001 (a failing stop check: this request only)
+            self.finish = ("error", f"{type(error).__name__}: {error}")
+        return token
 
     @property
     def generated(self) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,17 +172,32 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read `config.json` (or a folder holding one)."""
+        """Read `config.json` (or a folder holding one). EOS ids of a `generation_config.json`
+        beside it are added to config.json's (generation stops at either, as in transformers)."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path} is not valid JSON: {error}") from error
-        return cls.from_dict(raw)
+        config = cls.from_dict(_read_json(path))
+        generation = path.with_name("generation_config.json")
+        if generation.is_file():
+            eos = _read_json(generation).get("eos_token_id")
+            extra = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in extra):
+                raise ConfigError(f"{generation}: eos_token_id must be token ids, got {eos!r}")
+            config = replace(config, eos_token_id=tuple(dict.fromkeys((*config.eos_token_id, *extra))))
+        return config
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return raw
 
 
 def _require(raw: dict[str, Any], *names: str) -> None:

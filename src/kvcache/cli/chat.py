@@ -1,0 +1,163 @@
+"""`kvcache chat`: an interactive multi-turn chat in the terminal that keeps the conversation's
+KV cache between turns, so each turn prefills only what is new.
+
+    kvcache chat                                   # the bundled model
+    kvcache chat --model DIR --system "You are terse." --max-tokens 200
+    printf 'Hello\\nWhat is a class?\\n' | kvcache chat   # piped: one turn per line
+
+Each reply streams as it is made; after it, a line on stderr gives the tokens reused from the
+cache and prefilled, and the decode speed. Commands: /reset (a new conversation), /system TEXT
+(set the system message and reset), /help, /exit (or end of input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvcache.cli._args import positive_int
+from kvcache.defaults import resolve_model_dir
+
+HELP = "commands: /reset (new conversation), /system TEXT (set the system message, reset), /help, /exit"
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local checkpoint folder; default: the bundled default model")
+    parser.add_argument("--system", help="a system message that opens the conversation")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=256, help="tokens per reply at most (default 256)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (the default) is greedy; else sample"
+    )
+    parser.add_argument("--top-p", type=float, help="nucleus sampling (with --temperature > 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument(
+        "--kv-blocks", type=positive_int, default=512, help="KV blocks of 16 tokens (default 512)"
+    )
+    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
+
+
+class _Chat:
+    """One conversation at a time (a ChatSession), and how a turn is shown."""
+
+    def __init__(self, model, tokenizer, args, out, err) -> None:
+        import torch
+
+        from kvcache.engine.prompts import tokenizer_eos
+
+        self.model, self.tokenizer, self.args, self.out, self.err = model, tokenizer, args, out, err
+        self.system = args.system
+        self.generator = torch.Generator().manual_seed(args.seed)
+        self.options = dict(
+            max_new_tokens=args.max_tokens,
+            eos_token_id=(*model.config.eos_token_id, *tokenizer_eos(tokenizer)),
+            do_sample=args.temperature > 0,
+            temperature=args.temperature if args.temperature > 0 else 1.0,
+            top_p=args.top_p,
+        )
+        self.session = None
+        self.reset()
+
+    def reset(self) -> None:
+        from kvcache.prefix import ChatSession
+
+        if self.session is not None:
+            self.session.close()
+        self.session = ChatSession(
+            self.model, self.tokenizer, num_blocks=self.args.kv_blocks, system=self.system
+        )
+
+    def turn(self, text: str) -> None:
+        from kvcache.generation.text import ReplyText
+
+        reply = ReplyText(self.tokenizer)
+
+        def stream(step_tokens) -> None:
+            self.out.write(reply.add(int(step_tokens[0])))
+            self.out.flush()
+
+        try:
+            self.session.send(text, streamer=stream, generator=self.generator, **self.options)
+        except KeyboardInterrupt:
+            self.out.write("\n")
+            self.err.write("[interrupted: the turn is dropped]\n")
+            return
+        self.out.write(reply.finish() + "\n")
+        self.out.flush()
+        result = self.session.last_result
+        reused, prefilled = self.session.last_turn
+        self.err.write(
+            f"[reused {reused} tokens from the cache, prefilled {prefilled}; {len(result.new_tokens[0])} new "
+            f"tokens, {result.decode_tokens_per_s:.0f} tokens/s; {self.session.held_tokens} tokens held]\n"
+        )
+        self.err.flush()
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False for /exit."""
+        name, _, rest = line.partition(" ")
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/reset":
+            self.reset()
+            self.err.write("[a new conversation]\n")
+        elif name == "/system":
+            self.system = rest.strip() or None
+            self.reset()
+            self.err.write(f"[system message {'set' if self.system else 'cleared'}; a new conversation]\n")
+        elif name == "/help":
+            self.err.write(HELP + "\n")
+        else:
+            self.err.write(f"unknown command {name!r}; {HELP}\n")
+        return True
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.model import load_model
+    from kvcache.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
+        print("kvcache chat: error: --temperature must be >= 0 and --top-p in (0, 1]", file=sys.stderr)
+        return 2
+    folder = Path(resolve_model_dir(args.model))
+    try:
+        model = load_model(folder)
+        tokenizer = load_tokenizer(folder)
+        chat = _Chat(model, tokenizer, args, sys.stdout, sys.stderr)
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)
+    except (ValueError, OSError) as error:
+        print(f"kvcache chat: error: {error}", file=sys.stderr)
+        return 2
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"kvcache chat with {folder.name}; {HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            break
+        if not interactive and line == "":
+            break  # end of piped input
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not chat.command(line):
+                break
+            continue
+        try:
+            chat.turn(line)
+        except ValueError as error:  # a conversation past the cache or the context, a template refusal
+            print(f"kvcache chat: error: {error}", file=sys.stderr)
+            if not interactive:
+                return 1
+            print("[the turn is dropped; /reset starts a new conversation]", file=sys.stderr)
+    return 0

@@ -1,0 +1,204 @@
+"""`kvcache serve`: an OpenAI-compatible HTTP server on the engine (continuous batching over one
+paged KV pool, prefix sharing across requests).
+
+    kvcache serve                                  # the bundled model on http://127.0.0.1:8000/v1
+    kvcache serve --model DIR --port 8080 --api-key "$KEY" --kv-budget 2GiB --max-running 32
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C:
+stop accepting, let running requests finish for --drain-seconds, cancel the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvcache.cli._args import positive_int
+from kvcache.defaults import DEFAULT_MODEL_DIR, resolve_model_dir
+from kvcache.kinds import BACKEND_NAMES
+from kvcache.memory import format_bytes, parse_size
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535] (0: any free port), got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _count(text: str) -> int:
+    """An integer >= 0 (0: the model's context)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local checkpoint folder; default: the bundled default model")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    parser.add_argument(
+        "--port", type=_port, default=8000, help="default 8000; 0 picks a free port (printed)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVCACHE_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $KVCACHE_API_KEY, else no key; an empty key means none)",
+    )
+    parser.add_argument(
+        "--served-model-name", help="the model id clients ask for (default: the folder's name)"
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--kv-budget",
+        type=_size,
+        default=parse_size("256MiB"),
+        help="bytes for keys and values, e.g. 2GiB (default 256MiB)",
+    )
+    engine.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)"
+    )
+    engine.add_argument(
+        "--max-running", type=positive_int, default=16, help="sequences decoding at once (default 16)"
+    )
+    engine.add_argument(
+        "--token-budget",
+        type=positive_int,
+        default=256,
+        help="tokens one engine step runs, decode rows and prefill chunks (default 256)",
+    )
+    engine.add_argument(
+        "--backend", choices=BACKEND_NAMES, default="auto", help="the decode step (default auto)"
+    )
+    engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
+    engine.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=256,
+        help="requests queued before new ones get 429 (default 256)",
+    )
+    limits.add_argument(
+        "--max-body-bytes", type=_size, default=1 << 20, help="request body limit (default 1MiB)"
+    )
+    limits.add_argument(
+        "--max-prompt-tokens", type=_count, default=0, help="prompt limit (default 0: the context)"
+    )
+    limits.add_argument(
+        "--max-tokens",
+        type=_count,
+        default=0,
+        help="the most max_tokens a request may ask (default 0: the context)",
+    )
+    limits.add_argument(
+        "--default-max-tokens",
+        type=positive_int,
+        default=256,
+        help="max_tokens of a request that gives none (default 256)",
+    )
+    limits.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running requests may finish (default 30)",
+    )
+    parser.add_argument(
+        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.engine import Engine, RequestError
+    from kvcache.model import load_model
+    from kvcache.server.app import ServerSettings, build_app
+    from kvcache.server.run import bind, serve
+    from kvcache.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = Path(resolve_model_dir(args.model))
+    try:
+        model = load_model(folder, dtype=args.dtype)
+        tokenizer = load_tokenizer(folder)
+        engine = Engine(
+            model,
+            tokenizer,
+            backend=args.backend,
+            kv_budget=args.kv_budget,
+            block_size=args.block_size,
+            max_running=args.max_running,
+            token_budget=args.token_budget,
+        )
+    except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
+        print(f"kvcache serve: error: {error}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or ("kvcache-default" if folder == DEFAULT_MODEL_DIR else folder.name)
+    settings = ServerSettings(
+        model_name=name,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens,
+        default_max_tokens=args.default_max_tokens,
+        max_waiting=args.max_waiting,
+    )
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as error:
+        print(f"kvcache serve: error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    if args.host not in LOOPBACK and not args.api_key:
+        print(
+            f"kvcache serve: warning: listening on {args.host} without --api-key: anyone who reaches "
+            "this address can use the model",
+            file=sys.stderr,
+        )
+    context = model.config.max_position_embeddings
+    print(
+        f"kvcache serve: {name} ({model.dtype}, decode step {engine.backend.name}) on "
+        f"http://{host}:{port}/v1",
+        flush=True,
+    )
+    print(
+        f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
+        f"({format_bytes(engine.pool.nbytes)}): {engine.capacity(context)} sequences of {context} tokens, "
+        f"{args.max_running} running at once",
+        flush=True,
+    )
+    try:
+        serve(
+            build_app(engine, tokenizer, settings),
+            drain_s=args.drain_seconds,
+            sock=sock,
+            log_level=args.log_level,
+        )
+    except RequestError as error:
+        print(f"kvcache serve: error: {error}", file=sys.stderr)
+        return 2
+    print("kvcache serve: stopped", flush=True)
+    return 0

@@ -1,0 +1,298 @@
+"""The OpenAI-compatible HTTP app (Starlette) over one Engine running on its background thread.
+
+    app = build_app(engine, tokenizer, ServerSettings(model_name="kvcache-default"))
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics. Every error is OpenAI's JSON shape. With an API key, every route but /health
+needs `Authorization: Bearer KEY` (compared in constant time). A body over the size limit, a
+bad field, a prompt too long: 400. A full waiting queue: 429 with Retry-After. A client that
+goes away mid-answer cancels its request (its blocks are freed at the engine's next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvcache.engine import Completion, RequestError
+from kvcache.engine.prompts import prompt_ids
+from kvcache.generation.text import ReplyText
+from kvcache.server.metrics import ServerMetrics
+from kvcache.server.openai_api import (
+    ApiError,
+    Call,
+    Limits,
+    check_prompt_length,
+    chunk_object,
+    new_id,
+    read_call,
+    response_object,
+    usage_object,
+)
+
+
+@dataclass
+class ServerSettings:
+    """model_name: the id clients ask for. api_key: None = no auth. max_body_bytes, max_prompt_tokens,
+    max_tokens: per-request limits (0 for the last two: the model's context). default_max_tokens:
+    when a request gives none. max_waiting: requests queued before new ones get 429."""
+
+    model_name: str = "kvcache"
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = 0
+    max_tokens: int = 0
+    default_max_tokens: int = 256
+    max_waiting: int = 256
+
+
+def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
+    """The app; its lifespan starts the engine's background thread and stops it at shutdown
+    (requests still running then are cancelled)."""
+    server = _Server(engine, tokenizer, settings)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.cancel_all()
+            await asyncio.to_thread(engine.stop, 10.0)
+
+    routes = [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_page, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = server
+    return app
+
+
+class _Server:
+    def __init__(self, engine, tokenizer, settings: ServerSettings) -> None:
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        config = engine.model.config
+        self.context = config.max_position_embeddings
+        self.vocab = config.vocab_size
+        self.limits = Limits(
+            max_prompt_tokens=settings.max_prompt_tokens or self.context - 1,
+            max_tokens=settings.max_tokens or self.context - 1,
+            default_max_tokens=min(settings.default_max_tokens, settings.max_tokens or self.context - 1),
+        )
+        self.metrics = ServerMetrics(engine)
+        engine.on_finish = self.metrics.finished
+        self.created = int(time.time())
+
+    # ---- routes --------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "completion")
+
+    async def models(self, request: Request) -> Response:
+        return self._guarded(request) or JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.settings.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kvcache",
+                        "max_model_len": self.context,
+                    }
+                ],
+            }
+        )
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "running": self.engine.running_in_background})
+
+    async def metrics_page(self, request: Request) -> Response:
+        return self._guarded(request) or Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    # ---- one completion ------------------------------------------------------------------------
+    async def _complete(self, request: Request, kind: str) -> Response:
+        try:
+            self._authorize(request)
+            call = read_call(kind, await self._body(request), self.limits)
+            if call.model is not None and call.model != self.settings.model_name:
+                raise ApiError(
+                    404,
+                    f"the model {call.model!r} does not exist; this server serves "
+                    f"{self.settings.model_name!r}",
+                    param="model",
+                    code="model_not_found",
+                )
+            ids = self._prompt_ids(call)
+            check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
+            if self.engine.queue_depth >= self.settings.max_waiting:
+                raise ApiError(
+                    429,
+                    f"the server's queue is full ({self.settings.max_waiting} requests "
+                    "waiting); retry shortly",
+                    kind="rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": "1"},
+                )
+            handle = self.engine.submit(ids, call.params)
+        except ApiError as error:
+            return self._error(error)
+        except RequestError as error:
+            return self._error(ApiError(400, str(error)))
+        if call.stream:
+            return StreamingResponse(
+                self._events(call, handle),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await self._whole(request, call, handle)
+
+    async def _whole(self, request: Request, call: Call, handle) -> Response:
+        text = ReplyText(self.tokenizer, call.params.stop)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+        try:
+            pieces = [text.add(token) async for token in handle]
+        finally:
+            watcher.cancel()
+            if not handle.done:
+                handle.cancel()
+        completion = handle.result()
+        pieces.append(text.finish())
+        if completion.finish_reason in ("error", "cancelled"):
+            return self._failed(completion)
+        return JSONResponse(
+            response_object(
+                call,
+                new_id(call.kind),
+                self.settings.model_name,
+                "".join(pieces),
+                completion.finish_reason,
+                _usage(completion),
+            )
+        )
+
+    async def _events(self, call: Call, handle):
+        rid, model = new_id(call.kind), self.settings.model_name
+        text = ReplyText(self.tokenizer, call.params.stop)
+        try:
+            if call.kind == "chat":
+                yield _sse(chunk_object(call, rid, model, None, None, first=True))
+            async for token in handle:
+                piece = text.add(token)
+                if piece:
+                    yield _sse(chunk_object(call, rid, model, piece, None))
+            completion = handle.result()
+            if completion.finish_reason in ("error", "cancelled"):
+                yield _sse(_failure(completion).body())
+            else:
+                tail = text.finish()
+                if tail:
+                    yield _sse(chunk_object(call, rid, model, tail, None))
+                yield _sse(chunk_object(call, rid, model, None, completion.finish_reason))
+                if call.include_usage:
+                    yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion)))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the response task is cancelled) or the stream ended
+            if not handle.done:
+                handle.cancel()
+
+    # ---- checks --------------------------------------------------------------------------------
+    def _prompt_ids(self, call: Call) -> list[int]:
+        try:
+            return prompt_ids(call.prompt, self.tokenizer, self.vocab)
+        except RequestError:
+            raise
+        except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
+            raise ApiError(
+                400, f"the chat template could not render these messages: {error}", param="messages"
+            ) from None
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(
+                401,
+                "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
+
+    def _guarded(self, request: Request) -> Response | None:
+        try:
+            self._authorize(request)
+        except ApiError as error:
+            return self._error(error)
+        return None
+
+    async def _body(self, request: Request) -> object:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(
+                400,
+                f"the request body is {declared} bytes, more than this server's limit of "
+                f"{limit} (--max-body-bytes)",
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(
+                    400,
+                    f"the request body is more than this server's limit of {limit} bytes (--max-body-bytes)",
+                )
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as error:
+            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+
+    def _error(self, error: ApiError) -> Response:
+        self.metrics.rejected(error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def _failed(self, completion: Completion) -> Response:
+        error = _failure(completion)
+        return JSONResponse(error.body(), status_code=error.status)
+
+
+def _failure(completion: Completion) -> ApiError:
+    if completion.finish_reason == "cancelled":
+        return ApiError(503, "the request was cancelled (the server is shutting down)", kind="server_error")
+    return ApiError(500, f"the request failed inside the engine: {completion.error}", kind="server_error")
+
+
+def _usage(completion: Completion) -> dict:
+    usage = completion.usage
+    return usage_object(usage.prompt_tokens, usage.cached_tokens, len(completion.tokens))
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, handle) -> None:
+    """Cancel `handle` when the client disconnects (its body already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return

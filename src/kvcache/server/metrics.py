@@ -1,0 +1,88 @@
+"""The server's Prometheus metrics (`GET /metrics`), on a registry of its own (two servers in one
+process do not share counters). Gauges are read from the engine when scraped; counters and
+histograms are updated as requests end."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from kvcache.engine import Completion
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """Requests by outcome, queue depth, running sequences, KV blocks, prefix hit rate, TTFT and
+    inter-token latency histograms (seconds), tokens generated."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvcache_requests",
+            "Requests by outcome (finish reason, or the HTTP error)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvcache_prompt_tokens", "Prompt tokens of finished requests", registry=registry
+        )
+        self.cached_tokens = Counter(
+            "kvcache_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=registry
+        )
+        self.generated = Counter("kvcache_generated_tokens", "Tokens generated", registry=registry)
+        self.ttft = Histogram(
+            "kvcache_time_to_first_token_seconds",
+            "Time from submit to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "kvcache_inter_token_latency_seconds",
+            "Time between a request's tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.gauges = {
+            name: Gauge(f"kvcache_{name}", help_text, registry=registry)
+            for name, help_text in (
+                ("waiting", "Requests queued, not yet holding a row"),
+                ("running", "Sequences holding a row in the KV pool"),
+                ("preemptions", "Sequences preempted (freed and requeued) since start"),
+                ("blocks_used", "KV blocks held by running sequences"),
+                ("blocks_free", "KV blocks never used or freed without a hash"),
+                ("blocks_cached", "KV blocks of finished requests kept for prefix reuse"),
+                ("blocks_total", "KV blocks in the pool"),
+                ("prefix_hit_rate", "Share of admitted prompt tokens served from the prefix cache"),
+            )
+        }
+
+    def rejected(self, status: int) -> None:
+        self.requests.labels(outcome=f"http_{status}").inc()
+
+    def finished(self, completion: Completion) -> None:
+        self.requests.labels(outcome=completion.finish_reason).inc()
+        usage = completion.usage
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.cached_tokens.inc(usage.cached_tokens)
+        self.generated.inc(len(completion.tokens))
+        if completion.time_to_first_token_s is not None:
+            self.ttft.observe(completion.time_to_first_token_s)
+        times = completion.token_times_s
+        for earlier, later in zip(times, times[1:]):
+            self.itl.observe(later - earlier)
+
+    def render(self) -> bytes:
+        stats = self.engine.stats()
+        for name, gauge in self.gauges.items():
+            gauge.set(stats[name])
+        return generate_latest(self.registry)

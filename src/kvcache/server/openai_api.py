@@ -1,0 +1,298 @@
+"""The OpenAI wire format: request bodies read into an engine prompt and SamplingParams (every
+field checked, a bad one named in a 400), and the response, chunk and error objects.
+
+Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
+type "text"), no tools, no logprobs. An unknown field is ignored, as OpenAI's own server does.
+Two of vLLM's extensions are read: `top_k` and `ignore_eos` (generate to max_tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from kvcache.engine import SamplingParams
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Limits:
+    """What one request may ask for: prompt tokens and max_tokens (the model's context caps both)."""
+
+    max_prompt_tokens: int
+    max_tokens: int
+    default_max_tokens: int
+
+
+@dataclass
+class Call:
+    """One request read from its body: what to submit, and how to answer."""
+
+    kind: str  # "chat" or "completion"
+    prompt: object  # chat messages, a text, or token ids: what Engine.submit takes
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str | None
+
+
+def read_call(kind: str, body: object, limits: Limits) -> Call:
+    """The Call of a /v1/chat/completions (kind "chat") or /v1/completions body; ApiError(400)
+    naming the first bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    if kind == "chat":
+        prompt: object = _messages(body.get("messages"))
+    else:
+        prompt = _prompt(body.get("prompt"))
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise ApiError(400, f"n must be 1 (kvcache returns one choice), got {n!r}", param="n")
+    for unsupported in ("tools", "functions", "logprobs", "top_logprobs", "echo", "best_of"):
+        value = body.get(unsupported)
+        if value and not (unsupported == "best_of" and value == 1):  # absent, false, empty: fine
+            raise ApiError(400, f"{unsupported} is not supported by kvcache", param=unsupported)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    _integer(name, max_tokens, 1, limits.max_tokens, "the server's --max-tokens")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    include_usage = bool(options.get("include_usage", False))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=_top_k(body.get("top_k")),
+        seed=_seed(body.get("seed")),
+        stop=_stop(body.get("stop")),
+        ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: run to max_tokens
+    )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {type(model).__name__}", param="model")
+    return Call(kind, prompt, params, stream, include_usage, model)
+
+
+def check_prompt_length(tokens: int, max_tokens: int, limits: Limits, context: int) -> None:
+    """ApiError(400) when the prompt is longer than the server allows or the prompt plus
+    max_tokens is past the model's context."""
+    if tokens > limits.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"the prompt has {tokens} tokens, more than this server's limit of "
+            f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if tokens + max_tokens > context:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{tokens} and max_tokens asks for {max_tokens} more",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage_object(prompt: int, cached: int, completion: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def response_object(call: Call, rid: str, model: str, text: str, finish: str, usage: dict) -> dict:
+    """The whole (non-streamed) answer."""
+    if call.kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def chunk_object(
+    call: Call,
+    rid: str,
+    model: str,
+    text: str | None,
+    finish: str | None,
+    *,
+    first: bool = False,
+    usage: dict | None = None,
+) -> dict:
+    """One streamed event: a piece of text, the finish reason, or (choices empty) the usage."""
+    if usage is not None:
+        choices: list = []
+    elif call.kind == "chat":
+        delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+# ---- fields ------------------------------------------------------------------------------------
+def _messages(messages: object) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} must be an object", param=where)
+        role = message.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, f"{where}.role must be system, user or assistant, got {role!r}", param=where)
+        out.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(message.get("content"), where),
+            }
+        )
+    return out
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            text = part.get("text") if isinstance(part, dict) else None
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
+                raise ApiError(
+                    400, f"{where}.content parts must be of type text (kvcache reads text only)", param=where
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=where)
+
+
+def _prompt(prompt: object) -> object:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "one prompt per request (kvcache returns one choice)", param="prompt")
+    raise ApiError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _integer(name: str, value: object, low: int, high: int, limit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name} must be an integer, got {value!r}", param=name)
+    if value < low:
+        raise ApiError(400, f"{name} must be at least {low}, got {value}", param=name)
+    if value > high:
+        raise ApiError(400, f"{name} may be at most {high} ({limit}), got {value}", param=name)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"{name} must be a number, got {value!r}", param=name)
+    if (value <= low if open_low else value < low) or value > high:
+        bounds = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+        raise ApiError(400, f"{name} must be in {bounds}, got {value}", param=name)
+    return float(value)
+
+
+def _top_k(value: object) -> int | None:
+    if value is None or value == -1 or value == 0:
+        return None  # vLLM's "off"
+    _integer("top_k", value, 1, 1 << 31, "a sane bound")
+    return int(value)  # type: ignore[arg-type]
+
+
+def _seed(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"seed must be an integer, got {value!r}", param="seed")
+    return value % (1 << 63)  # OpenAI accepts negative seeds; the generator wants >= 0
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
+    return tuple(stops)

@@ -1,0 +1,69 @@
+"""`kvcache serve` as a process: it prints where it listens, answers, and on SIGTERM stops
+accepting, lets the running request finish, and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+
+from kvcache.cli import main
+
+
+def _start(*extra: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvcache", "serve", "--port", "0", "--threads", "1", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "KVCACHE_API_KEY": ""},
+    )
+    found: list[str] = []
+    reader = threading.Thread(target=lambda: found.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(120)
+    match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", found[0] if found else "")
+    if match is None:
+        process.kill()
+        raise AssertionError(f"no address printed: {found!r} {process.stderr.read()[-2000:]}")
+    return process, match.group(1)
+
+
+def test_serve_answers_then_drains_on_sigterm_and_exits_zero():
+    process, base = _start("--drain-seconds", "60")
+    try:
+        body = {"prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}
+        texts, finish = [], []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if not texts:
+                    process.send_signal(signal.SIGTERM)  # mid-stream: the answer must still complete
+                texts.append(choice["text"])
+                finish.append(choice["finish_reason"])
+        assert finish[-1] == "length"
+        assert process.wait(60) == 0
+        refused = None
+        try:
+            httpx.get(f"{base}/health", timeout=5)
+        except httpx.TransportError as error:
+            refused = error
+        assert refused is not None  # no longer accepting
+        assert "stopped" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_serve_refuses_bad_arguments(capsys, tmp_path):
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 2
+    assert "kvcache serve: error:" in capsys.readouterr().err
