@@ -266,3 +266,24 @@ def test_a_refused_row_state_leaves_the_cache_as_it_was():
         assert (cache.rows, cache.allocator.num_free, cache.allocator.num_in_use) == before
         cache.allocator.check_invariants()
     assert cache.load_row_state(good) == 0 and cache.row_lengths == [9]
+
+
+def test_numpy_gathers_reuse_one_buffer_per_kind_and_equal_the_tensor_gathers():
+    """update_arrays gathers rows into the cache's scratch memory (no fresh allocation per layer):
+    the gathered arrays live in that memory, and hold the same values as `update`'s."""
+    import numpy as np
+
+    layers, heads, dim = 2, 2, 4
+    by_arrays = PagedCache(16, 4, num_layers=layers, kv_heads=heads, head_dim=dim, dtype=torch.float32)
+    by_tensors = PagedCache(16, 4, num_layers=layers, kv_heads=heads, head_dim=dim, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    for new_tokens in (3, 1, 1, 2):
+        k = torch.randn(2, heads, new_tokens, dim, generator=generator)
+        v = torch.randn(2, heads, new_tokens, dim, generator=generator)
+        for layer in range(layers):
+            want = by_tensors.update(k.clone(), v.clone(), layer)
+            got = by_arrays.update_arrays(k.numpy().copy(), v.numpy().copy(), layer)
+            np.testing.assert_array_equal(got[0], want[0].numpy())
+            np.testing.assert_array_equal(got[1], want[1].numpy())
+            for array, scratch in zip(got, by_arrays.gather_scratch):
+                assert np.shares_memory(array, scratch._memory.numpy())

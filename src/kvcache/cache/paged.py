@@ -32,7 +32,7 @@ from .errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .paged_layer import PagedLayer
 from .paged_plan import first_forward_plan, group_mask, plan_forward
 from .paged_rows import RowState, prefix_cost, prefix_digests, read_row, write_row
-from .paged_storage import Step
+from .paged_storage import ScratchBuffer, Step
 
 __all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer", "RowState"]
 
@@ -94,6 +94,7 @@ class PagedCache(Cache):
         self._seq_ids = count()
         self._steps: list[Step] | None = None  # this forward's, one per group
         self._step_counter = 0
+        self.gather_scratch = (ScratchBuffer(), ScratchBuffer())  # keys, values: update_arrays' gathers
         super().__init__([PagedLayer(self, group) for group in self._groups], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
             for layer in self.layers:
@@ -262,7 +263,7 @@ class PagedCache(Cache):
         return layouts
 
     def _update_layer(
-        self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor
+        self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor, scratch: tuple | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer.check(k, v)
         batch, _, new_tokens, _ = k.shape
@@ -292,7 +293,7 @@ class PagedCache(Cache):
                 f"k{where(layer.layer_idx)} has {new_tokens} tokens of batch {batch}; layer 0 "
                 f"stored {step.new_tokens} tokens of batch {step.batch} in this forward"
             )
-        return layer.write_and_gather(k, v, step)
+        return layer.write_and_gather(k, v, step, scratch)
 
     # ---- a row out and back in (prompt-cache files), and views for batched forwards -------------
     row_state = read_row
@@ -309,6 +310,7 @@ class PagedCache(Cache):
         view.allocators, view._groups, view._seq_ids = self.allocators, self._groups, self._seq_ids
         view.rows = [self._row_seq(row) for row in rows]
         view._steps, view._step_counter = None, 0
+        view.gather_scratch = self.gather_scratch  # every view's forwards reuse the same memory
         Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):
             mine._keys, mine._values = theirs._keys, theirs._values

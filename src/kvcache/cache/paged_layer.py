@@ -27,6 +27,15 @@ class PagedLayer(CacheLayer):
         """Store k, v (B, H_kv, T_new, D); return K, V (B, H_kv, T_kv, D), rows right-padded."""
         return self._cache._update_layer(self, k, v)
 
+    def update_arrays(self, k, v):
+        """`update` on numpy arrays (see CacheLayer.update_arrays). Gathered rows land in the
+        cache's scratch buffers, shared by its layers: the returned arrays are valid until the
+        next update_arrays on this cache (the numpy step attends with them before that)."""
+        keys, values = self._cache._update_layer(
+            self, torch.from_numpy(k), torch.from_numpy(v), scratch=self._cache.gather_scratch
+        )
+        return keys.numpy(), values.numpy()
+
     def get_seq_length(self) -> int:
         """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
         return self._columns
@@ -86,13 +95,18 @@ class PagedLayer(CacheLayer):
             raise CacheDtypeError(f"{what} have dtype {dtype}; the cache stores {keys.dtype}")
 
     def write_and_gather(
-        self, k: torch.Tensor, v: torch.Tensor, step: Step
+        self, k: torch.Tensor, v: torch.Tensor, step: Step, scratch: tuple | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's k, v to their slots; return every row's visible K, V."""
+        """Write this forward's k, v to their slots; return every row's visible K, V (gathered
+        into scratch's (keys, values) ScratchBuffers when given)."""
         assert self._keys is not None and self._values is not None
         self._last_step = step.step_id
         self._columns += k.shape[2]
-        return write_and_gather(self._keys, k, step), write_and_gather(self._values, v, step)
+        key_scratch, value_scratch = scratch or (None, None)
+        return (
+            write_and_gather(self._keys, k, step, key_scratch),
+            write_and_gather(self._values, v, step, value_scratch),
+        )
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (T, H_kv, D) and values (T, H_kv, D_v) at storage `slots` (T,), copies."""

@@ -238,22 +238,21 @@ class Engine:
                 self._sample(request, row_logits)
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
-        if not chunks:
-            return
-        requests = [request for request, _ in chunks]
-        pieces = [r.tokens[r.cached : r.cached + count] for r, count in chunks]
+        """Each chunk is its own forward: prefill is compute-bound, so batching chunks saves no
+        weight reads, while padding them to the longest would compute (and gather) the padding."""
+        for request, count in chunks:
+            piece = request.tokens[request.cached : request.cached + count]
 
-        def run(view):
-            ids, mask = prefill_inputs(view, pieces)
-            return last_logits(self.model, ids, mask, view)
+            def run(view, piece=piece):
+                ids, mask = prefill_inputs(view, [piece])
+                return last_logits(self.model, ids, mask, view)
 
-        with self.metrics.timing("prefill", sum(len(piece) for piece in pieces)):
-            logits = self._forward(requests, run)
-        if logits is not None:
-            for (request, count), row_logits in zip(chunks, logits):
+            with self.metrics.timing("prefill", count):
+                logits = self._forward([request], run)
+            if logits is not None:
                 request.cached += count
                 if request.cached == len(request.tokens):
-                    self._sample(request, row_logits)
+                    self._sample(request, logits[0])
 
     def _forward(self, requests: list[Request], run: Callable):
         """run(view) over these requests' rows; on an exception they fail (the others go on)."""
