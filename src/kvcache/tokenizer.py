@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.defaults import resolve_model_dir
+from kvcache.tokenizer_error import TokenizerError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer folder or a call that cannot be served as asked."""
 
 
 class BatchEncoding(dict):
@@ -242,11 +239,16 @@ def _token_text(value) -> str | None:
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """Load `tokenizer.json`, special tokens and chat template from a local checkpoint folder
-    (None: kvcache's bundled default model)."""
+    (None: kvcache's bundled default model), or the tokenizer a GGUF file carries."""
     from tokenizers import Tokenizer as Backend
 
     path = resolve_model_dir(path)
+    from kvcache.model.gguf_file import is_gguf
 
+    if is_gguf(path):
+        from kvcache.tokenizer_gguf import read_gguf_tokenizer
+
+        return Tokenizer(*read_gguf_tokenizer(Path(path).expanduser()))
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise TokenizerError(f"{str(path)!r} is not a local folder; kvcache reads tokenizers from disk only")

@@ -23,7 +23,9 @@ HELP = "commands: /reset (new conversation), /system TEXT (set the system messag
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="local checkpoint folder; default: the bundled default model")
+    parser.add_argument(
+        "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
+    )
     parser.add_argument("--system", help="a system message that opens the conversation")
     parser.add_argument(
         "--max-tokens", type=positive_int, default=256, help="tokens per reply at most (default 256)"

@@ -20,7 +20,8 @@ from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        help="local checkpoint folder (config.json, safetensors); default: the bundled default model",
+        help="local checkpoint folder (config.json, safetensors) or GGUF file; default: the bundled "
+        "default model",
     )
     text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="plain text to continue")

@@ -53,7 +53,9 @@ def _count(text: str) -> int:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="local checkpoint folder; default: the bundled default model")
+    parser.add_argument(
+        "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
+    )
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
@@ -156,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
-    name = args.served_model_name or ("kvcache-default" if folder == DEFAULT_MODEL_DIR else folder.name)
+    default_name = folder.stem if folder.is_file() else folder.name  # a GGUF file: its name less .gguf
+    name = args.served_model_name or ("kvcache-default" if folder == DEFAULT_MODEL_DIR else default_name)
     settings = ServerSettings(
         model_name=name,
         api_key=args.api_key or None,

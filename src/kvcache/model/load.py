@@ -1,9 +1,10 @@
-"""Strict loading of a local Hugging Face checkpoint folder into `LlamaForCausalLM`.
+"""Strict loading of a local Hugging Face checkpoint folder, or a GGUF file, into `LlamaForCausalLM`.
 
 Reads config.json, then the safetensors headers (single file or shards with their index),
 checks every tensor's name and shape against the model before reading any data, and only then
 builds the model on the meta device and assigns the loaded tensors name for name. Nothing is
-downloaded: a path that is not a local folder is an error.
+downloaded: a path that is not a local folder or GGUF file is an error. A GGUF file is read
+through `kvcache.model.gguf_file` with the same checks.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from pathlib import Path
 import torch
 
 from kvcache.defaults import resolve_model_dir
+from kvcache.model import gguf_file
 from kvcache.model.config import ModelConfig
 from kvcache.model.errors import CheckpointError
+from kvcache.model.gguf_file import is_gguf, open_gguf
 from kvcache.model.heap import release_freed_memory
 from kvcache.model.llama import LlamaForCausalLM
 from kvcache.model.safetensors_read import read_tensors
@@ -55,7 +58,10 @@ def checkpoint_folder(path: str | Path) -> Path:
             f"{path} --local-dir DIR`, and pass DIR"
         )
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} is a file; pass the checkpoint folder that holds it")
+        raise CheckpointError(
+            f"{folder} is a file but not a GGUF file (it does not start with the GGUF magic); "
+            "pass a GGUF file or the checkpoint folder that holds config.json and the safetensors"
+        )
     return folder
 
 
@@ -172,24 +178,74 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """Load a local llama / mistral / qwen2 checkpoint folder, strictly, in eval mode.
+    """Load a local llama / mistral / qwen2 checkpoint folder, or a llama.cpp GGUF file of a llama
+    or qwen2 model, strictly, in eval mode.
 
-    path: the folder; None loads kvcache's bundled default model (`kvcache.defaults`).
-    dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype);
-    otherwise every tensor is converted to it.
+    path: the folder or .gguf file; None loads kvcache's bundled default model (`kvcache.defaults`).
+    dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype; a GGUF's
+    tensors, quantized or not, are dequantized to float32); otherwise every tensor is converted to it.
     """
-    folder = checkpoint_folder(resolve_model_dir(path))
-    config = ModelConfig.from_file(folder)
+    resolved = resolve_model_dir(path)
     dtype = resolve_dtype(dtype)
+    if is_gguf(resolved):
+        config, state = read_gguf_model(Path(resolved).expanduser())
+        return _build(config, state, dtype or torch.float32, device)
+    folder = checkpoint_folder(resolved)
+    config = ModelConfig.from_file(folder)
     wanted = _check_names_and_shapes(config, tensor_files(folder))
 
     state: dict[str, torch.Tensor] = {}
     for file in sorted(set(wanted.values())):
         names = {name for name, where in wanted.items() if where == file}
         state.update(read_tensors(file, names))
-    target = dtype or state["model.embed_tokens.weight"].dtype
-    state = {name: tensor.to(device=device, dtype=target) for name, tensor in state.items()}
+    return _build(config, state, dtype or state["model.embed_tokens.weight"].dtype, device)
 
+
+def read_gguf_model(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and float32 tensors (Hugging Face names) of a GGUF file; every tensor's name,
+    type and shape is checked against the config before any is dequantized."""
+    source = str(path)
+    reader = open_gguf(path)
+    meta = gguf_file.metadata(reader)
+    located = gguf_file.located_tensors(reader, source)
+    config = ModelConfig.from_dict(gguf_file.config_dict(meta, {t.name for t in reader.tensors}, source))
+    expected = expected_shapes(config)
+    if config.tie_word_embeddings:
+        located.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(located))
+    unexpected = sorted(set(located) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: the tensors do not match the model its metadata describes: "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    for name, tensor in located.items():
+        if gguf_file.tensor_shape(tensor) != expected[name]:
+            raise CheckpointError(
+                f"{source}: tensor {tensor.name} has shape {gguf_file.tensor_shape(tensor)}, expected "
+                f"{expected[name]} from the file's metadata"
+            )
+    permuted = gguf_file.permutes(meta)
+    state = {
+        name: torch.from_numpy(
+            gguf_file.read_tensor(
+                tensor,
+                expected[name],
+                gguf_file.permutation_heads(
+                    name, permuted, config.num_attention_heads, config.num_key_value_heads
+                ),
+            )
+        )
+        for name, tensor in located.items()
+    }
+    return config, state
+
+
+def _build(
+    config: ModelConfig, state: dict[str, torch.Tensor], target: torch.dtype, device
+) -> LlamaForCausalLM:
+    """The model on `device` holding `state` converted to `target`, checked complete."""
+    state = {name: tensor.to(device=device, dtype=target) for name, tensor in state.items()}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(device)
