@@ -21,6 +21,8 @@ _LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -63,6 +65,8 @@ def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str =
     theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 1e4))
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(config["vocab_size"])
+    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_value_length(config.get("head_dim") or config["hidden_size"] // heads)
 
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]

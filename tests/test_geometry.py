@@ -41,6 +41,18 @@ CASES = [
         (F, S, S),
     ),
     (
+        "qwen3 without use_sliding_window",
+        dict(BASE, model_type="qwen3", sliding_window=8, max_window_layers=1),
+        None,
+        (F, F, F),
+    ),
+    (
+        "qwen3 from max_window_layers on",
+        dict(BASE, model_type="qwen3", sliding_window=8, use_sliding_window=True, max_window_layers=1),
+        8,
+        (F, S, S),
+    ),
+    (
         "qwen2 listed layer types",
         dict(BASE, model_type="qwen2", sliding_window=8, use_sliding_window=True, layer_types=[S, F, S]),
         8,
@@ -87,6 +99,7 @@ def test_agrees_with_transformers_configs(name, raw, window, types):
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
     }
     theirs = classes[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
     # transformers windows a layer when a window is in force and the layer is sliding (its

@@ -106,6 +106,10 @@ def hf_model(arch: str, **overrides):
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**{**_SMALL, "tie_word_embeddings": True, **overrides})
         model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "qwen3":  # per-head q/k norms; head_dim given apart from hidden / heads
+        settings = {"head_dim": 16, "tie_word_embeddings": True}
+        config = transformers.Qwen3Config(**{**_SMALL, **settings, **overrides})
+        model = transformers.Qwen3ForCausalLM(config)
     elif arch == "qwen2_mixed":  # layer 0 full attention, layer 1 sliding
         settings = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
         config = transformers.Qwen2Config(**{**_SMALL, **settings, **overrides})
@@ -156,7 +160,7 @@ def save_checkpoint(model, folder: Path, **save_options) -> Path:
     return folder
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed")
+ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed", "qwen3")
 
 
 def left_padded_batch(lengths=(10, 7, 4), seed: int = 0):

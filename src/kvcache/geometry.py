@@ -8,7 +8,7 @@ planner all ask here, so they cannot disagree about what a checkpoint's layers h
 Per-family rules, as transformers applies them (to a dict and to an object alike):
 - `layer_types` given: each layer as listed; with no window in force, every layer is full.
 - llama: no sliding window, even when the config carries a `sliding_window` key.
-- qwen2: the window is in force only with `use_sliding_window` true; layers from
+- qwen2 and qwen3: the window is in force only with `use_sliding_window` true; layers from
   `max_window_layers` on are sliding, the ones before full.
 - any other family with a window (mistral, …): every layer is sliding.
 """
@@ -125,7 +125,7 @@ def _window(config: Any, model_type: str | None, source: str) -> int | None:
     """The sliding window in force, after the family rules."""
     if model_type == "llama":
         return None
-    if model_type == "qwen2" and not _field(config, "use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and not _field(config, "use_sliding_window"):
         return None
     if _field(config, "use_sliding_window") is False:
         return None
@@ -153,7 +153,7 @@ def _layer_types(
         return None
     if window is None:
         return (FULL_ATTENTION,) * num_layers
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         first_sliding = _field(config, "max_window_layers")
         if first_sliding is None:
             first_sliding = num_layers

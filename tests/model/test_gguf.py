@@ -30,7 +30,7 @@ def _transformers_model(path):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_an_f32_file_gives_the_checkpoints_weights_exactly(checkpoints, tmp_path, arch):
     folder, _ = checkpoints[arch]
     path = write_gguf(folder, tmp_path / f"{arch}.gguf")
@@ -50,6 +50,14 @@ def test_logits_equal_transformers_reading_the_same_file(checkpoints, tmp_path, 
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     if tensor_type != "F32":  # the quantized weights are not the checkpoint's: logits move
         assert not torch.equal(ours, _logits(load_model(folder)))
+
+
+def test_a_qwen3_file_gives_the_logits_of_the_transformers_model_it_came_from(checkpoints, tmp_path):
+    """transformers' GGUF reader takes qwen3's head_dim from its default, not the file's key
+    length, so the anchor here is the transformers model the checkpoint was saved from."""
+    folder, theirs = checkpoints["qwen3"]
+    path = write_gguf(folder, tmp_path / "qwen3.gguf")
+    torch.testing.assert_close(_logits(load_model(path)), _logits(theirs), atol=1e-4, rtol=1e-4)
 
 
 def test_a_dtype_is_applied_to_the_dequantized_weights(checkpoints, tmp_path):

@@ -16,7 +16,7 @@ def _raw(model) -> dict:
     return json.loads(model.config.to_json_string())
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2_mixed"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2_mixed", "qwen3"])
 def test_config_reads_layer_types_and_window_like_transformers(arch):
     hf = hf_model(arch)
     config = ModelConfig.from_dict(_raw(hf))
@@ -29,7 +29,8 @@ def test_config_reads_layer_types_and_window_like_transformers(arch):
     )
     assert list(config.layer_types) == list(hf_types)
     assert config.qkv_bias == arch.startswith("qwen2") and not config.o_bias
-    assert config.tie_word_embeddings == (arch == "qwen2")
+    assert config.tie_word_embeddings == bool(hf.config.tie_word_embeddings) == (arch in ("qwen2", "qwen3"))
+    assert config.qk_norm == (arch == "qwen3")
 
 
 def test_qwen2_window_is_off_unless_use_sliding_window():

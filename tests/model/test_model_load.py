@@ -21,7 +21,7 @@ def _rewrite(folder, edit) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2_mixed"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2_mixed", "qwen3"])
 def test_module_names_equal_checkpoint_keys_and_values(checkpoints, arch):
     folder, hf = checkpoints[arch]
     model = load_model(folder)

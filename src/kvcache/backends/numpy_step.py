@@ -220,6 +220,10 @@ class NumpyBackend(DecodeBackend):
             for index, w in enumerate(self.weights.layers):
                 qkv = _linear(_rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
                 qkv = qkv.reshape(batch, rotated + kv_heads, head_dim)  # (B, H + 2·H_kv, D)
+                if w.q_norm is not None:  # qwen3: each head's q and k normalised before RoPE
+                    for lo, hi, weight in ((0, heads, w.q_norm), (heads, rotated, w.k_norm)):
+                        rows = qkv[:, lo:hi].reshape(-1, head_dim)
+                        qkv[:, lo:hi] = _rms_norm(rows, weight, self.eps).reshape(batch, hi - lo, head_dim)
                 turned = qkv[:, :rotated] @ turn  # (B, H + H_kv, D): queries and keys
                 q = turned[:, :heads]  # (B, H, D)
                 q *= self.scale  # the 1/sqrt(D) of attention, on the queries (fewer than scores)

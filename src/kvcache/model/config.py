@@ -1,7 +1,7 @@
 """The model configuration: a frozen dataclass read from a checkpoint's `config.json`.
 
-One class covers the Llama family we run (`llama`, `mistral`, `qwen2`); the differences are
-fields (`qkv_bias`, `sliding_window`, `layer_types`, `rope_scaling`). Anything the model would
+One class covers the Llama family we run (`llama`, `mistral`, `qwen2`, `qwen3`); the differences
+are fields (`qkv_bias`, `qk_norm`, `sliding_window`, `layer_types`, `rope_scaling`). Anything the model would
 otherwise ignore (an unknown architecture, activation or RoPE scaling type) is refused here
 with a `ConfigError` that says what was expected and what was given.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, GeometryError, read_geometry
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
@@ -56,6 +56,7 @@ class ModelConfig:
     qkv_bias: bool = False  # q_proj, k_proj, v_proj carry a bias (qwen2; llama attention_bias)
     o_bias: bool = False  # o_proj carries a bias (llama attention_bias)
     mlp_bias: bool = False
+    qk_norm: bool = False  # queries and keys RMS-normalised per head before RoPE (qwen3)
     sliding_window: int | None = None
     # one entry per layer: "full_attention" or "sliding_attention"
     layer_types: tuple[str, ...] = field(default=())
@@ -139,7 +140,7 @@ class ModelConfig:
             raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
-        elif model_type == "llama":
+        elif model_type in ("llama", "qwen3"):
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         else:
             qkv_bias = o_bias = False
@@ -162,6 +163,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
             sliding_window=geometry.sliding_window,
             layer_types=geometry.layer_types,
             bos_token_id=raw.get("bos_token_id"),

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (llama, mistral, qwen2) in one file.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3) in one file.
 
 Module names equal the Hugging Face checkpoint keys (`model.layers.3.self_attn.q_proj.weight`),
 so loading is a strict name-for-name copy. The model talks to its cache only through the seam
@@ -6,7 +6,8 @@ so loading is a strict name-for-name copy. The model talks to its cache only thr
 kind of cache it has: the no-cache path is `NoCache`, an object that keeps nothing. It knows
 nothing of decode backends (`kvcache.backends`), which are built from it.
 
-Per token and layer, the forward does: RMSNorm -> q/k/v projections -> RoPE on q, k ->
+Per token and layer, the forward does: RMSNorm -> q/k/v projections (qwen3: RMSNorm of each
+head's q and k) -> RoPE on q, k ->
 cache.update(k, v) -> SDPA over the visible keys (GQA: kv heads shared by query groups) ->
 o_proj -> residual; RMSNorm -> SwiGLU MLP -> residual.
 """
@@ -73,6 +74,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_width, hidden, bias=config.o_bias)
+        if config.qk_norm:  # qwen3: each head's query and key RMS-normalised before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
         """x (B, T, hidden), cos/sin (B or 1, 1, T, D), mask (B or 1, 1, T, T_kv) or None
@@ -81,7 +86,11 @@ class Attention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (B, T, (H+2·H_kv)·D)
         heads = qkv.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
         # heads: (B, H + 2·H_kv, T, D); RoPE turns q and k in one op, v is left as it is
-        qk = apply_rope(heads[:, : self.num_heads + self.kv_heads], cos, sin)
+        qk = heads[:, : self.num_heads + self.kv_heads]
+        if self.qk_norm:
+            normed = self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
+            qk = torch.cat(normed, dim=1)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # (B, H, T, D), (B, H_kv, T, D)
         v = heads[:, self.num_heads + self.kv_heads :]  # (B, H_kv, T, D)
         keys, values = cache.update(k, v, self.layer_idx)  # (B, H_kv, T_visible, D)

@@ -92,6 +92,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "self_attn.v_proj.bias"] = (kv_width,)
         if config.o_bias:
             shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
+        if config.qk_norm:
+            shapes[prefix + "self_attn.q_norm.weight"] = (dim,)
+            shapes[prefix + "self_attn.k_norm.weight"] = (dim,)
         for name, shape in (
             ("gate_proj", (inner, hidden)),
             ("up_proj", (inner, hidden)),
@@ -178,7 +181,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """Load a local llama / mistral / qwen2 checkpoint folder, or a llama.cpp GGUF file of a llama
+    """Load a local llama / mistral / qwen2 / qwen3 checkpoint folder, or a llama.cpp GGUF file of a llama
     or qwen2 model, strictly, in eval mode.
 
     path: the folder or .gguf file; None loads kvcache's bundled default model (`kvcache.defaults`).
