@@ -110,6 +110,19 @@ def hf_model(arch: str, **overrides):
         settings = {"head_dim": 16, "tie_word_embeddings": True}
         config = transformers.Qwen3Config(**{**_SMALL, **settings, **overrides})
         model = transformers.Qwen3ForCausalLM(config)
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj; a window on every layer
+        config = transformers.Phi3Config(**{**_SMALL, "sliding_window": WINDOW, **overrides})
+        model = transformers.Phi3ForCausalLM(config)
+    elif arch == "olmo2":  # q/k norms across heads, norms after the sublayers
+        config = transformers.Olmo2Config(**{**_SMALL, **overrides})
+        model = transformers.Olmo2ForCausalLM(config)
+    elif arch == "gemma2":  # sandwich norms (1 + w), GELU, scaled embeddings, soft-capping, windows
+        settings = {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 12,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 5.0,
+                    "final_logit_softcapping": 3.0}
+        config = transformers.Gemma2Config(**{**_SMALL, **settings, **overrides})
+        model = transformers.Gemma2ForCausalLM(config)
     elif arch == "qwen2_mixed":  # layer 0 full attention, layer 1 sliding
         settings = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
         config = transformers.Qwen2Config(**{**_SMALL, **settings, **overrides})
@@ -160,7 +173,7 @@ def save_checkpoint(model, folder: Path, **save_options) -> Path:
     return folder
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed", "qwen3", "phi3", "olmo2", "gemma2")
 
 
 def left_padded_batch(lengths=(10, 7, 4), seed: int = 0):

@@ -51,7 +51,7 @@ def test_a_numpy_backend_is_built_once_per_model_until_its_parameters_are_replac
     assert tokens["auto"] == tokens["torch"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_every_backend_gives_the_same_tokens_on_a_checkpoint(checkpoints, arch):
     model = load_model(checkpoints[arch][0])
     ids, mask = left_padded_batch((8, 5), seed=21)

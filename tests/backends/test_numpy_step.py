@@ -44,7 +44,7 @@ def _config(draw) -> ModelConfig:
         qkv_bias=bias != "none",
         o_bias=bias == "all",
         mlp_bias=bias == "all",
-        qk_norm=draw(st.booleans()),  # qwen3's per-head q/k norms, on any shape
+        qk_norm=draw(st.sampled_from([None, "head"])),  # qwen3's per-head q/k norms, on any shape
         sliding_window=window,
         layer_types=tuple(
             draw(st.sampled_from([FULL_ATTENTION, SLIDING_ATTENTION])) if window else FULL_ATTENTION

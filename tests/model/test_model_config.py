@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import hf_model
+from tiny_models import ARCHS, hf_model
 
 from kvcache.model import ConfigError, ModelConfig
 from kvcache.model.rope import RotaryEmbedding, apply_rope, inverse_frequencies
@@ -16,7 +16,7 @@ def _raw(model) -> dict:
     return json.loads(model.config.to_json_string())
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2_mixed", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_config_reads_layer_types_and_window_like_transformers(arch):
     hf = hf_model(arch)
     config = ModelConfig.from_dict(_raw(hf))
@@ -29,8 +29,10 @@ def test_config_reads_layer_types_and_window_like_transformers(arch):
     )
     assert list(config.layer_types) == list(hf_types)
     assert config.qkv_bias == arch.startswith("qwen2") and not config.o_bias
-    assert config.tie_word_embeddings == bool(hf.config.tie_word_embeddings) == (arch in ("qwen2", "qwen3"))
-    assert config.qk_norm == (arch == "qwen3")
+    tied = arch in ("qwen2", "qwen3", "gemma2")
+    assert config.tie_word_embeddings == bool(hf.config.tie_word_embeddings) == tied
+    assert config.qk_norm == {"qwen3": "head", "olmo2": "width"}.get(arch)
+    assert config.norm_placement == {"olmo2": "post", "gemma2": "sandwich"}.get(arch, "pre")
 
 
 def test_qwen2_window_is_off_unless_use_sliding_window():

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import hf_model, save_checkpoint
+from tiny_models import ARCHS, hf_model, save_checkpoint
 
 from kvcache import load_model
 from kvcache.model import CheckpointError, LlamaForCausalLM
+from kvcache.model.load import unfuse
 
 
 def _rewrite(folder, edit) -> None:
@@ -21,12 +22,14 @@ def _rewrite(folder, edit) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2_mixed", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_module_names_equal_checkpoint_keys_and_values(checkpoints, arch):
+    """Module names are the checkpoint's keys; phi3's fused projections are split into the
+    projections every family has (its stored rows, in order)."""
     folder, hf = checkpoints[arch]
     model = load_model(folder)
     assert isinstance(model, LlamaForCausalLM) and not model.training
-    stored = load_file(str(folder / "model.safetensors"))
+    stored = unfuse(model.config, load_file(str(folder / "model.safetensors")))
     ours = model.state_dict()
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     assert set(ours) - tied == set(stored)
@@ -116,3 +119,15 @@ def test_llama_attention_bias_checkpoint_round_trips(tmp_path):
     ids = torch.randint(3, 259, (1, 6))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_phi3s_fused_projections_are_split_in_their_stored_order(checkpoints):
+    folder, hf = checkpoints["phi3"]
+    model = load_model(folder)
+    fused = hf.model.layers[0].self_attn.qkv_proj.weight
+    attn = model.model.layers[0].self_attn
+    ours = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(ours, fused)
+    mlp = model.model.layers[0].mlp
+    fused = hf.model.layers[0].mlp.gate_up_proj.weight
+    assert torch.equal(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), fused)

@@ -61,6 +61,27 @@ def _hooked(module: nn.Module) -> bool:
 
 def unsupported(model) -> str | None:
     """Why the numpy step cannot stand in for `model`'s decode forward, or None when it can."""
+    config = model.config
+    plain = (
+        config.norm_placement == "pre"
+        and config.qk_norm in (None, "head")
+        and config.hidden_act == "silu"
+        and not config.norm_weight_offset
+        and all(
+            value is None
+            for value in (
+                config.embedding_scale,
+                config.attention_scale,
+                config.attn_logit_softcap,
+                config.final_logit_softcap,
+            )
+        )
+    )
+    if not plain:
+        return (
+            f"{config.model_type}'s norm placement, norms across heads, GELU, scalings or "
+            "soft-capping are not in the numpy step"
+        )
     registry = torch.nn.modules.module
     if registry._global_forward_hooks or registry._global_forward_pre_hooks:
         return "global module forward hooks are registered (the numpy step calls no module)"

@@ -160,8 +160,8 @@ def pack_weights(model) -> PackedWeights:
                 gate_up_bias=_biases(packer, gate_up),
                 down=packer.matrices([mlp.down_proj.weight], column_major=False),
                 down_bias=packer.vector(mlp.down_proj.bias),
-                q_norm=packer.vector(attn.q_norm.weight) if attn.qk_norm else None,
-                k_norm=packer.vector(attn.k_norm.weight) if attn.qk_norm else None,
+                q_norm=packer.vector(attn.q_norm.weight) if attn.qk_norm == "head" else None,
+                k_norm=packer.vector(attn.k_norm.weight) if attn.qk_norm == "head" else None,
             )
         )
         release_freed_memory()  # the replaced storages leave resident memory layer by layer

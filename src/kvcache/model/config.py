@@ -1,9 +1,11 @@
 """The model configuration: a frozen dataclass read from a checkpoint's `config.json`.
 
-One class covers the Llama family we run (`llama`, `mistral`, `qwen2`, `qwen3`); the differences
-are fields (`qkv_bias`, `qk_norm`, `sliding_window`, `layer_types`, `rope_scaling`). Anything the model would
-otherwise ignore (an unknown architecture, activation or RoPE scaling type) is refused here
-with a `ConfigError` that says what was expected and what was given.
+One class covers the Llama family we run (`llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, whose
+fused projections the loader splits, `olmo2`, `gemma2`); the differences are fields (`qkv_bias`,
+`qk_norm`, `norm_placement`, gemma's scalings and soft-capping, `sliding_window`, `layer_types`,
+`rope_scaling`). Anything the model
+would otherwise ignore (an unknown architecture, activation, RoPE scaling type or a partial
+rotary factor) is refused here with a `ConfigError` that says what was expected and what was given.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from typing import Any
 
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, GeometryError, read_geometry
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# where each layer's RMSNorms sit: one name per placement, the checkpoint's norm names in order
+NORM_PLACEMENTS = {
+    "pre": ("input", "post_attention"),  # llama: before attention, before the MLP
+    "post": ("post_attention", "post_feedforward"),  # olmo2: after each sublayer
+    "sandwich": ("input", "post_attention", "pre_feedforward", "post_feedforward"),  # gemma2
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
@@ -56,7 +65,17 @@ class ModelConfig:
     qkv_bias: bool = False  # q_proj, k_proj, v_proj carry a bias (qwen2; llama attention_bias)
     o_bias: bool = False  # o_proj carries a bias (llama attention_bias)
     mlp_bias: bool = False
-    qk_norm: bool = False  # queries and keys RMS-normalised per head before RoPE (qwen3)
+    # queries and keys RMS-normalised before RoPE: None, "head" (each head's D values: qwen3) or
+    # "width" (all heads' H·D values at once, right after the projection: olmo2)
+    qk_norm: str | None = None
+    # NORM_PLACEMENTS key: "pre" (llama), "post" (olmo2), "sandwich" (gemma2)
+    norm_placement: str = "pre"
+    hidden_act: str = "silu"  # or gemma's "gelu_pytorch_tanh"
+    norm_weight_offset: float = 0.0  # gemma's RMSNorm scales by (offset + weight), offset 1
+    embedding_scale: float | None = None  # gemma: embeddings times sqrt(hidden_size)
+    attention_scale: float | None = None  # the q·k scale; None: 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None  # gemma2: scores -> cap · tanh(scores / cap)
+    final_logit_softcap: float | None = None  # gemma2: logits -> cap · tanh(logits / cap)
     sliding_window: int | None = None
     # one entry per layer: "full_attention" or "sliding_attention"
     layer_types: tuple[str, ...] = field(default=())
@@ -78,6 +97,14 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ConfigError(
+                f"norm_placement must be one of {sorted(NORM_PLACEMENTS)}, got {self.norm_placement!r}"
+            )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(f"hidden_act must be one of {SUPPORTED_ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.qk_norm not in (None, "head", "width"):
+            raise ConfigError(f"qk_norm must be None, 'head' or 'width', got {self.qk_norm!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -128,19 +155,26 @@ class ModelConfig:
         _require(
             raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"
         )
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ConfigError(f"hidden_act {hidden_act!r} is not supported; expected 'silu'")
+        gemma = model_type == "gemma2"
+        hidden_act = (raw.get("hidden_activation") if gemma else None) or raw.get("hidden_act", "silu")
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act {hidden_act!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}"
+            )
+        if raw.get("use_bidirectional_attention"):
+            raise ConfigError("use_bidirectional_attention is not supported (kvcache runs causal decoders)")
         try:
             geometry = read_geometry(raw, source="config.json")
         except GeometryError as error:
             raise ConfigError(str(error)) from None
         rope_theta, rope_scaling = _rope_settings(raw)
-        if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        rope_parameters = raw.get("rope_parameters") or {}
+        partial = raw.get("partial_rotary_factor", rope_parameters.get("partial_rotary_factor"))
+        if float(1.0 if partial is None else partial) != 1.0:
             raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
-        elif model_type in ("llama", "qwen3"):
+        elif model_type in ("llama", "qwen3", "olmo2", "gemma2"):
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         else:
             qkv_bias = o_bias = False
@@ -163,7 +197,14 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm={"qwen3": "head", "olmo2": "width"}.get(model_type),
+            norm_placement={"olmo2": "post", "gemma2": "sandwich"}.get(model_type, "pre"),
+            hidden_act=hidden_act,
+            norm_weight_offset=1.0 if gemma else 0.0,
+            embedding_scale=raw["hidden_size"] ** 0.5 if gemma else None,
+            attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5 if gemma else None,
+            attn_logit_softcap=_positive(raw, "attn_logit_softcapping", None) if gemma else None,
+            final_logit_softcap=_positive(raw, "final_logit_softcapping", None) if gemma else None,
             sliding_window=geometry.sliding_window,
             layer_types=geometry.layer_types,
             bos_token_id=raw.get("bos_token_id"),
@@ -200,6 +241,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return raw
+
+
+def _positive(raw: dict[str, Any], name: str, *default: float | None) -> float | None:
+    """raw[name] as a positive float; missing: the default (None allowed) or an error."""
+    value = raw.get(name, *default) if default else raw.get(name)
+    if value is None and default:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _require(raw: dict[str, Any], *names: str) -> None:

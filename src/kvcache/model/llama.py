@@ -1,4 +1,4 @@
-"""The Llama-family decoder (llama, mistral, qwen2, qwen3) in one file.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma2) in one file.
 
 Module names equal the Hugging Face checkpoint keys (`model.layers.3.self_attn.q_proj.weight`),
 so loading is a strict name-for-name copy. The model talks to its cache only through the seam
@@ -7,7 +7,7 @@ kind of cache it has: the no-cache path is `NoCache`, an object that keeps nothi
 nothing of decode backends (`kvcache.backends`), which are built from it.
 
 Per token and layer, the forward does: RMSNorm -> q/k/v projections (qwen3: RMSNorm of each
-head's q and k) -> RoPE on q, k ->
+head's q and k; olmo2: of all of q and of k, and its norms follow the sublayers) -> RoPE on q, k ->
 cache.update(k, v) -> SDPA over the visible keys (GQA: kv heads shared by query groups) ->
 o_proj -> residual; RMSNorm -> SwiGLU MLP -> residual.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.cache import make_cache
-from kvcache.model.config import ModelConfig
+from kvcache.model.config import NORM_PLACEMENTS, ModelConfig
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -41,19 +41,39 @@ class CausalLMOutput:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, the statistics in float32 whatever the activations' dtype."""
+    """x / rms(x) * weight, the statistics in float32 whatever the activations' dtype. Gemma's
+    variant (offset 1) scales by (1 + weight), in float32, before casting back."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op, same values
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def softcapped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention whose scores are soft-capped, cap · tanh(q·kᵀ·scale / cap) (gemma2), which the
+    fused kernel cannot do: q (B, H, T, D), keys/values (B, H_kv, T_kv, D), mask (B or 1, 1, T,
+    T_kv) bool or None -> (B, H, T, D). Softmax in float32."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # (B, H, T, T_kv)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values)
 
 
 class Attention(nn.Module):
@@ -74,38 +94,49 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_width, hidden, bias=config.o_bias)
-        if config.qk_norm:  # qwen3: each head's query and key RMS-normalised before RoPE
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
+        self.qk_norm = config.qk_norm  # None, "head" (qwen3) or "width" (olmo2)
+        self.scale = config.attention_scale  # None: SDPA's 1/sqrt(D)
+        self.softcap = config.attn_logit_softcap
+        if config.qk_norm is not None:
+            per_head = config.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_width, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
         """x (B, T, hidden), cos/sin (B or 1, 1, T, D), mask (B or 1, 1, T, T_kv) or None
         (every key visible) -> (B, T, hidden)."""
         batch, new_tokens, _ = x.shape  # (B, T, hidden)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (B, T, (H+2·H_kv)·D)
+        q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H·D), (B, T, H_kv·D)
+        if self.qk_norm == "width":
+            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = torch.cat([q, k, self.v_proj(x)], dim=-1)  # (B, T, (H+2·H_kv)·D)
         heads = qkv.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
         # heads: (B, H + 2·H_kv, T, D); RoPE turns q and k in one op, v is left as it is
         qk = heads[:, : self.num_heads + self.kv_heads]
-        if self.qk_norm:
+        if self.qk_norm == "head":
             normed = self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
             qk = torch.cat(normed, dim=1)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # (B, H, T, D), (B, H_kv, T, D)
         v = heads[:, self.num_heads + self.kv_heads :]  # (B, H_kv, T, D)
         keys, values = cache.update(k, v, self.layer_idx)  # (B, H_kv, T_visible, D)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads
-        )  # (B, H, T, D)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads, scale=self.scale
+            )  # (B, H, T, D)
+        else:
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            out = softcapped_attention(q, keys, values, mask, scale, self.softcap)
         out = out.transpose(1, 2).reshape(batch, new_tokens, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or gemma's tanh-approximated GELU."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         hidden, inner = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
@@ -113,20 +144,34 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, hidden) -> (B, T, hidden)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each with a residual add; the RMSNorms sit where the family puts them
+    (`norm_placement`): llama before each sublayer (input_layernorm, post_attention_layernorm),
+    olmo2 after each (post_attention_layernorm, post_feedforward_layernorm), gemma2 on both
+    sides (input, post_attention, pre_feedforward, post_feedforward)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.placement = config.norm_placement
+        for name in NORM_PLACEMENTS[config.norm_placement]:
+            norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+            setattr(self, f"{name}_layernorm", norm)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.placement == "pre":
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        attend = self.input_layernorm(x) if self.placement == "sandwich" else x
+        x = x + self.post_attention_layernorm(self.self_attn(attend, cos, sin, mask, cache))
+        feed = self.pre_feedforward_layernorm(x) if self.placement == "sandwich" else x
+        return x + self.post_feedforward_layernorm(self.mlp(feed))
 
 
 class DecoderModel(nn.Module):
@@ -138,7 +183,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary_emb = RotaryEmbedding(config)
 
 
@@ -210,10 +255,15 @@ class LlamaForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = plan.positions  # (B or 1, T_new)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        if self.config.embedding_scale is not None:  # gemma: scaled in the activations' dtype
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
         for layer_idx, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, plan.mask(layer_idx), cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # only the last positions are scored (prefill)
         logits = self.lm_head(self.model.norm(x))  # (B, T, vocab)
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # gemma2
+            logits = torch.tanh(logits / cap) * cap
         return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None)

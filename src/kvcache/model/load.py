@@ -16,7 +16,7 @@ import torch
 
 from kvcache.defaults import resolve_model_dir
 from kvcache.model import gguf_file
-from kvcache.model.config import ModelConfig
+from kvcache.model.config import NORM_PLACEMENTS, ModelConfig
 from kvcache.model.errors import CheckpointError
 from kvcache.model.gguf_file import is_gguf, open_gguf
 from kvcache.model.heap import release_freed_memory
@@ -77,8 +77,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        shapes[prefix + "input_layernorm.weight"] = (hidden,)
-        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        for norm in NORM_PLACEMENTS[config.norm_placement]:
+            shapes[f"{prefix}{norm}_layernorm.weight"] = (hidden,)
         for name, shape in (
             ("q_proj", (q_width, hidden)),
             ("k_proj", (kv_width, hidden)),
@@ -92,9 +92,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "self_attn.v_proj.bias"] = (kv_width,)
         if config.o_bias:
             shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
-        if config.qk_norm:
-            shapes[prefix + "self_attn.q_norm.weight"] = (dim,)
-            shapes[prefix + "self_attn.k_norm.weight"] = (dim,)
+        if config.qk_norm is not None:
+            per_head = config.qk_norm == "head"
+            shapes[prefix + "self_attn.q_norm.weight"] = (dim,) if per_head else (q_width,)
+            shapes[prefix + "self_attn.k_norm.weight"] = (dim,) if per_head else (kv_width,)
         for name, shape in (
             ("gate_proj", (inner, hidden)),
             ("up_proj", (inner, hidden)),
@@ -106,6 +107,45 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "mlp.up_proj.bias"] = (inner,)
             shapes[prefix + "mlp.down_proj.bias"] = (hidden,)
     return shapes
+
+
+# phi3 stores fused projections; the model keeps them apart (one module per projection, as in
+# every family), so they are split on loading: stored name -> (module names, split along rows)
+_FUSED = {"phi3": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                 "self_attn.v_proj.weight"),
+                   "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
+
+
+def stored_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor as the checkpoint stores it, name -> shape: `expected_shapes`, with a family's
+    fused projections (phi3's qkv_proj, gate_up_proj) in place of their parts."""
+    shapes = expected_shapes(config)
+    for fused, parts in _FUSED.get(config.model_type, {}).items():
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}."
+            widths = [shapes.pop(prefix + part) for part in parts]
+            shapes[prefix + fused] = (sum(w[0] for w in widths), widths[0][1])
+    return shapes
+
+
+def unfuse(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state under the model's names: fused projections split into their parts (copies)."""
+    fusions = _FUSED.get(config.model_type, {})
+    if not fusions:
+        return state
+    shapes = expected_shapes(config)
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, rest = name.rpartition("model.layers.")[2].partition(".")
+        parts = fusions.get(rest)
+        if parts is None:
+            out[name] = tensor
+            continue
+        base = f"model.layers.{prefix}."
+        rows = [shapes[base + part][0] for part in parts]
+        for part, piece in zip(parts, torch.split(tensor, rows, dim=0)):
+            out[base + part] = piece.clone()
+    return out
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -150,7 +190,7 @@ def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> di
     """The tensors to load; every mismatch with the model is an error naming the tensor."""
     from safetensors import safe_open
 
-    expected = expected_shapes(config)
+    expected = stored_shapes(config)
     wanted = {name: file for name, file in located.items() if not name.endswith(_DERIVED_SUFFIXES)}
     if config.tie_word_embeddings:
         wanted.pop("lm_head.weight", None)  # a stored copy of the tied embedding is not used
@@ -181,8 +221,8 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """Load a local llama / mistral / qwen2 / qwen3 checkpoint folder, or a llama.cpp GGUF file of a llama
-    or qwen2 model, strictly, in eval mode.
+    """Load a local llama / mistral / qwen2 / qwen3 / phi3 / olmo2 / gemma2 checkpoint folder, or a llama.cpp
+    GGUF file of a llama, qwen2 or qwen3 model, strictly, in eval mode.
 
     path: the folder or .gguf file; None loads kvcache's bundled default model (`kvcache.defaults`).
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype; a GGUF's
@@ -201,7 +241,7 @@ def load_model(
     for file in sorted(set(wanted.values())):
         names = {name for name, where in wanted.items() if where == file}
         state.update(read_tensors(file, names))
-    return _build(config, state, dtype or state["model.embed_tokens.weight"].dtype, device)
+    return _build(config, unfuse(config, state), dtype or state["model.embed_tokens.weight"].dtype, device)
 
 
 def read_gguf_model(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
