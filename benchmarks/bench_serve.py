@@ -218,7 +218,9 @@ def smollm2_folder(scratch: Path) -> tuple[Path, Path]:
     folder = scratch / "smollm2-135m-instruct"
     # transformers will not save a model it read from GGUF; the config and tokenizer it will, and
     # the dequantized tensors (equal to transformers' own reading, tested) come from kvcache's reader
-    AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_config.architectures = ["LlamaForCausalLM"]  # what `transformers serve` builds from the folder
+    hf_config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
     config, state = read_gguf_model(gguf)
     if config.tie_word_embeddings:

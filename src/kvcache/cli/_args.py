@@ -16,6 +16,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An integer ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """"1,2,4,...,256" -> [1, 2, 4, 8, …, 256]. A comma list of positive integers; `...` doubles
     when the two numbers before it double, else repeats their step, up to the number after it."""

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import positive_int
+from kvcache.cli._args import nonnegative_int, positive_int
 from kvcache.defaults import DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES
 from kvcache.memory import format_bytes, parse_size
@@ -39,17 +39,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _count(text: str) -> int:
-    """An integer >= 0 (0: the model's context)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -106,11 +95,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=_size, default=1 << 20, help="request body limit (default 1MiB)"
     )
     limits.add_argument(
-        "--max-prompt-tokens", type=_count, default=0, help="prompt limit (default 0: the context)"
+        "--max-prompt-tokens", type=nonnegative_int, default=0, help="prompt limit (default 0: the context)"
     )
     limits.add_argument(
         "--max-tokens",
-        type=_count,
+        type=nonnegative_int,
         default=0,
         help="the most max_tokens a request may ask (default 0: the context)",
     )
