@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import commit, percentile
+
 RESULTS = Path(__file__).parent / "results"
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -45,13 +47,6 @@ SMOLLM2_SHAPE = dict(
     tie_word_embeddings=True,
     max_position_embeddings=8192,
 )
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def requests_for(vocab: int, context: int, count: int, new_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -75,10 +70,10 @@ def _latencies(first_times: list[float | None], token_times: list[list[float]]) 
     gaps = [later - earlier for times in token_times for earlier, later in zip(times, times[1:])]
     firsts = [t for t in first_times if t is not None]
     return {
-        "ttft_p50_ms": 1e3 * _percentile(firsts, 0.5),
-        "ttft_p99_ms": 1e3 * _percentile(firsts, 0.99),
-        "itl_p50_ms": 1e3 * (_percentile(gaps, 0.5) or 0),
-        "itl_p99_ms": 1e3 * (_percentile(gaps, 0.99) or 0),
+        "ttft_p50_ms": 1e3 * percentile(firsts, 0.5),
+        "ttft_p99_ms": 1e3 * percentile(firsts, 0.99),
+        "itl_p50_ms": 1e3 * (percentile(gaps, 0.5) or 0),
+        "itl_p99_ms": 1e3 * (percentile(gaps, 0.99) or 0),
     }
 
 
@@ -145,7 +140,7 @@ def run_kvcache_long_prompt(model_dir: str, prompts: list[list[int]], new_tokens
         engine.step()
     times = [handle.result().token_times_s for handle in streams]
     gaps = [b - a for t in times for a, b in zip(t, t[1:])]
-    median, p99 = _percentile(gaps, 0.5), _percentile(gaps, 0.99)
+    median, p99 = percentile(gaps, 0.5), percentile(gaps, 0.99)
     return {
         "itl_p50_ms": 1e3 * median,
         "itl_p99_ms": 1e3 * p99,
@@ -303,16 +298,6 @@ def run(
     return row
 
 
-def _commit() -> str | None:
-    done = subprocess.run(
-        ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout.strip() or None
-
-
 def bench_model(name: str, model_dir: Path, scratch: Path, args) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
     prompts = requests_for(
@@ -450,7 +435,7 @@ def main() -> None:
 
     results = {
         "command": " ".join(["python", *sys.argv]),
-        "commit": _commit(),
+        "commit": commit(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
         "load_average_at_start": os.getloadavg(),
         "models": [],

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import commit
+
 MODELS = {
     "100m": dict(
         hidden_size=768,
@@ -160,13 +162,6 @@ def worker(args: argparse.Namespace) -> None:
             }
         )
     )
-
-
-def _commit(folder: Path) -> str | None:
-    """The git commit checked out in `folder` (None outside a git checkout)."""
-    done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=False)
-    return done.stdout.strip() or None
 
 
 def _peak_rss_mb() -> float:
@@ -353,8 +348,8 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "rounds": args.rounds,
         "baseline": None if args.baseline is None else str(args.baseline),
-        "commit": _commit(Path(__file__).parent),
-        "baseline_commit": None if args.baseline is None else _commit(args.baseline),
+        "commit": commit(Path(__file__).parent),
+        "baseline_commit": None if args.baseline is None else commit(args.baseline),
         "models": {},
     }
     with tempfile.TemporaryDirectory() as scratch:

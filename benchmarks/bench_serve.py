@@ -37,17 +37,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import commit, percentile
+
 RESULTS = Path(__file__).parent / "results"
 WORDS = (
     "the a of to and in is it that for on with as was by at be this from or have an they which one you "
     "had not but what all were when we there can more if no out so said time up other about into than "
     "its only new some could these two may first then do any like my now over such our man me even most"
 ).split()
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else None
 
 
 def requests_for(level: int, count: int, max_words: int = 768, seed: int = 0) -> list[list[dict]]:
@@ -186,10 +183,10 @@ def run_level(server: Server, level: int, new_tokens: int, max_words: int) -> di
         "wall_s": wall,
         "content_chunks": chunks,
         "tokens_per_s": chunks / wall,
-        "ttft_p50_ms": 1e3 * (_percentile(firsts, 0.5) or 0),
-        "ttft_p99_ms": 1e3 * (_percentile(firsts, 0.99) or 0),
-        "itl_p50_ms": 1e3 * (_percentile(gaps, 0.5) or 0),
-        "itl_p99_ms": 1e3 * (_percentile(gaps, 0.99) or 0),
+        "ttft_p50_ms": 1e3 * (percentile(firsts, 0.5) or 0),
+        "ttft_p99_ms": 1e3 * (percentile(firsts, 0.99) or 0),
+        "itl_p50_ms": 1e3 * (percentile(gaps, 0.5) or 0),
+        "itl_p99_ms": 1e3 * (percentile(gaps, 0.99) or 0),
     }
     print(
         f"  {server.name:14s} c={level:3d} {row['tokens_per_s']:8.1f} tok/s  "
@@ -299,16 +296,6 @@ def servers_for(name: str, folder: Path, gguf: Path | None) -> list[Server]:
     return out
 
 
-def _commit() -> str | None:
-    done = subprocess.run(
-        ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout.strip() or None
-
-
 def markdown(results: dict) -> str:
     lines = [
         f"Measured with `{results['command']}` on {results['machine']} at {results['commit']}; load "
@@ -354,7 +341,7 @@ def main() -> None:
     levels = [int(c) for c in ARGS.concurrency.split(",")]
     results = {
         "command": " ".join(["python", *sys.argv]),
-        "commit": _commit(),
+        "commit": commit(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
         "load_average_at_start": os.getloadavg(),
         "models": [],
