@@ -186,34 +186,46 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     raise CheckpointError(f"{folder} holds no weights ({SINGLE_FILE} or {SHARD_INDEX})")
 
 
-def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> dict[str, Path]:
-    """The tensors to load; every mismatch with the model is an error naming the tensor."""
-    from safetensors import safe_open
-
-    expected = stored_shapes(config)
-    wanted = {name: file for name, file in located.items() if not name.endswith(_DERIVED_SUFFIXES)}
-    if config.tie_word_embeddings:
+def _check_tensors(
+    expected: dict[str, tuple[int, ...]],
+    found: dict[str, tuple[tuple[int, ...], str]],
+    what: str,
+    described_by: str,
+) -> set[str]:
+    """The names to load of `found` (name -> (shape, a label naming the tensor and its file)),
+    checked against the model's `expected` shapes: a missing, unknown or mis-shaped tensor is a
+    CheckpointError naming it. Derived tables and the stored copy of a tied embedding are skipped."""
+    wanted = {name: seen for name, seen in found.items() if not name.endswith(_DERIVED_SUFFIXES)}
+    if "lm_head.weight" not in expected:
         wanted.pop("lm_head.weight", None)  # a stored copy of the tied embedding is not used
     missing = sorted(set(expected) - set(wanted))
     unexpected = sorted(set(wanted) - set(expected))
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:8]}")
+        raise CheckpointError(f"{what} lacks {len(missing)} tensor(s) the model needs: {missing[:8]}")
     if unexpected:
         raise CheckpointError(
-            f"checkpoint has {len(unexpected)} tensor(s) the model does not know: {unexpected[:8]}"
+            f"{what} has {len(unexpected)} tensor(s) the model does not know: {unexpected[:8]}"
         )
-    for file in sorted(set(wanted.values())):
+    for name, (shape, label) in wanted.items():
+        if shape != expected[name]:
+            raise CheckpointError(
+                f"tensor {label} has shape {shape}, expected {expected[name]} from {described_by}"
+            )
+    return set(wanted)
+
+
+def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> dict[str, Path]:
+    """The tensors to load (name -> file), their names and shapes read from the file headers."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(set(located.values())):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                if name not in wanted:
-                    continue
-                shape = tuple(handle.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(
-                        f"tensor {name} in {file.name} has shape {shape}, expected "
-                        f"{expected[name]} from config.json"
-                    )
-    return wanted
+                if located.get(name) == file:
+                    found[name] = (tuple(handle.get_slice(name).get_shape()), f"{name} in {file.name}")
+    names = _check_tensors(stored_shapes(config), found, "checkpoint", "config.json")
+    return {name: located[name] for name in names}
 
 
 def load_model(
@@ -253,21 +265,8 @@ def read_gguf_model(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     located = gguf_file.located_tensors(reader, source)
     config = ModelConfig.from_dict(gguf_file.config_dict(meta, {t.name for t in reader.tensors}, source))
     expected = expected_shapes(config)
-    if config.tie_word_embeddings:
-        located.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(located))
-    unexpected = sorted(set(located) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source}: the tensors do not match the model its metadata describes: "
-            f"missing {missing[:8]}, unexpected {unexpected[:8]}"
-        )
-    for name, tensor in located.items():
-        if gguf_file.tensor_shape(tensor) != expected[name]:
-            raise CheckpointError(
-                f"{source}: tensor {tensor.name} has shape {gguf_file.tensor_shape(tensor)}, expected "
-                f"{expected[name]} from the file's metadata"
-            )
+    found = {name: (gguf_file.tensor_shape(t), f"{t.name} in {path.name}") for name, t in located.items()}
+    located = {name: located[name] for name in _check_tensors(expected, found, source, "the file's metadata")}
     permuted = gguf_file.permutes(meta)
     state = {
         name: torch.from_numpy(
