@@ -23,6 +23,17 @@ def test_import_kvcache_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_loading_a_folders_tokenizer_does_not_import_torch():
+    """Telling a GGUF file from a folder is a stdlib check (kvcache.defaults.is_gguf): a tokenizer
+    alone costs no torch import."""
+    code = (
+        "import sys, kvcache;"
+        "kvcache.load_tokenizer();"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(SOURCE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":

@@ -1,4 +1,5 @@
-"""Where kvcache's bundled default model lives (standard library only).
+"""Where kvcache's bundled default model lives, and what kind of path a model path is
+(standard library only, so that telling a GGUF file from a folder imports nothing heavy).
 
 The default model is a ~3M-parameter Llama trained by `scripts/train_default_model.py` on text
 shipped with Python; it is a standard Hugging Face checkpoint folder inside the package, used
@@ -21,3 +22,15 @@ def default_model_dir() -> Path:
 def resolve_model_dir(path: str | Path | None) -> Path | str:
     """`path` as given, or the bundled default model's folder when it is None."""
     return DEFAULT_MODEL_DIR if path is None else path
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` is a file that starts with the GGUF magic bytes."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == GGUF_MAGIC

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvcache.defaults import resolve_model_dir
+from kvcache.defaults import is_gguf, resolve_model_dir
 from kvcache.tokenizer_error import TokenizerError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -243,8 +243,6 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     path = resolve_model_dir(path)
-    from kvcache.model.gguf_file import is_gguf
-
     if is_gguf(path):
         from kvcache.tokenizer_gguf import read_gguf_tokenizer
 

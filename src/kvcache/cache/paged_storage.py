@@ -7,6 +7,7 @@ s % block_size of block s // block_size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +64,7 @@ class ScratchBuffer:
     def take(self, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         """A tensor of `shape` with like's dtype and device on this buffer's memory (grown when
         needed); what the previous take returned is overwritten by its next user."""
-        size = 1
-        for extent in shape:
-            size *= extent
+        size = math.prod(shape)
         memory = self._memory
         fits = memory is not None and memory.numel() >= size
         if not fits or (memory.dtype, memory.device) != (like.dtype, like.device):

@@ -17,7 +17,6 @@ import numpy as np
 
 from kvcache.model.errors import CheckpointError
 
-GGUF_MAGIC = b"GGUF"
 # GGUF architecture -> the model_type it is loaded as; the converter permutes q/k for llama only
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED = {"llama"}
@@ -46,15 +45,6 @@ _MODEL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether `path` is a file that starts with the GGUF magic bytes."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        return False
-    with path.open("rb") as handle:
-        return handle.read(4) == GGUF_MAGIC
 
 
 def open_gguf(path: str | Path):

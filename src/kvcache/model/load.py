@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from kvcache.defaults import resolve_model_dir
+from kvcache.defaults import is_gguf, resolve_model_dir
 from kvcache.model import gguf_file
 from kvcache.model.config import NORM_PLACEMENTS, ModelConfig
 from kvcache.model.errors import CheckpointError
-from kvcache.model.gguf_file import is_gguf, open_gguf
+from kvcache.model.gguf_file import open_gguf
 from kvcache.model.heap import release_freed_memory
 from kvcache.model.llama import LlamaForCausalLM
 from kvcache.model.safetensors_read import read_tensors
