@@ -165,8 +165,8 @@ class Engine:
     def cancel_all(self) -> None:
         """Cancel every request not yet finished (at the next step, or now if no step runs)."""
         with self._lock:
-            waiting = [*self._incoming, *self.waiting, *self.running]
-        for request in waiting:
+            unfinished = [*self._incoming, *self.waiting, *self.running]
+        for request in unfinished:
             request.cancel()
         self._wake()
 

@@ -203,8 +203,8 @@ class ModelConfig:
             norm_weight_offset=1.0 if gemma else 0.0,
             embedding_scale=raw["hidden_size"] ** 0.5 if gemma else None,
             attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5 if gemma else None,
-            attn_logit_softcap=_positive(raw, "attn_logit_softcapping", None) if gemma else None,
-            final_logit_softcap=_positive(raw, "final_logit_softcapping", None) if gemma else None,
+            attn_logit_softcap=_positive(raw, "attn_logit_softcapping", optional=True) if gemma else None,
+            final_logit_softcap=_positive(raw, "final_logit_softcapping", optional=True) if gemma else None,
             sliding_window=geometry.sliding_window,
             layer_types=geometry.layer_types,
             bos_token_id=raw.get("bos_token_id"),
@@ -243,10 +243,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _positive(raw: dict[str, Any], name: str, *default: float | None) -> float | None:
-    """raw[name] as a positive float; missing: the default (None allowed) or an error."""
-    value = raw.get(name, *default) if default else raw.get(name)
-    if value is None and default:
+def _positive(raw: dict[str, Any], name: str, optional: bool = False) -> float | None:
+    """raw[name] as a positive float; missing (or null): None when optional, else an error."""
+    value = raw.get(name)
+    if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"{name} must be a positive number, got {value!r}")
