@@ -23,6 +23,16 @@ def test_import_kvcache_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_kvcache_and_its_caches_work_without_importing_transformers():
+    """transformers is imported by kvcache.hf only, on demand."""
+    code = (
+        "import sys, kvcache, kvcache.cache, kvcache.model, kvcache.generation;"
+        "assert 'transformers' not in sys.modules, 'transformers imported';"
+        "assert 'kvcache.hf' not in sys.modules, 'kvcache.hf imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_loading_a_folders_tokenizer_does_not_import_torch():
     """Telling a GGUF file from a folder is a stdlib check (kvcache.defaults.is_gguf): a tokenizer
     alone costs no torch import."""
@@ -122,10 +132,13 @@ def test_the_cycle_finder_finds_a_planted_loop():
 
 # each layer of the package and what it must never import (the layers above it)
 FORBIDDEN = {
-    "kvcache.cache": ("kvcache.model", "kvcache.backends", "kvcache.generation", "kvcache.cli"),
-    "kvcache.model": ("kvcache.backends", "kvcache.generation", "kvcache.cli", "kvcache.prefix"),
-    "kvcache.backends": ("kvcache.generation", "kvcache.cli", "kvcache.prefix"),
-    "kvcache.generation": ("kvcache.cli", "kvcache.prefix"),
+    "kvcache.cache": ("kvcache.model", "kvcache.backends", "kvcache.generation", "kvcache.cli",
+                      "kvcache.hf"),
+    "kvcache.model": ("kvcache.backends", "kvcache.generation", "kvcache.cli", "kvcache.prefix",
+                      "kvcache.hf"),
+    "kvcache.backends": ("kvcache.generation", "kvcache.cli", "kvcache.prefix", "kvcache.hf"),
+    "kvcache.generation": ("kvcache.cli", "kvcache.prefix", "kvcache.hf"),
+    "kvcache.hf": ("kvcache.model", "kvcache.backends", "kvcache.generation", "kvcache.cli"),
     "kvcache.geometry": ("kvcache.cache", "kvcache.model", "kvcache.memory"),
     "kvcache.memory": ("kvcache.cache", "kvcache.model"),
     "kvcache.reference": ("kvcache.cache", "kvcache.model", "kvcache.backends"),

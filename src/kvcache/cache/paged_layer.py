@@ -4,6 +4,8 @@ keys and for values. The owning cache decides where rows go (block tables, the f
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from .checks import check_kv_pair, where
@@ -39,6 +41,32 @@ class PagedLayer(CacheLayer):
     def get_seq_length(self) -> int:
         """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
         return self._columns
+
+    def mask_key(self, new_tokens: int) -> Hashable:
+        """The group's window, the rows' lengths and the chunk length determine the layout."""
+        return ("paged", self.window, tuple(self._cache.row_lengths), self._columns, new_tokens)
+
+    def mask_positions(
+        self, new_tokens: int, device: torch.device | str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of a forward without padding, every row holding the same tokens (the
+        cache's own `begin` plans every other case): queries at past..past+T_new-1 (T_new,);
+        keys at each row's gathered positions, from 0 (full attention) or from the first block
+        the earliest query's window reaches (T_kv,). Raises `CacheShapeError` for rows of
+        different lengths (they have no common positions)."""
+        past = self._columns
+        lengths = [self.allocator.sequence(seq).num_tokens for seq in self._cache.rows]
+        # the group's first layer commits the forward's tokens: before it, past; after, past + T_new
+        if len(set(lengths)) > 1 or not set(lengths) <= {past, past + new_tokens}:
+            raise CacheShapeError(
+                f"mask_positions: rows hold different token counts {lengths} over {past} columns; "
+                f"rows of different lengths have no common positions (the cache's own begin, "
+                f"given an attention_mask, plans such forwards)"
+            )
+        size, window = self._cache.block_size, self.window
+        first = 0 if window is None else max(0, past - window + 1) // size * size
+        key_positions = torch.arange(first, past + new_tokens, device=device)  # (T_kv,)
+        return key_positions[past - first :], key_positions
 
     # ---- storage ---------------------------------------------------------------------------
     def allocate(self, key_shape: tuple, value_shape: tuple, dtype: torch.dtype, device) -> None:

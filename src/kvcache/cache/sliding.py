@@ -20,7 +20,7 @@ import torch
 from .base import Cache
 from .checks import check_crop
 from .config import read_cache_geometry
-from .errors import CacheConfigError, CacheCropError
+from .errors import CacheConfigError, CacheCropError, CacheShapeError
 from .fixed import FixedCapacityLayer
 from .length import LengthInTensor
 
@@ -137,6 +137,28 @@ class SlidingWindowLayer(FixedCapacityLayer):
         self._write_tail(k, v, past)
         self._length = end
         return out_keys, out_values
+
+    def load_recent(self, keys: torch.Tensor, values: torch.Tensor, seq_length: int) -> None:
+        """Hold a sequence of `seq_length` tokens of which keys, values (B, H_kv, n, D) are the
+        last n (positions seq_length - n .. seq_length - 1), the earlier ones already evicted:
+        a cache filled elsewhere (a transformers sliding layer keeps the last window - 1).
+        n must cover what the next query needs, min(seq_length, window - 1) rows; the ring
+        keeps the last `capacity` of them. Raises `CacheShapeError` for too few rows."""
+        held = keys.shape[2] if keys.dim() == 4 else -1
+        needed = min(seq_length, self.window - 1)
+        whole = isinstance(seq_length, int) and not isinstance(seq_length, bool)
+        if not whole or not needed <= held <= seq_length:
+            raise CacheShapeError(
+                f"load_recent needs between min(seq_length, window - 1) = {needed} and "
+                f"seq_length = {seq_length} rows of (batch, kv_heads, rows, head_dim) keys, got "
+                f"shape {tuple(keys.shape)}"
+            )
+        if held:
+            self._check_and_allocate(keys, values)
+            self._write_tail(keys, values, seq_length - held)
+        self._length = seq_length
+        # positions below seq_length - held were never given: crop must not reach for them
+        self._high_water = seq_length - min(held, self.capacity) + self.capacity
 
     def _write_tail(self, k: torch.Tensor, v: torch.Tensor, past: int) -> None:
         """Write the last min(T_new, C) rows of the chunk into their slots (at most two runs)."""
