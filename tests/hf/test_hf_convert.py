@@ -4,6 +4,8 @@ kvcache's own model, and misuse gets a named error."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -164,3 +166,9 @@ def test_an_unsupported_transformers_version_is_refused_by_name(version):
 @pytest.mark.parametrize("version", ["5.24.0", "5.24.1", "5.30.0.dev0", transformers.__version__])
 def test_supported_transformers_versions_pass(version):
     check_transformers_version(version)
+
+
+def test_the_docs_state_the_supported_versions():
+    root = Path(__file__).resolve().parents[2]
+    for page in ("README.md", "docs/transformers.md"):
+        assert f"`{kh.SUPPORTED}`" in (root / page).read_text(encoding="utf-8"), page

@@ -48,3 +48,35 @@ def test_greedy_answer_equals_transformers_and_names_paris(both):
     width = min(ours.shape[1], reference.shape[1])
     assert torch.equal(ours[:, :width], reference[:, :width])
     assert "Paris" in tokenizer.decode(ours[0, ids.shape[1] :].tolist())
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "paged", "sliding"])
+def test_transformers_generates_the_same_answer_with_kvcache_caches_on_real_weights(both, kind):
+    """kvcache.hf on a real checkpoint (transformers' own loading of the GGUF): the same greedy
+    tokens as transformers' DynamicCache; a sliding window of 16 changes the answer, honestly
+    (the model has none), so it is compared with transformers' own windowed attention."""
+    import transformers
+
+    import kvcache
+    import kvcache.hf as kh
+
+    (_, tokenizer), (theirs, _) = both
+    ids = torch.tensor([tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)])
+    options = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    config = theirs.config
+    if kind == "sliding":  # a Llama with a window is a Mistral: transformers applies it in the mask
+        windowed = transformers.MistralConfig(**{**config.to_dict(), "sliding_window": 16})
+        model = transformers.MistralForCausalLM(windowed).eval()
+        model.load_state_dict(theirs.state_dict())
+        cache = kvcache.make_cache("sliding", config=windowed, window=16)
+        reference_cache = transformers.DynamicCache(config=windowed)
+    else:
+        model = theirs
+        cache = kvcache.make_cache(kind, config=config, max_cache_len=128)
+        reference_cache = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        expected = model.generate(ids, cache=reference_cache, **options)
+        ours = model.generate(ids, cache=kh.to_transformers(cache), **options)
+    assert torch.equal(ours, expected)
+    if kind != "sliding":
+        assert "Paris" in tokenizer.decode(ours[0, ids.shape[1] :].tolist())
