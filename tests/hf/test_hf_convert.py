@@ -172,3 +172,16 @@ def test_the_docs_state_the_supported_versions():
     root = Path(__file__).resolve().parents[2]
     for page in ("README.md", "docs/transformers.md"):
         assert f"`{kh.SUPPORTED}`" in (root / page).read_text(encoding="utf-8"), page
+
+
+def test_a_cache_handed_to_the_wrong_model_says_how_to_convert_it(pairs):
+    hf, ours = pairs["llama"]
+    ids = prompt(seed=5)
+    with pytest.raises(AttributeError, match=r"to_transformers\(cache\), or build it with kvcache.hf.Dyn"):
+        hf.generate(ids, max_new_tokens=2, cache=kvcache.DynamicCache(config=hf.config))
+    with pytest.raises(AttributeError, match=r"to_transformers\(cache\)$"):
+        hf(ids, cache=kvcache.make_cache("none", num_layers=2))
+    with pytest.raises(TypeError, match=r"kvcache.hf.from_transformers\(cache\)"):
+        ours(ids, past_key_values=transformers.DynamicCache(config=hf.config))
+    with pytest.raises(AttributeError, match="has no attribute 'something_else'"):
+        getattr(kvcache.DynamicCache(2), "something_else")  # noqa: B009

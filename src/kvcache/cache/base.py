@@ -25,6 +25,15 @@ from .masks import build_mask
 
 __all__ = ["Cache", "CacheLayer", "ForwardPlan", "LayerMasks", "is_compiling"]
 
+# what transformers asks of a cache and kvcache's Cache does not answer (kvcache.hf does)
+_TRANSFORMERS_PROTOCOL = frozenset({
+    "is_compileable", "get_query_offset", "get_mask_sizes", "is_sliding", "is_linear", "is_dummy",
+    "is_initialized", "is_croppable", "layer_class_to_replicate", "early_initialization",
+    "batch_select_indices", "batch_repeat_interleave", "reorder_cache", "offloading",
+    "activate_past_recording", "get_max_length", "_is_user_defined",
+})
+_SAME_NAMES = {"DynamicCache", "StaticCache", "SlidingWindowCache", "QuantizedCache", "PagedCache"}
+
 
 class LayerMasks(list):
     """The per-layer masks of one forward: a list, one mask per known layer.
@@ -322,6 +331,18 @@ class Cache:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def __getattr__(self, name: str):
+        """Only for attributes this cache lacks: transformers' cache protocol gets a pointer to
+        the adapter, anything else the usual AttributeError."""
+        if name in _TRANSFORMERS_PROTOCOL:
+            kind = type(self).__name__
+            also = f", or build it with kvcache.hf.{kind}" if kind in _SAME_NAMES else ""
+            raise AttributeError(
+                f"{kind} is a kvcache cache, which a transformers model does not take as it is "
+                f"({name!r} is transformers' cache protocol): pass kvcache.hf.to_transformers(cache){also}"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         kinds = ", ".join(type(layer).__name__ for layer in self.layers[:4])

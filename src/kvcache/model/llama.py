@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.cache import make_cache
+from kvcache.cache import Cache, make_cache
 from kvcache.model.config import NORM_PLACEMENTS, ModelConfig
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
@@ -239,6 +239,12 @@ class LlamaForCausalLM(nn.Module):
         if use_cache is None:
             use_cache = not training
         cache = past_key_values
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(
+                f"past_key_values must be a kvcache cache (kvcache.cache.Cache), got "
+                f"{type(cache).__module__}.{type(cache).__name__}; a transformers cache converts "
+                f"with kvcache.hf.from_transformers(cache)"
+            )
         if cache is None:  # a new cache: one that grows, or one that keeps nothing
             kind = "dynamic" if use_cache else "none"
             cache = make_cache(kind, config=self.config, dtype=self.dtype, device=self.device)
