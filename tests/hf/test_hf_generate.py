@@ -64,8 +64,10 @@ def test_generate_with_a_kvcache_cache_matches_transformers_dynamic_cache(models
     assert cache.get_seq_length() == prompt_length + NEW_TOKENS - 1  # the cache held the run
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
-@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
+PADDED = [(arch, kind) for arch in ("llama", "mistral", "gemma2") for kind in ("dynamic", "static", "paged")]
+
+
+@pytest.mark.parametrize("arch, kind", [*PADDED, ("mistral", "sliding"), ("phi3", "sliding")])
 def test_left_padded_batch_rows_equal_their_solo_runs(models, arch, kind):
     model = models[arch]
     ids, mask = left_padded_batch((11, 6, 2))
