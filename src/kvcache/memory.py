@@ -249,6 +249,15 @@ def paged_kv_cache_bytes(
     return batch * (full + held * window_block_bytes(shape, block_size, dtype))
 
 
+def window_pool_blocks(shape: KVShape, block_size: int, *, max_sequences: int, chunk: int) -> int:
+    """Blocks the sliding-window layers of a paged pool need so that `max_sequences` sequences in
+    forwards of up to `chunk` tokens never run short (0 when no layer slides)."""
+    _check_sizes(max_sequences=max_sequences, chunk=chunk)
+    if not (shape.sliding_window and _layer_counts(shape)[1]):
+        return 0
+    return max_sequences * window_blocks_per_sequence(shape.sliding_window, block_size, chunk)
+
+
 def paged_pool(
     shape: KVShape,
     budget_bytes: int,
@@ -262,9 +271,7 @@ def paged_pool(
     get enough for `max_sequences` sequences at once, each in forwards of up to `chunk` tokens
     (`window_blocks_per_sequence`, so they never run short), the full layers every byte left."""
     _check_sizes(budget_bytes=budget_bytes, max_sequences=max_sequences, chunk=chunk)
-    window = 0
-    if shape.sliding_window and _layer_counts(shape)[1]:
-        window = max_sequences * window_blocks_per_sequence(shape.sliding_window, block_size, chunk)
+    window = window_pool_blocks(shape, block_size, max_sequences=max_sequences, chunk=chunk)
     left = budget_bytes - window * window_block_bytes(shape, block_size, dtype)
     if left < 0:
         raise ValueError(

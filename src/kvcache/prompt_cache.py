@@ -14,7 +14,6 @@ target cache may use another block size than the one recorded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
+from kvcache.model.fingerprint import model_fingerprint
 
 FORMAT = "kvcache.prompt_cache"
 VERSION = "1"
@@ -32,20 +32,6 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "
 
 class PromptCacheError(ValueError):
     """A prompt cache file that does not fit this model or cache, or is not one at all."""
-
-
-def model_fingerprint(model) -> str:
-    """A short hex digest of the model's config and weights (name, shape, dtype and the first
-    and last 256 values of every parameter): different checkpoints give different digests."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr(sorted(vars(model.config).items())).encode())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            sample = torch.cat([flat[:256], flat[-256:]]).to("cpu", torch.float32)
-            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-            digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _layout(model) -> dict[str, str]:

@@ -31,7 +31,7 @@ from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .paged_layer import PagedLayer
 from .paged_plan import first_forward_plan, group_mask, plan_forward
-from .paged_rows import RowState, prefix_cost, prefix_digests, read_row, write_row
+from .paged_rows import RowState, append_to_row, prefix_cost, prefix_digests, read_row, write_row
 from .paged_storage import ScratchBuffer, Step
 
 __all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer", "RowState"]
@@ -298,6 +298,7 @@ class PagedCache(Cache):
     # ---- a row out and back in (prompt-cache files), and views for batched forwards -------------
     row_state = read_row
     load_row_state = write_row
+    append_to_row = append_to_row
 
     def view(self, rows: Sequence[int]) -> PagedCache:
         """A cache of rows `rows` (indices, in that order) over the same blocks: a forward through it

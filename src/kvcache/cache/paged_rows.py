@@ -98,14 +98,54 @@ def write_row(cache, state: RowState) -> int:
                 (*pool, *first_keys.shape[1:]), (*pool, *first_values.shape[1:]), first_keys.dtype, device
             )
     cache.add_sequence(state.token_ids, reuse_prefix=False)
-    seq = cache.rows[-1]
-    cache.allocator.reserve([seq], [tokens])
-    slots = torch.tensor(cache.allocator.slots(seq, 0, tokens), dtype=torch.long, device=device)
-    for layer, keys, values in zip(cache.layers, state.keys, state.values):
-        layer.write_slots(slots, keys, values)
-    cache.allocator.commit(seq, tokens)
-    cache._set_columns(max(cache.get_seq_length(), tokens))
+    _append(cache, len(cache.rows) - 1, state.keys, state.values)
     return len(cache.rows) - 1
+
+
+def append_to_row(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+    """Write the next T positions of row `row` from keys (T, H_kv, D) and values (T, H_kv, D_v),
+    one of each per layer, as a forward would have (keys and values computed elsewhere: a block
+    store shared by replicas); the row's declared token ids for those positions make its full
+    blocks findable. Returns the row's length after. Shapes, dtype and free blocks are checked
+    first (CacheShapeError, CacheDtypeError, OutOfBlocksError): a refusal changes nothing."""
+    _whole_rows_only(cache)
+    if len(keys) != len(cache.layers) or len(values) != len(cache.layers):
+        raise CacheShapeError(
+            f"need keys and values for {len(cache.layers)} layers, got {len(keys)}, {len(values)}"
+        )
+    tokens = keys[0].shape[0] if keys[0].dim() == 3 else -1
+    for index, (layer, k, v) in enumerate(zip(cache.layers, keys, values)):
+        if k.dim() != 3 or v.dim() != 3 or k.shape[0] != tokens or v.shape[0] != tokens or tokens < 1:
+            raise CacheShapeError(
+                f"layer {index}: keys and values must be (tokens, kv_heads, head_dim) with the same "
+                f">= 1 tokens in every layer, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        layer.check_layout(k.shape[1], k.shape[2], v.shape[2], k.dtype, f"layer {index}'s keys and values")
+    seq = cache._row_seq(row)
+    allocator = cache.allocator
+    held = allocator.sequence(seq).num_tokens
+    needed = allocator.blocks_for(held + tokens) - allocator.blocks_for(held)
+    if needed > allocator.num_allocatable:
+        raise OutOfBlocksError(needed, allocator.num_allocatable, cache.num_blocks)
+    _append(cache, row, keys, values)
+    return held + tokens
+
+
+def _append(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """append_to_row after its checks (write_row checked its state itself)."""
+    seq = cache.rows[row]
+    allocator = cache.allocator
+    held = allocator.sequence(seq).num_tokens
+    total = held + keys[0].shape[0]
+    copies = allocator.reserve([seq], [total])  # a shared partial last block is copied on write
+    for layer in cache.layers:
+        for source, target in copies:
+            layer.copy_block(source, target)
+    slots = torch.tensor(allocator.slots(seq, held, total), dtype=torch.long, device=cache.device)
+    for layer, k, v in zip(cache.layers, keys, values):
+        layer.write_slots(slots, k, v)
+    allocator.commit(seq, total)
+    cache._set_columns(max(cache.get_seq_length(), total))
 
 
 def prefill_inputs(cache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:

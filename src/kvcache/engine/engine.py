@@ -31,6 +31,7 @@ from kvcache.engine.pool import build_pool
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
 from kvcache.engine.request import Completion, Request, RequestHandle
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
+from kvcache.engine.store_tier import StoreTier, open_store
 from kvcache.engine.views import running_view, waiting_view
 from kvcache.generation.stops import StopRule
 from kvcache.progress import ProgressBar
@@ -50,6 +51,8 @@ class Engine:
             others keep decoding.
         prefix_caching: attach cached blocks of earlier prompts that start the same way (False:
             every prompt is prefilled whole).
+        kv_store: a second tier of prefix blocks shared with other replicas: a URL
+            ("redis://127.0.0.1:6379/0") or a store object (`RedisBlockStore`); see store_tier.py.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class Engine:
         max_running: int = 16,
         token_budget: int = 256,
         prefix_caching: bool = True,
+        kv_store=None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.prefix_caching = prefix_caching
@@ -74,6 +78,7 @@ class Engine:
         self.limits = Limits(block_size, max_running, token_budget)
         self.pool, self.block_bytes = build_pool(model, self.limits, kv_budget, num_blocks)
         self.backend = choose_backend(model, backend)
+        self.store_tier = None if kv_store is None else StoreTier(open_store(kv_store), model, self.pool)
         self.metrics = EngineMetrics()
         # called with every Completion as its request ends (a server's metrics); must not raise
         self.on_finish: Callable[[Completion], None] | None = None
@@ -156,6 +161,7 @@ class Engine:
             "submitted": m.submitted,
             "finished": dict(m.finished),
             "generated_tokens": m.generated_tokens,
+            "kv_store": None if self.store_tier is None else vars(self.store_tier.store.counters).copy(),
         }
 
     def cancel(self, handle: RequestHandle) -> None:
@@ -198,6 +204,8 @@ class Engine:
             with torch.inference_mode():
                 self._decode([by_id[i] for i in plan.decode])
                 self._prefill([(by_id[i], count) for i, count in plan.prefill])
+                if self.store_tier is not None:
+                    self.store_tier.offer(self.pool)
             self._retire([r for r in self.running if r.finish is not None], None)
             self.metrics.steps += 1
             return True
@@ -215,6 +223,9 @@ class Engine:
         for request in requests:
             self.waiting.remove(request)
             request.cached = self.pool.add_sequence(request.tokens, reuse_prefix=self.prefix_caching)
+            if self.store_tier is not None and self.prefix_caching:  # other replicas' blocks
+                row = len(self.running)
+                request.cached += self.store_tier.load(self.pool, row, request.tokens, request.cached)
             if not request.admitted:
                 request.admitted = True
                 request.usage.cached_tokens = request.cached
@@ -247,10 +258,10 @@ class Engine:
                 ids, mask = prefill_inputs(view, [piece])
                 return last_logits(self.model, ids, mask, view)
 
-            with self.metrics.timing("prefill", count):
+            with self.metrics.timing("prefill", len(piece)):
                 logits = self._forward([request], run)
             if logits is not None:
-                request.cached += count
+                request.cached += len(piece)  # the plan's count, or the rest after store blocks
                 if request.cached == len(request.tokens):
                     self._sample(request, logits[0])
 
@@ -340,6 +351,12 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def close(self) -> None:
+        """Stop, and close the KV store connection (its queued writes are dropped)."""
+        self.stop()
+        if self.store_tier is not None:
+            self.store_tier.store.close()
 
     def _loop(self) -> None:
         while not self._stopping.is_set():

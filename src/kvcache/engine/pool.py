@@ -6,7 +6,7 @@ from kvcache.cache import PagedCache
 from kvcache.engine.params import RequestError
 from kvcache.engine.scheduler import Limits
 from kvcache.geometry import read_geometry
-from kvcache.memory import KVShape, paged_block_bytes, paged_pool, parse_size
+from kvcache.memory import KVShape, paged_block_bytes, paged_pool, parse_size, window_pool_blocks
 
 
 def build_pool(
@@ -30,15 +30,12 @@ def build_pool(
             )
     elif not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
         raise RequestError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+    sizes = dict(max_sequences=limits.max_running, chunk=limits.token_budget)
     try:
-        full, window = paged_pool(
-            shape,
-            budget,
-            limits.block_size,
-            dtype_name,
-            max_sequences=limits.max_running,
-            chunk=limits.token_budget,
-        )
+        if num_blocks is not None:  # the full layers' size given: the sliding layers' as always
+            full, window = num_blocks, window_pool_blocks(shape, limits.block_size, **sizes)
+        else:
+            full, window = paged_pool(shape, budget, limits.block_size, dtype_name, **sizes)
     except ValueError as error:
         raise RequestError(str(error)) from None
     pool = PagedCache(

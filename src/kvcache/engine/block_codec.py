@@ -1,0 +1,127 @@
+"""The bytes of one KV block in a shared store, and the namespace its key lives in.
+
+A value is a fixed header and the raw tensor bytes, never a pickle:
+
+    magic b"KVB1" | version u16 | dtype u8 | pad u8 | layers u16 | kv_heads u16 | head_dim u16 |
+    value_dim u16 | block_size u16 | digest 16 B | checksum 16 B | keys | values
+
+keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size, kv_heads,
+value_dim), in the stored dtype, little-endian. The checksum is blake2b over the header (checksum
+field zeroed) and the payload; the digest is the block's prefix hash chain, so a valid block copied
+under another block's key is refused too. A value read back is checked field by field before a
+byte of it is used (`decode_block` raises `InvalidBlock`, which the engine counts and recomputes).
+
+The key is `kvcache:<namespace>:<digest hex>`, the namespace a digest of everything that makes K/V
+bytes valid for a model: its fingerprint (config and every weight byte), dtype, block size, layer
+count and head geometry, and this format's version. Two models never share a namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.model.fingerprint import model_fingerprint
+
+MAGIC = b"KVB1"
+VERSION = 1
+_HEADER = struct.Struct("<4sHBBHHHHH16s16s")
+_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class InvalidBlock(ValueError):
+    """A stored value that is not a block of this model's layout, or fails its checksum."""
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What every block of one model in one pool looks like."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def payload_bytes(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        rows = self.layers * self.block_size * self.kv_heads
+        return rows * (self.head_dim + self.value_dim) * item
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one stored value, header included."""
+        return _HEADER.size + self.payload_bytes
+
+
+def layout_of(model, block_size: int) -> BlockLayout:
+    """The block layout of `model`'s keys and values in blocks of `block_size` tokens."""
+    config = model.config
+    if model.dtype not in _DTYPES:
+        raise ValueError(f"a block store keeps float32, float16 or bfloat16 blocks, not {model.dtype}")
+    return BlockLayout(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.head_dim,
+        block_size, model.dtype,
+    )
+
+
+def namespace(model, layout: BlockLayout) -> str:
+    """The store namespace of `model`'s blocks in `layout` (32 hex digits)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{model_fingerprint(model)}|{layout}|v{VERSION}".encode())
+    return digest.hexdigest()
+
+
+def block_key(space: str, digest: bytes) -> str:
+    return f"kvcache:{space}:{digest.hex()}"
+
+
+def _checksum(header: bytes, payload: bytes) -> bytes:
+    digest = hashlib.blake2b(header, digest_size=16)
+    digest.update(payload)
+    return digest.digest()
+
+
+def encode_block(layout: BlockLayout, digest: bytes, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    """One block's value: keys (layers, block_size, H_kv, D) and values (…, D_v) under `digest`."""
+    payload = b"".join(
+        tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        for tensor in (keys, values)
+    )
+    fields = (MAGIC, VERSION, _DTYPES[layout.dtype], 0, layout.layers, layout.kv_heads, layout.head_dim,
+              layout.value_dim, layout.block_size, digest)
+    header = _HEADER.pack(*fields, bytes(16))
+    return _HEADER.pack(*fields, _checksum(header, payload)) + payload
+
+
+def decode_block(layout: BlockLayout, digest: bytes, value: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of a value read back, each (layers, block_size, H_kv, D): raises
+    `InvalidBlock` for a value of another size, format, layout or digest, a bad checksum, or
+    non-finite numbers."""
+    if not isinstance(value, bytes | bytearray) or len(value) != layout.value_bytes:
+        size = len(value) if isinstance(value, bytes | bytearray) else type(value).__name__
+        raise InvalidBlock(f"a block of this layout has {layout.value_bytes} bytes, got {size}")
+    (magic, version, dtype, _, layers, heads, head_dim, value_dim, block_size, stored_digest,
+     checksum) = _HEADER.unpack_from(value)
+    expected = (MAGIC, VERSION, _DTYPES[layout.dtype], layout.layers, layout.kv_heads, layout.head_dim,
+                layout.value_dim, layout.block_size, digest)
+    found = (magic, version, dtype, layers, heads, head_dim, value_dim, block_size, stored_digest)
+    if found != expected:
+        raise InvalidBlock(f"block header {found} does not match this model's {expected}")
+    header = bytes(value[: _HEADER.size - 16]) + bytes(16)
+    payload = memoryview(value)[_HEADER.size :]
+    if _checksum(header, payload) != checksum:
+        raise InvalidBlock("block checksum does not match its bytes")
+    flat = torch.frombuffer(bytearray(payload), dtype=_BY_CODE[dtype])
+    rows = layers * block_size * heads
+    keys = flat[: rows * head_dim].view(layers, block_size, heads, head_dim)
+    values = flat[rows * head_dim :].view(layers, block_size, heads, value_dim)
+    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+        raise InvalidBlock("block holds non-finite keys or values")
+    return keys, values

@@ -1,0 +1,70 @@
+"""A stored block's bytes: read back exactly, and refused for any field, byte or digest that does
+not match (never unpickled, never used half-checked)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from kvcache.engine.block_codec import InvalidBlock, decode_block, encode_block, layout_of, namespace
+
+DIGEST = bytes(range(16))
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16])
+def block(request):
+    model = tiny_model().to(request.param)
+    layout = layout_of(model, 4)
+    shape = (layout.layers, 4, layout.kv_heads, layout.head_dim)
+    keys, values = torch.randn(shape).to(request.param), torch.randn(shape).to(request.param)
+    return layout, keys, values, encode_block(layout, DIGEST, keys, values)
+
+
+def test_a_block_reads_back_exactly(block):
+    layout, keys, values, value = block
+    assert len(value) == layout.value_bytes
+    got_keys, got_values = decode_block(layout, DIGEST, value)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+
+
+@pytest.mark.parametrize("offset", [0, 4, 6, 8, 10, 12, 14, 16, 18, 20, 40, -1])
+def test_any_changed_byte_is_refused(block, offset):
+    layout, _, _, value = block
+    damaged = bytearray(value)
+    damaged[offset] ^= 0x01
+    with pytest.raises(InvalidBlock):
+        decode_block(layout, DIGEST, bytes(damaged))
+
+
+def test_a_block_under_another_digest_a_short_value_or_non_finite_numbers_are_refused(block):
+    layout, keys, values, value = block
+    with pytest.raises(InvalidBlock, match="does not match"):
+        decode_block(layout, bytes(16), value)
+    with pytest.raises(InvalidBlock, match="bytes, got"):
+        decode_block(layout, DIGEST, value[:-1])
+    with pytest.raises(InvalidBlock, match="bytes, got NoneType"):
+        decode_block(layout, DIGEST, None)
+    poisoned = keys.clone()
+    poisoned[0, 0, 0, 0] = float("nan")
+    with pytest.raises(InvalidBlock, match="non-finite"):
+        decode_block(layout, DIGEST, encode_block(layout, DIGEST, poisoned, values))
+
+
+def test_the_header_is_fixed_and_names_the_layout(block):
+    layout, _, _, value = block
+    magic, version, _, _, layers, heads, dim, _, size = struct.unpack_from("<4sHBBHHHHH", value)
+    assert (magic, version, layers, heads, dim, size) == (b"KVB1", 1, layout.layers, layout.kv_heads,
+                                                         layout.head_dim, 4)
+
+
+def test_namespaces_differ_by_weights_dtype_and_block_size():
+    first, second, third = tiny_model(seed=0), tiny_model(seed=0), tiny_model(seed=0)
+    assert namespace(first, layout_of(first, 4)) == namespace(second, layout_of(second, 4))
+    with torch.no_grad():
+        third.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-3  # one value, deep inside
+    half = tiny_model(seed=0).to(torch.bfloat16)
+    cases = ((first, 4), (third, 4), (first, 8), (half, 4))
+    assert len({namespace(model, layout_of(model, size)) for model, size in cases}) == 4

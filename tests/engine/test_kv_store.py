@@ -1,0 +1,153 @@
+"""Replicas share prefix blocks through a real Redis (tests/redis_server.py): a conversation moved
+to another replica is served from the blocks the first one wrote and answers as a cold replica
+would; the store going away, coming back empty, holding tampered bytes or another model's blocks
+changes no answer."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from redis_server import RedisServer
+from tiny_models import tiny_model
+
+import kvcache
+from kvcache.engine import Engine
+from kvcache.engine.block_codec import block_key
+from kvcache.engine.params import RequestError
+from kvcache.engine.redis_store import RedisBlockStore
+
+BLOCK = 8
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvcache.load_model()
+
+
+def engine(model, store=None) -> Engine:
+    return Engine(model, num_blocks=128, block_size=BLOCK, max_running=4, token_budget=64, kv_store=store)
+
+
+def ids(length: int, seed: int) -> list[int]:
+    generator = random.Random(seed)
+    return [generator.randrange(3, 1000) for _ in range(length)]
+
+
+def answer(replica: Engine, prompt: list[int]):
+    return replica.generate([prompt], max_tokens=NEW, temperature=0.0, ignore_eos=True)[0]
+
+
+def written_blocks(first: list[int], reply: list[int]) -> int:
+    """Tokens of the full blocks a replica holds after answering: the prompt and the reply but
+    its last token (never run through the model)."""
+    return (len(first) + len(reply) - 1) // BLOCK * BLOCK
+
+
+def flushed(replica: Engine) -> Engine:
+    assert replica.store_tier.store.flush()
+    return replica
+
+
+def test_the_second_turn_on_another_replica_is_served_from_the_first_replicas_blocks(model, redis_server):
+    redis_server.client().flushdb()
+    first_replica, second_replica = engine(model, redis_server.url), engine(model, redis_server.url)
+    cold = engine(model)
+    first = ids(45, seed=1)
+    reply = answer(first_replica, first).tokens
+    flushed(first_replica)
+    second = first + reply + ids(10, seed=2)
+    warm = answer(second_replica, second)
+    assert warm.tokens == answer(cold, second).tokens  # exactly as a cold replica answers
+    shared = written_blocks(first, reply)
+    assert warm.usage.cached_tokens == shared
+    assert second_replica.metrics.prefill_tokens == len(second) - shared  # only the new tokens ran
+    counters = second_replica.stats()["kv_store"]
+    assert counters["hit_blocks"] == shared // BLOCK and counters["read_round_trips"] == 2
+    assert counters["invalid_blocks"] == 0 and counters["errors"] == 0
+    first_replica.close(), second_replica.close()
+
+
+def test_requests_succeed_while_the_store_is_down_and_sharing_resumes_after_it_restarts(model):
+    redis_server = RedisServer().start()
+    stores = [RedisBlockStore(redis_server.url, timeout_s=0.2, retry_s=0.3) for _ in range(2)]
+    first_replica, second_replica, cold = engine(model, stores[0]), engine(model, stores[1]), engine(model)
+    try:
+        redis_server.stop()
+        prompt = ids(30, seed=3)
+        assert answer(first_replica, prompt).tokens == answer(cold, prompt).tokens
+        assert answer(second_replica, prompt).tokens == answer(cold, prompt).tokens
+        counters = stores[0].counters
+        assert counters.errors >= 1 and not counters.up and counters.outages == 1
+        redis_server.start()  # back, and empty
+        time.sleep(0.35)  # past the retry pause
+        reply = answer(first_replica, prompt).tokens
+        flushed(first_replica)
+        assert counters.up and counters.written_blocks > 0
+        follow_up = prompt + reply + ids(5, seed=4)
+        warm = answer(second_replica, follow_up)
+        assert warm.tokens == answer(cold, follow_up).tokens
+        assert warm.usage.cached_tokens == written_blocks(prompt, reply)
+    finally:
+        first_replica.close(), second_replica.close()
+        redis_server.stop()
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "another block's bytes"])
+def test_a_tampered_block_is_refused_and_the_answer_does_not_change(model, redis_server, damage):
+    client = redis_server.client()
+    client.flushdb()
+    first_replica, second_replica = engine(model, redis_server.url), engine(model, redis_server.url)
+    cold = engine(model)
+    prompt = ids(40, seed=5)
+    answer(first_replica, prompt)
+    flushed(first_replica)
+    digests = first_replica.pool.prefix_digests(prompt)
+    space = first_replica.store_tier.space
+    target = block_key(space, digests[2])  # the third block: the first two are still good
+    value = bytearray(client.get(target))
+    if damage == "flip a byte":
+        value[len(value) // 2] ^= 0x40
+    elif damage == "truncate":
+        value = value[:-3]
+    else:
+        value = bytearray(client.get(block_key(space, digests[0])))
+    client.set(target, bytes(value))
+    warm = answer(second_replica, prompt)
+    assert warm.tokens == answer(cold, prompt).tokens
+    assert warm.usage.cached_tokens == 2 * BLOCK  # the run stops at the refused block
+    assert second_replica.stats()["kv_store"]["invalid_blocks"] == 1
+    first_replica.close(), second_replica.close()
+
+
+def test_a_block_of_another_models_fingerprint_is_never_read(redis_server):
+    client = redis_server.client()
+    client.flushdb()
+    writer, reader = tiny_model(seed=0), tiny_model(seed=1)  # the same shapes, other weights
+    first_replica, other = engine(writer, redis_server.url), engine(reader, redis_server.url)
+    prompt = [random.Random(6).randrange(64) for _ in range(33)]
+    answer(first_replica, prompt)
+    flushed(first_replica)
+    assert first_replica.store_tier.space != other.store_tier.space
+    stored = {key.decode().split(":")[1] for key in client.scan_iter("kvcache:*")}
+    assert stored == {first_replica.store_tier.space}
+    got = answer(other, prompt)
+    assert got.usage.cached_tokens == 0 and other.stats()["kv_store"]["hit_blocks"] == 0
+    assert got.tokens == answer(engine(reader), prompt).tokens
+    first_replica.close(), other.close()
+
+
+def test_a_store_for_a_model_with_sliding_layers_is_refused_by_name(redis_server):
+    with pytest.raises(RequestError, match="full-attention models"):
+        engine(tiny_model(model_type="mistral", sliding_window=4), redis_server.url)
+    with pytest.raises(RequestError, match="redis://HOST:PORT/DB"):
+        engine(tiny_model(), "http://127.0.0.1:1")
