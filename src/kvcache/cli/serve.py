@@ -82,6 +82,18 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--backend", choices=BACKEND_NAMES, default="auto", help="the decode step (default auto)"
     )
+    engine.add_argument(
+        "--kv-store",
+        metavar="URL",
+        help="share prefix KV blocks with other replicas through Redis at URL "
+        "(redis://HOST:PORT/DB; default: none). The server keeps serving if the store fails",
+    )
+    engine.add_argument(
+        "--kv-store-ttl",
+        type=positive_int,
+        default=3600,
+        help="seconds a block written to the store lives (default 3600)",
+    )
     engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
     engine.add_argument("--threads", type=positive_int, help="torch CPU threads")
     limits = parser.add_argument_group("limits")
@@ -135,6 +147,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = load_model(folder, dtype=args.dtype)
         tokenizer = load_tokenizer(folder)
+        store = None
+        if args.kv_store:
+            from kvcache.engine.redis_store import RedisBlockStore
+
+            if not args.kv_store.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(f"--kv-store must be a redis://HOST:PORT/DB URL, got {args.kv_store!r}")
+            store = RedisBlockStore(args.kv_store, ttl_s=args.kv_store_ttl)
         engine = Engine(
             model,
             tokenizer,
@@ -143,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_running=args.max_running,
             token_budget=args.token_budget,
+            kv_store=store,
         )
     except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
         print(f"kvcache serve: error: {error}", file=sys.stderr)
@@ -182,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         f"{args.max_running} running at once",
         flush=True,
     )
+    if args.kv_store:
+        print(f"  KV store: {args.kv_store} (blocks live {args.kv_store_ttl} s)", flush=True)
     try:
         serve(
             build_app(engine, tokenizer, settings),

@@ -66,6 +66,24 @@ class ServerMetrics:
             )
         }
 
+        self.store_gauges = {}
+        if engine.store_tier is not None:  # the shared block store's counts since start
+            self.store_gauges = {
+                name: Gauge(f"kvcache_kv_store_{name}", help_text, registry=registry)
+                for name, help_text in (
+                    ("up", "1 while the KV store answers, 0 during an outage"),
+                    ("lookups", "Requests that looked up blocks in the store"),
+                    ("hit_blocks", "Blocks read from the store and used"),
+                    ("invalid_blocks", "Blocks read from the store and refused (recomputed)"),
+                    ("written_blocks", "Blocks written to the store"),
+                    ("dropped_blocks", "Blocks not written (queue full or store down)"),
+                    ("errors", "Failed store calls"),
+                    ("outages", "Times the store became unavailable"),
+                    ("read_bytes", "Bytes read from the store"),
+                    ("written_bytes", "Bytes written to the store"),
+                )
+            }
+
     def rejected(self, status: int) -> None:
         self.requests.labels(outcome=f"http_{status}").inc()
 
@@ -85,4 +103,6 @@ class ServerMetrics:
         stats = self.engine.stats()
         for name, gauge in self.gauges.items():
             gauge.set(stats[name])
+        for name, gauge in self.store_gauges.items():
+            gauge.set(float(stats["kv_store"][name]))
         return generate_latest(self.registry)
