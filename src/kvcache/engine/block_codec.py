@@ -6,8 +6,9 @@ A value is a fixed header and the raw tensor bytes, never a pickle:
     value_dim u16 | block_size u16 | digest 16 B | checksum 16 B | keys | values
 
 keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size, kv_heads,
-value_dim), in the stored dtype, little-endian. The checksum is blake2b over the header (checksum
-field zeroed) and the payload; the digest is the block's prefix hash chain, so a valid block copied
+value_dim), in the stored dtype, little-endian. The checksum is SHA-256 (its first 16 bytes) over
+the header (checksum field zeroed) and the payload, chosen over blake2b for the CPU's SHA
+instructions, since every byte read back is hashed before the request may use it; the digest is the block's prefix hash chain, so a valid block copied
 under another block's key is refused too. A value read back is checked field by field before a
 byte of it is used (`decode_block` raises `InvalidBlock`, which the engine counts and recomputes).
 
@@ -83,9 +84,9 @@ def block_key(space: str, digest: bytes) -> str:
 
 
 def _checksum(header: bytes, payload: bytes) -> bytes:
-    digest = hashlib.blake2b(header, digest_size=16)
+    digest = hashlib.sha256(header)
     digest.update(payload)
-    return digest.digest()
+    return digest.digest()[:16]
 
 
 def encode_block(layout: BlockLayout, digest: bytes, keys: torch.Tensor, values: torch.Tensor) -> bytes:
