@@ -8,9 +8,10 @@ A value is a fixed header and the raw tensor bytes, never a pickle:
 keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size, kv_heads,
 value_dim), in the stored dtype, little-endian. The checksum is SHA-256 (its first 16 bytes) over
 the header (checksum field zeroed) and the payload, chosen over blake2b for the CPU's SHA
-instructions, since every byte read back is hashed before the request may use it; the digest is the block's prefix hash chain, so a valid block copied
-under another block's key is refused too. A value read back is checked field by field before a
-byte of it is used (`decode_block` raises `InvalidBlock`, which the engine counts and recomputes).
+instructions, since every byte read back is hashed before the request may use it. The digest is
+the block's prefix hash chain, so a valid block copied under another block's key is refused too.
+A value read back is checked field by field before a byte of it is used (`decode_block` raises
+`InvalidBlock`, which the engine counts and recomputes).
 
 The key is `kvcache:<namespace>:<digest hex>`, the namespace a digest of everything that makes K/V
 bytes valid for a model: its fingerprint (config and every weight byte), dtype, block size, layer
