@@ -3,6 +3,7 @@ written from and transformers' own reading of the same file; bad files are refus
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -145,3 +146,14 @@ def test_a_pre_tokenizer_we_do_not_know_is_refused_by_name(checkpoints, tmp_path
     path = write_gguf(checkpoints["llama"][0], tmp_path / "m.gguf", pre="deepseek-coder")
     with pytest.raises(TokenizerError, match="'deepseek-coder'"):
         load_tokenizer(path)
+
+
+def test_kvcache_memory_reads_a_gguf_files_shape(checkpoints, tmp_path, capsys):
+    from kvcache.cli import main
+
+    folder, _ = checkpoints["qwen3"]
+    path = write_gguf(folder, tmp_path / "m.gguf")
+    config = json.loads((folder / "config.json").read_text())
+    assert main(["memory", "--config", str(path), "--tokens", "10", "--dtype", "float32"]) == 0
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    assert f"per token (all layers growing): {per_token:,} B" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvcache.cli._args import positive_int
+from kvcache.defaults import is_gguf
 from kvcache.memory import (
     DTYPE_BITS,
     KVShape,
@@ -29,7 +30,9 @@ def _size(text: str) -> int:
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_argument_group("model shape (give --config, or all three numbers)")
-    shape.add_argument("--config", help="a Hugging Face config.json (or the folder holding it)")
+    shape.add_argument(
+        "--config", help="a Hugging Face config.json (or the folder holding it), or a GGUF file"
+    )
     shape.add_argument("--layers", type=positive_int, help="number of layers")
     shape.add_argument("--kv-heads", type=positive_int, help="key/value heads per layer")
     shape.add_argument("--head-dim", type=positive_int, help="dimension of one head")
@@ -51,6 +54,10 @@ def _shape(args: argparse.Namespace) -> KVShape:
     if args.config:
         if any(v is not None for v in (args.layers, args.kv_heads, args.head_dim)):
             raise ValueError("give either --config or --layers/--kv-heads/--head-dim, not both")
+        if is_gguf(args.config):  # a llama.cpp file: the config its metadata describes
+            from kvcache.model.gguf_file import gguf_config
+
+            return KVShape.from_config(gguf_config(args.config))
         return KVShape.from_config(args.config)
     missing = [f"--{n}" for n, v in (("layers", args.layers), ("kv-heads", args.kv_heads),
                                      ("head-dim", args.head_dim)) if v is None]

@@ -117,6 +117,12 @@ def config_dict(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     return raw
 
 
+def gguf_config(path: str | Path) -> dict[str, Any]:
+    """The config.json (Hugging Face field names) that GGUF file `path` describes; no tensor is read."""
+    reader = open_gguf(path)
+    return config_dict(metadata(reader), {tensor.name for tensor in reader.tensors}, str(path))
+
+
 def hf_name(name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor name, or None for one kvcache does not know."""
     if name in _MODEL_NAMES:
