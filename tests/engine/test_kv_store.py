@@ -151,3 +151,22 @@ def test_a_store_for_a_model_with_sliding_layers_is_refused_by_name(redis_server
         engine(tiny_model(model_type="mistral", sliding_window=4), redis_server.url)
     with pytest.raises(RequestError, match="redis://HOST:PORT/DB"):
         engine(tiny_model(), "http://127.0.0.1:1")
+
+
+def test_a_store_slower_than_its_timeout_is_skipped_and_the_answer_does_not_change(model, redis_server):
+    import threading
+
+    redis_server.client().flushdb()
+    store = RedisBlockStore(redis_server.url, timeout_s=0.2, retry_s=30)
+    replica, cold = engine(model, store), engine(model)
+    prompt = ids(30, seed=7)
+    sleeper = threading.Thread(target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "1.5"))
+    sleeper.start()  # the server answers nothing for 1.5 s
+    time.sleep(0.1)
+    try:
+        assert answer(replica, prompt).tokens == answer(cold, prompt).tokens
+        assert store.counters.errors >= 1 and not store.counters.up  # the lookup timed out
+        assert store.counters.hit_blocks == 0
+    finally:
+        sleeper.join()
+        replica.close()
