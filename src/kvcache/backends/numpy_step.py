@@ -225,7 +225,8 @@ class NumpyBackend(DecodeBackend):
                 f"token ids must lie in [0, {vocab}), got min {min(listed)} and max {max(listed)}"
             )
         with torch_threads(1):  # the cache's torch calls: no OpenMP pool spinning beside OpenBLAS
-            plan = cache.begin(1, attention_mask, device=torch.device("cpu"))
+            windows = self.config.layer_windows
+            plan = cache.begin(1, attention_mask, device=torch.device("cpu"), windows=windows)
             return torch.from_numpy(self._run(token_ids, plan, cache))
 
     def _run(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:

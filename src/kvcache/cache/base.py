@@ -197,6 +197,7 @@ class Cache:
         attention_mask: torch.Tensor | None = None,
         *,
         device: torch.device | str | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> list[torch.Tensor]:
         """One boolean mask per layer for the next forward of `new_tokens` tokens.
 
@@ -209,20 +210,26 @@ class Cache:
             attention_mask: optional (B, past + new_tokens), 1 = real token, 0 = padding.
             device: where to build masks while the cache is empty and no attention_mask is
                 given (default: the cache's `device`, else CPU).
+            windows: the model's sliding window of each layer (None: full attention), applied
+                whatever the cache keeps (see `begin`).
         """
         check_new_tokens(new_tokens)
         fallback = _fallback_device(attention_mask, device, self._device)
         shared: dict[Hashable, torch.Tensor] = {}
         masks = [
-            self._mask_for(layer, new_tokens, attention_mask, fallback, shared)
-            for layer in self.layers
+            self._mask_for(layer, new_tokens, attention_mask, fallback, shared, _window_of(layer, windows, i))
+            for i, layer in enumerate(self.layers)
         ]
         default = None
         if self._layer_factory is not None:
             # layers not created yet: like the last one (they all see the same tokens), or
-            # like a fresh layer before the first update
+            # like a fresh layer before the first update; each within the model's window
+            fresh = self._layer_factory()
+            for i in range(len(masks), len(windows or ())):
+                window = _window_of(fresh, windows, i)
+                masks.append(self._mask_for(fresh, new_tokens, attention_mask, fallback, shared, window))
             default = masks[-1] if masks else self._mask_for(
-                self._layer_factory(), new_tokens, attention_mask, fallback, shared
+                fresh, new_tokens, attention_mask, fallback, shared, fresh.window
             )
         return LayerMasks(masks, default)
 
@@ -232,6 +239,7 @@ class Cache:
         attention_mask: torch.Tensor | None = None,
         *,
         device: torch.device | str | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> ForwardPlan:
         """What the next forward of `new_tokens` tokens needs: their positions and each layer's
         mask (`ForwardPlan`). Call once per forward, before its `update` calls.
@@ -241,19 +249,27 @@ class Cache:
         tokens sit at past, past + 1, …, and when every layer says that all the keys its update
         returns are visible (`CacheLayer.sees_every_key`: one new token, nothing windowed away)
         the plan has no masks.
+
+        windows: the model's sliding window of each layer (None: full attention). The window is
+        the model's property: a query at q sees keys in (q - w, q] however many the cache keeps
+        (a cache built without the model's config keeps every key), and a layer that keeps a
+        ring of its own is masked by the narrower of the two.
         """
         check_new_tokens(new_tokens)
         if attention_mask is not None:
             past = self.get_seq_length()
             counted = attention_mask.long().cumsum(-1) - 1  # (B, past + T_new)
             positions = counted[:, past:].clamp(min=0)  # (B, T_new)
-            masks = self.attention_masks(new_tokens, attention_mask, device=device)
+            masks = self.attention_masks(new_tokens, attention_mask, device=device, windows=windows)
             return ForwardPlan(masks, positions=positions)
         where = dict(start=self._start(), new_tokens=new_tokens, device=device or self._device)
         layers = self.layers or ([self._layer_factory()] if self._layer_factory is not None else [])
-        if layers and all(layer.sees_every_key(new_tokens) for layer in layers):
+        own_windows = all(_window_of(layer, windows, i) == layer.window for i, layer in enumerate(layers))
+        if windows is not None and len(windows) > len(layers):
+            own_windows = False  # layers still to be created, each with the model's window
+        if layers and own_windows and all(layer.sees_every_key(new_tokens) for layer in layers):
             return ForwardPlan(None, **where)
-        return ForwardPlan(self.attention_masks(new_tokens, device=device), **where)
+        return ForwardPlan(self.attention_masks(new_tokens, device=device, windows=windows), **where)
 
     @staticmethod
     def _mask_for(
@@ -262,8 +278,9 @@ class Cache:
         attention_mask: torch.Tensor | None,
         fallback: torch.device,
         shared: dict[Hashable, torch.Tensor],
+        window: int | None,
     ) -> torch.Tensor:
-        key = (layer.mask_key(new_tokens), layer.window)
+        key = (layer.mask_key(new_tokens), window)
         mask = shared.get(key)
         if mask is None:
             if attention_mask is not None and not is_compiling():
@@ -275,7 +292,7 @@ class Cache:
             mask = build_mask(
                 query_positions,
                 key_positions,
-                window=layer.window,
+                window=window,
                 attention_mask=attention_mask,
             )
             shared[key] = mask
@@ -351,6 +368,14 @@ class Cache:
             f"{type(self).__name__}({len(self.layers)} layers [{kinds}{more}], "
             f"seq_length={self.get_seq_length() if self.layers else 0})"
         )
+
+
+def _window_of(layer: CacheLayer, windows: Sequence[int | None] | None, index: int) -> int | None:
+    """The window layer `index` attends within: the narrower of the model's and the layer's own."""
+    model = windows[index] if windows is not None and index < len(windows) else None
+    if model is None or layer.window is None:
+        return layer.window if model is None else model
+    return min(model, layer.window)
 
 
 def _fallback_device(

@@ -69,9 +69,11 @@ class NoCache(Cache):
         attention_mask: torch.Tensor | None = None,
         *,
         device: torch.device | str | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> list[torch.Tensor]:
         """Causal masks (B or 1, 1, T_new, T_new) over the new tokens (∩ window on sliding
-        layers); without a config every layer index gets the same mask.
+        layers: the config's, or the model's `windows`, the narrower where both give one);
+        without either every layer index gets the same mask.
 
         attention_mask, if given, is (B, T_new) with 1 = real token, 0 = padding.
         """
@@ -95,6 +97,10 @@ class NoCache(Cache):
                 )
             return shared[window]
 
+        if windows is not None:
+            own = self._windows or [self._default_window] * len(windows)
+            narrower = [w if o is None else o if w is None else min(w, o) for w, o in zip(windows, own)]
+            return LayerMasks([mask_for(window) for window in narrower])
         if self._windows is None:
             return LayerMasks([], default=mask_for(self._default_window))
         return LayerMasks([mask_for(window) for window in self._windows])

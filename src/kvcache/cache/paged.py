@@ -30,7 +30,7 @@ from .checks import check_batch_index, check_crop, check_new_tokens, where
 from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .paged_layer import PagedLayer
-from .paged_plan import first_forward_plan, group_mask, plan_forward
+from .paged_plan import check_windows, first_forward_plan, group_mask, plan_forward
 from .paged_rows import RowState, append_to_row, prefix_cost, prefix_digests, read_row, write_row
 from .paged_storage import ScratchBuffer, Step
 
@@ -202,15 +202,19 @@ class PagedCache(Cache):
         past = self._equal_length("positions")
         return torch.arange(past, past + new_tokens, device=device or self._storage_device())
 
-    def begin(self, new_tokens, attention_mask=None, *, device=None) -> ForwardPlan:
+    def begin(self, new_tokens, attention_mask=None, *, device=None, windows=None) -> ForwardPlan:
         """Reserve the next forward's blocks (raising `OutOfBlocksError` before anything is
         written) and give its positions (B, T_new) and one mask (B or 1, 1, T_new, T_kv) for
         every layer, or none when every row holds the same keys and runs one new token.
 
         attention_mask: optional (B, columns + T_new), 1 = token, 0 = padding (not stored).
         Without one, each row appends its T_new tokens at its own length.
+        windows: the model's window of each layer; a layer this cache keeps whole, or with a
+        wider window, raises `CacheConfigError` (its blocks are laid out by window when built:
+        build it with the model's config).
         """
         check_new_tokens(new_tokens)
+        check_windows(windows, [self.allocators[group].window for group in self._groups])
         if attention_mask is not None and attention_mask.dim() != 2:
             raise CacheShapeError(
                 "attention_mask must be 2-D (batch, columns + new_tokens), got shape "
@@ -229,10 +233,10 @@ class PagedCache(Cache):
             masks = LayerMasks([group_mask(layouts[g], new_tokens) for g in self._groups])
         return ForwardPlan(masks, positions=layouts[0].positions)
 
-    def attention_masks(self, new_tokens, attention_mask=None, *, device=None) -> list[torch.Tensor]:
+    def attention_masks(self, new_tokens, attention_mask=None, *, device=None, windows=None) -> list:
         """`begin`'s masks, built even where every key is visible (all True then). Like `begin`,
         it reserves the forward's blocks: the masks depend on where the rows go."""
-        plan = self.begin(new_tokens, attention_mask, device=device)
+        plan = self.begin(new_tokens, attention_mask, device=device, windows=windows)
         if plan.masks is not None:
             return plan.masks
         assert self._steps is not None

@@ -14,7 +14,7 @@ import torch
 
 from .base import ForwardPlan, LayerMasks
 from .blocks import BlockAllocator
-from .errors import CacheShapeError
+from .errors import CacheConfigError, CacheShapeError
 from .paged_storage import Step
 
 
@@ -123,6 +123,19 @@ def plan_forward(
             allowed |= (query[:, :, None] < 0) & (key_positions == 0)
             mask = allowed[:, None]  # (B, 1, T_new, T_kv)
     return ForwardLayout(step, copies, query.clamp(min=0), mask)
+
+
+def check_windows(windows, kept: list[int | None]) -> None:
+    """Raise `CacheConfigError` unless every layer the model windows (`windows`, one entry per
+    layer, None = full attention) is kept within that window or a narrower one (`kept`): a paged
+    cache lays its blocks out by window when it is built, so it cannot narrow a layer later."""
+    for index, (wanted, window) in enumerate(zip(windows or (), kept)):
+        if wanted is not None and (window is None or window > wanted):
+            raise CacheConfigError(
+                f"layer {index} of the model attends within a sliding window of {wanted}, but this "
+                f"PagedCache keeps it {'whole' if window is None else f'in a window of {window}'}; "
+                f"build the PagedCache with the model's config (config=model.config)"
+            )
 
 
 def group_mask(layout: ForwardLayout, new_tokens: int) -> torch.Tensor:

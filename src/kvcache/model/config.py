@@ -140,6 +140,12 @@ class ModelConfig:
         return self.sliding_window is not None
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention), what `Cache.begin` is given so the
+        window applies whatever cache the model is handed."""
+        return tuple(self.sliding_window if kind == SLIDING_ATTENTION else None for kind in self.layer_types)
+
+    @property
     def num_key_value_groups(self) -> int:
         """Query heads per key/value head (1 = multi-head attention, >1 = grouped-query)."""
         return self.num_attention_heads // self.num_key_value_heads

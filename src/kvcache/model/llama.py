@@ -257,7 +257,9 @@ class LlamaForCausalLM(nn.Module):
                     f"attention_mask must be (batch, past + new) = ({batch}, {past + new_tokens}), "
                     f"got {tuple(attention_mask.shape)}: append a 1 per generated token"
                 )
-        plan = cache.begin(new_tokens, attention_mask, device=input_ids.device)  # positions, masks
+        # positions, and masks within the model's windows whatever the cache keeps
+        windows = self.config.layer_windows
+        plan = cache.begin(new_tokens, attention_mask, device=input_ids.device, windows=windows)
         if position_ids is None:
             position_ids = plan.positions  # (B or 1, T_new)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
