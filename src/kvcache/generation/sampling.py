@@ -67,12 +67,25 @@ def sample(logits: torch.Tensor, generator: torch.Generator | None = None) -> to
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model's logits hold NaN or inf: no token can be chosen from them (argmax of NaN is
+    token 0, a stream of it looks like an answer)."""
+
+
 def choose_next(
     logits: torch.Tensor,
     settings: SamplingSettings,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """(B, vocab) last-position logits -> (B,) next tokens under `settings`."""
+    """(B, vocab) last-position logits -> (B,) next tokens under `settings`. Raises
+    `NonFiniteLogitsError` when a row holds NaN or inf."""
+    finite = torch.isfinite(logits).all(dim=-1)  # (B,)
+    if not bool(finite.all()):
+        rows = (~finite).nonzero().flatten().tolist()
+        raise NonFiniteLogitsError(
+            f"the model's logits are not finite (NaN or inf) in batch rows {rows}: its weights or "
+            f"inputs are broken (a float16 overflow, a corrupt checkpoint?); no token is chosen"
+        )
     if not settings.do_sample:
         return greedy(logits)
     logits = apply_temperature(logits.float(), settings.temperature)

@@ -8,18 +8,25 @@ import torch
 
 
 class StopRule:
-    """The stop conditions of one sequence: EOS ids, and stop strings (read with `tokenizer`)."""
+    """The stop conditions of one sequence: EOS ids, and stop strings (read with `tokenizer`).
+
+    stop_strings: a string (one stop string, not its characters) or a sequence of them; each
+    non-empty (ValueError otherwise)."""
 
     def __init__(
-        self, eos_ids: Sequence[int], stop_strings: Sequence[str] | None = None, tokenizer=None
+        self, eos_ids: Sequence[int], stop_strings: Sequence[str] | str | None = None, tokenizer=None
     ) -> None:
         self.eos = {int(token) for token in eos_ids}  # ints (0-d tensors would hash by identity)
-        self.stop_strings = list(stop_strings or ())
+        self.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
+        for stop in self.stop_strings:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"a stop string must be a non-empty str, got {stop!r}")
         if self.stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the generated text")
         self.tokenizer = tokenizer
-        # enough tokens to spell any stop string (a token is at least one character)
-        self.window = max((len(stop) for stop in self.stop_strings), default=0) + 8
+        # enough tokens to spell any stop string: a byte-level token is at least one byte, and
+        # the window may start inside a character (up to 3 bytes of it), so bytes + 4 and a margin
+        self.window = max((len(stop.encode("utf-8")) for stop in self.stop_strings), default=0) + 8
 
     def reason(self, new_tokens: list[int]) -> str | None:
         """ "eos" or "stop_string" when the newest of `new_tokens` stops the sequence, else None."""
