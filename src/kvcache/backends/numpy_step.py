@@ -226,8 +226,13 @@ class NumpyBackend(DecodeBackend):
             )
         with torch_threads(1):  # the cache's torch calls: no OpenMP pool spinning beside OpenBLAS
             windows = self.config.layer_windows
+            past = cache.get_seq_length()
             plan = cache.begin(1, attention_mask, device=torch.device("cpu"), windows=windows)
-            return torch.from_numpy(self._run(token_ids, plan, cache))
+            try:
+                return torch.from_numpy(self._run(token_ids, plan, cache))
+            except BaseException:  # Ctrl-C between layers: undo the step (as the torch forward does)
+                cache.abandon_forward(past)
+                raise
 
     def _run(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
         batch = len(token_ids)

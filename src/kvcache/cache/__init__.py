@@ -21,6 +21,7 @@ from .errors import (
     CacheError,
     CacheOverflowError,
     CacheShapeError,
+    CacheStateError,
     LayerIndexError,
 )
 from .factory import make_cache
@@ -42,6 +43,7 @@ __all__ = [
     "CacheLayer",
     "CacheOverflowError",
     "CacheShapeError",
+    "CacheStateError",
     "CompiledSlidingWindowLayer",
     "CompiledStaticLayer",
     "DynamicCache",

@@ -27,6 +27,11 @@ class LayerIndexError(CacheError, IndexError):
     """A layer index outside the cache's layers (also an IndexError, as for a list)."""
 
 
+class CacheStateError(CacheError):
+    """A cache left inconsistent (layers at different lengths after a forward that failed
+    between layers): refused until `crop` or `reset` puts it right."""
+
+
 class CacheCropError(CacheError):
     """A negative crop, or a crop further back than a sliding window can restore."""
 

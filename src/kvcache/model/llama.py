@@ -266,8 +266,12 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embedding_scale is not None:  # gemma: scaled in the activations' dtype
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
-        for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, plan.mask(layer_idx), cache)
+        try:
+            for layer_idx, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, plan.mask(layer_idx), cache)
+        except BaseException:  # Ctrl-C or a failing hook between layers: undo the forward
+            cache.abandon_forward(past)
+            raise
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # only the last positions are scored (prefill)
         logits = self.lm_head(self.model.norm(x))  # (B, T, vocab)
