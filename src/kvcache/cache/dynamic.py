@@ -14,7 +14,7 @@ import torch
 from .base import Cache
 from .checks import check_crop
 from .config import read_cache_geometry
-from .layer import CacheLayer
+from .layer import CacheLayer, normal_tensors
 from .sliding import SlidingWindowLayer
 
 
@@ -44,8 +44,9 @@ class DynamicLayer(CacheLayer):
         capacity = self._capacity_for(needed, current)
         batch, heads, _, head_dim = k.shape
         self._forget_arrays()  # views of the old buffers would keep them alive
-        self._keys = k.new_empty((batch, heads, capacity, head_dim))  # (B, H_kv, C, D)
-        self._values = v.new_empty((batch, heads, capacity, v.shape[3]))  # (B, H_kv, C, D_v)
+        with normal_tensors():
+            self._keys = k.new_empty((batch, heads, capacity, head_dim))  # (B, H_kv, C, D)
+            self._values = v.new_empty((batch, heads, capacity, v.shape[3]))  # (B, H_kv, C, D_v)
         if old_keys is not None and old_values is not None and self._length:
             self._keys.narrow(2, 0, self._length).copy_(old_keys.narrow(2, 0, self._length))
             self._values.narrow(2, 0, self._length).copy_(old_values.narrow(2, 0, self._length))

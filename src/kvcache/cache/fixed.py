@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .errors import CacheConfigError, CacheDeviceError, CacheDtypeError, CacheShapeError
-from .layer import CacheLayer
+from .layer import CacheLayer, normal_tensors
 
 
 class FixedCapacityLayer(CacheLayer):
@@ -46,8 +46,9 @@ class FixedCapacityLayer(CacheLayer):
         dtype: torch.dtype | None,
         device: torch.device,
     ) -> None:
-        self._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (B, H_kv, C, D)
-        self._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (B, H_kv, C, D_v)
+        with normal_tensors():
+            self._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (B, H_kv, C, D)
+            self._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (B, H_kv, C, D_v)
 
     def _check_and_allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Validate k, v; on the first update, check them against given sizes and allocate."""

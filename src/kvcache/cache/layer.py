@@ -3,6 +3,7 @@ will return, its visible keys and values) and the checks and batch operations th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable
 
 import torch
@@ -14,6 +15,14 @@ from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 def is_compiling() -> bool:
     """True while torch.compile traces the code (then no Python int may track the length)."""
     return torch.compiler.is_compiling()
+
+
+def normal_tensors():
+    """The context every cache storage tensor is made in: outside inference mode, so a cache
+    filled under `torch.inference_mode()` (as `generate` runs) can still be written after it
+    (crop, reset, another forward with or without no_grad). A normal tensor may be written in
+    place inside inference mode; an inference tensor may not be written outside it."""
+    return contextlib.nullcontext() if is_compiling() else torch.inference_mode(False)
 
 
 class CacheLayer:
@@ -239,8 +248,9 @@ class CacheLayer:
         if self._keys is None or self._values is None:
             return
         index = check_batch_index(indices, self._keys.shape[0], self._keys.device)
-        self._keys = self._keys.index_select(0, index)  # (B', H_kv, capacity, D)
-        self._values = self._values.index_select(0, index)  # (B', H_kv, capacity, D_v)
+        with normal_tensors():
+            self._keys = self._keys.index_select(0, index)  # (B', H_kv, capacity, D)
+            self._values = self._values.index_select(0, index)  # (B', H_kv, capacity, D_v)
 
     def repeat_interleave(self, repeats: int) -> None:
         """Repeat each batch row `repeats` times in place (B → B × repeats), e.g. for beams."""
@@ -249,5 +259,6 @@ class CacheLayer:
         self._forget_arrays()
         if self._keys is None or self._values is None:
             return
-        self._keys = self._keys.repeat_interleave(repeats, dim=0)  # (B·r, H_kv, capacity, D)
-        self._values = self._values.repeat_interleave(repeats, dim=0)  # (B·r, H_kv, cap, D_v)
+        with normal_tensors():
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)  # (B·r, H_kv, capacity, D)
+            self._values = self._values.repeat_interleave(repeats, dim=0)  # (B·r, H_kv, cap, D_v)

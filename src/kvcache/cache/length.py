@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .layer import normal_tensors
+
 
 class LengthTracker:
     """Tokens seen by one layer: a 0-d long tensor that updates advance, and a Python int for
@@ -22,7 +24,8 @@ class LengthTracker:
 
     def bind(self, device: torch.device) -> None:
         """Create the tensor copy on `device` (called when the layer allocates its storage)."""
-        self.tensor = torch.full((), self.get(), dtype=torch.long, device=device)  # ()
+        with normal_tensors():
+            self.tensor = torch.full((), self.get(), dtype=torch.long, device=device)  # ()
 
     def get(self) -> int:
         """The length as a Python int (eager code only; may sync once after compiled steps)."""

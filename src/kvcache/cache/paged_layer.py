@@ -10,7 +10,7 @@ import torch
 
 from .checks import check_kv_pair, where
 from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
-from .layer import CacheLayer
+from .layer import CacheLayer, normal_tensors
 from .paged_storage import Step, gather_rows, write_and_gather
 
 
@@ -73,8 +73,9 @@ class PagedLayer(CacheLayer):
         """Zeroed storage of (num_blocks, block_size, H_kv, D) keys and (…, D_v) values. Zeros,
         not empty: gathered padding slots are masked, but a masked NaN still poisons SDPA
         (0 · NaN), so storage must never hold non-finite garbage."""
-        self._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (N, S, H_kv, D)
-        self._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (N, S, H_kv, D_v)
+        with normal_tensors():
+            self._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (N, S, H_kv, D)
+            self._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (N, S, H_kv, D_v)
 
     def check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise a named error unless k, v (B, H_kv, T_new, D) fit the storage (allocated here,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layer import normal_tensors
+
 
 @dataclass
 class Step:
@@ -68,7 +70,8 @@ class ScratchBuffer:
         memory = self._memory
         fits = memory is not None and memory.numel() >= size
         if not fits or (memory.dtype, memory.device) != (like.dtype, like.device):
-            memory = self._memory = torch.empty(size, dtype=like.dtype, device=like.device)
+            with normal_tensors():
+                memory = self._memory = torch.empty(size, dtype=like.dtype, device=like.device)
         return memory[:size].view(shape)
 
 

@@ -24,7 +24,7 @@ from .base import Cache
 from .checks import check_batch_index, check_crop, where
 from .config import read_cache_geometry
 from .errors import CacheConfigError, CacheCropError, CacheShapeError
-from .layer import CacheLayer
+from .layer import CacheLayer, normal_tensors
 from .quantize import QuantizedRows, QuantSpec, dequantize, quantize
 from .sliding import SlidingWindowLayer
 
@@ -77,7 +77,8 @@ class _PackedStore:
             grown = []
             for index, part in enumerate(parts):
                 rows_for = capacity if index == 0 else self._scale_rows(capacity)
-                buffer = part.new_empty((*part.shape[:2], rows_for, part.shape[3]))  # (B, H, C, ·)
+                with normal_tensors():
+                    buffer = part.new_empty((*part.shape[:2], rows_for, part.shape[3]))  # (B, H, C, ·)
                 if self.buffers:
                     live = self._live()[index]
                     buffer.narrow(2, 0, live.shape[2]).copy_(live)
@@ -90,7 +91,8 @@ class _PackedStore:
 
     def map_batch(self, function) -> None:
         """Replace every buffer by function(buffer) (batch selection / repetition)."""
-        self.buffers = [function(buffer) for buffer in self.buffers]
+        with normal_tensors():
+            self.buffers = [function(buffer) for buffer in self.buffers]
 
     @property
     def nbytes(self) -> int:
@@ -155,8 +157,9 @@ class QuantizedLayer(CacheLayer):
         self._key_store, self._value_store = _PackedStore(key_spec), _PackedStore(value_spec)
         rows = max(1, self.residual_length + self.group_size - 1)  # the most a residual holds
         batch, heads = k.shape[:2]
-        self._keys = k.new_empty((batch, heads, rows, k.shape[3]))  # (B, H_kv, R + g - 1, D)
-        self._values = v.new_empty((batch, heads, rows, v.shape[3]))  # (B, H_kv, R + g - 1, D_v)
+        with normal_tensors():
+            self._keys = k.new_empty((batch, heads, rows, k.shape[3]))  # (B, H_kv, R + g - 1, D)
+            self._values = v.new_empty((batch, heads, rows, v.shape[3]))  # (B, H_kv, R + g - 1, D_v)
 
     @property
     def quantized_tokens(self) -> int:
@@ -279,7 +282,8 @@ class QuantizedLayer(CacheLayer):
 
     def _map_batch(self, function) -> None:
         assert self._keys is not None and self._values is not None
-        self._keys, self._values = function(self._keys), function(self._values)
+        with normal_tensors():
+            self._keys, self._values = function(self._keys), function(self._values)
         for store in (self._key_store, self._value_store):
             if store is not None:
                 store.map_batch(function)

@@ -176,37 +176,45 @@ def _steps(
     past = cache.get_seq_length()  # what a supplied cache holds already
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # no padding: positions and masks follow from the cache alone
-    ids = input_ids.new_empty((batch, prompt_length + options.max_new_tokens))  # (B, T_prompt + new)
-    ids[:, :prompt_length] = input_ids
-    stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer)
-    sampling = options.sampling
-    ran = "none"  # no decode step yet
+    try:  # all or nothing: a call that fails leaves a supplied cache as it was
+        ids = input_ids.new_empty((batch, prompt_length + options.max_new_tokens))  # (B, T_prompt + new)
+        ids[:, :prompt_length] = input_ids
+        stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer)
+        sampling = options.sampling
+        ran = "none"  # no decode step yet
 
-    logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size)
-    first_token_at = decode_started = time.perf_counter()
-    decode_steps = 0
-    for step in range(options.max_new_tokens):
-        end = prompt_length + step  # tokens in ids so far
-        if step > 0:
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
-            new_ids = _unheld(ids, end, cache, past)
-            ran = backend.name if new_ids.shape[1] == 1 else "torch"
-            logits = decode_step(model, backend, new_ids, attention_mask, cache)
-            decode_steps += 1
-        tokens = stops.take(choose_next(logits, sampling, generator)).to(ids.device)  # (B,)
-        if step == 0:
-            first_token_at = decode_started = time.perf_counter()
-        ids[:, end] = tokens
-        yield tokens
-        if stops.all_done:
-            end += 1
-            break
-    else:
-        end = prompt_length + options.max_new_tokens
+        logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size)
+        first_token_at = decode_started = time.perf_counter()
+        decode_steps = 0
+        for step in range(options.max_new_tokens):
+            end = prompt_length + step  # tokens in ids so far
+            if step > 0:
+                if attention_mask is not None:
+                    attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
+                new_ids = _unheld(ids, end, cache, past)
+                ran = backend.name if new_ids.shape[1] == 1 else "torch"
+                logits = decode_step(model, backend, new_ids, attention_mask, cache)
+                decode_steps += 1
+            tokens = stops.take(choose_next(logits, sampling, generator)).to(ids.device)  # (B,)
+            if step == 0:
+                first_token_at = decode_started = time.perf_counter()
+            ids[:, end] = tokens
+            yield tokens
+            if stops.all_done:
+                end += 1
+                break
+        else:
+            end = prompt_length + options.max_new_tokens
+    except GeneratorExit:  # the caller stopped reading: what ran stays in the cache
+        raise
+    except BaseException:
+        cache.abandon_forward(past)
+        raise
     finished_at = time.perf_counter()
+    with torch.inference_mode(False):  # a normal tensor: usable in any later forward, with grad too
+        sequences = ids[:, :end].clone()
     return GenerationResult(
-        sequences=ids[:, :end].clone(),
+        sequences=sequences,
         new_tokens=stops.new_tokens,
         stop_reasons=stops.reasons,
         prompt_length=prompt_length,
