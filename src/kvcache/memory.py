@@ -9,13 +9,13 @@ a Hugging Face `config.json` (`KVShape.from_config`).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.files import read_json_object
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, Geometry, GeometryError, read_geometry
 
 # bits per stored element; int4 packs two elements per byte.
@@ -130,15 +130,9 @@ class KVShape:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             source = path
-            try:
-                with open(path, encoding="utf-8") as handle:
-                    config = json.load(handle)
-            except FileNotFoundError:
-                raise ValueError(f"no config.json at {path}") from None
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path} is not valid JSON: {error}") from None
-            if not isinstance(config, Mapping):
-                raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+            if not os.path.isfile(path):
+                raise ValueError(f"no config.json at {path}")
+            config = read_json_object(path, "config file")
         return cls.from_geometry(read_geometry(config, source), source)
 
     @classmethod

@@ -12,12 +12,12 @@ internet, so it must not reach Python internals.
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvcache.chat_template import MAX_TEMPLATE_BYTES, compile_chat_template, render_chat_template
 from kvcache.defaults import is_gguf, resolve_model_dir
+from kvcache.files import MAX_TOKENIZER_BYTES, check_size, read_json_object, read_text
 from kvcache.tokenizer_error import TokenizerError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -179,9 +179,10 @@ class Tokenizer:
                 "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
                 "or chat_template.jinja); pass chat_template=... or use a plain prompt"
             )
-        template = _compile_template(source) if chat_template else self._template()
+        template = compile_chat_template(source) if chat_template else self._template()
         values = {name: value for name, value in self.special_tokens.items() if value is not None}
-        return template.render(
+        return render_chat_template(
+            template,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             **values,
@@ -190,7 +191,7 @@ class Tokenizer:
 
     def _template(self):
         if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+            self._compiled_template = compile_chat_template(self.chat_template)
         return self._compiled_template
 
 
@@ -198,36 +199,6 @@ def _as_list(ids) -> list[int]:
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     return [int(token) for token in ids]
-
-
-def _compile_template(source: str):
-    """A jinja2 template in a sandbox, with the helpers Hugging Face templates call."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters, which chat templates do not expect
-        return json.dumps(
-            value,
-            ensure_ascii=ensure_ascii,
-            indent=indent,
-            separators=separators,
-            sort_keys=sort_keys,
-        )
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
 
 
 def _token_text(value) -> str | None:
@@ -258,13 +229,19 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
             else ""
         )
         raise TokenizerError(f"{folder} has no tokenizer.json{hint}")
-    backend = Backend.from_file(str(tokenizer_file))
+    check_size(tokenizer_file, MAX_TOKENIZER_BYTES, "tokenizer.json")
+    try:
+        backend = Backend.from_file(str(tokenizer_file))
+    except Exception as error:  # noqa: BLE001 (the tokenizers library's own error, named)
+        raise TokenizerError(
+            f"{tokenizer_file} is not a tokenizer file the tokenizers library reads: {error}"
+        ) from None
 
     settings: dict[str, Any] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later file wins
         file = folder / name
         if file.is_file():
-            settings.update(json.loads(file.read_text(encoding="utf-8")))
+            settings.update(read_json_object(file, "tokenizer settings file", TokenizerError))
     special_tokens = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
 
     chat_template = settings.get("chat_template")
@@ -273,5 +250,5 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         chat_template = named.get("default") or next(iter(named.values()), None)
     template_file = folder / "chat_template.jinja"
     if chat_template is None and template_file.is_file():
-        chat_template = template_file.read_text(encoding="utf-8")
+        chat_template = read_text(template_file, "chat template", MAX_TEMPLATE_BYTES)
     return Tokenizer(backend, special_tokens, chat_template, settings.get("add_bos_token"))

@@ -10,12 +10,12 @@ rotary factor) is refused here with a `ConfigError` that says what was expected 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvcache.files import read_json_object
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, GeometryError, read_geometry
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2")
@@ -240,13 +240,7 @@ class ModelConfig:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON: {error}") from error
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return raw
+    return read_json_object(path, "config file", ConfigError)
 
 
 def _positive(raw: dict[str, Any], name: str, optional: bool = False) -> float | None:

@@ -9,12 +9,12 @@ through `kvcache.model.gguf_file` with the same checks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from kvcache.defaults import is_gguf, resolve_model_dir
+from kvcache.files import read_json_object
 from kvcache.model import gguf_file
 from kvcache.model.config import NORM_PLACEMENTS, ModelConfig
 from kvcache.model.errors import CheckpointError
@@ -155,7 +155,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     index = folder / SHARD_INDEX
     single = folder / SINGLE_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        weight_map = read_json_object(index, "shard index", CheckpointError).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no weight_map")
         located = {name: folder / file for name, file in weight_map.items()}

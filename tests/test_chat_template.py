@@ -1,0 +1,50 @@
+"""Chat templates are a stranger's programs: rendered in jinja2's sandbox within a time and a size
+limit, so a template that loops forever or doubles a string is refused, in bounded time and
+memory, with a named error; ordinary templates render as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.chat_template import (
+    MAX_OUTPUT_CHARS,
+    MAX_TEMPLATE_BYTES,
+    TemplateLimitError,
+    compile_chat_template,
+    render_chat_template,
+)
+
+HOSTILE = {
+    "nested loops": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+    "doubling with + in a namespace": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+                                      "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "doubling in a recursive macro": "{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% else %}"
+                                     "{{ s|length }}{% endif %}{% endmacro %}{{ d('ab', 40) }}",
+    "repetition": "{{ ('x' * 1000000000)|length }}",
+    "list repetition": "{{ ([1] * 1000000000)|length }}",
+    "huge power": "{{ (10 ** 100000000) % 7 }}",
+    "namespace doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+                          "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "long output": "{% for i in range(100000) %}{{ 'y' * 100 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_template_is_refused_in_bounded_time(name):
+    template = compile_chat_template(HOSTILE[name])
+    with pytest.raises(TemplateLimitError, match="chat template"):  # unbounded, it would never return
+        render_chat_template(template, messages=[])
+
+
+def test_a_template_too_large_is_refused_before_it_is_compiled():
+    with pytest.raises(TemplateLimitError, match="bytes, past the limit"):
+        compile_chat_template("x" * (MAX_TEMPLATE_BYTES + 1))
+
+
+def test_an_ordinary_template_renders_as_jinja_renders_it():
+    source = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}{{ (['a'] * 3) | join(',') }}")
+    text = render_chat_template(compile_chat_template(source), add_generation_prompt=True,
+                                messages=[{"role": "user", "content": " hi "}])
+    assert text == "<|user|>hi\n<|assistant|>a,a,a"
+    assert MAX_OUTPUT_CHARS >= 1 << 20  # room for any real prompt

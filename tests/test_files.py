@@ -1,0 +1,66 @@
+"""A stranger's small files are size-checked before they are read: an 8 GiB config.json (a
+sparse file here) is refused at once, by name; malformed tokenizer files get named errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+import kvcache
+from kvcache.cli import main
+from kvcache.defaults import default_model_dir
+from kvcache.files import FileTooLargeError
+from kvcache.tokenizer import TokenizerError
+
+
+@pytest.fixture
+def folder(tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(default_model_dir(), copy)
+    return copy
+
+
+def huge(path) -> None:
+    with open(path, "wb") as handle:
+        handle.truncate(8 << 30)  # sparse: no disk used, nothing read when refused
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_an_oversized_file_is_refused_before_it_is_read(folder, name):
+    huge(folder / name)
+    if name == "tokenizer_config.json":
+        (folder / "tokenizer_config.json").unlink()
+        huge(folder / "special_tokens_map.json")
+    with pytest.raises(FileTooLargeError, match="8,589,934,592 bytes"):
+        if name == "config.json":
+            kvcache.load_model(folder)
+        else:
+            if name == "chat_template.jinja":  # read when tokenizer_config.json has no template
+                (folder / "tokenizer_config.json").write_text("{}")
+            kvcache.load_tokenizer(folder)
+
+
+def test_kvcache_memory_refuses_an_oversized_config_with_exit_2(folder, capsys):
+    huge(folder / "config.json")
+    assert main(["memory", "--config", str(folder), "--tokens", "8"]) == 2
+    assert "8,589,934,592 bytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", "\udcff"])
+def test_malformed_tokenizer_files_are_named(folder, content):
+    target = folder / "tokenizer_config.json"
+    if content == "\udcff":
+        target.write_bytes(b"\xff\xfe{}")
+    else:
+        target.write_text(content)
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        kvcache.load_tokenizer(folder)
+
+
+def test_a_broken_tokenizer_json_is_a_tokenizer_error(folder):
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": 3}')
+    with pytest.raises(TokenizerError, match="tokenizer.json is not a tokenizer file"):
+        kvcache.load_tokenizer(folder)
+    assert os.path.getsize(folder / "tokenizer.json") < 100
