@@ -74,12 +74,30 @@ def _field(config: Any, name: str) -> Any:
     return getattr(config, name, None)
 
 
+# the largest value each size may take: far past every released model, small enough that nothing
+# sized by a stranger's config (a list per layer, a buffer per head) runs away before a tensor
+# is checked against it
+SIZE_LIMITS = {
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 8192,
+    "hidden_size": 1 << 17,
+    "sliding_window": 1 << 24,
+}
+
+
 def _size(config: Any, name: str, source: str) -> int | None:
     value = _field(config, name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise GeometryError(f"{source}: {name} must be a positive integer, got {value!r}")
+    if value > SIZE_LIMITS.get(name, value):
+        raise GeometryError(
+            f"{source}: {name}={value:,} is past the largest kvcache accepts ({SIZE_LIMITS[name]:,}); "
+            f"no released model comes near it"
+        )
     return value
 
 

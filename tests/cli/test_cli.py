@@ -84,3 +84,9 @@ def test_python_dash_m_kvcache_runs_the_cli():
     assert "| 2 |" in done.stdout
     bare = subprocess.run([sys.executable, "-m", "kvcache"], capture_output=True, text=True)
     assert bare.returncode == 2 and "COMMAND" in bare.stderr
+
+
+def test_count_refuses_absurd_sizes_at_once(capsys):
+    assert main(["count", "--lengths", "100000"]) == 2
+    assert "past the" in capsys.readouterr().err
+    assert main(["count", "--lengths", "1,2,4,8", "--d", "4"]) == 0

@@ -121,3 +121,22 @@ def test_dynamic_rope_past_max_positions_is_refused():
     rope(torch.arange(32)[None], torch.float32)
     with pytest.raises(ConfigError, match="dynamic RoPE scaling beyond max_position_embeddings=32"):
         rope(torch.arange(33)[None], torch.float32)
+
+
+@pytest.mark.parametrize("name, value", [("num_hidden_layers", 10**7), ("num_attention_heads", 10**6),
+                                         ("hidden_size", 10**9), ("vocab_size", 10**9),
+                                         ("intermediate_size", 10**9), ("max_position_embeddings", 10**12),
+                                         ("head_dim", 10**6), ("sliding_window", 10**10)])
+def test_absurd_sizes_in_a_config_are_refused_before_anything_is_sized_by_them(name, value):
+
+    from kvcache.memory import KVShape
+    from kvcache.model import ConfigError, ModelConfig
+
+    raw = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+           "sliding_window": 8, name: value}
+    with pytest.raises(ConfigError, match=f"{name}={value:,} is past the largest"):
+        ModelConfig.from_dict(raw)
+    if name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "head_dim", "sliding_window"):
+        with pytest.raises(ValueError, match="past the largest"):
+            KVShape.from_config(raw)

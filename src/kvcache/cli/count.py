@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from kvcache.cli._args import int_list, positive_int
 from kvcache.reference.lab import DEFAULT_LENGTHS, count_table_markdown
@@ -19,7 +20,22 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
+# the lab multiplies by hand in Python, so its work grows as length² · d: the most it is asked to
+# run is one context of 2,048 tokens at d = 8, or the same work spread over several lengths
+MAX_WORK = 2048 * 2048 * 8
+
+
 def run(args: argparse.Namespace) -> int:
+    work = sum(length * length for length in args.lengths) * args.d
+    if work > MAX_WORK or any(length < 1 for length in args.lengths):
+        print(
+            f"kvcache count: error: --lengths {','.join(map(str, args.lengths[:6]))}"
+            f"{',…' if len(args.lengths) > 6 else ''} with --d {args.d} asks for {work:,} units of "
+            f"hand-counted work (sum of length² × d), past the {MAX_WORK:,} the lab runs (one context "
+            f"of 2,048 tokens at d 8); every length must be >= 1",
+            file=sys.stderr,
+        )
+        return 2
     rows = mul_table(args.lengths, args.d, seed=args.seed)
     if args.json:
         print(json.dumps({"d": args.d, "rows": rows}, indent=2))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.files import read_json_object
-from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION, GeometryError, read_geometry
+from kvcache.geometry import FULL_ATTENTION, SIZE_LIMITS, SLIDING_ATTENTION, GeometryError, read_geometry
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -31,6 +31,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 class ConfigError(ValueError):
     """A config.json the model cannot run as written."""
+
+
+# sizes kvcache.geometry does not read, bounded the same way (see SIZE_LIMITS)
+_MORE_LIMITS = {"vocab_size": 1 << 22, "intermediate_size": 1 << 20, "max_position_embeddings": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,16 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, limit in (*SIZE_LIMITS.items(), *_MORE_LIMITS.items()):
+            value = getattr(self, name, None)
+            if isinstance(value, int) and value > limit:  # before anything is sized by it
+                raise ConfigError(
+                    f"{name}={value:,} is past the largest kvcache accepts ({limit:,}); no released "
+                    f"model comes near it"
+                )
+        position = self.max_position_embeddings
+        if not isinstance(position, int) or isinstance(position, bool) or position <= 0:
+            raise ConfigError(f"max_position_embeddings must be a positive integer, got {position!r}")
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ConfigError(
                 f"norm_placement must be one of {sorted(NORM_PLACEMENTS)}, got {self.norm_placement!r}"
