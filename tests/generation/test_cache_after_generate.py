@@ -66,3 +66,16 @@ def test_a_generate_that_fails_leaves_the_supplied_cache_as_it_was(kind):
         model(torch.tensor([[3, 9, 14]]), past_key_values=fresh)
     reference = kvcache.generate(model, torch.tensor([[5, 6]]), cache=fresh, max_new_tokens=3)
     assert result.new_tokens == reference.new_tokens
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_max_new_tokens_past_the_context_is_refused_before_a_cache_is_sized_by_it(kind):
+    model = tiny_model()  # a context of 256
+    with pytest.raises(ValueError, match=r"make 1,000,000,003 tokens, past the model's context of 256"):
+        kvcache.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=10**9, cache=kind)
+
+
+def test_a_dynamic_run_past_the_context_is_warned_of():
+    model = tiny_model()
+    with pytest.warns(UserWarning, match="past the model's context of 256"):
+        kvcache.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=254, cache="dynamic")

@@ -17,6 +17,7 @@ caching guide), so every row sees exactly its own tokens and gives the tokens it
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -97,7 +98,17 @@ def resolve_eos(model, eos_token_id, tokenizer=None) -> tuple[int, ...]:
 
 def _cache_for(model, cache, batch_size: int, max_length: int) -> Cache:
     """`cache` as given (a Cache), or a new one of that kind (`make_cache`; None: "dynamic"),
-    sized for batch_size rows of max_length tokens where the kind preallocates."""
+    sized for batch_size rows of max_length tokens where the kind preallocates. A run past the
+    model's context is refused before a preallocating kind is sized by it, and warned of else."""
+    context = model.config.max_position_embeddings
+    if max_length > context:
+        message = (
+            f"the prompt and max_new_tokens make {max_length:,} tokens, past the model's context of "
+            f"{context:,} (max_position_embeddings)"
+        )
+        if cache in ("static", "paged"):
+            raise ValueError(f"{message}: a {cache} cache would be sized for them; lower max_new_tokens")
+        warnings.warn(f"{message}: positions past it were never trained", stacklevel=4)
     if isinstance(cache, Cache):
         return cache
     return make_cache(

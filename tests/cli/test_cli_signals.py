@@ -1,0 +1,30 @@
+"""The command line ends quietly: Ctrl-C prints one line and exits 130, a reader that closes the
+pipe (`| head`) ends it without a traceback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+COMMAND = [sys.executable, "-m", "kvcache", "generate", "--prompt", "The", "--max-new-tokens", "1000",
+           "--threads", "1"]
+
+
+def test_ctrl_c_exits_130_with_one_line():
+    process = subprocess.Popen(COMMAND, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.read(8)  # it is generating
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert b"interrupted" in err and b"Traceback" not in err
+
+
+def test_a_closed_pipe_ends_it_without_a_traceback():
+    process = subprocess.Popen(COMMAND, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.read(8)
+    process.stdout.close()  # what `| head -c 8` does
+    err = process.stderr.read()
+    process.wait(60)
+    assert process.returncode == 141
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
