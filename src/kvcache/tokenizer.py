@@ -113,7 +113,14 @@ class Tokenizer:
         return self._pad(rows, return_tensors, single=isinstance(text, str))
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(_as_list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of token ids (a list, or a 1-D tensor). Ids past the tokenizer's vocabulary
+        (a model's padded embedding rows) decode to nothing, as in transformers; a negative id
+        raises TokenizerError."""
+        listed = _as_list(ids)
+        negative = [token for token in listed if not 0 <= token < 1 << 32]
+        if negative:
+            raise TokenizerError(f"token ids must be >= 0 (and below 2**32), got {negative[:5]}")
+        return self.backend.decode(listed, skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, rows, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in rows]

@@ -182,6 +182,9 @@ def _steps(
     pad_token_id = options.pad_token_id
     if pad_token_id is None:
         pad_token_id = eos_ids[0] if eos_ids else getattr(tokenizer, "pad_token_id", None) or 0
+    vocab = model.config.vocab_size
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab:
+        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {pad_token_id!r}")
     batch, prompt_length = input_ids.shape
     cache = _cache_for(model, cache, batch, prompt_length + options.max_new_tokens)
     past = cache.get_seq_length()  # what a supplied cache holds already
@@ -245,6 +248,8 @@ def _check_inputs(model, input_ids, attention_mask):
         attention_mask = None if attention_mask is None else attention_mask.reshape(1, -1)
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids holds no tokens: the prompt must have at least one")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= model.config.vocab_size:
         raise ValueError(
             f"input_ids must lie in [0, {model.config.vocab_size}), got min "
@@ -252,6 +257,18 @@ def _check_inputs(model, input_ids, attention_mask):
         )
     input_ids = input_ids.to(model.device)
     if attention_mask is not None:
+        given = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None
+        rows, tokens = input_ids.shape
+        if given is None or len(given) != 2 or given[0] != rows or given[1] < tokens:
+            raise ValueError(
+                f"attention_mask must be a (batch={rows}, held + {tokens} tokens) tensor, got "
+                f"{given if given is not None else type(attention_mask).__name__}"
+            )
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(
+                f"attention_mask must hold 1 (token) and 0 (padding) only, got values "
+                f"{sorted(set(attention_mask.flatten().tolist()))[:8]}"
+            )
         attention_mask = attention_mask.to(model.device)
         if bool((attention_mask[:, -1] == 0).any()):
             raise ValueError(

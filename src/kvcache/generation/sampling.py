@@ -7,6 +7,7 @@ Hugging Face applies them: temperature, then top-k, then top-p.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,13 @@ class SamplingSettings:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not (
+            0 < temperature < math.inf
+        ):  # NaN fails every comparison, so it lands here too
             raise ValueError(
-                f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy"
+                f"temperature must be > 0 and finite, got {temperature!r}; use do_sample=False for "
+                f"greedy"
             )
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")

@@ -230,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, new_tokens), got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"input_ids must be integer token ids (int64 or int32), got {input_ids.dtype}")
         training = self.training and torch.is_grad_enabled()
         if training and (use_cache or past_key_values is not None):
             raise CacheInTrainingError(

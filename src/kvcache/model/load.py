@@ -21,7 +21,7 @@ from kvcache.model.errors import CheckpointError
 from kvcache.model.gguf_file import open_gguf
 from kvcache.model.heap import release_freed_memory
 from kvcache.model.llama import LlamaForCausalLM
-from kvcache.model.safetensors_read import read_tensors
+from kvcache.model.safetensors_read import header_entry, read_header, read_tensors
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -149,9 +149,8 @@ def unfuse(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
-    """name -> safetensors file holding it, from the single file or the shard index."""
-    from safetensors import safe_open
-
+    """name -> safetensors file holding it, from the single file or the shard index (headers
+    read by kvcache's checked reader: a truncated or malformed file is a CheckpointError)."""
     index = folder / SHARD_INDEX
     single = folder / SINGLE_FILE
     if index.is_file():
@@ -162,8 +161,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         for file in sorted(set(located.values())):
             if not file.is_file():
                 raise CheckpointError(f"{index} names shard {file.name}, which is missing")
-            with safe_open(str(file), framework="pt") as handle:
-                in_file = set(handle.keys())
+            in_file = set(read_header(file)[0])
             listed = {name for name, where in located.items() if where == file}
             if listed - in_file:
                 raise CheckpointError(
@@ -171,8 +169,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
                 )
         return located
     if single.is_file():
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: single for name in handle.keys()}
+        return {name: single for name in read_header(single)[0]}
     others = sorted(p.name for p in folder.glob("*.safetensors"))
     if others:
         raise CheckpointError(f"{folder} has {others} but neither {SINGLE_FILE} nor {SHARD_INDEX}")
@@ -216,14 +213,14 @@ def _check_tensors(
 
 def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> dict[str, Path]:
     """The tensors to load (name -> file), their names and shapes read from the file headers."""
-    from safetensors import safe_open
-
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in sorted(set(located.values())):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                if located.get(name) == file:
-                    found[name] = (tuple(handle.get_slice(name).get_shape()), f"{name} in {file.name}")
+        entries, data_start = read_header(file)
+        size = file.stat().st_size
+        for name, entry in entries.items():
+            if located.get(name) == file:
+                shape = tuple(header_entry(file, name, entry, data_start, size)[1])
+                found[name] = (shape, f"{name} in {file.name}")
     names = _check_tensors(stored_shapes(config), found, "checkpoint", "config.json")
     return {name: located[name] for name in names}
 

@@ -63,7 +63,7 @@ def read_header(file: Path) -> tuple[dict[str, dict], int]:
     return header, 8 + header_bytes
 
 
-def _entry(
+def header_entry(
     file: Path, name: str, entry, data_start: int, file_size: int
 ) -> tuple[torch.dtype, list, int, int]:
     """(dtype, shape, begin, end) of one header entry, every field checked."""
@@ -101,7 +101,7 @@ def read_tensors(file: Path, names: set[str]) -> dict[str, torch.Tensor]:
     absent = sorted(names - set(header))
     if absent:
         raise CheckpointError(f"{file.name} lacks tensor(s) {absent[:5]}")
-    entries = {name: _entry(file, name, header[name], data_start, file_size) for name in names}
+    entries = {name: header_entry(file, name, header[name], data_start, file_size) for name in names}
     tensors: dict[str, torch.Tensor] = {}
     with open(file, "rb", buffering=0) as handle:
         for name in sorted(names, key=lambda n: entries[n][2]):  # in file order
