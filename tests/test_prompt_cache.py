@@ -103,3 +103,72 @@ def test_saving_needs_the_token_ids(model, tmp_path):
         model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
     with pytest.raises(PromptCacheError, match="declare them"):
         save_prompt_cache(tmp_path / "x.kv", cache, model)
+
+
+def _rewrite(path, change_tensors=None, **metadata):
+    """Rewrite a saved file with some tensors or metadata changed (the checksum left as it was)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        kept = dict(handle.metadata())
+    tensors = load_file(path)
+    if change_tensors is not None:
+        change_tensors(tensors)
+    save_file(tensors, path, metadata={**kept, **metadata})
+
+
+def _recheck(path) -> None:
+    """Give a rewritten file a checksum that matches what it now holds (a careful forger)."""
+    import json
+
+    from safetensors import safe_open
+
+    from kvcache.prompt_cache import _checksum
+
+    with safe_open(str(path), "pt") as handle:
+        kept = dict(handle.metadata())
+    tensors = load_file(path)
+    save_file(tensors, path, metadata={**kept, "checksum": _checksum(json.loads(kept["token_ids"]), tensors)})
+
+
+@pytest.mark.parametrize("damage", ["token id", "tensor byte", "scaled values"])
+def test_a_tampered_file_is_refused_by_its_checksum(model, prompt, saved, damage):
+    if damage == "token id":
+        _rewrite(saved, token_ids=str([prompt[0] ^ 1, *prompt[1:]]).replace(" ", ""))
+    elif damage == "tensor byte":
+        _rewrite(saved, lambda tensors: tensors["keys.0"].view(-1)[5:6].add_(1e-3))
+    else:
+        _rewrite(saved, lambda tensors: tensors["values.1"].mul_(2))
+    with pytest.raises(PromptCacheError, match="checksum"):
+        load_prompt_cache(saved, model)
+
+
+def test_non_finite_values_are_refused_even_with_a_matching_checksum(model, saved):
+    _rewrite(saved, lambda tensors: tensors["keys.1"].view(-1)[0:1].fill_(float("nan")))
+    _recheck(saved)
+    with pytest.raises(PromptCacheError, match="non-finite"):
+        load_prompt_cache(saved, model)
+
+
+@pytest.mark.parametrize("field, value", [("block_size", "0"), ("block_size", str(2**28)),
+                                          ("value_head_dim", "5"), ("num_tokens", "100000")])
+def test_insane_metadata_is_refused_before_anything_is_allocated(model, saved, field, value):
+    _rewrite(saved, **{field: value})
+    with pytest.raises(PromptCacheError, match="not a prompt cache of this model|token_ids must be"):
+        load_prompt_cache(saved, model)
+
+
+def test_a_failed_load_leaves_the_callers_cache_as_it_was(model, saved):
+    cache = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32)
+    cache.add_sequence([1, 2, 3])
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+    def state():
+        pool = cache.allocator
+        return cache.row_lengths, pool.num_free, pool.num_in_use, pool.num_cached
+
+    before = state()
+    _rewrite(saved, lambda tensors: tensors["keys.0"].view(-1)[0:1].add_(1.0))
+    with pytest.raises(PromptCacheError):
+        load_prompt_cache(saved, model, cache)
+    assert state() == before

@@ -14,6 +14,7 @@ target cache may use another block size than the one recorded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,7 +25,8 @@ from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
 from kvcache.model.fingerprint import model_fingerprint
 
 FORMAT = "kvcache.prompt_cache"
-VERSION = "1"
+VERSION = "2"  # 2: the fingerprint hashes every weight byte; a checksum covers ids and tensors
+MAX_BLOCK_SIZE = 4096
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 torch.float64: "float64"}
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
@@ -42,6 +44,15 @@ def _layout(model) -> dict[str, str]:
         "kv_heads": str(config.num_key_value_heads),
         "head_dim": str(config.head_dim),
     }
+
+
+def _checksum(token_ids: list[int], tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the token ids and every tensor's bytes, in name order (hex)."""
+    digest = hashlib.sha256(json.dumps(token_ids).encode())
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: int = 0) -> int:
@@ -74,6 +85,7 @@ def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: in
         "block_size": str(cache.block_size),
         "num_tokens": str(tokens),
         "token_ids": json.dumps(state.token_ids),
+        "checksum": _checksum(state.token_ids, tensors),
     }
     save_file(tensors, os.fspath(path), metadata=metadata)
     return tokens
@@ -120,6 +132,13 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
     if (not isinstance(token_ids, list) or len(token_ids) != tokens or tokens < 1
             or not all(isinstance(t, int) and 0 <= t < model.config.vocab_size for t in token_ids)):
         raise PromptCacheError(f"{path}: token_ids must be {tokens} ids in [0, {model.config.vocab_size})")
+    context = model.config.max_position_embeddings
+    if tokens > context or not 1 <= block_size <= MAX_BLOCK_SIZE or value_dim != model.config.head_dim:
+        raise PromptCacheError(
+            f"{path}: {tokens} tokens (the model's context is {context}), block_size {block_size} "
+            f"(1..{MAX_BLOCK_SIZE}), value head dim {value_dim} (the model's is {model.config.head_dim}): "
+            f"not a prompt cache of this model"
+        )
     heads, dim = model.config.num_key_value_heads, model.config.head_dim
     code = _SAFETENSORS_DTYPES.get(expected["dtype"])
     want = {}
@@ -154,13 +173,21 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
         raise PromptCacheError(
             f"the cache holds {len(cache.layers)} layers; the file holds {model.config.num_hidden_layers}"
         )
-    with safe_open(os.fspath(path), "pt", device="cpu") as handle:
-        names = range(model.config.num_hidden_layers)
-        state = RowState(
-            list(token_ids),
-            [handle.get_tensor(f"keys.{layer}") for layer in names],  # (T, H_kv, D) each
-            [handle.get_tensor(f"values.{layer}") for layer in names],
-        )
+    try:
+        with safe_open(os.fspath(path), "pt", device="cpu") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as error:  # noqa: BLE001 (safetensors' own errors for damaged data)
+        raise PromptCacheError(f"{path}: tensor data cannot be read: {error}") from None
+    if header.get("checksum") != _checksum(list(token_ids), tensors):
+        raise PromptCacheError(f"{path}: the checksum does not match its token ids and tensors (tampered?)")
+    if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
+        raise PromptCacheError(f"{path}: holds non-finite keys or values")
+    names = range(model.config.num_hidden_layers)
+    state = RowState(
+        list(token_ids),
+        [tensors[f"keys.{layer}"] for layer in names],  # (T, H_kv, D) each
+        [tensors[f"values.{layer}"] for layer in names],
+    )
     try:
         cache.load_row_state(state)
     except (CacheShapeError, CacheDtypeError) as error:
