@@ -29,9 +29,10 @@ def _commands(code: str) -> list[str]:
 
 def _run(command: str) -> str:
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
-    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-2000:]}"
+    # what a terminal shows: the text on stdout, the statistics on stderr, in the order written
+    done = subprocess.run(command, shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout[-2000:]}"
     return done.stdout
 
 

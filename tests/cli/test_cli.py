@@ -90,3 +90,11 @@ def test_count_refuses_absurd_sizes_at_once(capsys):
     assert main(["count", "--lengths", "100000"]) == 2
     assert "past the" in capsys.readouterr().err
     assert main(["count", "--lengths", "1,2,4,8", "--d", "4"]) == 0
+
+
+def test_version(capsys):
+    import kvcache
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"kvcache {kvcache.__version__}"

@@ -21,7 +21,7 @@ def test_generate_chat_streams_and_compares_with_no_cache(llama_dir, capsys):
             "--compare-nocache",
         ]
     )
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # the statistics; stdout holds only the text
     assert code == 0
     assert "new tokens after a" in out and "cache dynamic" in out
     assert "time to first token" in out and "tokens/s" in out
@@ -46,7 +46,7 @@ def test_generate_prompt_with_each_cache_kind(checkpoints, capsys):
             ]
         )
         assert code == 0, arch
-        assert f"cache {kind}" in capsys.readouterr().out
+        assert f"cache {kind}" in capsys.readouterr().err
 
 
 def test_generate_errors_are_one_line_and_exit_2(llama_dir, tmp_path, capsys):
@@ -75,7 +75,7 @@ def test_the_summary_names_the_decode_path_that_ran(llama_dir, capsys):
             ["generate", "--model", str(llama_dir), "--prompt", "The quick", "--max-new-tokens", "3", *extra]
         )
         assert code == 0, extra
-        assert expected in capsys.readouterr().out, extra
+        assert expected in capsys.readouterr().err, extra
     assert (
         main(
             [
@@ -93,3 +93,41 @@ def test_the_summary_names_the_decode_path_that_ran(llama_dir, capsys):
         == 2
     )
     assert "numpy backend cannot run this model" in capsys.readouterr().err
+
+
+def test_stdout_holds_only_the_text_and_json_prints_one_object(llama_dir, capsys):
+    import json
+
+    base = ["generate", "--model", str(llama_dir), "--prompt", "The quick", "--max-new-tokens", "4"]
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    assert "tokens/s" not in captured.out and "tokens/s" in captured.err
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "The quick", "--max-new-tokens", "4",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["tokens"]) == 4 and report["do_sample"] is False and "decode_tokens_per_s" in report
+
+
+def test_a_sampling_flag_implies_sampling_and_an_unseeded_run_prints_its_seed(llama_dir, capsys):
+    import json
+
+    def run(*extra):
+        assert main(["generate", "--model", str(llama_dir), "--prompt", "The", "--max-new-tokens", "8",
+                     "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    first, second = run("--temperature", "1.5"), run("--temperature", "1.5")
+    assert first["do_sample"] and first["seed"] != second["seed"]
+    assert run("--temperature", "1.5", "--seed", str(first["seed"]))["tokens"] == first["tokens"]
+    assert run("--temperature", "0")["do_sample"] is False  # llama.cpp's greedy
+    assert run("--top-k", "5")["do_sample"] is True
+
+
+def test_the_prompt_can_come_from_standard_input(llama_dir):
+    command = [sys.executable, "-m", "kvcache", "generate", "--model", str(llama_dir), "--prompt", "-",
+               "--max-new-tokens", "3", "--json"]
+    done = subprocess.run(command, input="The quick brown", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    assert json.loads(done.stdout)["prompt_tokens"] > 1

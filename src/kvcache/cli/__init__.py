@@ -12,6 +12,8 @@ import importlib
 import os
 import sys
 
+from kvcache import __version__
+
 # command name -> (module under kvcache.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "count": ("count", "count multiplications per token with and without a KV cache"),
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvcache",
         description="Key-value caching for transformer inference.",
     )
+    parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = _command_module(module_name)

@@ -9,6 +9,8 @@ torch is imported inside `run`, so building the command-line parser stays torch-
 from __future__ import annotations
 
 import argparse
+import json
+import secrets
 import sys
 from pathlib import Path
 
@@ -24,7 +26,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "default model",
     )
     text = parser.add_mutually_exclusive_group(required=True)
-    text.add_argument("--prompt", help="plain text to continue")
+    text.add_argument("--prompt", help="plain text to continue ('-' reads it from standard input)")
     text.add_argument("--chat", help="a user message, wrapped in the checkpoint's chat template")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
     parser.add_argument("--cache", choices=CACHE_KINDS, default="dynamic", help="default dynamic")
@@ -35,11 +37,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
     parser.add_argument("--prefill-chunk", type=positive_int, help="prefill this many tokens at a time")
-    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=positive_int)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--sample", action="store_true",
+                        help="sample instead of greedy decoding (default: the checkpoint's "
+                             "generation_config.json, else greedy)")
+    parser.add_argument("--temperature", type=float,
+                        help="sample at this temperature (implies --sample; 0 means greedy)")
+    parser.add_argument("--top-k", type=positive_int, help="sample from the k likeliest (implies --sample)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling (implies --sample)")
+    parser.add_argument("--seed", type=int,
+                        help="seed of the sampling generator (default: a new one each run, printed)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (text, tokens, timings) instead of streaming the text")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument(
@@ -69,6 +77,27 @@ class _TextStream:
         self.out.flush()
 
 
+def _sampling(args: argparse.Namespace, folder: Path) -> dict:
+    """do_sample, temperature, top_k, top_p: as given; a sampling flag alone implies sampling
+    (as in llama.cpp and mlx-lm; --temperature 0 is greedy); what the command line leaves out
+    comes from the checkpoint's generation_config.json, as transformers reads it."""
+    from kvcache.files import read_json_object
+
+    defaults = {}
+    settings_file = folder / "generation_config.json" if folder.is_dir() else None
+    if settings_file is not None and settings_file.is_file():
+        defaults = read_json_object(settings_file, "generation_config.json")
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    chosen = {name: value if value is not None else defaults.get(name) for name, value in given.items()}
+    sample = args.sample or any(value is not None for value in given.values())
+    if not sample and args.temperature is None:
+        sample = bool(defaults.get("do_sample", False))
+    if chosen["temperature"] is not None and chosen["temperature"] == 0:  # llama.cpp's greedy
+        sample, chosen["temperature"] = False, None
+    return {"do_sample": sample, "temperature": chosen["temperature"] or 1.0,
+            "top_k": chosen["top_k"], "top_p": chosen["top_p"]}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -81,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     folder = Path(resolve_model_dir(args.model))
     try:
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        sampling = _sampling(args, folder)
         model = load_model(folder, dtype=args.dtype)
         tokenizer = load_tokenizer(folder)
         if args.chat is not None:
@@ -89,23 +120,21 @@ def run(args: argparse.Namespace) -> int:
                 messages, add_generation_prompt=True, return_tensors="pt"
             )
         else:
-            input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+            input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     except (ValueError, OSError) as error:
         print(f"kvcache generate: error: {error}", file=sys.stderr)
         return 2
-
+    # an unseeded sampled run differs every time; the seed is printed so it can be repeated
+    seed = args.seed if args.seed is not None else (secrets.randbits(31) if sampling["do_sample"] else 0)
     options = dict(
         max_new_tokens=args.max_new_tokens,
-        do_sample=args.sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+        **sampling,
         eos_token_id=(*model.config.eos_token_id, *tokenizer_eos(tokenizer)),
         stop_strings=args.stop or None,
         tokenizer=tokenizer,
         prefill_chunk_size=args.prefill_chunk,
     )
-    stream = _TextStream(tokenizer, sys.stdout)
+    stream = None if args.json else _TextStream(tokenizer, sys.stdout)
     try:
         result = generate(
             model,
@@ -113,33 +142,48 @@ def run(args: argparse.Namespace) -> int:
             cache=args.cache,
             backend=args.backend,
             streamer=stream,
-            generator=torch.Generator().manual_seed(args.seed),
+            generator=torch.Generator().manual_seed(seed),
             **options,
         )
     except ValueError as error:  # BackendError and CacheError are ValueErrors too
         print(f"\nkvcache generate: error: {error}", file=sys.stderr)
         return 2
     new = result.new_tokens[0]
-    stream.finish()
-    print()
-    print(
+    how = f"sampled, seed {seed}" if sampling["do_sample"] else "greedy"
+    summary = (
         f"[{len(new)} new tokens after a {input_ids.shape[1]}-token prompt; stopped by "
-        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; decode step {result.backend}]"
+        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; decode step {result.backend}; {how}]"
     )
-    print(_timing_line(result))
+    report = {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
+              "prompt_tokens": int(input_ids.shape[1]), "stop_reason": result.stop_reasons[0],
+              "cache": args.cache, "dtype": str(model.dtype).removeprefix("torch."),
+              "decode_step": result.backend, "seed": seed, "do_sample": sampling["do_sample"],
+              "time_to_first_token_s": result.time_to_first_token_s,
+              "decode_tokens_per_s": result.decode_tokens_per_s}
+    if stream is not None:
+        stream.finish()
+        print(flush=True)
+        print(summary, file=sys.stderr)
+        print(_timing_line(result), file=sys.stderr, flush=True)
+    status = 0
     if args.compare_nocache:
         plain = generate(
-            model, input_ids, cache="none", generator=torch.Generator().manual_seed(args.seed), **options
+            model, input_ids, cache="none", generator=torch.Generator().manual_seed(seed), **options
         )
         same = plain.new_tokens[0] == new
-        print(f"no cache: {_timing_line(plain)}")
-        print(f"tokens identical to the no-cache run: {'yes' if same else 'NO'}")
+        report["identical_to_nocache"] = same
+        lines = [f"no cache: {_timing_line(plain)}",
+                 f"tokens identical to the no-cache run: {'yes' if same else 'NO'}"]
         if plain.decode_tokens_per_s > 0 and result.decode_tokens_per_s > 0:
             ratio = result.decode_tokens_per_s / plain.decode_tokens_per_s
-            print(f"decode speed, cache {args.cache} / no cache: {ratio:.2f}x")
-        if not same:
-            return 1
-    return 0
+            lines.append(f"decode speed, cache {args.cache} / no cache: {ratio:.2f}x")
+            report["decode_speedup_vs_nocache"] = ratio
+        if stream is not None:
+            print("\n".join(lines), file=sys.stderr)
+        status = 0 if same else 1
+    if args.json:
+        print(json.dumps(report))
+    return status
 
 
 def _timing_line(result) -> str:
