@@ -98,3 +98,26 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"kvcache {kvcache.__version__}"
+
+
+@pytest.mark.parametrize("dtype, bits", [("int4", 4), ("int8", 8), ("float8_e4m3fn", "fp8")])
+def test_memory_of_a_quantized_dtype_is_what_the_quantized_cache_holds(capsys, dtype, bits):
+    import torch
+
+    from kvcache.cache import QuantizedCache
+
+    assert main(["memory", "--layers", "3", "--kv-heads", "2", "--head-dim", "32", "--tokens", "300",
+                 "--dtype", dtype, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    cache = QuantizedCache(3, bits=bits, group_size=64, residual_length=128)
+    for layer in range(3):
+        rows = torch.randn(1, 2, 300, 32, dtype=torch.bfloat16)
+        cache.update(rows, rows, layer)
+    assert figures["bytes_per_sequence"] == cache.nbytes_used
+    assert figures["bytes_per_token_packed"] > 3 * 2 * 32 * 2 * (4 if bits == 4 else 8) / 8  # scales count
+
+
+def test_memory_refuses_quantized_figures_it_cannot_give(capsys):
+    assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "8",
+                 "--dtype", "int4", "--block-size", "4"]) == 2
+    assert "full-precision blocks" in capsys.readouterr().err

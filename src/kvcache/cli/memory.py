@@ -18,6 +18,7 @@ from kvcache.memory import (
     paged_blocks_in_budget,
     paged_kv_cache_bytes,
     parse_size,
+    quantized_kv_cache_bytes,
 )
 
 
@@ -48,6 +49,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="also account for a paged cache of blocks of this many tokens (whole "
                              "blocks per sequence; with --budget, how many sequences fit)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    quantized = parser.add_argument_group(
+        "quantized cache (--dtype int8, int4 or float8_e4m3fn: QuantizedCache's bytes, scales and "
+        "full-precision residual included)")
+    quantized.add_argument("--group-size", type=positive_int, default=64, help="default 64")
+    quantized.add_argument("--residual-length", type=int, default=128, help="default 128")
+    quantized.add_argument("--residual-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                           help="dtype of the residual rows and the scales (the model's; default bfloat16)")
 
 
 def _shape(args: argparse.Namespace) -> KVShape:
@@ -67,12 +75,17 @@ def _shape(args: argparse.Namespace) -> KVShape:
     return KVShape(args.layers, args.kv_heads, args.head_dim, args.window, layer_types)
 
 
+_QUANTIZED_BITS = {"int8": 8, "int4": 4, "float8_e4m3fn": "fp8"}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         shape = _shape(args)
     except ValueError as error:
         print(f"kvcache memory: error: {error}", file=sys.stderr)
         return 2
+    if args.dtype in _QUANTIZED_BITS or args.dtype == "float8_e5m2":
+        return _run_quantized(shape, args)
     total = shape.bytes(args.tokens, args.batch, args.dtype)
     result = {
         "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
@@ -110,6 +123,60 @@ def run(args: argparse.Namespace) -> int:
               f"{result['max_sequences_of_tokens']:,}")
     if args.block_size is not None:
         _print_paged(result, args)
+    return 0
+
+
+def _run_quantized(shape: KVShape, args: argparse.Namespace) -> int:
+    """What a QuantizedCache of `shape` holds: packed groups with their scales (and zero points)
+    and the full-precision residual, not elements × bits alone."""
+    refusal = None
+    if args.dtype == "float8_e5m2":
+        refusal = "kvcache's fp8 cache stores float8_e4m3fn; float8_e5m2 is not a cache it builds"
+    elif shape.sliding_window:
+        refusal = "a quantized cache keeps sliding-window layers as full-precision rings: not computed here"
+    elif args.block_size is not None:
+        refusal = "--block-size: the paged cache stores full-precision blocks, not quantized ones"
+    elif args.residual_length < 0:
+        refusal = f"--residual-length must be >= 0, got {args.residual_length}"
+    if refusal:
+        print(f"kvcache memory: error: {refusal}", file=sys.stderr)
+        return 2
+    options = dict(bits=_QUANTIZED_BITS[args.dtype], group_size=args.group_size,
+                   residual_length=args.residual_length, dtype=args.residual_dtype)
+
+    def held(tokens: int, batch: int) -> int:
+        return quantized_kv_cache_bytes(
+            shape.layers, shape.kv_heads, tokens, shape.head_dim, batch, **options
+        )
+
+    group = args.group_size  # one group packed, nothing in the residual: the cost per token
+    packed = quantized_kv_cache_bytes(shape.layers, shape.kv_heads, group, shape.head_dim, 1,
+                                      **{**options, "residual_length": 0}) / group
+    result = {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+              "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype, **options,
+              "bytes_per_token_packed": packed, "bytes_per_sequence": held(args.tokens, 1),
+              "bytes": held(args.tokens, args.batch)}
+    if args.budget is not None:
+        low, high = 0, 1 << 40  # the longest context that fits: held() grows with the tokens
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if held(middle, args.batch) <= args.budget else (low, middle - 1)
+        result.update(budget_bytes=args.budget, max_tokens_for_batch=low,
+                      max_sequences_of_tokens=args.budget // result["bytes_per_sequence"])
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"KV cache: {shape.layers} layers × {shape.kv_heads} kv heads × {shape.head_dim} head dim, "
+          f"{args.dtype} (QuantizedCache: groups of {group}, the last {args.residual_length} tokens and "
+          f"the scales in {args.residual_dtype})")
+    print(f"  per token once packed (scales included): {packed:,.1f} B")
+    print(f"  one sequence of {args.tokens:,} tokens: {result['bytes_per_sequence']:,} B "
+          f"({format_bytes(result['bytes_per_sequence'])})")
+    print(f"  batch of {args.batch}: {result['bytes']:,} B ({format_bytes(result['bytes'])})")
+    if args.budget is not None:
+        print(f"  in a budget of {format_bytes(args.budget)}: longest context for a batch of {args.batch}: "
+              f"{result['max_tokens_for_batch']:,} tokens; sequences of {args.tokens:,} tokens: "
+              f"{result['max_sequences_of_tokens']:,}")
     return 0
 
 
