@@ -139,7 +139,7 @@ def main() -> None:
 
     block_tokens = 16
     summary = {
-        "model": str(path or "default"),
+        "model": Path(path).name if path else "the bundled default model",
         "system_tokens": args.system_tokens,
         "rounds": rounds,
         "ttft_cold_s_median": statistics.median(r["ttft_cold_s"] for r in rounds),
