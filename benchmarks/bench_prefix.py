@@ -92,7 +92,7 @@ def load(args):
             tokenizer = None
     except Exception:  # no tokenizer files: token-id turns
         tokenizer = None
-    return model, tokenizer, f"{path}, fp32"
+    return model, tokenizer, f"{Path(path).name}, fp32"
 
 
 def conversation(model, tokenizer, args) -> dict:
