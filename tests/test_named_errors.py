@@ -66,3 +66,48 @@ def test_decoding_a_negative_id_is_a_tokenizer_error():
     with pytest.raises(TokenizerError, match=r"token ids must be >= 0.*\[-1\]"):
         tokenizer.decode([5, -1])
     assert tokenizer.decode([10**6]) == ""  # past the vocabulary (a padded embedding row): nothing
+
+
+def _copy(tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(default_model_dir(), folder)
+    return folder
+
+
+def test_an_eos_token_missing_from_the_vocabulary_is_named(tmp_path):
+    import json
+
+    folder = _copy(tmp_path)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<|nowhere|>"}))
+    with pytest.raises(TokenizerError, match=r"eos_token '<\|nowhere\|>' .* not in tokenizer.json"):
+        kvcache.load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("rope_parameters", "fast", "rope_parameters must be a JSON object"),
+    ("eos_token_id", "two", "eos_token_id must be token ids"),
+    ("eos_token_id", [2, 10**6], "eos_token_id must be token ids"),
+    ("num_hidden_layers", "4", "num_hidden_layers must be a positive integer"),
+])
+def test_a_config_of_the_wrong_types_is_named(tmp_path, field, value, match):
+    import json
+
+    from kvcache.model import ConfigError
+
+    folder = _copy(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ConfigError, match=match):
+        kvcache.load_model(folder)
+
+
+def test_weights_stored_as_integers_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.norm.weight is stored as torch.int32"):
+        kvcache.load_model(folder)

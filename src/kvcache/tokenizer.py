@@ -250,6 +250,12 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         if file.is_file():
             settings.update(read_json_object(file, "tokenizer settings file", TokenizerError))
     special_tokens = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    for name in ("eos_token", "bos_token"):  # a stop or a start the model could never see
+        token = special_tokens.get(name)
+        if token is not None and (not isinstance(token, str) or backend.token_to_id(token) is None):
+            raise TokenizerError(
+                f"{name} {token!r} from the tokenizer settings is not in {tokenizer_file.name}'s vocabulary"
+            )
 
     chat_template = settings.get("chat_template")
     if isinstance(chat_template, list):  # named templates: use the default one

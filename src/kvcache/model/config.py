@@ -200,6 +200,13 @@ class ModelConfig:
             qkv_bias = o_bias = False
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        vocab = raw["vocab_size"]
+        # (pad_token_id is left as given: old configs write -1, and the model never reads it)
+        for name, ids in (("eos_token_id", eos_ids), ("bos_token_id", (raw.get("bos_token_id"),))):
+            for token in ids:
+                if token is not None and (isinstance(token, bool) or not isinstance(token, int)
+                                          or not isinstance(vocab, int) or not 0 <= token < vocab):
+                    raise ConfigError(f"{name} must be token ids in [0, vocab_size={vocab}), got {token!r}")
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -275,11 +282,17 @@ def _require(raw: dict[str, Any], *names: str) -> None:
 
 def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """rope_theta and scaling, from the newer `rope_parameters` or the older `rope_scaling`."""
+    for name in ("rope_parameters", "rope_scaling"):
+        if raw.get(name) is not None and not isinstance(raw.get(name), dict):
+            raise ConfigError(f"{name} must be a JSON object or null, got {raw.get(name)!r}")
     params = dict(raw.get("rope_parameters") or {})
     legacy = raw.get("rope_scaling") or {}
     for key, value in legacy.items():
         params.setdefault(key, value)
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise ConfigError(f"rope_theta must be a number, got {theta!r}")
+    theta = float(theta)
     if not math.isfinite(theta) or theta <= 0:
         raise ConfigError(f"rope_theta must be positive, got {theta}")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"

@@ -219,7 +219,13 @@ def _check_names_and_shapes(config: ModelConfig, located: dict[str, Path]) -> di
         size = file.stat().st_size
         for name, entry in entries.items():
             if located.get(name) == file:
-                shape = tuple(header_entry(file, name, entry, data_start, size)[1])
+                dtype, shape, _, _ = header_entry(file, name, entry, data_start, size)
+                if not dtype.is_floating_point:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {name} is stored as {dtype}; a checkpoint's weights are "
+                        f"float32, float16 or bfloat16"
+                    )
+                shape = tuple(shape)
                 found[name] = (shape, f"{name} in {file.name}")
     names = _check_tensors(stored_shapes(config), found, "checkpoint", "config.json")
     return {name: located[name] for name in names}
