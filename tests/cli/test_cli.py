@@ -121,3 +121,10 @@ def test_memory_refuses_quantized_figures_it_cannot_give(capsys):
     assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "8",
                  "--dtype", "int4", "--block-size", "4"]) == 2
     assert "full-precision blocks" in capsys.readouterr().err
+
+
+def test_lab_out_pointing_at_a_directory_is_refused_before_any_work(tmp_path, capsys):
+    assert main(["lab", "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["lab", "--out", str(tmp_path / "missing" / "lab.md")]) == 2
+    assert "does not exist" in capsys.readouterr().err

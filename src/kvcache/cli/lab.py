@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvcache.cli._args import int_list, positive_int
@@ -31,14 +32,23 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    folder = os.path.dirname(os.path.abspath(args.out)) if args.out else None
+    if args.out and (os.path.isdir(args.out) or not os.path.isdir(folder)):
+        what = "is a directory" if os.path.isdir(args.out) else "is in a folder that does not exist"
+        print(f"kvcache lab: error: --out {args.out} {what}; give a file path", file=sys.stderr)
+        return 2
     print("kvcache lab: counting multiplications (a few seconds)...", file=sys.stderr)
     result = run_lab(d=args.d, lengths=args.lengths, tokens=args.tokens, decimals=args.decimals,
                      rtol=args.rtol, atol=args.atol, layers=args.layers, heads=args.heads,
                      head_dim=args.head_dim, memory_lengths=args.memory_lengths, seed=args.seed)
     markdown = lab_markdown(result)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(markdown)
+        try:
+            with open(args.out, "w", encoding="utf-8") as handle:
+                handle.write(markdown)
+        except OSError as error:
+            print(f"kvcache lab: error: cannot write --out {args.out}: {error.strerror}", file=sys.stderr)
+            return 2
         print(f"kvcache lab: wrote {args.out}", file=sys.stderr)
     print(json.dumps(result, indent=2) if args.json else markdown, end="" if not args.json else "\n")
     return 0
