@@ -44,7 +44,9 @@ def test_a_residual_that_holds_everything_gives_zero_drift(tiny):
     assert result.max_abs_logit_diff == 0 and result.mean_kl == 0
     assert result.greedy_agreement == result.teacher_forced_agreement == 1.0
     assert result.first_divergence == [None, None] and result.quantized_fraction == 0
-    assert result.cache_bytes == result.reference_cache_bytes and result.within_tolerance
+    assert result.cache_bytes == result.reference_cache_bytes
+    assert not result.within_tolerance  # it measured nothing: not a pass
+    assert "nothing quantized" in drift_table([result])
 
 
 def test_drift_figures_are_consistent_and_ordered_by_precision(tiny):
@@ -94,9 +96,19 @@ def test_the_cli_prints_one_json_object_per_setting(tiny_dir, capsys):
 def test_the_cli_markdown_table_states_the_tolerance(tiny_dir, capsys):
     status = main(["drift", "--model", str(tiny_dir), "--bits", "4", "--tokens", "4",
                    "--prompt", "for x in", "--max-kl", "0.5"])
-    out = capsys.readouterr().out
-    assert status == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert status == 1  # 4 tokens stay in a residual of 32: nothing was measured, which fails
     assert "| int4 g32 r32 |" in out and "mean KL <= 0.5 nats" in out and "1 prompts (text)" in out
+    assert "nothing quantized" in out and "lower --residual" in captured.err
+
+
+def test_the_cli_exits_1_when_a_row_is_out_of_tolerance(tiny_dir, capsys):
+    arguments = ["drift", "--model", str(tiny_dir), "--bits", "4", "--tokens", "8", "--group-size", "4",
+                 "--residual", "0", "--prompt", "for x in"]
+    assert main([*arguments, "--max-kl", "0"]) == 1
+    assert "not within tolerance" in capsys.readouterr().err
+    assert main([*arguments, "--max-kl", "10", "--min-agreement", "0"]) == 0
 
 
 def test_the_cli_without_the_default_model_asks_for_one(monkeypatch, tmp_path, capsys):

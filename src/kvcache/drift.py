@@ -98,9 +98,12 @@ class DriftResult:
 
     @property
     def within_tolerance(self) -> bool:
+        """The figures pass the tolerance, and something was quantized (a run whose tokens all
+        stayed in the full-precision residual measured nothing and does not pass)."""
         tol = self.tolerance
         return (
-            self.greedy_agreement >= tol.greedy_agreement
+            self.quantized_fraction > 0
+            and self.greedy_agreement >= tol.greedy_agreement
             and self.teacher_forced_agreement >= tol.teacher_forced_agreement
             and self.mean_kl <= tol.mean_kl
         )
@@ -253,7 +256,8 @@ def drift_table(results: Sequence[DriftResult]) -> str:
         lines.append(
             f"| {name} | {r.max_abs_logit_diff:.4g} | {r.mean_kl:.3g} | {r.teacher_forced_agreement:.3f} | "
             f"{r.greedy_agreement:.3f} | {_bytes(r.bytes_per_token)} ({ratio:.2f}× smaller) | "
-            f"{r.quantized_fraction:.0%} | {'yes' if r.within_tolerance else 'NO'} |"
+            f"{r.quantized_fraction:.0%} | "
+            f"{'yes' if r.within_tolerance else 'NO' if r.quantized_fraction else 'nothing quantized'} |"
         )
     return "\n".join(lines)
 

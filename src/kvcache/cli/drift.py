@@ -110,13 +110,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvcache drift: error: {error}", file=sys.stderr)
         return 2
+    failed = [result for result in results if not result.within_tolerance]
+    status = 1 if failed else 0  # a row out of tolerance (or that measured nothing) fails the run
     if args.json:
         for result in results:
             print(json.dumps(result.to_dict()))
-        return 0
+        return status
     print(f"Drift of quantized KV caches against the unquantized cache: {folder.name}, {model.dtype}, "
           f"{len(prompts)} prompts ({source}), {args.tokens} greedy tokens each.\n")
     print(drift_table(results))
     print(f"\nWithin tolerance = greedy agreement (free-running and teacher-forced) >= "
           f"{tolerance.greedy_agreement} and mean KL <= {tolerance.mean_kl:g} nats.")
-    return 0
+    if any(result.quantized_fraction == 0 for result in results):
+        print("kvcache drift: nothing was quantized in some rows: every token stayed in the "
+              "full-precision residual; lower --residual or raise --tokens", file=sys.stderr)
+    if failed:
+        print(f"kvcache drift: {len(failed)} of {len(results)} rows not within tolerance", file=sys.stderr)
+    return status

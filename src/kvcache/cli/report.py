@@ -92,4 +92,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvcache report: wrote {', '.join(names)} in {out} ({report['elapsed_s']:.0f} s)")
     for line in _headline(report):
         print(f"  {line}")
+    failing = [f"equality {row['kind']}" for row in report["equality"]["rows"]
+               if "skipped" not in row and not row["within"]]
+    failing += [f"drift {row['name']}" for row in report["drift"]["engine"]["rows"]
+                if not row.get("within_tolerance", True)]
+    if failing:  # the record is written; the run still says it found rows out of tolerance
+        print(f"kvcache report: not within tolerance: {', '.join(failing)}", file=sys.stderr)
+        return 1
     return 0

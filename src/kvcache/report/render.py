@@ -82,7 +82,8 @@ def _equality(report: dict, plots: dict) -> list[str]:
            f"Each kind decodes {eq['new_tokens']} greedy tokens after a {eq['prompt_tokens']}-token prompt; "
            "its logits at every step are compared with one forward of the same sequence without a "
            "cache. The windowed kinds run the model with every layer windowed (the reference windows "
-           f"its masks the same way). Tolerance per logit: |Δ| ≤ {tol['atol']:g} + {tol['rtol']:g}·|logit| "
+           f"its masks the same way). Tolerance per logit: |Δ| ≤ {tol['atol']:g} + "
+           f"{tol['rtol']:g}·max|logit| of its step "
            f"({eq['dtype'].removeprefix('torch.')}).", "",
            "| cache kind | storage | max \\|Δlogit\\| | max \\|logit\\| | same argmax every step | within |",
            "|---|---|---:|---:|:---:|:---:|"]
