@@ -26,3 +26,31 @@ def test_planner_bytes_equal_the_models_cache(checkpoints, arch):
         model.config.head_dim,
     )
     assert cache.nbytes_used == shape.bytes(tokens, dtype="float32")
+
+
+DICT_CONFIGS = {
+    # transformers ignores a llama config's sliding_window: so do the model, the cache and the planner
+    "llama with an unused sliding_window": dict(model_type="llama", sliding_window=8),
+    # qwen2 slides the layers from max_window_layers on, only with use_sliding_window
+    "qwen2, max_window_layers 2": dict(model_type="qwen2", sliding_window=8, use_sliding_window=True,
+                                       max_window_layers=2),
+    "qwen2 without use_sliding_window": dict(model_type="qwen2", sliding_window=8, max_window_layers=2),
+}
+
+
+@pytest.mark.parametrize("case", list(DICT_CONFIGS))
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_config_dict_is_read_as_the_model_reads_it_by_cache_planner_and_model(case, kind):
+    from kvcache.cache import make_cache
+    from kvcache.model import LlamaForCausalLM, ModelConfig
+
+    raw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **DICT_CONFIGS[case])
+    model = LlamaForCausalLM(ModelConfig.from_dict(raw)).eval()
+    cache = make_cache(kind, config=raw, max_cache_len=32)
+    tokens = 20
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, tokens)), past_key_values=cache)
+    windows = [layer.window for layer in cache.layers]
+    assert windows == list(model.config.layer_windows)  # the cache keeps what the model attends to
+    assert cache.nbytes_used == KVShape.from_config(raw).bytes(tokens, dtype="float32")
