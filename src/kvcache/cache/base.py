@@ -21,7 +21,7 @@ from .checks import (
 )
 from .errors import CacheError, CacheShapeError, CacheStateError, LayerIndexError
 from .layer import CacheLayer, is_compiling
-from .masks import build_mask
+from .masks import build_mask, narrower_window
 from .plan import ForwardPlan, LayerMasks
 
 __all__ = ["Cache", "CacheLayer", "ForwardPlan", "LayerMasks", "is_compiling"]
@@ -331,9 +331,7 @@ class Cache:
 def _window_of(layer: CacheLayer, windows: Sequence[int | None] | None, index: int) -> int | None:
     """The window layer `index` attends within: the narrower of the model's and the layer's own."""
     model = windows[index] if windows is not None and index < len(windows) else None
-    if model is None or layer.window is None:
-        return layer.window if model is None else model
-    return min(model, layer.window)
+    return narrower_window(model, layer.window)
 
 
 def _fallback_device(

@@ -51,3 +51,11 @@ def build_mask(
     real = real & (key_positions >= 0) & (key_positions < length)
     mask = allowed[None] & real[:, None, :]  # (B, T_new, T_kv)
     return (mask | own[None])[:, None]  # (B, 1, T_new, T_kv)
+
+
+def narrower_window(first: int | None, second: int | None) -> int | None:
+    """The window a layer attends within when two windows apply (the model's and the one a cache
+    keeps): the narrower; None (full attention) only when neither gives one."""
+    if first is None or second is None:
+        return second if first is None else first
+    return min(first, second)

@@ -14,7 +14,7 @@ from .base import Cache, LayerMasks
 from .checks import check_crop, check_kv_pair, check_new_tokens
 from .config import read_cache_geometry
 from .errors import CacheShapeError, LayerIndexError
-from .masks import build_mask
+from .masks import build_mask, narrower_window
 
 
 class NoCache(Cache):
@@ -99,8 +99,7 @@ class NoCache(Cache):
 
         if windows is not None:
             own = self._windows or [self._default_window] * len(windows)
-            narrower = [w if o is None else o if w is None else min(w, o) for w, o in zip(windows, own)]
-            return LayerMasks([mask_for(window) for window in narrower])
+            return LayerMasks([mask_for(narrower_window(w, o)) for w, o in zip(windows, own)])
         if self._windows is None:
             return LayerMasks([], default=mask_for(self._default_window))
         return LayerMasks([mask_for(window) for window in self._windows])

@@ -57,36 +57,8 @@ def write_row(cache, state: RowState) -> int:
     so a refused state leaves the cache as it was."""
     _whole_rows_only(cache)
     tokens = len(state.token_ids)
-    if tokens == 0 or len(state.keys) != len(cache.layers) or len(state.values) != len(cache.layers):
-        raise CacheShapeError(
-            f"a row state needs >= 1 token and keys and values for {len(cache.layers)} layers; got "
-            f"{tokens} tokens, {len(state.keys)} keys, {len(state.values)} values"
-        )
+    _check_rows(cache, state.keys, state.values, tokens)
     first_keys, first_values = state.keys[0], state.values[0]
-    for index, (layer, keys, values) in enumerate(zip(cache.layers, state.keys, state.values)):
-        if keys.dim() != 3 or values.dim() != 3 or keys.shape[0] != tokens or values.shape[0] != tokens:
-            raise CacheShapeError(
-                f"layer {index}: keys and values must be (tokens={tokens}, kv_heads, head_dim), got "
-                f"{tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-        if (keys.shape[1:], values.shape[1:], keys.dtype, values.dtype) != (
-            first_keys.shape[1:],
-            first_values.shape[1:],
-            first_keys.dtype,
-            first_values.dtype,
-        ):
-            raise CacheShapeError(
-                f"layer {index}: keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} "
-                f"{values.dtype} differ from layer 0's {tuple(first_keys.shape)} {first_keys.dtype} and "
-                f"{tuple(first_values.shape)} {first_values.dtype}"
-            )
-        layer.check_layout(
-            keys.shape[1],
-            keys.shape[2],
-            values.shape[2],
-            keys.dtype,
-            f"the state's layer {index} keys and values",
-        )
     needed = cache.allocator.blocks_for(tokens)
     if needed > cache.allocator.num_allocatable:
         raise OutOfBlocksError(needed, cache.allocator.num_allocatable, cache.num_blocks)
@@ -109,18 +81,8 @@ def append_to_row(cache, row: int, keys: Sequence[torch.Tensor], values: Sequenc
     blocks findable. Returns the row's length after. Shapes, dtype and free blocks are checked
     first (CacheShapeError, CacheDtypeError, OutOfBlocksError): a refusal changes nothing."""
     _whole_rows_only(cache)
-    if len(keys) != len(cache.layers) or len(values) != len(cache.layers):
-        raise CacheShapeError(
-            f"need keys and values for {len(cache.layers)} layers, got {len(keys)}, {len(values)}"
-        )
-    tokens = keys[0].shape[0] if keys[0].dim() == 3 else -1
-    for index, (layer, k, v) in enumerate(zip(cache.layers, keys, values)):
-        if k.dim() != 3 or v.dim() != 3 or k.shape[0] != tokens or v.shape[0] != tokens or tokens < 1:
-            raise CacheShapeError(
-                f"layer {index}: keys and values must be (tokens, kv_heads, head_dim) with the same "
-                f">= 1 tokens in every layer, got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        layer.check_layout(k.shape[1], k.shape[2], v.shape[2], k.dtype, f"layer {index}'s keys and values")
+    tokens = keys[0].shape[0] if keys and keys[0].dim() == 3 else 0
+    _check_rows(cache, keys, values, tokens)
     seq = cache._row_seq(row)
     allocator = cache.allocator
     held = allocator.sequence(seq).num_tokens
@@ -129,6 +91,32 @@ def append_to_row(cache, row: int, keys: Sequence[torch.Tensor], values: Sequenc
         raise OutOfBlocksError(needed, allocator.num_allocatable, cache.num_blocks)
     _append(cache, row, keys, values)
     return held + tokens
+
+
+def _check_rows(cache, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], tokens: int) -> None:
+    """Raise a named error unless keys (T, H_kv, D) and values (T, H_kv, D_v), one of each per
+    layer, hold the same `tokens` >= 1 rows and layout in every layer and fit the storage."""
+    if tokens == 0 or len(keys) != len(cache.layers) or len(values) != len(cache.layers):
+        raise CacheShapeError(
+            f"rows need >= 1 token and keys and values for {len(cache.layers)} layers; got "
+            f"{tokens} tokens, {len(keys)} keys, {len(values)} values"
+        )
+    first_keys, first_values = keys[0], values[0]
+    for index, (layer, k, v) in enumerate(zip(cache.layers, keys, values)):
+        if k.dim() != 3 or v.dim() != 3 or k.shape[0] != tokens or v.shape[0] != tokens:
+            raise CacheShapeError(
+                f"layer {index}: keys and values must be (tokens={tokens}, kv_heads, head_dim), got "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if (k.shape[1:], v.shape[1:], k.dtype, v.dtype) != (
+            first_keys.shape[1:], first_values.shape[1:], first_keys.dtype, first_values.dtype
+        ):
+            raise CacheShapeError(
+                f"layer {index}: keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} "
+                f"{v.dtype} differ from layer 0's {tuple(first_keys.shape)} {first_keys.dtype} and "
+                f"{tuple(first_values.shape)} {first_values.dtype}"
+            )
+        layer.check_layout(k.shape[1], k.shape[2], v.shape[2], k.dtype, f"layer {index}'s keys and values")
 
 
 def _append(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
