@@ -173,6 +173,16 @@ def save_checkpoint(model, folder: Path, **save_options) -> Path:
     return folder
 
 
+def checkpoint_pair(arch: str, folder: Path, seed: int):
+    """(a random-weight transformers model of `arch`, kvcache's load of it saved into `folder`)."""
+    from kvcache import load_model
+
+    torch.manual_seed(seed)
+    model = hf_model(arch)
+    save_checkpoint(model, folder)
+    return model, load_model(folder)
+
+
 ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed", "qwen3", "phi3", "olmo2", "gemma2")
 
 

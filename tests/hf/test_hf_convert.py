@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import WINDOW, hf_model, save_checkpoint
+from tiny_models import WINDOW, checkpoint_pair
 
 import kvcache
 import kvcache.hf as kh
@@ -23,13 +23,8 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     """arch -> (transformers model, kvcache model of the same weights)."""
-    built = {}
-    for index, arch in enumerate(ARCHS):
-        torch.manual_seed(10 + index)
-        model = hf_model(arch)
-        folder = save_checkpoint(model, tmp_path_factory.mktemp(arch))
-        built[arch] = model, kvcache.load_model(folder)
-    return built
+    return {arch: checkpoint_pair(arch, tmp_path_factory.mktemp(arch), 10 + index)
+            for index, arch in enumerate(ARCHS)}
 
 
 @torch.no_grad()

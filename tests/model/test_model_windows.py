@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import WINDOW, hf_model, save_checkpoint
+from tiny_models import WINDOW, checkpoint_pair
 
 import kvcache
 from kvcache.cache import CacheConfigError, PagedCache
@@ -22,10 +22,10 @@ LENGTH = 3 * WINDOW + 2
 def pairs(tmp_path_factory):
     built = {}
     for index, arch in enumerate(ARCHS):
-        torch.manual_seed(20 + index)
-        model = hf_model(arch)
-        folder = save_checkpoint(model, tmp_path_factory.mktemp(arch))
-        built[arch] = model, kvcache.load_model(folder), json.loads((folder / "config.json").read_text())
+        folder = tmp_path_factory.mktemp(arch)
+        pair = checkpoint_pair(arch, folder, 20 + index)
+        config = json.loads((folder / "config.json").read_text())
+        built[arch] = (*pair, config)
     return built
 
 
