@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvcache.engine import Engine, RequestError
+    from kvcache.engine.store_tier import open_store
     from kvcache.model import load_model
     from kvcache.server.app import ServerSettings, build_app
     from kvcache.server.run import bind, serve
@@ -148,12 +149,8 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(folder, dtype=args.dtype)
         tokenizer = load_tokenizer(folder)
         store = None
-        if args.kv_store:
-            from kvcache.engine.redis_store import RedisBlockStore
-
-            if not args.kv_store.startswith(("redis://", "rediss://", "unix://")):
-                raise ValueError(f"--kv-store must be a redis://HOST:PORT/DB URL, got {args.kv_store!r}")
-            store = RedisBlockStore(args.kv_store, ttl_s=args.kv_store_ttl)
+        if args.kv_store:  # refused by name unless a redis:// URL
+            store = open_store(args.kv_store, ttl_s=args.kv_store_ttl)
         engine = Engine(
             model,
             tokenizer,

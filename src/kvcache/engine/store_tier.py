@@ -123,12 +123,13 @@ class StoreTier:
                 self._remember(digest)
 
 
-def open_store(store):
-    """A store object as given, or a `RedisBlockStore` for a redis:// (rediss://, unix://) URL."""
+def open_store(store, **options):
+    """A store object as given, or a `RedisBlockStore(url, **options)` for a redis:// (rediss://,
+    unix://) URL; RequestError for any other string."""
     if not isinstance(store, str):
         return store
     if not store.startswith(("redis://", "rediss://", "unix://")):
         raise RequestError(f"kv_store must be a redis://HOST:PORT/DB URL, got {store!r}")
     from kvcache.engine.redis_store import RedisBlockStore
 
-    return RedisBlockStore(store)
+    return RedisBlockStore(store, **options)

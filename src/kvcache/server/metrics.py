@@ -52,9 +52,10 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self.gauges = {
-            name: Gauge(f"kvcache_{name}", help_text, registry=registry)
-            for name, help_text in (
+        self.gauges = _gauges(
+            registry,
+            "kvcache_",
+            (
                 ("waiting", "Requests queued, not yet holding a row"),
                 ("running", "Sequences holding a row in the KV pool"),
                 ("preemptions", "Sequences preempted (freed and requeued) since start"),
@@ -63,14 +64,15 @@ class ServerMetrics:
                 ("blocks_cached", "KV blocks of finished requests kept for prefix reuse"),
                 ("blocks_total", "KV blocks in the pool"),
                 ("prefix_hit_rate", "Share of admitted prompt tokens served from the prefix cache"),
-            )
-        }
+            ),
+        )
 
         self.store_gauges = {}
         if engine.store_tier is not None:  # the shared block store's counts since start
-            self.store_gauges = {
-                name: Gauge(f"kvcache_kv_store_{name}", help_text, registry=registry)
-                for name, help_text in (
+            self.store_gauges = _gauges(
+                registry,
+                "kvcache_kv_store_",
+                (
                     ("up", "1 while the KV store answers, 0 during an outage"),
                     ("lookups", "Requests that looked up blocks in the store"),
                     ("hit_blocks", "Blocks read from the store and used"),
@@ -81,8 +83,8 @@ class ServerMetrics:
                     ("outages", "Times the store became unavailable"),
                     ("read_bytes", "Bytes read from the store"),
                     ("written_bytes", "Bytes written to the store"),
-                )
-            }
+                ),
+            )
 
     def rejected(self, status: int) -> None:
         self.requests.labels(outcome=f"http_{status}").inc()
@@ -106,3 +108,8 @@ class ServerMetrics:
         for name, gauge in self.store_gauges.items():
             gauge.set(float(stats["kv_store"][name]))
         return generate_latest(self.registry)
+
+
+def _gauges(registry, prefix: str, described) -> dict:
+    """name -> Gauge `prefix + name` on `registry`, for each (name, help text) in `described`."""
+    return {name: Gauge(f"{prefix}{name}", help_text, registry=registry) for name, help_text in described}
