@@ -128,3 +128,36 @@ def test_lab_out_pointing_at_a_directory_is_refused_before_any_work(tmp_path, ca
     assert "is a directory" in capsys.readouterr().err
     assert main(["lab", "--out", str(tmp_path / "missing" / "lab.md")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_memory_weights_are_the_models_own_and_leave_the_rest_of_the_budget_to_the_cache(capsys, dtype):
+    from kvcache import load_model
+    from kvcache.defaults import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+    from kvcache.memory import KVShape
+
+    model = load_model(DEFAULT_MODEL)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # float32, tied once
+    budget = weights + 3_000_000
+    argv = ["memory", "--config", str(DEFAULT_MODEL), "--tokens", "500", "--dtype", dtype,
+            "--weights", "float32", "--budget", str(budget), "--json"]
+    assert main(argv) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["weights_bytes"] == weights
+    assert figures["budget_bytes"] == budget and figures["cache_budget_bytes"] == 3_000_000
+    if dtype == "float32":
+        shape = KVShape.from_config(DEFAULT_MODEL)
+        assert figures["max_sequences_of_tokens"] == 3_000_000 // shape.bytes(500, 1, "float32")
+    else:
+        assert figures["max_sequences_of_tokens"] == 3_000_000 // figures["bytes_per_sequence"]
+
+
+def test_memory_weights_that_fill_the_budget_or_lack_a_config_are_refused(capsys):
+    from kvcache.defaults import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+
+    assert main(["memory", "--config", str(DEFAULT_MODEL), "--tokens", "8", "--weights", "bfloat16",
+                 "--budget", "1MiB"]) == 1
+    assert "weights alone" in capsys.readouterr().err
+    assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "8",
+                 "--weights", "bfloat16"]) == 2
+    assert "--weights needs --config" in capsys.readouterr().err

@@ -54,3 +54,26 @@ def test_a_config_dict_is_read_as_the_model_reads_it_by_cache_planner_and_model(
     windows = [layer.window for layer in cache.layers]
     assert windows == list(model.config.layer_windows)  # the cache keeps what the model attends to
     assert cache.nbytes_used == KVShape.from_config(raw).bytes(tokens, dtype="float32")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parameter_count_equals_the_weights_of_the_model_and_of_transformers(checkpoints, arch):
+    from kvcache.model.parameters import parameter_count, weight_bytes
+
+    folder, hf = checkpoints[arch]
+    model = load_model(folder)
+    counted = parameter_count(model.config)
+    assert counted == sum(p.numel() for p in model.parameters())  # a tied lm_head once
+    assert counted == sum(p.numel() for p in hf.parameters())
+    assert weight_bytes(model.config, "bfloat16") == 2 * counted
+
+
+@pytest.mark.parametrize("bias", [dict(attention_bias=True), dict(mlp_bias=True)])
+def test_parameter_count_includes_a_llamas_optional_biases(bias):
+    from tiny_models import tiny_config
+
+    from kvcache.model import LlamaForCausalLM
+    from kvcache.model.parameters import parameter_count
+
+    config = tiny_config(**bias)
+    assert parameter_count(config) == sum(p.numel() for p in LlamaForCausalLM(config).parameters())

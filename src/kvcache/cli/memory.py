@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from kvcache.cli._args import positive_int
 from kvcache.defaults import is_gguf
@@ -48,6 +49,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int,
                         help="also account for a paged cache of blocks of this many tokens (whole "
                              "blocks per sequence; with --budget, how many sequences fit)")
+    parser.add_argument("--weights", choices=("bfloat16", "float16", "float32"),
+                        help="with --config: count the model's weights, held in this dtype, too "
+                             "(with --budget, the cache gets what the weights leave)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     quantized = parser.add_argument_group(
         "quantized cache (--dtype int8, int4 or float8_e4m3fn: QuantizedCache's bytes, scales and "
@@ -58,14 +62,36 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                            help="dtype of the residual rows and the scales (the model's; default bfloat16)")
 
 
+def _model_config(path: str) -> dict:
+    """The config.json (as a dict) at `path`, or the one a GGUF file's metadata describes."""
+    if is_gguf(path):  # a llama.cpp file: the config its metadata describes
+        from kvcache.model.gguf_file import gguf_config
+
+        return gguf_config(path)
+    from kvcache.files import read_json_object
+
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    return read_json_object(file, "config file", ValueError)
+
+
+def _weights_bytes(args: argparse.Namespace) -> int | None:
+    """Bytes of the weights of --config's model in --weights' dtype (None without --weights)."""
+    if args.weights is None:
+        return None
+    if not args.config:
+        raise ValueError("--weights needs --config (the weights are counted from the model's config)")
+    from kvcache.model.config import ModelConfig
+    from kvcache.model.parameters import weight_bytes
+
+    return weight_bytes(ModelConfig.from_dict(_model_config(args.config)), args.weights)
+
+
 def _shape(args: argparse.Namespace) -> KVShape:
     if args.config:
         if any(v is not None for v in (args.layers, args.kv_heads, args.head_dim)):
             raise ValueError("give either --config or --layers/--kv-heads/--head-dim, not both")
-        if is_gguf(args.config):  # a llama.cpp file: the config its metadata describes
-            from kvcache.model.gguf_file import gguf_config
-
-            return KVShape.from_config(gguf_config(args.config))
+        if is_gguf(args.config):
+            return KVShape.from_config(_model_config(args.config))
         return KVShape.from_config(args.config)
     missing = [f"--{n}" for n, v in (("layers", args.layers), ("kv-heads", args.kv_heads),
                                      ("head-dim", args.head_dim)) if v is None]
@@ -81,9 +107,17 @@ _QUANTIZED_BITS = {"int8": 8, "int4": 4, "float8_e4m3fn": "fp8"}
 def run(args: argparse.Namespace) -> int:
     try:
         shape = _shape(args)
+        weights = _weights_bytes(args)
     except ValueError as error:
         print(f"kvcache memory: error: {error}", file=sys.stderr)
         return 2
+    args.weights_bytes, args.total_budget = weights, args.budget
+    if weights is not None and args.budget is not None:
+        if weights >= args.budget:
+            print(f"kvcache memory: the weights alone ({format_bytes(weights)} in {args.weights}) fill "
+                  f"the budget of {format_bytes(args.budget)}: no room for a cache", file=sys.stderr)
+            return 1
+        args.budget -= weights  # what the cache may take
     if args.dtype in _QUANTIZED_BITS or args.dtype == "float8_e5m2":
         return _run_quantized(shape, args)
     total = shape.bytes(args.tokens, args.batch, args.dtype)
@@ -93,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype, "bytes_per_token": shape.bytes_per_token(args.dtype),
         "bytes_per_sequence": shape.bytes(args.tokens, 1, args.dtype), "bytes": total,
     }
+    result.update(_weights_figures(args))
     if args.budget is not None:
-        result["budget_bytes"] = args.budget
         result["max_tokens_for_batch"] = max_tokens(shape, args.budget, args.batch, args.dtype)
         result["max_sequences_of_tokens"] = max_sequences(shape, args.budget, args.tokens, args.dtype)
     if args.block_size is not None:
@@ -114,11 +148,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"  one sequence of {args.tokens:,} tokens: {result['bytes_per_sequence']:,} B "
           f"({format_bytes(result['bytes_per_sequence'])})")
     print(f"  batch of {args.batch}: {total:,} B ({format_bytes(total)})")
+    _print_weights(args)
     if args.budget is not None:
         longest = result["max_tokens_for_batch"]
         longest_text = "no limit (every layer keeps at most the window)" if longest is None \
             else f"{longest:,} tokens"
-        print(f"  in a budget of {format_bytes(args.budget)}: longest context for a batch of "
+        print(f"  in {_budget_text(args)}: longest context for a batch of "
               f"{args.batch}: {longest_text}; sequences of {args.tokens:,} tokens: "
               f"{result['max_sequences_of_tokens']:,}")
     if args.block_size is not None:
@@ -155,13 +190,13 @@ def _run_quantized(shape: KVShape, args: argparse.Namespace) -> int:
     result = {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
               "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype, **options,
               "bytes_per_token_packed": packed, "bytes_per_sequence": held(args.tokens, 1),
-              "bytes": held(args.tokens, args.batch)}
+              "bytes": held(args.tokens, args.batch), **_weights_figures(args)}
     if args.budget is not None:
         low, high = 0, 1 << 40  # the longest context that fits: held() grows with the tokens
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if held(middle, args.batch) <= args.budget else (low, middle - 1)
-        result.update(budget_bytes=args.budget, max_tokens_for_batch=low,
+        result.update(max_tokens_for_batch=low,
                       max_sequences_of_tokens=args.budget // result["bytes_per_sequence"])
     if args.json:
         print(json.dumps(result, indent=2))
@@ -173,11 +208,35 @@ def _run_quantized(shape: KVShape, args: argparse.Namespace) -> int:
     print(f"  one sequence of {args.tokens:,} tokens: {result['bytes_per_sequence']:,} B "
           f"({format_bytes(result['bytes_per_sequence'])})")
     print(f"  batch of {args.batch}: {result['bytes']:,} B ({format_bytes(result['bytes'])})")
+    _print_weights(args)
     if args.budget is not None:
-        print(f"  in a budget of {format_bytes(args.budget)}: longest context for a batch of {args.batch}: "
+        print(f"  in {_budget_text(args)}: longest context for a batch of {args.batch}: "
               f"{result['max_tokens_for_batch']:,} tokens; sequences of {args.tokens:,} tokens: "
               f"{result['max_sequences_of_tokens']:,}")
     return 0
+
+
+def _weights_figures(args: argparse.Namespace) -> dict:
+    """The budget and weight fields of the JSON result (budget_bytes: the whole budget;
+    cache_budget_bytes: what the weights leave for the cache)."""
+    figures = {}
+    if args.weights_bytes is not None:
+        figures.update(weights_dtype=args.weights, weights_bytes=args.weights_bytes)
+    if args.budget is not None:
+        figures.update(budget_bytes=args.total_budget, cache_budget_bytes=args.budget)
+    return figures
+
+
+def _print_weights(args: argparse.Namespace) -> None:
+    if args.weights_bytes is not None:
+        print(f"  weights in {args.weights}: {args.weights_bytes:,} B ({format_bytes(args.weights_bytes)})")
+
+
+def _budget_text(args: argparse.Namespace) -> str:
+    if args.weights_bytes is None:
+        return f"a budget of {format_bytes(args.budget)}"
+    return (f"the {format_bytes(args.budget)} a budget of {format_bytes(args.total_budget)} leaves "
+            f"after the weights")
 
 
 def _paged(shape: KVShape, args: argparse.Namespace) -> dict:
@@ -204,5 +263,5 @@ def _print_paged(result: dict, args: argparse.Namespace) -> None:
           f"{result['paged_rounding_bytes_per_sequence']:,} B unused in its last block); batch of "
           f"{args.batch}: {result['paged_bytes']:,} B")
     if args.budget is not None:
-        print(f"  paged, in a budget of {format_bytes(args.budget)}: {result['paged_blocks_in_budget']:,} "
+        print(f"  paged, in {_budget_text(args)}: {result['paged_blocks_in_budget']:,} "
               f"blocks; sequences of {args.tokens:,} tokens: {result['max_paged_sequences_of_tokens']:,}")
