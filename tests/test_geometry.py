@@ -58,6 +58,22 @@ CASES = [
         8,
         (S, F, S),
     ),
+    # gemma2 / gemma3_text configs without layer_types (the Hub's older ones): transformers' pattern
+    (
+        "gemma2 alternates sliding and full layers",
+        dict(BASE, model_type="gemma2", sliding_window=8, query_pre_attn_scalar=4),
+        8,
+        (S, F, S),
+    ),
+    ("gemma2 without a window key gets 4096", dict(BASE, model_type="gemma2"), 4096, (S, F, S)),
+    (
+        "gemma3_text every sliding_window_pattern-th layer full",
+        dict(BASE, model_type="gemma3_text", sliding_window=8, sliding_window_pattern=3),
+        8,
+        (S, S, F),
+    ),
+    ("gemma3_text pattern 6 by default", dict(BASE, model_type="gemma3_text", sliding_window=8), 8,
+     (S, S, S)),
     (
         "listed sliding layers with no window",
         dict(BASE, model_type="mistral", sliding_window=None, layer_types=[S, F, S]),
@@ -100,6 +116,8 @@ def test_agrees_with_transformers_configs(name, raw, window, types):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }
     theirs = classes[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
     # transformers windows a layer when a window is in force and the layer is sliding (its

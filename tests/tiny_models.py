@@ -123,6 +123,15 @@ def hf_model(arch: str, **overrides):
                     "final_logit_softcapping": 3.0}
         config = transformers.Gemma2Config(**{**_SMALL, **settings, **overrides})
         model = transformers.Gemma2ForCausalLM(config)
+    elif arch == "gemma":  # (1 + w) norms before the sublayers, GELU, scaled embeddings
+        config = transformers.GemmaConfig(**{**_SMALL, "head_dim": 16, **overrides})
+        model = transformers.GemmaForCausalLM(config)
+    elif arch == "gemma3_text":  # gemma2's layout, q/k norms, local and global RoPE bases
+        settings = {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 12,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+        config = transformers.Gemma3TextConfig(**{**_SMALL, **settings, **overrides})
+        model = transformers.Gemma3ForCausalLM(config)
     elif arch == "qwen2_mixed":  # layer 0 full attention, layer 1 sliding
         settings = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
         config = transformers.Qwen2Config(**{**_SMALL, **settings, **overrides})
@@ -183,7 +192,8 @@ def checkpoint_pair(arch: str, folder: Path, seed: int):
     return model, load_model(folder)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed", "qwen3", "phi3", "olmo2", "gemma2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen2_mixed", "qwen3", "phi3", "olmo2", "gemma", "gemma2",
+         "gemma3_text")
 
 
 def left_padded_batch(lengths=(10, 7, 4), seed: int = 0):

@@ -10,6 +10,9 @@ Per-family rules, as transformers applies them (to a dict and to an object alike
 - llama: no sliding window, even when the config carries a `sliding_window` key.
 - qwen2 and qwen3: the window is in force only with `use_sliding_window` true; layers from
   `max_window_layers` on are sliding, the ones before full.
+- gemma2 and gemma3_text without `layer_types`: transformers' pattern, every second layer
+  (gemma2) or every `sliding_window_pattern`-th (gemma3_text, default 6) full and the others
+  sliding; a config without `sliding_window` gets the family's default window (4096).
 - any other family with a window (mistral, …): every layer is sliding.
 """
 
@@ -139,6 +142,12 @@ def read_geometry(config: Any, source: str = "config") -> Geometry:
     return Geometry(model_type, num_layers, num_heads, kv_heads, head_dim, hidden, window, layer_types)
 
 
+# families whose configs slide some layers even when config.json names no window, and their
+# transformers default; and the period of their full-attention layers when layer_types is absent
+_DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096}
+_FULL_LAYER_PERIODS = {"gemma2": 2, "gemma3_text": 6}
+
+
 def _window(config: Any, model_type: str | None, source: str) -> int | None:
     """The sliding window in force, after the family rules."""
     if model_type == "llama":
@@ -147,7 +156,8 @@ def _window(config: Any, model_type: str | None, source: str) -> int | None:
         return None
     if _field(config, "use_sliding_window") is False:
         return None
-    return _size(config, "sliding_window", source)
+    window = _size(config, "sliding_window", source)
+    return _DEFAULT_WINDOWS.get(model_type) if window is None else window
 
 
 def _layer_types(
@@ -178,4 +188,15 @@ def _layer_types(
         if isinstance(first_sliding, bool) or not isinstance(first_sliding, int) or first_sliding < 0:
             raise GeometryError(f"{source}: max_window_layers must be an integer >= 0, got {first_sliding!r}")
         return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
+    if model_type in _FULL_LAYER_PERIODS:
+        period = _FULL_LAYER_PERIODS[model_type]
+        if model_type == "gemma3_text":
+            given = _field(config, "sliding_window_pattern")
+            period = period if given is None else given
+            if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+                raise GeometryError(
+                    f"{source}: sliding_window_pattern must be a positive integer, got {period!r}"
+                )
+        return tuple(FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION
+                     for i in range(num_layers))
     return (SLIDING_ATTENTION,) * num_layers

@@ -29,10 +29,11 @@ def test_config_reads_layer_types_and_window_like_transformers(arch):
     )
     assert list(config.layer_types) == list(hf_types)
     assert config.qkv_bias == arch.startswith("qwen2") and not config.o_bias
-    tied = arch in ("qwen2", "qwen3", "gemma2")
+    tied = arch in ("qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
     assert config.tie_word_embeddings == bool(hf.config.tie_word_embeddings) == tied
-    assert config.qk_norm == {"qwen3": "head", "olmo2": "width"}.get(arch)
-    assert config.norm_placement == {"olmo2": "post", "gemma2": "sandwich"}.get(arch, "pre")
+    assert config.qk_norm == {"qwen3": "head", "olmo2": "width", "gemma3_text": "head"}.get(arch)
+    sandwich = {"gemma2": "sandwich", "gemma3_text": "sandwich"}
+    assert config.norm_placement == {"olmo2": "post", **sandwich}.get(arch, "pre")
 
 
 def test_qwen2_window_is_off_unless_use_sliding_window():
@@ -140,3 +141,49 @@ def test_absurd_sizes_in_a_config_are_refused_before_anything_is_sized_by_them(n
     if name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "head_dim", "sliding_window"):
         with pytest.raises(ValueError, match="past the largest"):
             KVShape.from_config(raw)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3_text"])
+def test_a_gemma_config_leaving_fields_out_reads_as_transformers_defaults_them(arch):
+    import transformers
+
+    raw = _raw(hf_model(arch))
+    for name in ("tie_word_embeddings", "query_pre_attn_scalar", "attn_logit_softcapping",
+                 "final_logit_softcapping", "hidden_activation", "hidden_act", "layer_types",
+                 "sliding_window", "rope_parameters"):
+        raw.pop(name, None)
+    theirs = transformers.AutoConfig.for_model(**raw)
+    config = ModelConfig.from_dict(raw)
+    assert config.tie_word_embeddings == theirs.tie_word_embeddings
+    assert config.hidden_act == getattr(theirs, "hidden_activation", None) or theirs.hidden_act
+    assert config.attn_logit_softcap == getattr(theirs, "attn_logit_softcapping", None)
+    assert config.final_logit_softcap == getattr(theirs, "final_logit_softcapping", None)
+    if arch != "gemma":
+        assert config.attention_scale == theirs.query_pre_attn_scalar**-0.5
+        assert config.sliding_window == theirs.sliding_window
+        assert list(config.layer_types) == theirs.layer_types
+    if arch == "gemma3_text":
+        params = theirs.rope_parameters
+        assert config.rope_theta == params["full_attention"]["rope_theta"]
+        assert config.local_rope_theta == params["sliding_attention"]["rope_theta"]
+
+
+def test_gemma_legacy_gelu_is_the_tanh_approximation_and_gemma3_scaled_local_rope_is_refused():
+    raw = _raw(hf_model("gemma"))
+    raw["hidden_act"] = "gelu"
+    assert ModelConfig.from_dict(raw).hidden_act == "gelu_pytorch_tanh"  # as transformers reads it
+    raw = _raw(hf_model("gemma3_text"))
+    raw["rope_parameters"]["sliding_attention"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    with pytest.raises(ConfigError, match="sliding layers"):
+        ModelConfig.from_dict(raw)
+    legacy = _raw(hf_model("gemma3_text"))
+    del legacy["rope_parameters"]
+    legacy.update(rope_theta=5e5, rope_local_base_freq=2e3,
+                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    config = ModelConfig.from_dict(legacy)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling.factor) == (5e5, 2e3, 4.0)
+    import transformers
+
+    theirs = transformers.AutoConfig.for_model(**legacy).rope_parameters  # read alike
+    assert (theirs["full_attention"]["rope_theta"], theirs["sliding_attention"]["rope_theta"],
+            theirs["full_attention"]["factor"]) == (5e5, 2e3, 4.0)

@@ -67,6 +67,7 @@ def unsupported(model) -> str | None:
         and config.qk_norm in (None, "head")
         and config.hidden_act == "silu"
         and not config.norm_weight_offset
+        and config.local_rope_theta is None
         and all(
             value is None
             for value in (

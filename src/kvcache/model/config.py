@@ -1,24 +1,45 @@
 """The model configuration: a frozen dataclass read from a checkpoint's `config.json`.
 
 One class covers the Llama family we run (`llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, whose
-fused projections the loader splits, `olmo2`, `gemma2`); the differences are fields (`qkv_bias`,
-`qk_norm`, `norm_placement`, gemma's scalings and soft-capping, `sliding_window`, `layer_types`,
-`rope_scaling`). Anything the model
+fused projections the loader splits, `olmo2`, `gemma`, `gemma2`, `gemma3_text`); the differences
+are fields (`qkv_bias`, `qk_norm`, `norm_placement`, gemma's scalings and soft-capping,
+`sliding_window`, `layer_types`, `rope_scaling`, gemma3's `local_rope_theta`). A field a gemma
+config leaves out takes transformers' default for that family. Anything the model
 would otherwise ignore (an unknown architecture, activation, RoPE scaling type or a partial
 rotary factor) is refused here with a `ConfigError` that says what was expected and what was given.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvcache.files import read_json_object
 from kvcache.geometry import FULL_ATTENTION, SIZE_LIMITS, SLIDING_ATTENTION, GeometryError, read_geometry
+from kvcache.model.errors import ConfigError
+from kvcache.model.rope_settings import (
+    SUPPORTED_ROPE_TYPES,
+    RopeScaling,
+    gemma3_rope_settings,
+    require_fields,
+    rope_settings,
+)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2")
+__all__ = ["SUPPORTED_ROPE_TYPES", "ConfigError", "ModelConfig", "RopeScaling"]
+
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text"
+)
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+# transformers' values for gemma config fields a config.json leaves out (an explicit null stays)
+_GEMMA_DEFAULTS = {
+    "gemma": dict(tie_word_embeddings=True),
+    "gemma2": dict(tie_word_embeddings=True, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0),
+    "gemma3_text": dict(tie_word_embeddings=True, query_pre_attn_scalar=256, attn_logit_softcapping=None,
+                        final_logit_softcapping=None),
+}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # where each layer's RMSNorms sit: one name per placement, the checkpoint's norm names in order
 NORM_PLACEMENTS = {
@@ -26,27 +47,10 @@ NORM_PLACEMENTS = {
     "post": ("post_attention", "post_feedforward"),  # olmo2: after each sublayer
     "sandwich": ("input", "post_attention", "pre_feedforward", "post_feedforward"),  # gemma2
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
-
-
-class ConfigError(ValueError):
-    """A config.json the model cannot run as written."""
 
 
 # sizes kvcache.geometry does not read, bounded the same way (see SIZE_LIMITS)
 _MORE_LIMITS = {"vocab_size": 1 << 22, "intermediate_size": 1 << 20, "max_position_embeddings": 1 << 24}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling. `rope_type` is one of SUPPORTED_ROPE_TYPES other than default."""
-
-    rope_type: str
-    factor: float
-    # llama3 only
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    local_rope_theta: float | None = None  # gemma3: the sliding layers' own base; None: rope_theta
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # q_proj, k_proj, v_proj carry a bias (qwen2; llama attention_bias)
     o_bias: bool = False  # o_proj carries a bias (llama attention_bias)
@@ -172,11 +177,12 @@ class ModelConfig:
             raise ConfigError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
-        _require(
+        require_fields(
             raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"
         )
-        gemma = model_type == "gemma2"
-        hidden_act = (raw.get("hidden_activation") if gemma else None) or raw.get("hidden_act", "silu")
+        gemma = model_type in GEMMA_FAMILIES
+        raw = {**_GEMMA_DEFAULTS.get(model_type, {}), **raw}
+        hidden_act = _activation(raw, model_type)
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(
                 f"hidden_act {hidden_act!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}"
@@ -187,17 +193,21 @@ class ModelConfig:
             geometry = read_geometry(raw, source="config.json")
         except GeometryError as error:
             raise ConfigError(str(error)) from None
-        rope_theta, rope_scaling = _rope_settings(raw)
+        if model_type == "gemma3_text":
+            rope_theta, rope_scaling, local_rope_theta = gemma3_rope_settings(raw)
+        else:
+            (rope_theta, rope_scaling), local_rope_theta = rope_settings(raw), None
         rope_parameters = raw.get("rope_parameters") or {}
         partial = raw.get("partial_rotary_factor", rope_parameters.get("partial_rotary_factor"))
         if float(1.0 if partial is None else partial) != 1.0:
             raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
-        elif model_type in ("llama", "qwen3", "olmo2", "gemma2"):
+        elif model_type in ("llama", "qwen3", "olmo2", *GEMMA_FAMILIES):
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         else:
             qkv_bias = o_bias = False
+        scaled = model_type in ("gemma2", "gemma3_text")  # query scale and soft-caps of their own
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         vocab = raw["vocab_size"]
@@ -220,18 +230,20 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            local_rope_theta=local_rope_theta,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm={"qwen3": "head", "olmo2": "width"}.get(model_type),
-            norm_placement={"olmo2": "post", "gemma2": "sandwich"}.get(model_type, "pre"),
+            qk_norm={"qwen3": "head", "olmo2": "width", "gemma3_text": "head"}.get(model_type),
+            norm_placement={"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(
+                model_type, "pre"),
             hidden_act=hidden_act,
             norm_weight_offset=1.0 if gemma else 0.0,
             embedding_scale=raw["hidden_size"] ** 0.5 if gemma else None,
-            attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5 if gemma else None,
-            attn_logit_softcap=_positive(raw, "attn_logit_softcapping", optional=True) if gemma else None,
-            final_logit_softcap=_positive(raw, "final_logit_softcapping", optional=True) if gemma else None,
+            attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5 if scaled else None,
+            attn_logit_softcap=_positive(raw, "attn_logit_softcapping", optional=True) if scaled else None,
+            final_logit_softcap=_positive(raw, "final_logit_softcapping", optional=True) if scaled else None,
             sliding_window=geometry.sliding_window,
             layer_types=geometry.layer_types,
             bos_token_id=raw.get("bos_token_id"),
@@ -264,6 +276,17 @@ def _read_json(path: Path) -> dict[str, Any]:
     return read_json_object(path, "config file", ConfigError)
 
 
+def _activation(raw: dict[str, Any], model_type: str) -> str:
+    """The MLP's activation as transformers reads it: gemma2 and gemma3 name it
+    `hidden_activation`; gemma's legacy `hidden_act: "gelu"` means the tanh approximation."""
+    if model_type in ("gemma2", "gemma3_text"):
+        return raw.get("hidden_activation") or "gelu_pytorch_tanh"
+    if model_type == "gemma":
+        act = raw.get("hidden_act") or "gelu_pytorch_tanh"
+        return "gelu_pytorch_tanh" if act == "gelu" else act
+    return raw.get("hidden_act", "silu")
+
+
 def _positive(raw: dict[str, Any], name: str, optional: bool = False) -> float | None:
     """raw[name] as a positive float; missing (or null): None when optional, else an error."""
     value = raw.get(name)
@@ -272,48 +295,3 @@ def _positive(raw: dict[str, Any], name: str, optional: bool = False) -> float |
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"{name} must be a positive number, got {value!r}")
     return float(value)
-
-
-def _require(raw: dict[str, Any], *names: str) -> None:
-    missing = [name for name in names if raw.get(name) is None]
-    if missing:
-        raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
-
-
-def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """rope_theta and scaling, from the newer `rope_parameters` or the older `rope_scaling`."""
-    for name in ("rope_parameters", "rope_scaling"):
-        if raw.get(name) is not None and not isinstance(raw.get(name), dict):
-            raise ConfigError(f"{name} must be a JSON object or null, got {raw.get(name)!r}")
-    params = dict(raw.get("rope_parameters") or {})
-    legacy = raw.get("rope_scaling") or {}
-    for key, value in legacy.items():
-        params.setdefault(key, value)
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float):
-        raise ConfigError(f"rope_theta must be a number, got {theta!r}")
-    theta = float(theta)
-    if not math.isfinite(theta) or theta <= 0:
-        raise ConfigError(f"rope_theta must be positive, got {theta}")
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
-            f"rope scaling type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
-        )
-    if rope_type == "default":
-        return theta, None
-    factor = params.get("factor")
-    if factor is None or float(factor) < 1.0:
-        raise ConfigError(f"rope scaling {rope_type!r} needs factor >= 1, got {factor!r}")
-    if rope_type != "llama3":
-        return theta, RopeScaling(rope_type, float(factor))
-    _require(params, "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    if float(params["high_freq_factor"]) <= float(params["low_freq_factor"]):
-        raise ConfigError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
-    return theta, RopeScaling(
-        "llama3",
-        float(factor),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )

@@ -1,4 +1,8 @@
-"""Errors of checkpoint loading."""
+"""Errors of model configs and checkpoint loading."""
+
+
+class ConfigError(ValueError):
+    """A config.json the model cannot run as written."""
 
 
 class CheckpointError(ValueError):

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma2) in one file.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, olmo2, gemma, gemma2, gemma3_text).
 
 Module names equal the Hugging Face checkpoint keys (`model.layers.3.self_attn.q_proj.weight`),
 so loading is a strict name-for-name copy. The model talks to its cache only through the seam
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.cache import Cache, make_cache
+from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcache.model.config import NORM_PLACEMENTS, ModelConfig
 from kvcache.model.rope import RotaryEmbedding, apply_rope
 
@@ -99,8 +100,9 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcap
         if config.qk_norm is not None:
             per_head = config.qk_norm == "head"
-            self.q_norm = RMSNorm(self.head_dim if per_head else q_width, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.rms_norm_eps)
+            offset = config.norm_weight_offset  # gemma3's q/k norms scale by 1 + w too
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_width, config.rms_norm_eps, offset)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.rms_norm_eps, offset)
 
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
         """x (B, T, hidden), cos/sin (B or 1, 1, T, D), mask (B or 1, 1, T, T_kv) or None
@@ -185,6 +187,8 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary_emb = RotaryEmbedding(config)
+        # gemma3: the sliding layers rotate at their own base
+        self.local_rotary_emb = RotaryEmbedding(config, local=True) if config.local_rope_theta else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -267,9 +271,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         if self.config.embedding_scale is not None:  # gemma: scaled in the activations' dtype
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
-        cos, sin = self.model.rotary_emb(position_ids, x.dtype)  # (B or 1, 1, T, D)
+        rope = self.model.rotary_emb(position_ids, x.dtype)  # cos, sin (B or 1, 1, T, D)
+        local = self.model.local_rotary_emb
+        local_rope = rope if local is None else local(position_ids, x.dtype)
+        ropes = {FULL_ATTENTION: rope, SLIDING_ATTENTION: local_rope}
         try:
             for layer_idx, layer in enumerate(self.model.layers):
+                cos, sin = ropes[self.config.layer_types[layer_idx]]
                 x = layer(x, cos, sin, plan.mask(layer_idx), cache)
         except BaseException:  # Ctrl-C or a failing hook between layers: undo the forward
             cache.abandon_forward(past)

@@ -293,7 +293,9 @@ def _build(
     state = {name: tensor.to(device=device, dtype=target) for name, tensor in state.items()}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(device)
+    for rotary in (model.model.rotary_emb, model.model.local_rotary_emb):
+        if rotary is not None:  # built on the CPU, not as meta tensors
+            rotary.inv_freq = rotary.inv_freq.to(device)
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
     del state  # the model holds the tensors now
     if config.tie_word_embeddings:

@@ -15,12 +15,14 @@ from torch import nn
 from kvcache.model.config import ConfigError, ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """(head_dim / 2,) float32 rotation speeds, one per pair of dimensions, scaling applied."""
+def inverse_frequencies(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """(head_dim / 2,) float32 rotation speeds, one per pair of dimensions, scaling applied.
+    local=True: the sliding layers' own (gemma3's `local_rope_theta`, unscaled)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)  # (D/2,)
-    scaling = config.rope_scaling
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta**exponents)  # (D/2,)
+    scaling = None if local else config.rope_scaling
     if scaling is None or scaling.rope_type == "dynamic":
         # dynamic NTK equals the default up to max_position_embeddings (checked per forward)
         return inv_freq
@@ -47,16 +49,20 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Turns position ids (B, T) into cos and signed sin (B, 1, T, head_dim), activation dtype."""
+    """Turns position ids (B, T) into cos and signed sin (B, 1, T, head_dim), activation dtype.
+    local=True: the frequencies of the sliding layers in a model that gives them their own base
+    (gemma3's `local_rope_theta`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        if local and config.local_rope_theta is None:
+            raise ConfigError("a local RotaryEmbedding needs a config with local_rope_theta")
+        self.register_buffer("inv_freq", inverse_frequencies(config, local), persistent=False)
         # dynamic NTK changes every frequency once positions pass this length, which would
         # make cached keys disagree with recomputed ones: refused rather than silently wrong
         self.limit = (
             config.max_position_embeddings
-            if config.rope_scaling is not None and config.rope_scaling.rope_type == "dynamic"
+            if not local and config.rope_scaling is not None and config.rope_scaling.rope_type == "dynamic"
             else None
         )
 
