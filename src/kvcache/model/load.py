@@ -236,7 +236,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """Load a local llama / mistral / qwen2 / qwen3 / phi3 / olmo2 / gemma2 checkpoint folder, or a llama.cpp
+    """Load a local checkpoint folder (a family of SUPPORTED_MODEL_TYPES), or a llama.cpp
     GGUF file of a llama, qwen2 or qwen3 model, strictly, in eval mode.
 
     path: the folder or .gguf file; None loads kvcache's bundled default model (`kvcache.defaults`).
