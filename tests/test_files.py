@@ -48,6 +48,14 @@ def test_kvcache_memory_refuses_an_oversized_config_with_exit_2(folder, capsys):
     assert "8,589,934,592 bytes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer.json"])
+def test_an_oversized_generation_config_or_tokenizer_json_is_refused_at_once(folder, capsys, name):
+    huge(folder / name)
+    assert main(["generate", "--model", str(folder), "--prompt", "The", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "8,589,934,592 bytes" in err and name in err
+
+
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", "\udcff"])
 def test_malformed_tokenizer_files_are_named(folder, content):
     target = folder / "tokenizer_config.json"

@@ -65,6 +65,20 @@ def test_a_file_from_another_model_is_refused(saved):
         load_prompt_cache(saved, tiny_model(seed=8))  # same shapes, other weights
 
 
+@pytest.mark.parametrize("weight", ["model.layers.1.self_attn.v_proj.weight", "model.norm.weight",
+                                    "lm_head.weight"])
+def test_a_model_differing_in_one_value_of_any_weight_is_another_model(saved, weight):
+    """The fingerprint hashes every byte: one element of the last layer, the final norm or
+    lm_head (which shape no stored key) moved by one float32 step is refused."""
+    other = tiny_model(seed=7)
+    with torch.no_grad():
+        param = dict(other.named_parameters())[weight].view(-1)
+        param[-1] = torch.nextafter(param[-1], torch.tensor(float("inf")))
+    with pytest.raises(PromptCacheError, match="another model"):
+        load_prompt_cache(saved, other)
+    load_prompt_cache(saved, tiny_model(seed=7))  # the same weights, another object: accepted
+
+
 def test_a_file_for_another_layout_is_refused(saved):
     with pytest.raises(PromptCacheError, match="layers=2; this model has layers=3"):
         load_prompt_cache(saved, tiny_model(seed=7, layers=3))

@@ -161,3 +161,37 @@ def test_memory_weights_that_fill_the_budget_or_lack_a_config_are_refused(capsys
     assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "8",
                  "--weights", "bfloat16"]) == 2
     assert "--weights needs --config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--kv-heads", "--head-dim", "--window"])
+def test_memory_refuses_a_shape_past_the_bounds_a_config_is_held_to(capsys, flag):
+    from kvcache.geometry import SIZE_LIMITS
+
+    numbers = {"--layers": "2", "--kv-heads": "2", "--head-dim": "8"}
+    numbers[flag] = str(max(SIZE_LIMITS.values()) + 1)
+    argv = ["memory", "--tokens", "8", *[part for pair in numbers.items() for part in pair]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} " in err and "past the largest" in err
+
+
+def test_memory_from_a_config_dict_of_each_window_rule_is_the_allocation(tmp_path, capsys):
+    """The command reads a qwen2 config's max_window_layers and a llama config's unused
+    sliding_window as the model does: its bytes are the cache's after that many tokens."""
+    import torch
+
+    from kvcache.model import LlamaForCausalLM, ModelConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    for extra in (dict(model_type="llama", sliding_window=8),
+                  dict(model_type="qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=2)):
+        raw = {**base, **extra}
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        argv = ["memory", "--config", str(tmp_path), "--tokens", "20", "--dtype", "float32", "--json"]
+        assert main(argv) == 0
+        printed = json.loads(capsys.readouterr().out)
+        model = LlamaForCausalLM(ModelConfig.from_dict(raw)).eval()
+        with torch.no_grad():
+            cache = model(torch.randint(0, 64, (1, 20))).past_key_values
+        assert printed["bytes"] == cache.nbytes_used, extra

@@ -191,9 +191,12 @@ def test_a_model_with_sliding_layers_gets_a_report_with_every_cache_kind_exact(t
     for kind in ("dynamic", "static", "paged", "sliding", "dynamic, windowed layers"):  # paged: its window
         assert "skipped" not in rows[kind] and rows[kind]["max_abs_logit_diff"] < 1e-3, rows[kind]
     assert report["memory"]["models"][0]["sliding_window"] == 16
-    assert report["drift"]["engine"]["rows"][0]["quantized_fraction"] == 0  # rings stay full precision
+    drift = report["drift"]["engine"]["rows"][0]
+    assert drift["quantized_fraction"] == 0  # rings stay full precision: nothing measured
+    assert drift["within_tolerance"] is False
     report["elapsed_s"] = 0.0
-    assert "skipped" not in report_markdown(report, {})
+    markdown = report_markdown(report, {})
+    assert "skipped" not in markdown and "**nothing quantized**" in markdown
 
 
 def test_importing_the_report_package_and_command_imports_neither_torch_nor_matplotlib():
@@ -201,3 +204,38 @@ def test_importing_the_report_package_and_command_imports_neither_torch_nor_matp
             "assert 'torch' not in sys.modules, 'torch imported';"
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_command_exits_1_naming_the_rows_out_of_tolerance(run, monkeypatch, tmp_path, capsys):
+    """The record is written whatever it holds; a row out of tolerance makes the exit status 1."""
+    import copy
+
+    import kvcache.report
+
+    broken = copy.deepcopy(run["report"])
+    row = next(r for r in broken["equality"]["rows"] if "skipped" not in r)
+    row["within"] = False
+    broken["drift"]["engine"]["rows"][0].update(within_tolerance=False, quantized_fraction=0.0)
+    monkeypatch.setattr(kvcache.report, "write_report", lambda *args, **kwargs: broken)
+    assert main(["report", "--quick", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"equality {row['kind']}" in err
+    assert f"drift {broken['drift']['engine']['rows'][0]['name']} (nothing quantized)" in err
+    assert run["status"] == 0  # the real run, every row within
+
+
+def test_exact_caches_are_held_to_a_tolerance_scaled_by_the_logits(tmp_path):
+    """Logits a thousand times larger round a thousand times coarser: the exact caches differ
+    from the no-cache path by more than the bare absolute tolerance and still pass."""
+    import torch
+    from tiny_models import tiny_model
+
+    from kvcache.report.measured import EQUALITY_ATOL, equality_figures
+
+    model = tiny_model(seed=3, layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)
+    figures = equality_figures(model, list(range(3, 20)), new_tokens=6, window=4, block_size=4)
+    rows = [r for r in figures["rows"] if "skipped" not in r]
+    assert rows and all(r["within"] for r in rows)
+    assert max(r["max_abs_logit_diff"] for r in rows) > EQUALITY_ATOL  # a bare atol would fail

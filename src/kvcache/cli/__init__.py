@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from kvcache import __version__
 
@@ -62,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = _command_module(COMMANDS[args.command][0])
     try:
-        return int(module.run(args) or 0)
+        with warnings.catch_warnings():  # a warning is one line naming the command, no source line
+            warnings.showwarning = _warning_line(args.command)
+            return int(module.run(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback
         print(f"\nkvcache {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -71,3 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a program the pipe killed reports
+
+
+def _warning_line(command: str):
+    """A `warnings.showwarning` that prints `kvcache COMMAND: warning: MESSAGE` to stderr."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"kvcache {command}: warning: {message}", file=sys.stderr)
+
+    return show

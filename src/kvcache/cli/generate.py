@@ -67,9 +67,12 @@ class _TextStream:
 
         self.text = ReplyText(tokenizer)
         self.out = out
+        self.written = False  # whether a line of text is open on `out`
 
     def __call__(self, step_tokens) -> None:
-        self.out.write(self.text.add(int(step_tokens[0])))
+        piece = self.text.add(int(step_tokens[0]))
+        self.written = self.written or bool(piece)
+        self.out.write(piece)
         self.out.flush()
 
     def finish(self) -> None:
@@ -146,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
             **options,
         )
     except ValueError as error:  # BackendError and CacheError are ValueErrors too
-        print(f"\nkvcache generate: error: {error}", file=sys.stderr)
+        if stream is not None and stream.written:
+            print(flush=True)  # end the text printed so far
+        print(f"kvcache generate: error: {error}", file=sys.stderr)
         return 2
     new = result.new_tokens[0]
     how = f"sampled, seed {seed}" if sampling["do_sample"] else "greedy"
@@ -157,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
               "prompt_tokens": int(input_ids.shape[1]), "stop_reason": result.stop_reasons[0],
               "cache": args.cache, "dtype": str(model.dtype).removeprefix("torch."),
-              "decode_step": result.backend, "seed": seed, "do_sample": sampling["do_sample"],
+              "decode_step": result.backend, "seed": seed, **sampling,
               "time_to_first_token_s": result.time_to_first_token_s,
               "decode_tokens_per_s": result.decode_tokens_per_s}
     if stream is not None:

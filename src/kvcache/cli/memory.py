@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvcache.cli._args import positive_int
 from kvcache.defaults import is_gguf
+from kvcache.geometry import SIZE_LIMITS
 from kvcache.memory import (
     DTYPE_BITS,
     KVShape,
@@ -97,6 +98,12 @@ def _shape(args: argparse.Namespace) -> KVShape:
                                      ("head-dim", args.head_dim)) if v is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --config)")
+    for flag, value, field in (("--layers", args.layers, "num_hidden_layers"),
+                               ("--kv-heads", args.kv_heads, "num_key_value_heads"),
+                               ("--head-dim", args.head_dim, "head_dim"),
+                               ("--window", args.window, "sliding_window")):
+        if value is not None and value > SIZE_LIMITS[field]:  # the bounds a config.json is held to
+            raise ValueError(f"{flag} {value:,} is past the largest kvcache accepts ({SIZE_LIMITS[field]:,})")
     layer_types = ("sliding_attention",) * args.layers if args.window else None
     return KVShape(args.layers, args.kv_heads, args.head_dim, args.window, layer_types)
 

@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {line}")
     failing = [f"equality {row['kind']}" for row in report["equality"]["rows"]
                if "skipped" not in row and not row["within"]]
-    failing += [f"drift {row['name']}" for row in report["drift"]["engine"]["rows"]
-                if not row.get("within_tolerance", True)]
+    failing += [f"drift {row['name']}" + ("" if row["quantized_fraction"] else " (nothing quantized)")
+                for row in report["drift"]["engine"]["rows"] if not row["within_tolerance"]]
     if failing:  # the record is written; the run still says it found rows out of tolerance
         print(f"kvcache report: not within tolerance: {', '.join(failing)}", file=sys.stderr)
         return 1

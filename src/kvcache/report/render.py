@@ -131,8 +131,16 @@ def _drift(report: dict, plots: dict) -> list[str]:
                    f"{row['greedy_agreement']:.4f} | {row['teacher_forced_agreement']:.4f} | "
                    f"{', '.join('—' if t is None else str(t) for t in row['first_divergence'])} | "
                    f"{row['quantized_fraction']:.0%} | "
-                   f"{row['bytes_per_token']:.0f} ({ratio:.2f}× smaller) | {_yes(row['within_tolerance'])} |")
+                   f"{row['bytes_per_token']:.0f} ({ratio:.2f}× smaller) | {_drift_verdict(row)} |")
     return out + [""]
+
+
+def _drift_verdict(row: dict) -> str:
+    """yes / NO, or that nothing was quantized (every token stayed in the residual or a ring):
+    such a row measured nothing and does not pass."""
+    if not row["quantized_fraction"]:
+        return "**nothing quantized**"
+    return _yes(row["within_tolerance"])
 
 
 def _memory(report: dict, plots: dict) -> list[str]:
