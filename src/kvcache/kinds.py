@@ -3,5 +3,6 @@ can offer them as choices without importing torch)."""
 
 #: `kvcache.make_cache` kinds ("quantized": int8 with its defaults; "none": keeps nothing)
 CACHE_KINDS = ("dynamic", "static", "sliding", "quantized", "paged", "none")
-#: `kvcache.backends.choose_backend` names ("auto": numpy where it applies, else torch)
-BACKEND_NAMES = ("auto", "numpy", "torch")
+#: `kvcache.backends.choose_backend` names ("auto": numpy for float32 CPU models, half for
+#: bfloat16/float16 ones, where they apply, else torch)
+BACKEND_NAMES = ("auto", "numpy", "half", "torch")

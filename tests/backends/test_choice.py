@@ -1,6 +1,6 @@
-"""Choosing the backend: a fixed rule (float32 CPU weights and plain modules: numpy; else torch),
-never a timing; a numpy backend is built once per model and rebuilt when the model's parameters
-are replaced; every choice gives the same tokens."""
+"""Choosing the backend: a fixed rule (float32 CPU weights and plain modules: numpy; bfloat16 or
+float16 ones: half; else torch), never a timing; a numpy backend is built once per model and
+rebuilt when the model's parameters are replaced; every choice gives the same tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import torch
 from tiny_models import left_padded_batch, random_model, tiny_config
 
 from kvcache import generate, load_model
-from kvcache.backends import BACKENDS, BackendError, NumpyBackend, TorchBackend, choose_backend, torch_threads
+from kvcache.backends import (
+    BackendError,
+    HalfBackend,
+    NumpyBackend,
+    TorchBackend,
+    choose_backend,
+    torch_threads,
+)
 
 
 def test_auto_takes_numpy_for_float32_cpu_and_torch_otherwise():
@@ -18,9 +25,14 @@ def test_auto_takes_numpy_for_float32_cpu_and_torch_otherwise():
     assert isinstance(choose_backend(model, None), NumpyBackend)
     assert isinstance(choose_backend(model, "torch"), TorchBackend)
     half = random_model(tiny_config(), 0).to(torch.bfloat16)
-    assert isinstance(choose_backend(half), TorchBackend)
+    assert isinstance(choose_backend(half), HalfBackend)
     with pytest.raises(BackendError, match="float32 on CPU"):
         choose_backend(half, "numpy")
+    with pytest.raises(BackendError, match="bfloat16 or float16 on CPU"):
+        choose_backend(model, "half")
+    mixed = random_model(tiny_config(), 0).to(torch.bfloat16)
+    mixed.lm_head.float()
+    assert isinstance(choose_backend(mixed), TorchBackend)  # one dtype for every parameter
     handle = model.model.layers[0].register_forward_hook(lambda *args: None)
     try:
         assert isinstance(choose_backend(model), TorchBackend)  # a hook must run: the module path
@@ -56,7 +68,7 @@ def test_every_backend_gives_the_same_tokens_on_a_checkpoint(checkpoints, arch):
     model = load_model(checkpoints[arch][0])
     ids, mask = left_padded_batch((8, 5), seed=21)
     results = {}
-    for name in BACKENDS:
+    for name in ("auto", "numpy", "torch"):  # the float32 ones (the half step: test_half_step)
         result = generate(model, ids, mask, max_new_tokens=8, eos_token_id=(), backend=name)
         results[name] = result.sequences
         assert result.backend == ("torch" if name == "torch" else "numpy")

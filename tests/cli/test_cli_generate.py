@@ -62,12 +62,14 @@ def test_building_the_parser_does_not_import_torch():
 
 
 def test_the_summary_names_the_decode_path_that_ran(llama_dir, capsys):
-    """float32 on CPU runs the numpy step by default; bfloat16, a forced torch backend and the
-    no-cache path run the model's forward, and the summary says so."""
+    """float32 on CPU runs the numpy step by default, bfloat16 and float16 the half step; a
+    forced torch backend and the no-cache path run the model's forward, and the summary says so."""
     cases = [
         ([], "decode step numpy"),
         (["--backend", "torch"], "decode step torch"),
-        (["--dtype", "bfloat16"], "decode step torch"),
+        (["--dtype", "bfloat16"], "decode step half"),
+        (["--dtype", "float16"], "decode step half"),
+        (["--dtype", "bfloat16", "--backend", "torch"], "decode step torch"),
         (["--cache", "none"], "decode step torch"),
     ]
     for extra, expected in cases:

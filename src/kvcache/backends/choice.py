@@ -1,38 +1,43 @@
 """Choosing a decode backend for a model by a fixed rule, never by timing.
 
 "auto": the numpy step when it can stand in for the model (float32 weights on CPU, every module
-one whose forward it computes and none hooked: `numpy_step.unsupported`),
-else the model's torch forward. The rule is checked at every call, which costs a walk over the
-modules; a numpy backend is built once per model (its weights are packed) and kept while the
-model still reads the packed memory (`NumpyBackend.matches`), so a second `generate` pays nothing
-more and a model whose parameters were replaced, moved or cast gets a new one.
+one whose forward it computes and none hooked: `numpy_step.unsupported`), the half step for
+bfloat16 or float16 weights on CPU under the same conditions (`half_step.unsupported`), else the
+model's torch forward. The rule is checked at every call, which costs a walk over the modules; a
+numpy or half backend is built once per model (its weights are laid out) and kept while it still
+matches the model (`matches`), so a second `generate` pays nothing more and a model whose
+parameters were replaced, moved, cast (or, for the half step, written to) gets a new one.
 """
 
 from __future__ import annotations
 
 import weakref
 
+from kvcache.backends import half_step, numpy_step
 from kvcache.backends.base import BackendError, DecodeBackend
-from kvcache.backends.numpy_step import NumpyBackend, require_supported, unsupported
+from kvcache.backends.half_step import HalfBackend
+from kvcache.backends.numpy_step import NumpyBackend
 from kvcache.backends.torch_step import TorchBackend
 from kvcache.kinds import BACKEND_NAMES
 
 BACKENDS = BACKEND_NAMES
 
-_numpy_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> NumpyBackend
+# model -> its NumpyBackend / HalfBackend, kept while it matches
+_built: dict[type, weakref.WeakKeyDictionary] = {
+    NumpyBackend: weakref.WeakKeyDictionary(), HalfBackend: weakref.WeakKeyDictionary()}
 
 
-def _numpy_backend(model) -> NumpyBackend:
-    backend = _numpy_backends.get(model)
+def _kept(kind: type, model) -> DecodeBackend:
+    backend = _built[kind].get(model)
     if backend is None or not backend.matches(model):
-        backend = _numpy_backends[model] = NumpyBackend(model)
+        backend = _built[kind][model] = kind(model)
     return backend
 
 
 def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> DecodeBackend:
     """The decode backend for `model`: a DecodeBackend as given; "torch" (the model's forward);
-    "numpy" (raises `BackendError` saying why if the model is not one it can run); "auto" or None
-    (the rule in the module docstring)."""
+    "numpy" or "half" (raise `BackendError` saying why if the model is not one they can run);
+    "auto" or None (the rule in the module docstring)."""
     if isinstance(backend, DecodeBackend):
         if not backend.matches(model):
             raise BackendError(
@@ -47,6 +52,13 @@ def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> Decod
     if backend == "torch":
         return TorchBackend(model)
     if backend == "numpy":
-        require_supported(model)
-        return _numpy_backend(model)
-    return TorchBackend(model) if unsupported(model) is not None else _numpy_backend(model)
+        numpy_step.require_supported(model)
+        return _kept(NumpyBackend, model)
+    if backend == "half":
+        half_step.require_supported(model)
+        return _kept(HalfBackend, model)
+    if numpy_step.unsupported(model) is None:
+        return _kept(NumpyBackend, model)
+    if half_step.unsupported(model) is None:
+        return _kept(HalfBackend, model)
+    return TorchBackend(model)

@@ -27,83 +27,18 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvcache.backends.base import BackendError, DecodeBackend
 from kvcache.backends.packing import pack_weights
+from kvcache.backends.support import unsupported_parameters, unsupported_structure
 from kvcache.backends.threads import torch_threads
-from kvcache.model import LlamaForCausalLM
-from kvcache.model.llama import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm
-from kvcache.model.rope import RotaryEmbedding
-
-# module classes whose forwards the step computes
-_STANDARD_MODULES = frozenset(
-    (
-        LlamaForCausalLM,
-        DecoderModel,
-        DecoderLayer,
-        Attention,
-        MLP,
-        RMSNorm,
-        RotaryEmbedding,
-        nn.ModuleList,
-        nn.Linear,
-        nn.Embedding,
-    )
-)
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether calling `module` does more than its class's forward: a forward hook or pre-hook,
-    or a `forward` set on the instance."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
 def unsupported(model) -> str | None:
     """Why the numpy step cannot stand in for `model`'s decode forward, or None when it can."""
-    config = model.config
-    plain = (
-        config.norm_placement == "pre"
-        and config.qk_norm in (None, "head")
-        and config.hidden_act == "silu"
-        and not config.norm_weight_offset
-        and config.local_rope_theta is None
-        and all(
-            value is None
-            for value in (
-                config.embedding_scale,
-                config.attention_scale,
-                config.attn_logit_softcap,
-                config.final_logit_softcap,
-            )
-        )
+    return unsupported_structure(model, "the numpy step") or unsupported_parameters(
+        model, (torch.float32,), "the numpy step"
     )
-    if not plain:
-        return (
-            f"{config.model_type}'s norm placement, norms across heads, GELU, scalings or "
-            "soft-capping are not in the numpy step"
-        )
-    registry = torch.nn.modules.module
-    if registry._global_forward_hooks or registry._global_forward_pre_hooks:
-        return "global module forward hooks are registered (the numpy step calls no module)"
-    for name, module in model.named_modules():
-        where = f"module {name or 'model'}"
-        if type(module) not in _STANDARD_MODULES:
-            return f"{where} is a {type(module).__name__}, whose forward the numpy step lacks"
-        if _hooked(module):
-            return f"{where} has forward hooks or its own forward (the numpy step calls no module)"
-    for name, parameter in model.named_parameters():
-        if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
-            return (
-                f"parameter {name} is {parameter.dtype} on {parameter.device}; "
-                "the numpy step needs float32 on CPU"
-            )
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    if len(list(model.parameters())) != len(list(model.named_parameters(remove_duplicate=False))) - tied:
-        return "a parameter is shared between modules (other than tied embeddings)"
-    if len({module.eps for module in model.modules() if isinstance(module, RMSNorm)}) != 1:
-        return "its RMSNorms have different eps"
-    return None
 
 
 def require_supported(model) -> None:

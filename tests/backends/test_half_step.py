@@ -1,0 +1,152 @@
+"""The half step (bfloat16 / float16 weights on CPU) against the oracles: on many random shapes,
+families, batches, left padding and cache kinds its logits are as close to a float32 forward of
+the very same weights as the model's own torch forward in that dtype (within twice its error);
+its greedy tokens equal transformers' in that dtype on a local checkpoint; a model written to
+since the backend was built gets a new one; an interrupted step is undone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import left_padded_batch, random_model, tiny_config
+
+from kvcache import generate, load_model
+from kvcache.backends import BackendError, HalfBackend, TorchBackend, choose_backend
+from kvcache.cache import make_cache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DTYPES = [torch.bfloat16, torch.float16]
+# (config.json overrides, cache kinds to run): GQA groups, biases, per-head q/k norms, a window
+FAMILIES = {
+    "llama, 2 groups": (dict(), ("dynamic", "static", "paged")),
+    "llama, MHA, biases": (dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), ("dynamic",)),
+    "llama, 1 kv head": (dict(num_key_value_heads=1), ("dynamic", "quantized")),
+    "qwen2 (q/k/v bias)": (dict(model_type="qwen2"), ("dynamic", "static")),
+    "qwen3 (q/k norms)": (dict(model_type="qwen3", head_dim=16), ("dynamic", "paged")),
+    "mistral, window 5": (dict(model_type="mistral", sliding_window=5), ("dynamic", "sliding")),
+}
+
+
+def _cache(kind: str, model, batch: int):
+    options = {"static": dict(max_cache_len=40), "paged": dict(max_cache_len=40, max_batch_size=batch),
+               "quantized": dict(residual_length=2, group_size=8)}.get(kind, {})
+    return make_cache(kind, config=model.config, dtype=model.dtype, **options)
+
+
+def _half_and_exact(overrides: dict, dtype: torch.dtype, seed: int):
+    """A random model in `dtype`, and a float32 model holding exactly its (rounded) weights."""
+    half = random_model(tiny_config(**overrides), seed).to(dtype)
+    exact = random_model(tiny_config(**overrides), seed)
+    exact.load_state_dict({name: value.float() for name, value in half.state_dict().items()})
+    return half, exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(family, dtype):
+    """Errors are measured against a float32 forward of the same (rounded) weights, in units of
+    the dtype's eps times the step's largest logit. Rounding makes each step's error a draw, so
+    the property is over the family's 3 batches × cache kinds × 5 steps: the half step's mean
+    error within 1.25× the torch forward's in that dtype, and its worst within 2× of theirs."""
+    overrides, kinds = FAMILIES[family]
+    ours_errors, theirs_errors = [], []
+    for seed, lengths in enumerate([(7,), (9, 4), (6, 10, 3)]):
+        half, exact = _half_and_exact(overrides, dtype, seed)
+        backend = HalfBackend(half)
+        ids, mask = left_padded_batch(lengths, seed=seed)
+        ids = ids % 64  # the tiny vocabulary
+        steps = torch.randint(0, 64, (len(lengths), 5), generator=torch.Generator().manual_seed(seed))
+        for kind in kinds:
+            if kind == "paged" and len(lengths) > 1:
+                continue  # a paged cache's rows have their own lengths: no left padding
+            ours_cache, theirs_cache = _cache(kind, half, len(lengths)), _cache(kind, half, len(lengths))
+            row_mask = None if kind == "paged" else mask
+            with torch.no_grad():
+                half(ids, attention_mask=row_mask, past_key_values=ours_cache)
+                half(ids, attention_mask=row_mask, past_key_values=theirs_cache)
+                for step in range(steps.shape[1]):
+                    if row_mask is not None:
+                        row_mask = torch.cat([row_mask, torch.ones(len(lengths), 1, dtype=row_mask.dtype)], 1)
+                    token = steps[:, step : step + 1]
+                    ours = backend.decode(token, ours_cache, row_mask)
+                    theirs = TorchBackend(half).decode(token, theirs_cache, row_mask)
+                    sequence = torch.cat([ids, steps[:, : step + 1]], 1)
+                    truth = exact(sequence, attention_mask=row_mask,
+                                  past_key_values=make_cache("none", config=exact.config)).logits[:, -1]
+                    unit = torch.finfo(dtype).eps * float(truth.abs().max())
+                    ours_errors.append(float((ours - truth).abs().max()) / unit)
+                    theirs_errors.append(float((theirs - truth).abs().max()) / unit)
+    mean = sum(ours_errors) / len(ours_errors), sum(theirs_errors) / len(theirs_errors)
+    assert mean[0] <= 1.25 * mean[1], mean
+    assert max(ours_errors) <= 2 * max(theirs_errors), (max(ours_errors), max(theirs_errors))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_equal_transformers_in_the_same_dtype(checkpoints, arch, dtype):
+    folder, hf = checkpoints[arch]
+    model = load_model(folder, dtype=dtype)
+    assert isinstance(choose_backend(model), HalfBackend)  # auto picks it
+    ids = torch.randint(3, 259, (1, 9), generator=torch.Generator().manual_seed(5))
+    ours = generate(model, ids, max_new_tokens=12, eos_token_id=(), backend="half")
+    assert ours.backend == "half"
+    theirs_model = type(hf)(hf.config).to(getattr(torch, dtype)).eval()
+    theirs_model.load_state_dict({k: v.to(getattr(torch, dtype)) for k, v in hf.state_dict().items()})
+    with torch.no_grad():
+        theirs = theirs_model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)
+    assert ours.new_tokens[0] == theirs[0, ids.shape[1]:].tolist()
+
+
+def test_a_model_written_to_since_gets_a_new_backend():
+    model = random_model(tiny_config(), 4).to(torch.bfloat16)
+    first = choose_backend(model)
+    assert choose_backend(model) is first
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # in place: the copy is stale
+    assert not first.matches(model)
+    rebuilt = choose_backend(model)
+    assert rebuilt is not first and rebuilt.matches(model)
+    ids = torch.tensor([[3, 9, 4, 1]])
+    cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        stale = first.decode(torch.tensor([[7]]), cache)
+        cache.crop(4)
+        fresh = rebuilt.decode(torch.tensor([[7]]), cache)
+        cache.crop(4)
+        theirs = TorchBackend(model).decode(torch.tensor([[7]]), cache)
+    assert (fresh - theirs).abs().max() < (stale - theirs).abs().max()
+
+
+def test_it_refuses_what_it_cannot_run_by_name():
+    gemma = random_model(tiny_config(model_type="gemma2", query_pre_attn_scalar=8), 0).to(torch.bfloat16)
+    with pytest.raises(BackendError, match="gemma2"):
+        HalfBackend(gemma)
+    assert isinstance(choose_backend(gemma), TorchBackend)
+    with pytest.raises(BackendError, match="bfloat16 or float16"):
+        HalfBackend(random_model(tiny_config(), 0))
+
+
+def test_an_interrupted_step_is_undone():
+    model = random_model(tiny_config(num_hidden_layers=3), 2).to(torch.bfloat16)
+    backend = HalfBackend(model)
+    prompt, step = torch.tensor([[5, 9, 2, 7]]), torch.tensor([[11]])
+    cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+        expected = backend.decode(step, cache)
+        cache.crop(4)
+        layer = cache.layers[1]
+        original = layer.update
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        layer.update = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            backend.decode(step, cache)
+        layer.update = original
+        assert {layer.get_seq_length() for layer in cache.layers} == {4}
+        torch.testing.assert_close(backend.decode(step, cache), expected)
