@@ -165,14 +165,19 @@ class HalfBackend(DecodeBackend):
         for index, w in enumerate(self.layers):
             qkv = w.qkv(_rms_norm(x, w.norm1, self.eps))  # (B, (H + 2·H_kv)·D)
             qkv = qkv.view(batch, heads + 2 * kv_heads, 1, head_dim)  # (B, H + 2·H_kv, 1, D)
-            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+            rotated = heads + kv_heads
+            qk, v = qkv[:, :rotated], qkv[:, rotated:]  # queries and keys turn together
             if w.q_norm is not None:  # qwen3: each head's q and k normalised before RoPE
-                q, k = _rms_norm(q, w.q_norm, self.eps), _rms_norm(k, w.k_norm, self.eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            keys, values = cache.update(k.to(self.dtype), v.to(self.dtype), index)  # as the model stores
-            attended = F.scaled_dot_product_attention(
-                q.to(keys.dtype), keys, values, attn_mask=plan.mask(index), enable_gqa=kv_heads != heads
-            )  # (B, H, 1, D)
+                qk = torch.cat([_rms_norm(qk[:, :heads], w.q_norm, self.eps),
+                                _rms_norm(qk[:, heads:], w.k_norm, self.eps)], dim=1)
+            qk = apply_rope(qk, cos, sin).to(self.dtype)  # keys stored as the model stores them
+            q, k = qk[:, :heads], qk[:, heads:]
+            keys, values = cache.update(k, v.to(self.dtype), index)  # (B, H_kv, T_kv, D)
+            # each kv head with its group of queries as the "rows": (B, H_kv, G, D) over
+            # (B, H_kv, T_kv, D), the mask (B or 1, 1, 1, T_kv) broadcast over the group (torch's
+            # grouped-query flag is several times slower on half-precision keys)
+            grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(keys.dtype)
+            attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask(index))
             x = x + w.o(attended.float().reshape(batch, heads * head_dim))
             gate_up = w.gate_up(_rms_norm(x, w.norm2, self.eps))  # (B, 2·inner)
             gate, up = gate_up.chunk(2, dim=-1)
