@@ -325,3 +325,31 @@ def test_every_model_family_is_served_including_sliding_windows(checkpoints, arc
         assert allocator.num_in_use == 0
     windows = [allocator.window for allocator in engine.pool.allocators]
     assert (4 in windows) == (model.config.sliding_window is not None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_bfloat16_model_is_served_by_the_half_step_and_differs_from_solo_runs_only_at_near_ties(
+    checkpoints, arch
+):
+    """The engine's batched step on bfloat16 weights is the half step. Rounding in bfloat16
+    depends on how rows are batched and prompts chunked, so a request's tokens may leave its solo
+    run's, but only where two tokens' logits are a near tie: at the first difference the float32
+    forward of the same weights scores the two within a few bfloat16 steps of its largest logit."""
+    model = kvcache.load_model(checkpoints[arch][0], dtype="bfloat16")
+    exact = kvcache.load_model(checkpoints[arch][0], dtype="bfloat16").float()
+    engine = Engine(model, kv_budget="2MiB", block_size=4, max_running=3, token_budget=8)
+    assert engine.backend.name == "half"
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 259, (n,), generator=generator).tolist() for n in (5, 11, 17, 3)]
+    handles = [engine.submit(prompt, max_tokens=9, ignore_eos=True) for prompt in prompts]
+    for prompt, handle in zip(prompts, handles):
+        served = handle.result().tokens
+        solo = kvcache.generate(model, torch.tensor([prompt]), max_new_tokens=9, eos_token_id=(),
+                                backend="half").new_tokens[0]
+        differ = [i for i, (a, b) in enumerate(zip(served, solo)) if a != b]
+        if differ:
+            at = differ[0]
+            with torch.no_grad():
+                logits = exact(torch.tensor([prompt + served[:at]])).logits[0, -1]
+            gap = float((logits[served[at]] - logits[solo[at]]).abs())
+            assert gap <= 8 * torch.finfo(torch.bfloat16).eps * float(logits.abs().max()), (prompt, at, gap)
