@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.backends.threads import torch_threads
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -83,7 +85,14 @@ def choose_next(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """(B, vocab) last-position logits -> (B,) next tokens under `settings`. Raises
-    `NonFiniteLogitsError` when a row holds NaN or inf."""
+    `NonFiniteLogitsError` when a row holds NaN or inf. Runs on one torch thread: the work is a
+    few passes over B × vocab floats, and right after the numpy step a second torch thread would
+    wait for the core OpenBLAS's worker still spins on."""
+    with torch_threads(1):
+        return _choose_next(logits, settings, generator)
+
+
+def _choose_next(logits: torch.Tensor, settings: SamplingSettings, generator) -> torch.Tensor:
     finite = torch.isfinite(logits).all(dim=-1)  # (B,)
     if not bool(finite.all()):
         rows = (~finite).nonzero().flatten().tolist()
