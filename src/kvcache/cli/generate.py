@@ -54,8 +54,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKEND_NAMES,
         default="auto",
-        help="what runs the decode steps: the numpy step (float32 on CPU), the model's torch "
-        "forward, or auto: numpy where it applies, else torch (default)",
+        help="what runs the decode steps: the numpy step (float32 on CPU), the half step "
+        "(bfloat16/float16 on CPU), the model's torch forward, or auto: numpy or half where they "
+        "apply, else torch (default)",
     )
 
 
