@@ -68,6 +68,8 @@ def build_100m(folder: Path) -> Path:
 
 def worker(args: argparse.Namespace) -> None:
     """One configuration; prints one JSON line."""
+    # kvcache first, as its users are told: it sets OpenBLAS's spin before numpy loads
+    import kvcache  # noqa: F401, I001
     import torch
 
     torch.set_num_threads(args.threads)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvcache
 
 SOURCE = Path(kvcache.__file__).resolve().parent
@@ -156,3 +158,24 @@ def test_data_flows_one_way():
         if any(target == up or target.startswith(up + ".") for up in above)
     ]
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize(
+    "code, preset, expected",
+    [
+        ("import kvcache, numpy", None, "20"),  # kvcache first: OpenBLAS reads the shorter spin
+        ("import kvcache, numpy", "25", "25"),  # a value the user set is kept
+        ("import numpy, kvcache", None, None),  # too late for OpenBLAS: nothing is changed
+    ],
+)
+def test_importing_kvcache_before_numpy_shortens_openblas_spinning(code, preset, expected):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    shown = subprocess.run(
+        [sys.executable, "-c", f"{code}; import os; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert shown == str(expected)
