@@ -1,0 +1,117 @@
+"""A decode step split into its products, its attention and the rest, for each weight dtype.
+
+    .venv/bin/python benchmarks/profile_step_split.py --model 100m --context 128
+    .venv/bin/python benchmarks/profile_step_split.py --model smollm2 --context 2048
+
+The step as `choose_backend` picks it (float32: the numpy step; bfloat16: the half step) is
+timed in a loop on a dynamic cache of `--context` tokens; then its products alone, on the step's
+own weights, one row each; then torch's attention alone on keys and values of that length (the
+same call shape as the step's: each kv head's query group as the rows). The rest is the step
+minus both. Attention alone reuses one layer's keys, which stay in cache: inside the step they
+come from memory, so the rest holds that difference too. Medians; stdout only; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import kvcache  # noqa: F401 (imported before numpy and torch: it sets OpenBLAS's spin, as for its users)
+
+
+def median_ms(function, runs: int = 40) -> float:
+    for _ in range(5):
+        function()
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[runs // 2] * 1000
+
+
+def build(name: str):
+    import torch
+
+    from kvcache import load_model
+    from kvcache.model import LlamaForCausalLM, ModelConfig
+
+    if name == "smollm2":
+        from bench_decode import smollm2_gguf
+
+        return load_model(smollm2_gguf())
+    config = ModelConfig.from_dict(dict(
+        model_type="llama", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=4, intermediate_size=2048, vocab_size=32000, max_position_embeddings=8192))
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def products(backend):
+    """A function running every product of one step on the step's own weights, and the bytes read."""
+    import numpy as np
+    import torch
+
+    if backend.name == "numpy":
+        packed = backend.weights
+        matrices = [m for w in packed.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [packed.lm_head]
+        rows = [np.ones(m.shape[0], np.float32) for m in matrices]  # (in, out) matrices
+        return (lambda: [row @ m for row, m in zip(rows, matrices)]), sum(m.nbytes for m in matrices)
+    config = backend.config
+    sizes = {"hidden": config.hidden_size, "heads": config.num_attention_heads * config.head_dim,
+             "inner": config.intermediate_size}
+    calls = [(p, sizes[k]) for w in backend.layers
+             for p, k in ((w.qkv, "hidden"), (w.o, "heads"), (w.gate_up, "hidden"), (w.down, "inner"))]
+    calls.append((backend.lm_head, sizes["hidden"]))
+    rows = [torch.randn(1, width) for _, width in calls]
+    element = torch.finfo(backend.dtype).bits // 8
+    read = sum(p.out_features * width * element for p, width in calls)
+    return (lambda: [p(row) for (p, _), row in zip(calls, rows)]), read
+
+
+def measure(model, dtype, context: int) -> str:
+    """One line: the step of `model` cast to `dtype` at `context` tokens, split."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvcache.backends import choose_backend
+    from kvcache.cache import make_cache
+
+    model = model.to(dtype)
+    backend = choose_backend(model)
+    config = model.config
+    cache = make_cache("dynamic", config=config, dtype=dtype)
+    with torch.inference_mode():
+        model(torch.randint(0, config.vocab_size, (1, context)), past_key_values=cache)
+        token = torch.tensor([[5]])
+        step = median_ms(lambda: backend.decode(token, cache))  # the context grows by ~45
+        run_products, read = products(backend)
+        product_ms = median_ms(run_products)
+        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        keys = torch.randn(1, kv_heads, context, dim).to(dtype)
+        values = torch.randn_like(keys)
+        queries = torch.randn(1, kv_heads, heads // kv_heads, dim).to(dtype)
+        layers = config.num_hidden_layers
+        attention = median_ms(
+            lambda: [F.scaled_dot_product_attention(queries, keys, values) for _ in range(layers)])
+    return (f"{backend.name} step, {str(dtype)[6:]}: {step:.2f} ms = products {product_ms:.2f} ms "
+            f"({read / product_ms / 1e6:.1f} GB/s over {read / 1e6:.0f} MB) + attention {attention:.2f} ms "
+            f"+ rest {step - product_ms - attention:.2f} ms")
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="100m", choices=("100m", "smollm2"))
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build(args.model)
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"{args.model}, {args.context} tokens, {measure(model, dtype, args.context)}")
+
+
+if __name__ == "__main__":
+    main()
