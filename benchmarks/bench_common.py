@@ -5,6 +5,7 @@ the path)."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -21,3 +22,17 @@ def commit(folder: Path = Path(__file__).parent) -> str | None:
     command = ["git", "-C", str(folder), "rev-parse", "--short", "HEAD"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     return done.stdout.strip() or None
+
+
+class Stamps:
+    """A transformers streamer that only records when each put() happens (times[0]: the prompt,
+    then one per new token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass

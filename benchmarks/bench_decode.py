@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import commit
+from bench_common import Stamps, commit
 
 RESULTS = Path(__file__).parent / "results"
 HUNDRED_M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
                                generator=torch.Generator().manual_seed(1)).repeat(args.batch, 1)
 
         def run():
-            stamps = _Stamps()
+            stamps = Stamps()
             started = time.perf_counter()
             with torch.inference_mode():
                 model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
@@ -111,19 +111,6 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"ttft_ms": ttft * 1000, "decode_tokens_per_s": per_row * args.batch,
                       "step_ms": 1000 / per_row, "ran": ran,
                       "parameters": sum(p.numel() for p in model.parameters())}))
-
-
-class _Stamps:
-    """A transformers streamer that records when each put() happens."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def run_worker(checkpoint: Path, library: str, dtype: str, backend, batch: int, args) -> dict:

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import commit
+from bench_common import Stamps, commit
 
 MODELS = {
     "100m": dict(
@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
             options["cache_implementation"] = "static"
 
         def run():
-            stamps = _Stamps()
+            stamps = Stamps()
             started = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(
@@ -174,19 +174,6 @@ def _peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class _Stamps:
-    """A transformers streamer that only records when each put() happens."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def run_config(checkpoint: Path, library: str, cache: str, kernel, args, source: Path | None = None) -> dict:

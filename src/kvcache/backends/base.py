@@ -28,6 +28,12 @@ class DecodeBackend:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    @staticmethod
+    def check_step_ids(input_ids: torch.Tensor) -> None:
+        """Raise ValueError unless input_ids is (batch, 1): one new token per row."""
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise ValueError(f"a decode step takes input_ids (batch, 1), got shape {tuple(input_ids.shape)}")
+
     def matches(self, model) -> bool:
         """Whether this backend computes `model`'s decode step: it was built from that model, and
         the model has not changed since in a way the backend would miss."""

@@ -142,8 +142,7 @@ class HalfBackend(DecodeBackend):
     ) -> torch.Tensor:
         """(B, vocab) float32 logits of one decode step of input_ids (B, 1) on `cache` (see
         `DecodeBackend.decode`)."""
-        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
-            raise ValueError(f"a decode step takes input_ids (batch, 1), got shape {tuple(input_ids.shape)}")
+        self.check_step_ids(input_ids)
         vocab = self.embed.shape[0]
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= vocab:

@@ -151,8 +151,7 @@ class NumpyBackend(DecodeBackend):
     ) -> torch.Tensor:
         """(B, vocab) float32 logits of one decode step of input_ids (B, 1) on `cache` (see
         `DecodeBackend.decode`)."""
-        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
-            raise ValueError(f"a decode step takes input_ids (batch, 1), got shape {tuple(input_ids.shape)}")
+        self.check_step_ids(input_ids)
         token_ids = input_ids.cpu().numpy()[:, 0]  # (B,)
         listed = token_ids.tolist()  # (a few ints: cheaper than two numpy reductions)
         vocab = len(self.weights.embed)
