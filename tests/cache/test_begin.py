@@ -78,3 +78,44 @@ def test_positions_count_real_tokens_of_a_left_padded_mask():
         cache.update(torch.randn(2, HEADS, 5, DIM), torch.randn(2, HEADS, 5, DIM), layer)
     grown = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
     assert cache.begin(1, grown).positions.tolist() == [[3], [5]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(KINDS), chunks=st.lists(st.integers(1, 6), max_size=3),
+       new_tokens=st.integers(1, 6))
+def test_causal_marks_exactly_the_masks_that_are_plain_causal(kind, chunks, new_tokens):
+    """CAUSAL stands in for a mask only where the explicit mask is the (T, T) lower triangle."""
+    from kvcache.cache.plan import CAUSAL
+
+    cache, twin = build(kind), build(kind)
+    fill(cache, chunks)
+    fill(twin, chunks)
+    plan = cache.begin(new_tokens)
+    explicit = twin.attention_masks(new_tokens)
+    for layer in range(LAYERS):
+        mask = plan.mask(layer)
+        if mask is CAUSAL:
+            assert torch.equal(explicit[layer], CAUSAL.tensor(new_tokens))
+            assert not chunks and new_tokens > 1  # a prompt into an empty cache
+    if kind == "dynamic" and not chunks and new_tokens > 1:
+        assert plan.mask(0) is CAUSAL  # where it applies, it is used
+
+
+def test_a_prompt_through_causal_attention_gives_the_explicit_masks_logits():
+    """The model with CAUSAL (no attention_mask) and with explicit masks (an all-ones
+    attention_mask) on the same prompt: the same logits, for a plain and a windowed model."""
+    from tiny_models import tiny_model
+
+    from kvcache.cache.plan import CAUSAL
+
+    windowed = [{"model_type": "mistral", "sliding_window": w} for w in (20, 4)]
+    for overrides in ({}, *windowed):
+        model = tiny_model(seed=3, **overrides)
+        prompt = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+        cache = make_cache("dynamic", config=model.config)
+        marked = cache.begin(9, windows=model.config.layer_windows).mask(0)
+        assert (marked is CAUSAL) == (overrides.get("sliding_window", 99) >= 9)  # a window of 4 masks more
+        with torch.no_grad():
+            fast = model(prompt).logits
+            explicit = model(prompt, attention_mask=torch.ones(1, 9, dtype=torch.long)).logits
+        torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=1e-5)

@@ -22,7 +22,7 @@ from .checks import (
 from .errors import CacheError, CacheShapeError, CacheStateError, LayerIndexError
 from .layer import CacheLayer, is_compiling
 from .masks import build_mask, narrower_window
-from .plan import ForwardPlan, LayerMasks
+from .plan import ForwardPlan, LayerMasks, mark_causal
 
 __all__ = ["Cache", "CacheLayer", "ForwardPlan", "LayerMasks", "is_compiling"]
 
@@ -207,7 +207,10 @@ class Cache:
             own_windows = False  # layers still to be created, each with the model's window
         if layers and own_windows and all(layer.sees_every_key(new_tokens) for layer in layers):
             return ForwardPlan(None, **where)
-        return ForwardPlan(self.attention_masks(new_tokens, device=device, windows=windows), **where)
+        masks = self.attention_masks(new_tokens, device=device, windows=windows)
+        if new_tokens > 1 and isinstance(where["start"], int) and where["start"] == 0:
+            masks = mark_causal(masks, new_tokens)  # a prompt into an empty cache: is_causal
+        return ForwardPlan(masks, **where)
 
     @staticmethod
     def _mask_for(

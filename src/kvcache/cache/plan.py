@@ -1,10 +1,45 @@
 """What one forward needs from the cache: the new tokens' positions and each layer's mask
 (`ForwardPlan`, from `Cache.begin`), the masks as a list that may cover layers not created yet
-(`LayerMasks`)."""
+(`LayerMasks`), and `CAUSAL`, the mask of a prompt that starts an empty cache."""
 
 from __future__ import annotations
 
 import torch
+
+
+class _Causal:
+    """A layer's mask when its keys are exactly the new tokens, in order, each query seeing
+    itself and the keys before it (a prompt into an empty cache, no padding, no window it
+    reaches): attention takes `is_causal=True` for it, which skips the masked half of the scores
+    that an explicit mask would compute. `tensor(T)` is the same mask as a (1, 1, T, T) bool."""
+
+    def tensor(self, tokens: int, device=None) -> torch.Tensor:
+        return torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()[None, None]
+
+    def __repr__(self) -> str:
+        return "CAUSAL"
+
+
+CAUSAL = _Causal()
+
+
+def mark_causal(masks: LayerMasks, tokens: int) -> LayerMasks:
+    """`masks` with each (1, 1, T, T) mask that is exactly the causal one replaced by CAUSAL
+    (each distinct mask object compared once)."""
+    replaced: dict[int, object] = {}
+    causal: list[torch.Tensor] = []
+
+    def marked(mask):
+        if mask is None:
+            return None
+        if id(mask) not in replaced:
+            if not causal:
+                causal.append(CAUSAL.tensor(tokens, mask.device))
+            plain = mask.shape == causal[0].shape and torch.equal(mask, causal[0])
+            replaced[id(mask)] = CAUSAL if plain else mask
+        return replaced[id(mask)]
+
+    return LayerMasks([marked(mask) for mask in masks], marked(masks.default))
 
 
 class LayerMasks(list):
@@ -31,8 +66,9 @@ class ForwardPlan:
         padding query gets 0). Built on first use when every row starts at `start`.
     start: where every row's first new token sits (a Python int, or a 0-d tensor for a compiled
         layer), or None when rows differ (padding, a paged cache's rows).
-    masks: one boolean mask per layer, (B or 1, 1, T_new, T_kv_i), True = may attend; None when
-        every key each layer's `update` returns is visible to every new token (attend unmasked).
+    masks: one boolean mask per layer, (B or 1, 1, T_new, T_kv_i), True = may attend, or
+        `CAUSAL`; None when every key each layer's `update` returns is visible to every new token
+        (attend unmasked).
     """
 
     __slots__ = ("masks", "start", "_positions", "_new_tokens", "_device")
@@ -63,8 +99,8 @@ class ForwardPlan:
             self._positions = (self.start + torch.arange(self._new_tokens, device=device))[None]  # (1, T_new)
         return self._positions
 
-    def mask(self, layer_idx: int) -> torch.Tensor | None:
-        """Layer `layer_idx`'s mask, or None (every key visible)."""
+    def mask(self, layer_idx: int) -> torch.Tensor | _Causal | None:
+        """Layer `layer_idx`'s mask, `CAUSAL`, or None (every key visible)."""
         return None if self.masks is None else self.masks[layer_idx]
 
     def __repr__(self) -> str:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.cache import Cache, make_cache
+from kvcache.cache.plan import CAUSAL
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcache.model.config import NORM_PLACEMENTS, ModelConfig
 from kvcache.model.rope import RotaryEmbedding, apply_rope
@@ -105,8 +106,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.rms_norm_eps, offset)
 
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
-        """x (B, T, hidden), cos/sin (B or 1, 1, T, D), mask (B or 1, 1, T, T_kv) or None
-        (every key visible) -> (B, T, hidden)."""
+        """x (B, T, hidden), cos/sin (B or 1, 1, T, D), mask (B or 1, 1, T, T_kv), `CAUSAL` or
+        None (every key visible) -> (B, T, hidden)."""
         batch, new_tokens, _ = x.shape  # (B, T, hidden)
         q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H·D), (B, T, H_kv·D)
         if self.qk_norm == "width":
@@ -122,12 +123,15 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # (B, H, T, D), (B, H_kv, T, D)
         v = heads[:, self.num_heads + self.kv_heads :]  # (B, H_kv, T, D)
         keys, values = cache.update(k, v, self.layer_idx)  # (B, H_kv, T_visible, D)
+        causal = mask is CAUSAL  # a prompt into an empty cache: the fused kernel skips the masked half
         if self.softcap is None:
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads, scale=self.scale
+                q, keys, values, attn_mask=None if causal else mask, is_causal=causal,
+                enable_gqa=self.kv_heads != self.num_heads, scale=self.scale
             )  # (B, H, T, D)
         else:
             scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            mask = CAUSAL.tensor(new_tokens, q.device) if causal else mask
             out = softcapped_attention(q, keys, values, mask, scale, self.softcap)
         out = out.transpose(1, 2).reshape(batch, new_tokens, self.num_heads * self.head_dim)
         return self.o_proj(out)
