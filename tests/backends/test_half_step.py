@@ -2,7 +2,7 @@
 families, batches, left padding and cache kinds its logits are as close to a float32 forward of
 the very same weights as the model's own torch forward in that dtype (within twice its error);
 its greedy tokens equal transformers' in that dtype on a local checkpoint; a model written to
-since the backend was built gets a new one; an interrupted step is undone."""
+since the backend was built gets a new one (an interrupted step: tests/model/test_interrupted_forward.py)."""
 
 from __future__ import annotations
 
@@ -127,26 +127,3 @@ def test_it_refuses_what_it_cannot_run_by_name():
     assert isinstance(choose_backend(gemma), TorchBackend)
     with pytest.raises(BackendError, match="bfloat16 or float16"):
         HalfBackend(random_model(tiny_config(), 0))
-
-
-def test_an_interrupted_step_is_undone():
-    model = random_model(tiny_config(num_hidden_layers=3), 2).to(torch.bfloat16)
-    backend = HalfBackend(model)
-    prompt, step = torch.tensor([[5, 9, 2, 7]]), torch.tensor([[11]])
-    cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
-    with torch.no_grad():
-        model(prompt, past_key_values=cache)
-        expected = backend.decode(step, cache)
-        cache.crop(4)
-        layer = cache.layers[1]
-        original = layer.update
-
-        def interrupted(*args, **kwargs):
-            raise KeyboardInterrupt
-
-        layer.update = interrupted
-        with pytest.raises(KeyboardInterrupt):
-            backend.decode(step, cache)
-        layer.update = original
-        assert {layer.get_seq_length() for layer in cache.layers} == {4}
-        torch.testing.assert_close(backend.decode(step, cache), expected)

@@ -17,7 +17,8 @@ KINDS = ["dynamic", "static", "sliding", "quantized", "paged", "none"]
 def make(kind: str, model):
     options = {"residual_length": 2, "group_size": 8} if kind == "quantized" else {}
     window = 4 if kind == "sliding" else None
-    return kvcache.make_cache(kind, config=model.config, max_cache_len=32, window=window, **options)
+    return kvcache.make_cache(kind, config=model.config, max_cache_len=32, window=window, dtype=model.dtype,
+                              **options)
 
 
 class Interrupt(KeyboardInterrupt):
@@ -71,12 +72,18 @@ def test_a_cache_whose_layers_disagree_is_refused_until_crop():
     model(torch.tensor([[4]]), past_key_values=cache)
 
 
+# each step and the seam it writes the cache through
+STEPS = {"numpy": (torch.float32, "update_arrays"), "half": (torch.bfloat16, "update")}
+
+
+@pytest.mark.parametrize("step_name", list(STEPS))
 @pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
-def test_a_numpy_step_interrupted_between_layers_is_undone(kind):
+def test_a_decode_step_interrupted_between_layers_is_undone(kind, step_name):
     from kvcache.backends import choose_backend
 
-    model = tiny_model(layers=3)
-    backend = choose_backend(model, "numpy")
+    dtype, seam = STEPS[step_name]
+    model = tiny_model(layers=3).to(dtype)
+    backend = choose_backend(model, step_name)
     prompt, step = torch.tensor([[5, 9, 2, 7]]), torch.tensor([[11]])
     with torch.no_grad():
         reference = make(kind, model)
@@ -85,14 +92,13 @@ def test_a_numpy_step_interrupted_between_layers_is_undone(kind):
         cache = make(kind, model)
         model(prompt, past_key_values=cache)
         layer = cache.layers[1]
-        original = layer.update_arrays
 
-        def interrupted(k, v):
+        def interrupted(*args, **kwargs):
             raise Interrupt()
 
-        layer.update_arrays = interrupted
+        setattr(layer, seam, interrupted)
         with pytest.raises(Interrupt):
             backend.decode(step, cache)
-        layer.update_arrays = original
+        delattr(layer, seam)  # the class's own method again
         assert {layer.get_seq_length() for layer in cache.layers} == {4}
         torch.testing.assert_close(backend.decode(step, cache), expected)
