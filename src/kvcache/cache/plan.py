@@ -26,18 +26,15 @@ CAUSAL = _Causal()
 def mark_causal(masks: LayerMasks, tokens: int) -> LayerMasks:
     """`masks` with each (1, 1, T, T) mask that is exactly the causal one replaced by CAUSAL
     (each distinct mask object compared once)."""
-    replaced: dict[int, object] = {}
-    causal: list[torch.Tensor] = []
+    shape = (1, 1, tokens, tokens)
+    square = {id(m): m for m in (*masks, masks.default) if m is not None and m.shape == shape}
+    if not square:
+        return masks
+    causal = CAUSAL.tensor(tokens, next(iter(square.values())).device)
+    plain = {key for key, mask in square.items() if torch.equal(mask, causal)}
 
     def marked(mask):
-        if mask is None:
-            return None
-        if id(mask) not in replaced:
-            if not causal:
-                causal.append(CAUSAL.tensor(tokens, mask.device))
-            plain = mask.shape == causal[0].shape and torch.equal(mask, causal[0])
-            replaced[id(mask)] = CAUSAL if plain else mask
-        return replaced[id(mask)]
+        return CAUSAL if mask is not None and id(mask) in plain else mask
 
     return LayerMasks([marked(mask) for mask in masks], marked(masks.default))
 
