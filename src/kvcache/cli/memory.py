@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvcache.cli._args import positive_int
 from kvcache.defaults import is_gguf
-from kvcache.geometry import SIZE_LIMITS
+from kvcache.geometry import SIZE_LIMITS, read_geometry
 from kvcache.memory import (
     DTYPE_BITS,
     KVShape,
@@ -63,37 +63,38 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                            help="dtype of the residual rows and the scales (the model's; default bfloat16)")
 
 
-def _model_config(path: str) -> dict:
-    """The config.json (as a dict) at `path`, or the one a GGUF file's metadata describes."""
+def _read_config(path: str) -> tuple[dict, str]:
+    """The config.json at `path` (or in that folder) as a dict, or the config a GGUF file's
+    metadata describes; and the name messages give it. Read once, for the shape and the weights."""
     if is_gguf(path):  # a llama.cpp file: the config its metadata describes
         from kvcache.model.gguf_file import gguf_config
 
-        return gguf_config(path)
+        return gguf_config(path), path
     from kvcache.files import read_json_object
 
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    return read_json_object(file, "config file", ValueError)
+    if not file.is_file():
+        raise ValueError(f"no config.json at {file}")
+    return read_json_object(file, "config file", ValueError), str(file)
 
 
-def _weights_bytes(args: argparse.Namespace) -> int | None:
+def _weights_bytes(args: argparse.Namespace, config: dict | None) -> int | None:
     """Bytes of the weights of --config's model in --weights' dtype (None without --weights)."""
     if args.weights is None:
         return None
-    if not args.config:
+    if config is None:
         raise ValueError("--weights needs --config (the weights are counted from the model's config)")
     from kvcache.model.config import ModelConfig
     from kvcache.model.parameters import weight_bytes
 
-    return weight_bytes(ModelConfig.from_dict(_model_config(args.config)), args.weights)
+    return weight_bytes(ModelConfig.from_dict(config), args.weights)
 
 
-def _shape(args: argparse.Namespace) -> KVShape:
-    if args.config:
+def _shape(args: argparse.Namespace, config: dict | None, source: str) -> KVShape:
+    if config is not None:
         if any(v is not None for v in (args.layers, args.kv_heads, args.head_dim)):
             raise ValueError("give either --config or --layers/--kv-heads/--head-dim, not both")
-        if is_gguf(args.config):
-            return KVShape.from_config(_model_config(args.config))
-        return KVShape.from_config(args.config)
+        return KVShape.from_geometry(read_geometry(config, source), source)
     missing = [f"--{n}" for n, v in (("layers", args.layers), ("kv-heads", args.kv_heads),
                                      ("head-dim", args.head_dim)) if v is None]
     if missing:
@@ -113,8 +114,9 @@ _QUANTIZED_BITS = {"int8": 8, "int4": 4, "float8_e4m3fn": "fp8"}
 
 def run(args: argparse.Namespace) -> int:
     try:
-        shape = _shape(args)
-        weights = _weights_bytes(args)
+        config, source = _read_config(args.config) if args.config else (None, "")
+        shape = _shape(args, config, source)
+        weights = _weights_bytes(args, config)
     except ValueError as error:
         print(f"kvcache memory: error: {error}", file=sys.stderr)
         return 2
