@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,16 +144,6 @@ def run_llama_bench(binary: str, gguf: str, dtype: str, args) -> dict:
             "ttft_ms": 1000 * args.prompt_tokens / prompt["avg_ts"], "ran": "llama-bench"}
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _key(row: dict) -> tuple:
-    return row["library"], row["dtype"], row["backend"], row["batch"]
-
-
 def summarise(rounds: list[list[dict]]) -> list[dict]:
     """Medians over rounds, and medians of same-round ratios of decode speed: over transformers'
     in the same dtype (batch 1 rows), over llama.cpp's f32 (float32 rows) or f16 (half rows)."""
@@ -161,7 +152,7 @@ def summarise(rounds: list[list[dict]]) -> list[dict]:
         runs = [round_rows[index] for round_rows in rounds]
         row = dict(runs[0])
         for name in ("ttft_ms", "decode_tokens_per_s", "step_ms"):
-            row[name] = _median([run[name] for run in runs])
+            row[name] = statistics.median([run[name] for run in runs])
         row["decode_per_round"] = [run["decode_tokens_per_s"] for run in runs]
         if row["library"] == "kvcache":
             anchors = {"transformers": ("transformers", row["dtype"] if row["dtype"] != "float16" else None),
@@ -175,7 +166,8 @@ def summarise(rounds: list[list[dict]]) -> list[dict]:
                         mine = round_rows[index]["decode_tokens_per_s"]
                         ratios.append(mine / theirs[0]["decode_tokens_per_s"])
                 if ratios:
-                    row[f"over_{name}"] = {"median": _median(ratios), "min": min(ratios), "max": max(ratios)}
+                    row[f"over_{name}"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                           "max": max(ratios)}
         rows.append(row)
     return rows
 

@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,12 +217,6 @@ def run_config(checkpoint: Path, library: str, cache: str, kernel, args, source:
     return row
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def _same_round_ratios(rounds: list[list[dict]], index: int, other) -> list[float]:
     """Row `index`'s decode speed over that of the row `other(row)` picks, round by round."""
     ratios = []
@@ -243,7 +238,7 @@ def summarise(rounds: list[list[dict]]) -> list[dict]:
         runs = [round_rows[index] for round_rows in rounds]
         row = dict(runs[0])
         for key in ("ttft_ms", "decode_tokens_per_s", "weight_gb_per_s"):
-            row[key] = _median([run[key] for run in runs])
+            row[key] = statistics.median([run[key] for run in runs])
         row["peak_rss_mb"] = max(run["peak_rss_mb"] for run in runs)
         row["decode_per_round"] = [run["decode_tokens_per_s"] for run in runs]
         if row["library"] == "kvcache":
@@ -259,7 +254,7 @@ def summarise(rounds: list[list[dict]]) -> list[dict]:
 
 
 def _spread(ratios: list[float]) -> str:
-    return f"{_median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
+    return f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
 
 
 def table(results: dict) -> str:
