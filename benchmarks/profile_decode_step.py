@@ -1,10 +1,11 @@
-"""Where a numpy decode step's time goes, line by line, without a profiler's overhead.
+"""Where a decode step's time goes, line by line, without a profiler's overhead.
 
     .venv/bin/python benchmarks/profile_decode_step.py                 # the bundled ~3M model
-    .venv/bin/python benchmarks/profile_decode_step.py --model DIR --steps 300
+    .venv/bin/python benchmarks/profile_decode_step.py --model DIR --steps 300 --dtype bfloat16
 
 A profiler's per-call hooks cost more than most lines of the step, so this takes the source of
-`NumpyBackend._run` (kvcache.backends.numpy_step), puts a `time.perf_counter()` stamp after
+`ArrayStep._run` (kvcache.backends.array_step: the numpy step's for float32, the half step's for
+bfloat16 or float16, as `choose_backend` picks), puts a `time.perf_counter()` stamp after
 every simple statement, runs that copy on the loaded model (each step right after the previous
 one, so the weights have just streamed through the CPU caches, as in generation), and prints
 each statement's mean time per step, summed over the layers. The cache is reset to the same
@@ -23,11 +24,11 @@ import time
 
 
 def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: list[float]):
-    """A copy of NumpyBackend._run with a stamp after every simple statement; returns (function,
+    """A copy of ArrayStep._run with a stamp after every simple statement; returns (function,
     source lines) where stamps[i] accumulates the seconds spent up to source line i."""
-    from kvcache.backends import numpy_step
+    from kvcache.backends import array_step
 
-    lines = textwrap.dedent(inspect.getsource(numpy_step.NumpyBackend._run)).splitlines()
+    lines = textwrap.dedent(inspect.getsource(array_step.ArrayStep._run)).splitlines()
     skip = ("#", "if ", "for ", "with ", "def ", '"""', "return", "raise", ")", 'f"', "else", "elif")
     out = []
     body_started = False
@@ -62,24 +63,26 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--context", type=int, default=128, help="keys each step attends over")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
     import torch
 
     from kvcache import load_model
-    from kvcache.backends import NumpyBackend, numpy_step
+    from kvcache.backends import array_step, choose_backend
     from kvcache.cache import make_cache
 
-    torch.set_num_threads(1)
-    model = load_model(args.model, dtype=torch.float32)
-    backend = NumpyBackend(model)
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    backend = choose_backend(model)
     stamps: collections.defaultdict = collections.defaultdict(float)
     clock = [0.0]
-    run, lines = instrumented_run(vars(numpy_step), stamps, clock)
+    run, lines = instrumented_run(vars(array_step), stamps, clock)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context))
     token_ids = prompt[0, -1:].numpy()  # (1,)
     with torch.inference_mode():
-        cache = make_cache("dynamic", config=model.config)
+        cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
         model(prompt, past_key_values=cache, logits_to_keep=1)
         total = 0.0
         for _ in range(args.steps):
@@ -89,7 +92,8 @@ def main() -> None:
             plan = cache.begin(1)
             run(backend, token_ids, plan, cache)
             total += time.perf_counter() - started
-    print(f"one decode step: {total / args.steps * 1e6:.0f} µs (mean of {args.steps}); per statement:")
+    mean = total / args.steps * 1e6
+    print(f"one {backend.name} decode step: {mean:.0f} µs (mean of {args.steps}); per statement:")
     for index in sorted(stamps):
         print(f"{stamps[index] / args.steps * 1e6:8.1f} µs  {lines[index].strip()[:96]}")
 

@@ -48,25 +48,23 @@ def build(name: str):
 
 
 def products(backend):
-    """A function running every product of one step on the step's own weights, and the bytes read."""
+    """A function running every product of one step through the step's own `_linear`, on its own
+    weights, one row each, and the bytes of weights those products read."""
     import numpy as np
     import torch
 
-    if backend.name == "numpy":
-        packed = backend.weights
-        matrices = [m for w in packed.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [packed.lm_head]
-        rows = [np.ones(m.shape[0], np.float32) for m in matrices]  # (in, out) matrices
-        return (lambda: [row @ m for row, m in zip(rows, matrices)]), sum(m.nbytes for m in matrices)
     config = backend.config
     sizes = {"hidden": config.hidden_size, "heads": config.num_attention_heads * config.head_dim,
              "inner": config.intermediate_size}
-    calls = [(p, sizes[k]) for w in backend.layers
-             for p, k in ((w.qkv, "hidden"), (w.o, "heads"), (w.gate_up, "hidden"), (w.down, "inner"))]
-    calls.append((backend.lm_head, sizes["hidden"]))
-    rows = [torch.randn(1, width) for _, width in calls]
-    element = torch.finfo(backend.dtype).bits // 8
-    read = sum(p.out_features * width * element for p, width in calls)
-    return (lambda: [p(row) for (p, _), row in zip(calls, rows)]), read
+    outs = {"qkv": (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim,
+            "o": config.hidden_size, "gate_up": 2 * config.intermediate_size, "down": config.hidden_size}
+    ins = {"qkv": "hidden", "o": "heads", "gate_up": "hidden", "down": "inner"}
+    calls = [(getattr(w, name), sizes[ins[name]], outs[name]) for w in backend.layers for name in outs]
+    calls.append((backend.lm_head, sizes["hidden"], config.vocab_size))
+    rows = [np.ones((1, width), np.float32) for _, width, _ in calls]
+    dtype = getattr(backend, "dtype", torch.float32)
+    read = sum(width * out * (torch.finfo(dtype).bits // 8) for _, width, out in calls)
+    return (lambda: [backend._linear(row, weight, None) for (weight, _, _), row in zip(calls, rows)]), read
 
 
 def measure(model, dtype, context: int) -> str:

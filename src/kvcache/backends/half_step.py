@@ -10,12 +10,13 @@ once whatever the number of rows and accumulate in float32), float16 ones as pla
 
 The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
 RoPE, the cache update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU,
-residuals, the final norm and lm_head. What the torch forward does in the weights' dtype it does
-in float32 (the residual stream, the norms, RoPE, SiLU); each product's input is rounded to the
-weights' dtype and its output read back in float32; attention runs in the cache's dtype on the
-stored keys and values, each kv head's group of queries as the rows. So its logits are as close
-to a float32 forward of the same weights as the torch forward's in that dtype (the tests pin a
-mean error within 1.25× and a worst within 2× of the torch forward's).
+residuals, the final norm and lm_head: the arithmetic between products is `array_step.ArrayStep`'s,
+on numpy float32 rows, so what the torch forward does in the weights' dtype it does in float32
+(the residual stream, the norms, RoPE, SiLU); each product's input is rounded to the weights'
+dtype and its output read back in float32; keys and values are stored in the cache's dtype and
+attention runs there. So its logits are as close to a float32 forward of the same weights as the
+torch forward's in that dtype (the tests pin a mean error within 1.25× and a worst within 2× of
+the torch forward's).
 
 Like the numpy step it calls no module (`support.unsupported_structure`), and its copy of the
 weights is the model's at build time: `matches` says whether every parameter is still the same
@@ -24,12 +25,13 @@ tensor, unchanged (its version counter), so a model written to since gets a new 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcache.backends.base import BackendError, DecodeBackend
+from kvcache.backends.array_step import ArrayStep
+from kvcache.backends.base import BackendError
 from kvcache.backends.support import unsupported_parameters, unsupported_structure
-from kvcache.model.rope import apply_rope
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -51,57 +53,43 @@ def require_supported(model) -> None:
         raise BackendError(f"the half backend cannot run this model: {reason}; use the torch backend")
 
 
-class _Product:
-    """x (B, in) float32 -> x·Wᵀ + b (B, out) float32, W held in the weights' dtype and
-    layout (see the module docstring); x is rounded to that dtype first."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.dtype = weight.dtype
-        self.out_features = weight.shape[0]
-        self.bias = None if bias is None else bias.detach().clone()
-        if self.dtype == torch.bfloat16:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        else:
-            self.weight = weight.detach().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
-        if self.dtype == torch.bfloat16:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        else:
-            out = F.linear(x, self.weight, self.bias)
-        return out.float()
+def _laid_out(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) half-precision weight as the step's products read it: bfloat16 in oneDNN's
+    packed layout, float16 as a plain contiguous matrix."""
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    return weight.detach().contiguous()
 
 
-def _fused(*linears) -> _Product:
-    weight = torch.cat([linear.weight for linear in linears])
+def _fused(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of `linears` stacked along out, laid out (see `_laid_out`), and their biases."""
+    weight = _laid_out(torch.cat([linear.weight for linear in linears]))
     biases = [linear.bias for linear in linears]
-    bias = None if biases[0] is None else torch.cat(biases)
-    return _Product(weight, bias)
+    return weight, None if biases[0] is None else torch.cat(biases).detach()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (..., n) float32 / rms(x) * weight (float32 (n,))."""
-    return F.rms_norm(x, weight.shape, weight, eps)
+def _vector(parameter: torch.Tensor | None) -> np.ndarray | None:
+    """A norm weight as a float32 array (None stays None)."""
+    return None if parameter is None else parameter.detach().float().numpy()
 
 
 class _Layer:
-    """One decoder layer's weights as the step reads them."""
+    """One decoder layer's weights as the step reads them (the fields `ArrayStep` names)."""
 
     def __init__(self, layer) -> None:
         attention, mlp = layer.self_attn, layer.mlp
-        self.norm1 = layer.input_layernorm.weight.detach().float()
-        self.norm2 = layer.post_attention_layernorm.weight.detach().float()
-        self.qkv = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
-        self.o = _Product(attention.o_proj.weight, attention.o_proj.bias)
-        self.gate_up = _fused(mlp.gate_proj, mlp.up_proj)
-        self.down = _Product(mlp.down_proj.weight, mlp.down_proj.bias)
+        self.norm1 = _vector(layer.input_layernorm.weight)
+        self.norm2 = _vector(layer.post_attention_layernorm.weight)
+        self.qkv, self.qkv_bias = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.o, self.o_bias = _fused(attention.o_proj)
+        self.gate_up, self.gate_up_bias = _fused(mlp.gate_proj, mlp.up_proj)
+        self.down, self.down_bias = _fused(mlp.down_proj)
         heads = attention.qk_norm == "head"
-        self.q_norm = attention.q_norm.weight.detach().float() if heads else None
-        self.k_norm = attention.k_norm.weight.detach().float() if heads else None
+        self.q_norm = _vector(attention.q_norm.weight) if heads else None
+        self.k_norm = _vector(attention.k_norm.weight) if heads else None
 
 
-class HalfBackend(DecodeBackend):
+class HalfBackend(ArrayStep):
     """Decode steps of a bfloat16 or float16 CPU LlamaForCausalLM on weights laid out once (see
     the module docstring). Raises `BackendError` for a model it cannot stand in for."""
 
@@ -109,77 +97,39 @@ class HalfBackend(DecodeBackend):
 
     def __init__(self, model) -> None:
         require_supported(model)
-        config = model.config
-        self.config = config
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.eps = float(model.model.norm.eps)
+        super().__init__(model)
         self.dtype = model.dtype
         with torch.inference_mode(False), torch.no_grad():
             self.layers = [_Layer(layer) for layer in model.model.layers]
             self.embed = model.model.embed_tokens.weight.detach()  # the model's own: rows are read
-            self.final_norm = model.model.norm.weight.detach().float()
-            self.lm_head = _Product(model.lm_head.weight, None)
-        self.rotary = model.model.rotary_emb
+            self.final_norm = _vector(model.model.norm.weight)
+            self.lm_head = _laid_out(model.lm_head.weight)
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
-        self._buffers = [(b, b.data_ptr()) for b in model.buffers()]
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
         the one it copied, in place and unwritten since (its version counter), every buffer the
         one it read."""
-        parameters, buffers = list(model.parameters()), list(model.buffers())
+        parameters = list(model.parameters())
         return (
-            model.config == self.config
+            self.same_model_config(model)
             and len(parameters) == len(self._sources)
             and all(p is mine and p.data_ptr() == ptr and p._version == version
                     for p, (mine, ptr, version) in zip(parameters, self._sources))
-            and len(buffers) == len(self._buffers)
-            and all(b is mine and b.data_ptr() == ptr for b, (mine, ptr) in zip(buffers, self._buffers))
         )
 
-    def decode(
-        self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """(B, vocab) float32 logits of one decode step of input_ids (B, 1) on `cache` (see
-        `DecodeBackend.decode`)."""
-        self.check_step_ids(input_ids)
-        vocab = self.embed.shape[0]
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= vocab:
-            raise IndexError(f"token ids must lie in [0, {vocab}), got min {low} and max {high}")
-        past = cache.get_seq_length()
-        plan = cache.begin(1, attention_mask, device=input_ids.device, windows=self.config.layer_windows)
-        try:
-            with torch.no_grad():
-                return self._run(input_ids[:, 0], plan, cache)
-        except BaseException:  # Ctrl-C between layers: undo the step (as the torch forward does)
-            cache.abandon_forward(past)
-            raise
+    def _linear(self, x: np.ndarray, weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
+        """x (B, in) float32, rounded to the weights' dtype, times weightᵀ (+ bias), read back as
+        float32 (B, out). oneDNN's bfloat16 product accumulates in float32."""
+        rows = torch.from_numpy(x).to(self.dtype)
+        if self.dtype == torch.bfloat16:
+            out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        else:
+            out = F.linear(rows, weight, bias)
+        return out.float().numpy()
 
-    def _run(self, token_ids: torch.Tensor, plan, cache) -> torch.Tensor:
-        batch = token_ids.shape[0]
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.rotary(plan.positions, torch.float32)  # (B or 1, 1, 1, D)
-        x = self.embed[token_ids].float()  # (B, hidden)
-        for index, w in enumerate(self.layers):
-            qkv = w.qkv(_rms_norm(x, w.norm1, self.eps))  # (B, (H + 2·H_kv)·D)
-            qkv = qkv.view(batch, heads + 2 * kv_heads, 1, head_dim)  # (B, H + 2·H_kv, 1, D)
-            rotated = heads + kv_heads
-            qk, v = qkv[:, :rotated], qkv[:, rotated:]  # queries and keys turn together
-            if w.q_norm is not None:  # qwen3: each head's q and k normalised before RoPE
-                qk = torch.cat([_rms_norm(qk[:, :heads], w.q_norm, self.eps),
-                                _rms_norm(qk[:, heads:], w.k_norm, self.eps)], dim=1)
-            qk = apply_rope(qk, cos, sin).to(self.dtype)  # keys stored as the model stores them
-            q, k = qk[:, :heads], qk[:, heads:]
-            keys, values = cache.update(k, v.to(self.dtype), index)  # (B, H_kv, T_kv, D)
-            # each kv head with its group of queries as the "rows": (B, H_kv, G, D) over
-            # (B, H_kv, T_kv, D), the mask (B or 1, 1, 1, T_kv) broadcast over the group (torch's
-            # grouped-query flag is several times slower on half-precision keys)
-            grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(keys.dtype)
-            attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask(index))
-            x = x + w.o(attended.float().reshape(batch, heads * head_dim))
-            gate_up = w.gate_up(_rms_norm(x, w.norm2, self.eps))  # (B, 2·inner)
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = x + w.down(F.silu(gate) * up)
-        return self.lm_head(_rms_norm(x, self.final_norm, self.eps))  # (B, vocab)
+    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+        return self.embed[torch.from_numpy(token_ids)].float().numpy()  # (B, hidden)
+
+    def _store(self, cache, k, v, index):
+        return cache.update(torch.from_numpy(k).to(self.dtype), torch.from_numpy(v).to(self.dtype), index)

@@ -1,0 +1,221 @@
+"""ArrayStep: a decode step whose per-token arithmetic runs on numpy float32 rows.
+
+Why: a decode step is one new token per row. Its weights are read once each, so on CPU the step
+is memory bandwidth (the products) plus per-operation overhead (everything between them). A
+numpy operation on a few hundred floats costs a fraction of a torch one (`docs/backends.md`), so
+everything between the products runs as numpy calls on float32 rows, and each backend says only
+how a product is computed (`_linear`: numpy's OpenBLAS on float32 weights, oneDNN or torch on
+half-precision ones), how token ids become rows (`_embed`) and how keys and values reach the
+cache (`_store`, through the seam `cache.update`/`update_arrays`; the plan comes from
+`cache.begin(1, attention_mask)`).
+
+It computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3), RoPE
+(pairs i, i + D/2), the cache update, grouped-query attention under the plan's masks (torch's
+fused attention on the stored keys and values, each kv head's group of queries as the rows: one
+call per layer), o_proj, RMSNorm, SwiGLU, residuals, the final norm, lm_head; for B rows of one
+new token each, every row at its own position (left padding, or a paged cache's rows of
+different lengths). The residual stream stays float32 whatever the weights' dtype.
+
+It calls no module: a model whose modules would do more than their forwards is refused when a
+backend is built (`support.unsupported_structure`), and a model changed afterwards needs a new
+backend (`matches`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvcache.backends.base import BackendError, DecodeBackend
+from kvcache.backends.threads import torch_threads
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (rows, n) / rms(x) * weight (n,), float32 (a new array)."""
+    if x.shape[0] == 1:
+        row = x[0]
+        inverse_rms = 1.0 / math.sqrt(float(row @ row) / row.shape[0] + eps)  # a Python float
+        out = x * weight
+        out *= inverse_rms
+        return out
+    squares = np.add.reduce(x * x, axis=-1, keepdims=True)  # (rows, 1)
+    squares *= 1.0 / x.shape[-1]
+    squares += eps
+    np.sqrt(squares, out=squares)
+    out = x / squares
+    out *= weight
+    return out
+
+
+class ArrayStep(DecodeBackend):
+    """The step's arithmetic on numpy rows (see the module docstring). A subclass sets `layers`
+    (each with norm1, norm2, q_norm, k_norm as float32 arrays or None, and the products' weights
+    qkv, o, gate_up, down with their biases), `final_norm` and `lm_head`, and implements
+    `_linear`, `_embed` and `_store`."""
+
+    #: torch's CPU threads during a step (None: the caller's)
+    step_threads: int | None = None
+    layers: list
+    final_norm: np.ndarray
+    lm_head: object
+
+    def __init__(self, model) -> None:
+        config = model.config
+        self.config = config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.group = self.heads // self.kv_heads
+        self.eps = float(model.model.norm.eps)  # every RMSNorm's (unsupported_structure checked)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.vocab = model.model.embed_tokens.weight.shape[0]  # the ids an embedding row exists for
+        self.rotary = model.model.rotary_emb  # its table is built from the model's own frequencies
+        diagonal = np.arange(self.head_dim)
+        partner = (diagonal + self.head_dim // 2) % self.head_dim
+        # where cos and signed sin go in a flattened (D, D) rotation: (i, i) and (partner(i), i)
+        self._cos_at = diagonal * self.head_dim + diagonal
+        self._sin_at = partner * self.head_dim + diagonal
+        empty = np.zeros((0, self.head_dim), np.float32)
+        self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
+        self._buffers = [(buffer, buffer.data_ptr()) for buffer in model.buffers()]
+
+    def same_model_config(self, model) -> bool:
+        """Whether `model` has the config and eps this step was built for, and every buffer (the
+        RoPE frequencies) is still the one it read (an in-place write to one is not seen)."""
+        buffers = list(model.buffers())
+        return (
+            model.config == self.config
+            and float(model.model.norm.eps) == self.eps
+            and len(buffers) == len(self._buffers)
+            and all(b is mine and b.data_ptr() == ptr for b, (mine, ptr) in zip(buffers, self._buffers))
+        )
+
+    # ---- what a backend supplies ----------------------------------------------------------------
+    def _linear(self, x: np.ndarray, weight, bias) -> np.ndarray:
+        """x (B, in) float32 through one of the step's products -> (B, out) float32."""
+        raise NotImplementedError
+
+    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of token_ids (B,) as a new float32 array (B, hidden)."""
+        raise NotImplementedError
+
+    def _store(self, cache, k: np.ndarray, v: np.ndarray, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, H_kv, 1, D) float32 to layer `index` of the cache; return the keys and
+        values attention reads, (B, H_kv, T_kv, D) tensors in the cache's dtype."""
+        raise NotImplementedError
+
+    # ---- RoPE --------------------------------------------------------------------------------
+    def rotations(self, positions: np.ndarray | int) -> np.ndarray:
+        """RoPE as matrices (B, D, D) for positions (B,), or (1, D, D) for one int position of
+        every row: row vector x @ R is x turned to its position. x_i' = x_i·cos_i +
+        x_{(i + D/2) mod D}·signed_sin_i, the model's `apply_rope`; one small product per layer
+        (queries and keys together) replaces a roll, two products and a sum."""
+        if isinstance(positions, int):  # the usual case: scalar indexing, no index array
+            needed, rows = positions + 1, 1
+        else:
+            needed, rows = int(positions.max()) + 1, len(positions)
+        if needed > len(self._cos):
+            self._extend_rope_table(needed)
+        rotation = np.zeros((rows, self.head_dim * self.head_dim), np.float32)  # filled as (D, D)
+        rotation[:, self._cos_at] = self._cos[positions]
+        rotation[:, self._sin_at] = self._signed_sin[positions]
+        return rotation.reshape(rows, self.head_dim, self.head_dim)
+
+    def _extend_rope_table(self, needed: int) -> None:
+        """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
+        model's own RotaryEmbedding. Its range check (dynamic scaling stops at
+        max_position_embeddings) applies: the table never grows past that limit, and a position
+        beyond it raises as on the torch path."""
+        size = max(needed, 2 * len(self._cos), 256)
+        if self.rotary.limit is not None:
+            size = max(needed, min(size, self.rotary.limit))
+        cos, signed_sin = self.rotary(torch.arange(size)[None], torch.float32)  # (1, 1, N, D)
+        self._cos, self._signed_sin = cos[0, 0].numpy(), signed_sin[0, 0].numpy()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def decode(
+        self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, vocab) float32 logits of one decode step of input_ids (B, 1) on `cache` (see
+        `DecodeBackend.decode`)."""
+        self.check_step_ids(input_ids)
+        token_ids = input_ids.cpu().numpy()[:, 0]  # (B,)
+        listed = token_ids.tolist()  # (a few ints: cheaper than two numpy reductions)
+        vocab = self.vocab
+        if min(listed) < 0 or max(listed) >= vocab:
+            raise IndexError(
+                f"token ids must lie in [0, {vocab}), got min {min(listed)} and max {max(listed)}"
+            )
+        with torch_threads(self.step_threads), torch.no_grad():
+            past = cache.get_seq_length()
+            windows = self.config.layer_windows
+            plan = cache.begin(1, attention_mask, device=torch.device("cpu"), windows=windows)
+            try:
+                return torch.from_numpy(self._run(token_ids, plan, cache))
+            except BaseException:  # Ctrl-C between layers: undo the step (as the torch forward does)
+                cache.abandon_forward(past)
+                raise
+
+    def _run(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
+        batch = len(token_ids)
+        heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
+        rotated = heads + kv_heads
+        start = plan.start  # one int position for every row, or each row's own
+        positions = start if isinstance(start, int) else plan.positions.numpy()[:, 0]
+        turn = self.rotations(positions)  # (B or 1, D, D)
+        visible_by_mask: dict[int, torch.Tensor | None] = {}
+        linear = self._linear
+        x = self._embed(token_ids)  # (B, hidden)
+        with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
+            for index, w in enumerate(self.layers):
+                qkv = linear(rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
+                qkv = qkv.reshape(batch, rotated + kv_heads, head_dim)  # (B, H + 2·H_kv, D)
+                if w.q_norm is not None:  # qwen3: each head's q and k normalised before RoPE
+                    for lo, hi, weight in ((0, heads, w.q_norm), (heads, rotated, w.k_norm)):
+                        rows = qkv[:, lo:hi].reshape(-1, head_dim)
+                        qkv[:, lo:hi] = rms_norm(rows, weight, self.eps).reshape(batch, hi - lo, head_dim)
+                turned = qkv[:, :rotated] @ turn  # (B, H + H_kv, D): queries and keys
+                q = turned[:, :heads]  # (B, H, D)
+                q *= self.scale  # the 1/sqrt(D) of attention, on the queries (fewer than scores)
+                k = turned[:, heads:].reshape(batch, kv_heads, 1, head_dim)
+                v = qkv[:, rotated:].reshape(batch, kv_heads, 1, head_dim)
+                keys, values = self._store(cache, k, v, index)  # (B, H_kv, T_kv, D)
+                # each kv head with its group of queries: (B, H_kv, G, D) over (B, H_kv, T_kv, D)
+                # (one call, no score copies; torch's grouped-query flag is slower on CPU)
+                queries = torch.from_numpy(q.reshape(batch, kv_heads, group, head_dim)).to(keys.dtype)
+                attended = F.scaled_dot_product_attention(
+                    queries, keys, values,
+                    attn_mask=self._visible(plan.mask(index), visible_by_mask),
+                    scale=1.0,  # the queries carry 1/sqrt(D) already
+                ).float().numpy()  # (B, H_kv, G, D)
+                x += linear(attended.reshape(batch, heads * head_dim), w.o, w.o_bias)
+                gate_up = linear(rms_norm(x, w.norm2, self.eps), w.gate_up, w.gate_up_bias)
+                inner = gate_up.shape[-1] // 2
+                gate, up = gate_up[:, :inner], gate_up[:, inner:]
+                act = np.negative(gate)
+                np.exp(act, out=act)
+                act += 1.0
+                np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
+                act *= up
+                x += linear(act, w.down, w.down_bias)
+        return linear(rms_norm(x, self.final_norm, self.eps), self.lm_head, None)  # (B, vocab)
+
+    @staticmethod
+    def _visible(
+        mask: torch.Tensor | None, seen: dict[int, torch.Tensor | None]
+    ) -> torch.Tensor | None:
+        """A layer's boolean mask (B or 1, 1, 1, T_kv), None when absent or all True (layers
+        that share a mask object check it once)."""
+        if mask is None:
+            return None
+        key = id(mask)
+        if key not in seen:
+            if mask.dtype != torch.bool:
+                raise BackendError(
+                    f"the decode step reads boolean masks (True = may attend), got {mask.dtype}"
+                )
+            seen[key] = None if bool(mask.all()) else mask
+        return seen[key]
