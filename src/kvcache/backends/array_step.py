@@ -94,6 +94,15 @@ class ArrayStep(DecodeBackend):
         )
 
     # ---- what a backend supplies ----------------------------------------------------------------
+    def _products(self, batch: int) -> tuple[list, object, object]:
+        """(layers, lm_head, linear) for a step of `batch` rows: here always the backend's own
+        `layers`, `lm_head` and `_linear`."""
+        return self.layers, self.lm_head, self._linear
+
+    def _threads(self, batch: int) -> int | None:
+        """torch's CPU threads during a step of `batch` rows (None: the caller's)."""
+        return self.step_threads
+
     def _linear(self, x: np.ndarray, weight, bias) -> np.ndarray:
         """x (B, in) float32 through one of the step's products -> (B, out) float32."""
         raise NotImplementedError
@@ -149,7 +158,7 @@ class ArrayStep(DecodeBackend):
             raise IndexError(
                 f"token ids must lie in [0, {vocab}), got min {min(listed)} and max {max(listed)}"
             )
-        with torch_threads(self.step_threads), torch.no_grad():
+        with torch_threads(self._threads(len(listed))), torch.no_grad():
             past = cache.get_seq_length()
             windows = self.config.layer_windows
             plan = cache.begin(1, attention_mask, device=torch.device("cpu"), windows=windows)
@@ -167,10 +176,10 @@ class ArrayStep(DecodeBackend):
         positions = start if isinstance(start, int) else plan.positions.numpy()[:, 0]
         turn = self.rotations(positions)  # (B or 1, D, D)
         visible_by_mask: dict[int, torch.Tensor | None] = {}
-        linear = self._linear
+        layers, lm_head, linear = self._products(batch)
         x = self._embed(token_ids)  # (B, hidden)
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
-            for index, w in enumerate(self.layers):
+            for index, w in enumerate(layers):
                 qkv = linear(rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
                 qkv = qkv.reshape(batch, rotated + kv_heads, head_dim)  # (B, H + 2·H_kv, D)
                 if w.q_norm is not None:  # qwen3: each head's q and k normalised before RoPE
@@ -201,7 +210,7 @@ class ArrayStep(DecodeBackend):
                 np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
                 act *= up
                 x += linear(act, w.down, w.down_bias)
-        return linear(rms_norm(x, self.final_norm, self.eps), self.lm_head, None)  # (B, vocab)
+        return linear(rms_norm(x, self.final_norm, self.eps), lm_head, None)  # (B, vocab)
 
     @staticmethod
     def _visible(

@@ -4,8 +4,8 @@ Why: a decode step reads every weight once, so on CPU it is bound by memory band
 half-precision weights halve the bytes a token costs. torch's own half-precision products at one
 row are slow to read their weights on the CPUs measured (bfloat16 `F.linear` re-lays its weight
 out for oneDNN on every call), so the step keeps its own copy of the weights laid out once:
-bfloat16 matrices in oneDNN's packed layout (`torch.ops.mkldnn`; its products read each weight
-once whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
+bfloat16 matrices in oneDNN's packed layout (`onednn`: its products read each weight once
+whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
 `F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products.
 
 The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from kvcache.backends import onednn
 from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
+from kvcache.backends.onednn import LaidOutLayer, laid_out, product
 from kvcache.backends.support import unsupported_parameters, unsupported_structure
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,7 +42,7 @@ def unsupported(model) -> str | None:
     reason = unsupported_structure(model, "the half step") or unsupported_parameters(
         model, HALF_DTYPES, "the half step"
     )
-    if reason is None and model.dtype == torch.bfloat16 and not torch.backends.mkldnn.is_available():
+    if reason is None and model.dtype == torch.bfloat16 and not onednn.available():
         reason = "this torch build has no oneDNN (mkldnn), whose bfloat16 products the half step uses"
     return reason
 
@@ -51,42 +52,6 @@ def require_supported(model) -> None:
     reason = unsupported(model)
     if reason is not None:
         raise BackendError(f"the half backend cannot run this model: {reason}; use the torch backend")
-
-
-def _laid_out(weight: torch.Tensor) -> torch.Tensor:
-    """A (out, in) half-precision weight as the step's products read it: bfloat16 in oneDNN's
-    packed layout, float16 as a plain contiguous matrix."""
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-    return weight.detach().contiguous()
-
-
-def _fused(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of `linears` stacked along out, laid out (see `_laid_out`), and their biases."""
-    weight = _laid_out(torch.cat([linear.weight for linear in linears]))
-    biases = [linear.bias for linear in linears]
-    return weight, None if biases[0] is None else torch.cat(biases).detach()
-
-
-def _vector(parameter: torch.Tensor | None) -> np.ndarray | None:
-    """A norm weight as a float32 array (None stays None)."""
-    return None if parameter is None else parameter.detach().float().numpy()
-
-
-class _Layer:
-    """One decoder layer's weights as the step reads them (the fields `ArrayStep` names)."""
-
-    def __init__(self, layer) -> None:
-        attention, mlp = layer.self_attn, layer.mlp
-        self.norm1 = _vector(layer.input_layernorm.weight)
-        self.norm2 = _vector(layer.post_attention_layernorm.weight)
-        self.qkv, self.qkv_bias = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
-        self.o, self.o_bias = _fused(attention.o_proj)
-        self.gate_up, self.gate_up_bias = _fused(mlp.gate_proj, mlp.up_proj)
-        self.down, self.down_bias = _fused(mlp.down_proj)
-        heads = attention.qk_norm == "head"
-        self.q_norm = _vector(attention.q_norm.weight) if heads else None
-        self.k_norm = _vector(attention.k_norm.weight) if heads else None
 
 
 class HalfBackend(ArrayStep):
@@ -100,10 +65,10 @@ class HalfBackend(ArrayStep):
         super().__init__(model)
         self.dtype = model.dtype
         with torch.inference_mode(False), torch.no_grad():
-            self.layers = [_Layer(layer) for layer in model.model.layers]
+            self.layers = [LaidOutLayer.of_module(layer) for layer in model.model.layers]
             self.embed = model.model.embed_tokens.weight.detach()  # the model's own: rows are read
-            self.final_norm = _vector(model.model.norm.weight)
-            self.lm_head = _laid_out(model.lm_head.weight)
+            self.final_norm = model.model.norm.weight.detach().float().numpy()
+            self.lm_head = laid_out(model.lm_head.weight)
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
 
     def matches(self, model) -> bool:
@@ -119,14 +84,9 @@ class HalfBackend(ArrayStep):
         )
 
     def _linear(self, x: np.ndarray, weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
-        """x (B, in) float32, rounded to the weights' dtype, times weightᵀ (+ bias), read back as
-        float32 (B, out). oneDNN's bfloat16 product accumulates in float32."""
-        rows = torch.from_numpy(x).to(self.dtype)
-        if self.dtype == torch.bfloat16:
-            out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-        else:
-            out = F.linear(rows, weight, bias)
-        return out.float().numpy()
+        """x (B, in) float32, rounded to the weights' dtype, through oneDNN's packed bfloat16
+        product or float16 `F.linear` (`onednn.product`), read back as float32 (B, out)."""
+        return product(x, weight, bias, self.dtype)
 
     def _embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.embed[torch.from_numpy(token_ids)].float().numpy()  # (B, hidden)

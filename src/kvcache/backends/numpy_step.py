@@ -6,8 +6,13 @@ MKL one on the machines measured (`docs/backends.md`). So the step (`array_step.
 arithmetic between products on numpy rows) runs its products as `x @ W` on weights packed once
 when the backend is built (`packing`: fused q/k/v and gate/up, tall matrices column-major), and
 talks to the cache through its numpy form, `K, V = cache.update_arrays(k, v, layer_idx)`.
-torch runs on one thread during the step (its attention and the cache's calls), so no OpenMP
+torch runs on one thread during such a step (its attention and the cache's calls), so no OpenMP
 pool spins beside OpenBLAS's threads.
+
+A step of two rows or more is a matrix-matrix product, for which OpenBLAS packs its weight on
+every call (about twice the one-row cost); those steps run their products on oneDNN's packed
+float32 layout instead (`onednn`, on torch's threads), built from the packed arrays the first
+time a step has several rows: a second copy of the weights, kept with the backend.
 
 A model changed after the backend was built needs a new backend (`PackedWeights.matches`).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcache.backends import onednn
 from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
 from kvcache.backends.packing import pack_weights
@@ -54,6 +60,24 @@ class NumpyBackend(ArrayStep):
         self.layers = self.weights.layers
         self.final_norm = self.weights.final_norm
         self.lm_head = self.weights.lm_head
+        self._laid_out: tuple[list, torch.Tensor] | None = None  # for steps of several rows
+
+    def _batched(self, batch: int) -> bool:
+        return batch > 1 and onednn.available()
+
+    def _products(self, batch: int):
+        """Numpy's products for one row; oneDNN's on a copy laid out once for several."""
+        if not self._batched(batch):
+            return self.layers, self.lm_head, self._linear
+        if self._laid_out is None:
+            with torch.inference_mode(False), torch.no_grad():
+                layers = [onednn.LaidOutLayer.of_arrays(w) for w in self.weights.layers]
+                self._laid_out = layers, onednn.laid_out(torch.from_numpy(self.weights.lm_head.T))
+        layers, lm_head = self._laid_out
+        return layers, lm_head, self._linear_rows
+
+    def _threads(self, batch: int) -> int | None:
+        return None if self._batched(batch) else self.step_threads
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config and eps, every
@@ -68,6 +92,11 @@ class NumpyBackend(ArrayStep):
         if bias is not None:
             out += bias
         return out
+
+    @staticmethod
+    def _linear_rows(x: np.ndarray, weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
+        """x (B, in) through oneDNN's packed float32 product -> (B, out)."""
+        return onednn.product(x, weight, bias, torch.float32)
 
     def _embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.weights.embed[token_ids]  # (B, hidden), a copy
