@@ -157,6 +157,12 @@ def test_one_row_runs_numpys_products_and_several_rows_onednns_on_a_copy_made_on
     torch.testing.assert_close(ours, _decode_after(TorchBackend(model), model, ids), atol=1e-4, rtol=1e-4)
     _decode_after(backend, model, ids)
     assert backend._laid_out is laid_out  # made once, kept
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # in place: the packed arrays see it
+    for rows in (ids[:1], ids):  # so do both paths
+        torch.testing.assert_close(
+            _decode_after(backend, model, rows), _decode_after(TorchBackend(model), model, rows),
+            atol=1e-4, rtol=1e-4)
 
 
 def test_the_rope_table_grows_past_its_first_block():

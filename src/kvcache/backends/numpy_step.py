@@ -12,7 +12,8 @@ pool spins beside OpenBLAS's threads.
 A step of two rows or more is a matrix-matrix product, for which OpenBLAS packs its weight on
 every call (about twice the one-row cost); those steps run their products on oneDNN's packed
 float32 layout instead (`onednn`, on torch's threads), built from the packed arrays the first
-time a step has several rows: a second copy of the weights, kept with the backend.
+time a step has several rows: a second copy of the weights, kept with the backend and made
+again after an in-place write to a parameter (its version counter), which the packed arrays see.
 
 A model changed after the backend was built needs a new backend (`PackedWeights.matches`).
 """
@@ -60,7 +61,10 @@ class NumpyBackend(ArrayStep):
         self.layers = self.weights.layers
         self.final_norm = self.weights.final_norm
         self.lm_head = self.weights.lm_head
-        self._laid_out: tuple[list, torch.Tensor] | None = None  # for steps of several rows
+        # for steps of several rows: the copy, and the parameters' version counters it was made at
+        # (an in-place write to a parameter, seen by the packed arrays, makes it stale)
+        self._laid_out: tuple[list, torch.Tensor] | None = None
+        self._laid_out_versions: list[int] = []
 
     def _batched(self, batch: int) -> bool:
         return batch > 1 and onednn.available()
@@ -69,10 +73,12 @@ class NumpyBackend(ArrayStep):
         """Numpy's products for one row; oneDNN's on a copy laid out once for several."""
         if not self._batched(batch):
             return self.layers, self.lm_head, self._linear
-        if self._laid_out is None:
+        versions = [parameter._version for parameter, _ in self.weights.sources]
+        if self._laid_out is None or versions != self._laid_out_versions:  # none yet, or stale
             with torch.inference_mode(False), torch.no_grad():
                 layers = [onednn.LaidOutLayer.of_arrays(w) for w in self.weights.layers]
                 self._laid_out = layers, onednn.laid_out(torch.from_numpy(self.weights.lm_head.T))
+            self._laid_out_versions = versions
         layers, lm_head = self._laid_out
         return layers, lm_head, self._linear_rows
 
