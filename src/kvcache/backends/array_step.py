@@ -158,7 +158,9 @@ class ArrayStep(DecodeBackend):
             raise IndexError(
                 f"token ids must lie in [0, {vocab}), got min {min(listed)} and max {max(listed)}"
             )
-        with torch_threads(self._threads(len(listed))), torch.no_grad():
+        # (no autograd to switch off: every tensor the step makes comes from numpy or a detached
+        # copy, so nothing it computes records a graph)
+        with torch_threads(self._threads(len(listed))):
             past = cache.get_seq_length()
             windows = self.config.layer_windows
             plan = cache.begin(1, attention_mask, device=torch.device("cpu"), windows=windows)
@@ -194,13 +196,17 @@ class ArrayStep(DecodeBackend):
                 keys, values = self._store(cache, k, v, index)  # (B, H_kv, T_kv, D)
                 # each kv head with its group of queries: (B, H_kv, G, D) over (B, H_kv, T_kv, D)
                 # (one call, no score copies; torch's grouped-query flag is slower on CPU)
-                queries = torch.from_numpy(q.reshape(batch, kv_heads, group, head_dim)).to(keys.dtype)
+                queries = torch.from_numpy(q.reshape(batch, kv_heads, group, head_dim))
+                if keys.dtype != torch.float32:  # (a no-op .to costs as much as a small op)
+                    queries = queries.to(keys.dtype)
                 attended = F.scaled_dot_product_attention(
                     queries, keys, values,
                     attn_mask=self._visible(plan.mask(index), visible_by_mask),
                     scale=1.0,  # the queries carry 1/sqrt(D) already
-                ).float().numpy()  # (B, H_kv, G, D)
-                x += linear(attended.reshape(batch, heads * head_dim), w.o, w.o_bias)
+                )  # (B, H_kv, G, D)
+                if attended.dtype != torch.float32:
+                    attended = attended.float()
+                x += linear(attended.numpy().reshape(batch, heads * head_dim), w.o, w.o_bias)
                 gate_up = linear(rms_norm(x, w.norm2, self.eps), w.gate_up, w.gate_up_bias)
                 inner = gate_up.shape[-1] // 2
                 gate, up = gate_up[:, :inner], gate_up[:, inner:]
