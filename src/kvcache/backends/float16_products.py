@@ -1,0 +1,72 @@
+"""Float16 models' products and attention computed in float32 on CPU, for prompts.
+
+Why: CPUs without float16 arithmetic (no AVX512-FP16 or AMX-FP16, like the ones measured) run
+torch's float16 matrix products and attention on a slow path; a float16 model's prefill took
+about ten times its bfloat16 twin's (`docs/backends.md`). Upcasting each weight for the call
+(2 bytes read, 4 written per weight) and running float32's fast kernels is several times faster
+for a prompt of many rows, and the result is rounded back to float16, so every op still returns
+what the float16 op returns up to its summation order (float16 products accumulate in float32
+as well). For a few rows the upcast costs more than it saves (one-row products read float16
+weights at full speed), so calls with fewer than `ROWS` rows (decode steps, the last position's
+lm_head) run as they are.
+
+`float32_products(model)` is the context `torch_step.last_logits` runs a float16 CPU model's
+forward in; everything else passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+#: rows (tokens × batch) from which a float16 product or attention runs in float32
+ROWS = 16
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Rows of a (..., n) input: every position of every batch entry."""
+    return x.numel() // max(1, x.shape[-1])
+
+
+def _float(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None or x.dtype != torch.float16 else x.float()
+
+
+class _Float32Products(TorchFunctionMode):
+    """F.linear and F.scaled_dot_product_attention on float16 CPU tensors of >= ROWS rows, in
+    float32, rounded back to float16; every other call unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and _wanted(args[0]):
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight.dtype == torch.float16:
+                return F.linear(x.float(), weight.float(), _float(bias)).half()
+        if func is F.scaled_dot_product_attention and _wanted(args[0]):
+            query, key, value = args[:3]
+            if key.dtype == torch.float16 and value.dtype == torch.float16:
+                options = dict(kwargs)
+                mask = options.get("attn_mask")
+                if mask is not None and mask.dtype == torch.float16:
+                    options["attn_mask"] = mask.float()
+                return F.scaled_dot_product_attention(
+                    query.float(), key.float(), value.float(), *args[3:], **options).half()
+        return func(*args, **kwargs)
+
+
+def _wanted(x) -> bool:
+    return (isinstance(x, torch.Tensor) and x.dtype == torch.float16 and x.device.type == "cpu"
+            and _rows(x) >= ROWS)
+
+
+def float32_products(model) -> contextlib.AbstractContextManager:
+    """The context to run `model`'s forward in: float16 products and attention in float32 (see
+    the module docstring) when the model is float16 on CPU, else nothing."""
+    parameter = next(model.parameters(), None)
+    if parameter is not None and parameter.dtype == torch.float16 and parameter.device.type == "cpu":
+        return _Float32Products()
+    return contextlib.nullcontext()
