@@ -58,7 +58,7 @@ def test_an_intercepted_call_is_the_float32_call_rounded_and_a_small_one_is_left
     many = torch.randn(2, ROWS, 32, generator=generator).half()
     few = many[:1, : ROWS - 1]
     q, k, v = (torch.randn(1, 2, ROWS, 8, generator=generator).half() for _ in range(3))
-    with float32_products(model):
+    with float32_products(model, ROWS):
         linear_many, linear_few = F.linear(many, weight, bias), F.linear(few, weight, bias)
         attention_many = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         attention_few = F.scaled_dot_product_attention(q[:, :, :1], k, v)
@@ -74,10 +74,14 @@ def test_only_a_float16_model_on_cpu_gets_the_float32_products():
     model = random_model(tiny_config(), 3)
     x = torch.randn(ROWS, 32)
     for dtype in (torch.float32, torch.bfloat16):
-        with float32_products(model.to(dtype)):
+        with float32_products(model.to(dtype), ROWS):
             weight = torch.randn(8, 32).to(dtype)
             out = F.linear(x.to(dtype), weight)
         assert out.dtype == dtype and torch.equal(out, F.linear(x.to(dtype), weight))
-    with float32_products(model.to(torch.float16)):
-        out = F.linear(x.half(), torch.randn(8, 32).half())
-    assert out.dtype == torch.float16
+    weight = torch.randn(8, 32).half()
+    with float32_products(model.to(torch.float16), ROWS - 1):  # a forward of few tokens: no mode
+        out = F.linear(x.half(), weight)
+    assert torch.equal(out, F.linear(x.half(), weight))
+    with float32_products(model, ROWS):
+        out = F.linear(x.half(), weight)
+    assert out.dtype == torch.float16 and torch.equal(out, F.linear(x.half().float(), weight.float()).half())

@@ -10,7 +10,7 @@ as well). For a few rows the upcast costs more than it saves (one-row products r
 weights at full speed), so calls with fewer than `ROWS` rows (decode steps, the last position's
 lm_head) run as they are.
 
-`float32_products(model)` is the context `torch_step.last_logits` runs a float16 CPU model's
+`float32_products(model, tokens)` is the context `torch_step.last_logits` runs a float16 CPU model's
 forward in; everything else passes through unchanged.
 """
 
@@ -63,10 +63,13 @@ def _wanted(x) -> bool:
             and _rows(x) >= ROWS)
 
 
-def float32_products(model) -> contextlib.AbstractContextManager:
-    """The context to run `model`'s forward in: float16 products and attention in float32 (see
-    the module docstring) when the model is float16 on CPU, else nothing."""
+def float32_products(model, tokens: int) -> contextlib.AbstractContextManager:
+    """The context to run `model`'s forward of `tokens` new tokens (all rows) in: float16
+    products and attention in float32 (see the module docstring) when the model is float16 on
+    CPU and the tokens are at least ROWS, else nothing (a decode step's forward then pays no
+    Python call per op)."""
     parameter = next(model.parameters(), None)
-    if parameter is not None and parameter.dtype == torch.float16 and parameter.device.type == "cpu":
+    if (tokens >= ROWS and parameter is not None and parameter.dtype == torch.float16
+            and parameter.device.type == "cpu"):
         return _Float32Products()
     return contextlib.nullcontext()
