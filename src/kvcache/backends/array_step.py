@@ -56,8 +56,6 @@ class ArrayStep(DecodeBackend):
     qkv, o, gate_up, down with their biases), `final_norm` and `lm_head`, and implements
     `_linear`, `_embed` and `_store`."""
 
-    #: torch's CPU threads during a step (None: the caller's)
-    step_threads: int | None = None
     layers: list
     final_norm: np.ndarray
     lm_head: object
@@ -101,7 +99,7 @@ class ArrayStep(DecodeBackend):
 
     def _threads(self, batch: int) -> int | None:
         """torch's CPU threads during a step of `batch` rows (None: the caller's)."""
-        return self.step_threads
+        return None
 
     def _linear(self, x: np.ndarray, weight, bias) -> np.ndarray:
         """x (B, in) float32 through one of the step's products -> (B, out) float32."""

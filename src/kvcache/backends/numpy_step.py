@@ -49,7 +49,6 @@ class NumpyBackend(ArrayStep):
     once (see the module docstring). Raises `BackendError` for a model it cannot stand in for."""
 
     name = "numpy"
-    step_threads = 1  # the cache's and attention's torch calls: no OpenMP pool beside OpenBLAS
 
     def __init__(self, model) -> None:
         require_supported(model)
@@ -83,7 +82,9 @@ class NumpyBackend(ArrayStep):
         return layers, lm_head, self._linear_rows
 
     def _threads(self, batch: int) -> int | None:
-        return None if self._batched(batch) else self.step_threads
+        """One torch thread beside numpy's products (the cache's and attention's torch calls: no
+        OpenMP pool spinning beside OpenBLAS's threads); the caller's for oneDNN's."""
+        return None if self._batched(batch) else 1
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config and eps, every
