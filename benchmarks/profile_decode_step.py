@@ -71,6 +71,7 @@ def main() -> None:
 
     from kvcache import load_model
     from kvcache.backends import array_step, choose_backend
+    from kvcache.backends.threads import torch_threads
     from kvcache.cache import make_cache
 
     torch.set_num_threads(args.threads)
@@ -81,7 +82,9 @@ def main() -> None:
     run, lines = instrumented_run(vars(array_step), stamps, clock)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context))
     token_ids = prompt[0, -1:].numpy()  # (1,)
-    with torch.inference_mode():
+    # the step's own thread rule (`_threads`: one torch thread beside numpy's products), which
+    # `decode` applies around `_run`
+    with torch.inference_mode(), torch_threads(backend._threads(1)):
         cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
         model(prompt, past_key_values=cache, logits_to_keep=1)
         total = 0.0

@@ -146,23 +146,23 @@ def _decode_after(backend, model, ids: torch.Tensor) -> torch.Tensor:
 def test_one_row_runs_numpys_products_and_several_rows_onednns_on_a_copy_made_once():
     model = random_model(tiny_config(), 9)
     backend = NumpyBackend(model)
+    laid_out = backend._laid_out  # made with the backend
+    assert laid_out is not None
+    assert backend._products(1)[0] is backend.layers  # one row: numpy's, on the model's own memory
+    assert backend._products(3)[0] is laid_out[0]
     ids = torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(
-        _decode_after(backend, model, ids[:1]), _decode_after(TorchBackend(model), model, ids[:1]),
-        atol=1e-4, rtol=1e-4)
-    assert backend._laid_out is None  # one row: numpy's products on the model's own memory
-    ours = _decode_after(backend, model, ids)
-    laid_out = backend._laid_out
-    assert laid_out is not None and backend._products(3)[0] is laid_out[0]
-    torch.testing.assert_close(ours, _decode_after(TorchBackend(model), model, ids), atol=1e-4, rtol=1e-4)
-    _decode_after(backend, model, ids)
-    assert backend._laid_out is laid_out  # made once, kept
-    with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # in place: the packed arrays see it
-    for rows in (ids[:1], ids):  # so do both paths
+    for rows in (ids[:1], ids):
         torch.testing.assert_close(
             _decode_after(backend, model, rows), _decode_after(TorchBackend(model), model, rows),
             atol=1e-4, rtol=1e-4)
+    assert backend._laid_out is laid_out  # kept
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # in place: the packed arrays see it
+    for rows in (ids[:1], ids):  # so do both paths (the copy is made again)
+        torch.testing.assert_close(
+            _decode_after(backend, model, rows), _decode_after(TorchBackend(model), model, rows),
+            atol=1e-4, rtol=1e-4)
+    assert backend._laid_out is not laid_out
 
 
 def test_the_rope_table_grows_past_its_first_block():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -38,3 +40,9 @@ class DecodeBackend:
         """Whether this backend computes `model`'s decode step: it was built from that model, and
         the model has not changed since in a way the backend would miss."""
         raise NotImplementedError
+
+    def prompt_products(self) -> contextlib.AbstractContextManager:
+        """The context the model's forward of a prompt runs in (`torch_step.last_logits`): a
+        backend that keeps its own laid-out copy of the weights lends it to the forward's
+        products (`prompt_products.PromptProducts`); here nothing."""
+        return contextlib.nullcontext()

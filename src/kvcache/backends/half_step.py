@@ -6,7 +6,8 @@ row are slow to read their weights on the CPUs measured (bfloat16 `F.linear` re-
 out for oneDNN on every call), so the step keeps its own copy of the weights laid out once:
 bfloat16 matrices in oneDNN's packed layout (`onednn`: its products read each weight once
 whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
-`F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products.
+`F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products. A
+bfloat16 model's prompt forward runs its products on the same copy (`prompt_products`).
 
 The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
 RoPE, the cache update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU,
@@ -31,7 +32,8 @@ import torch
 from kvcache.backends import onednn
 from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
-from kvcache.backends.onednn import LaidOutLayer, laid_out, product
+from kvcache.backends.onednn import LaidOutLayer, laid_out_product, product
+from kvcache.backends.prompt_products import PromptProducts
 from kvcache.backends.support import unsupported_parameters, unsupported_structure
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -65,10 +67,11 @@ class HalfBackend(ArrayStep):
         super().__init__(model)
         self.dtype = model.dtype
         with torch.inference_mode(False), torch.no_grad():
-            self.layers = [LaidOutLayer.of_module(layer) for layer in model.model.layers]
+            self.layers = [LaidOutLayer(layer) for layer in model.model.layers]
             self.embed = model.model.embed_tokens.weight.detach()  # the model's own: rows are read
             self.final_norm = model.model.norm.weight.detach().float().numpy()
-            self.lm_head = laid_out(model.lm_head.weight)
+            self._head = laid_out_product(model.lm_head)
+            self.lm_head = self._head.weight
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
 
     def matches(self, model) -> bool:
@@ -82,6 +85,13 @@ class HalfBackend(ArrayStep):
             and all(p is mine and p.data_ptr() == ptr and p._version == version
                     for p, (mine, ptr, version) in zip(parameters, self._sources))
         )
+
+    def prompt_products(self):
+        """A bfloat16 model's prompt runs its products on the step's packed copy
+        (`prompt_products`); a float16 one's on torch's (float16 copies are not packed)."""
+        if self.dtype not in onednn.PACKED_DTYPES:
+            return super().prompt_products()
+        return PromptProducts([p for layer in self.layers for p in layer.products] + [self._head])
 
     def _linear(self, x: np.ndarray, weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
         """x (B, in) float32, rounded to the weights' dtype, through oneDNN's packed bfloat16

@@ -11,9 +11,11 @@ pool spins beside OpenBLAS's threads.
 
 A step of two rows or more is a matrix-matrix product, for which OpenBLAS packs its weight on
 every call (about twice the one-row cost); those steps run their products on oneDNN's packed
-float32 layout instead (`onednn`, on torch's threads), built from the packed arrays the first
-time a step has several rows: a second copy of the weights, kept with the backend and made
-again after an in-place write to a parameter (its version counter), which the packed arrays see.
+float32 layout instead (`onednn`, on torch's threads), and so does the model's forward of a
+prompt (`prompt_products`: torch's float32 `F.linear` ran a prompt's products at under half
+oneDNN's speed on the CPU measured). That layout is a second copy of the projections' weights,
+made with the backend and again after an in-place write to a parameter (its version counter),
+which the packed arrays see but the copy does not.
 
 A model changed after the backend was built needs a new backend (`PackedWeights.matches`).
 """
@@ -27,6 +29,7 @@ from kvcache.backends import onednn
 from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
 from kvcache.backends.packing import pack_weights
+from kvcache.backends.prompt_products import PromptProducts
 from kvcache.backends.support import unsupported_parameters, unsupported_structure
 
 
@@ -60,31 +63,47 @@ class NumpyBackend(ArrayStep):
         self.layers = self.weights.layers
         self.final_norm = self.weights.final_norm
         self.lm_head = self.weights.lm_head
-        # for steps of several rows: the copy, and the parameters' version counters it was made at
-        # (an in-place write to a parameter, seen by the packed arrays, makes it stale)
-        self._laid_out: tuple[list, torch.Tensor] | None = None
+        # oneDNN's copy (steps of several rows, prompts), made from the modules (which read the
+        # packed arrays), and the parameters' version counters it was made at
+        self._modules = list(model.model.layers), model.lm_head
+        self._laid_out: tuple[list, object] | None = None
         self._laid_out_versions: list[int] = []
+        self._oneDNN_copy()
 
-    def _batched(self, batch: int) -> bool:
-        return batch > 1 and onednn.available()
-
-    def _products(self, batch: int):
-        """Numpy's products for one row; oneDNN's on a copy laid out once for several."""
-        if not self._batched(batch):
-            return self.layers, self.lm_head, self._linear
+    def _oneDNN_copy(self) -> tuple[list, object] | None:
+        """(layers, lm_head `LaidOutProduct`) in oneDNN's layout, made again when a parameter
+        was written to in place since; None without oneDNN."""
+        if not onednn.available():
+            return None
         versions = [parameter._version for parameter, _ in self.weights.sources]
         if self._laid_out is None or versions != self._laid_out_versions:  # none yet, or stale
+            layers, head = self._modules
             with torch.inference_mode(False), torch.no_grad():
-                layers = [onednn.LaidOutLayer.of_arrays(w) for w in self.weights.layers]
-                self._laid_out = layers, onednn.laid_out(torch.from_numpy(self.weights.lm_head.T))
+                laid_out_layers = [onednn.LaidOutLayer(layer) for layer in layers]
+                self._laid_out = laid_out_layers, onednn.laid_out_product(head)
             self._laid_out_versions = versions
-        layers, lm_head = self._laid_out
-        return layers, lm_head, self._linear_rows
+        return self._laid_out
+
+    def _products(self, batch: int):
+        """Numpy's products for one row; oneDNN's on its copy for several."""
+        copy = self._oneDNN_copy() if batch > 1 else None
+        if copy is None:
+            return self.layers, self.lm_head, self._linear
+        layers, head = copy
+        return layers, head.weight, self._linear_rows
+
+    def prompt_products(self):
+        """A prompt's products on oneDNN's copy (`prompt_products`), when there is one."""
+        copy = self._oneDNN_copy()
+        if copy is None:
+            return super().prompt_products()
+        layers, head = copy
+        return PromptProducts([p for layer in layers for p in layer.products] + [head])
 
     def _threads(self, batch: int) -> int | None:
         """One torch thread beside numpy's products (the cache's and attention's torch calls: no
         OpenMP pool spinning beside OpenBLAS's threads); the caller's for oneDNN's."""
-        return None if self._batched(batch) else 1
+        return None if batch > 1 and onednn.available() else 1
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config and eps, every

@@ -6,8 +6,8 @@ out: torch's bfloat16 `F.linear` re-lays its weight out for oneDNN on every call
 float32 product of a few rows (a matrix-matrix product) packs its weight on every call, so it
 costs about twice its one-row matrix-vector product, which reads the weight once
 (`docs/backends.md`). The half step's products are these for bfloat16 weights (float16 ones stay
-plain for `F.linear`: packing them needs AVX512-FP16), and the numpy step's are these for steps
-of two rows or more.
+plain for `F.linear`: packing them needs AVX512-FP16), the numpy step's are these for steps
+of two rows or more, and a prompt's forward reads the same copies (`prompt_products`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kvcache.backends.prompt_products import LaidOutProduct, Member
 
 #: weight dtypes oneDNN's packed product takes on the CPUs measured
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -51,61 +53,46 @@ def product(x: np.ndarray, weight: torch.Tensor, bias: torch.Tensor | None, dtyp
     return out.float().numpy()
 
 
-def _vector(values) -> np.ndarray | None:
-    """A norm weight (a tensor or an array) as a float32 array (None stays None)."""
-    if values is None or isinstance(values, np.ndarray):
-        return values
+def _vector(values: torch.Tensor) -> np.ndarray:
+    """A norm weight (n,) as a float32 array (a copy when it is not float32 already)."""
     return values.detach().float().numpy()
 
 
 class LaidOutLayer:
     """One decoder layer as `array_step.ArrayStep` reads it (norm1, norm2, q_norm, k_norm as float32
-    arrays or None; qkv, o, gate_up, down `laid_out`, each with its bias or None), from the
-    layer's weights as (out, in) tensors: `products` maps "qkv", "o", "gate_up", "down" to
-    (weight, bias), the fused ones already stacked along out."""
+    arrays or None; qkv, o, gate_up, down `laid_out`, each with its bias or None; q/k/v and
+    gate/up fused), made from the model's DecoderLayer; `products` lists the same matrices with
+    the modules each stands for (`prompt_products`: a prompt's forward reads them too)."""
 
-    def __init__(self, norms: dict, products: dict) -> None:
-        self.norm1 = _vector(norms["norm1"])
-        self.norm2 = _vector(norms["norm2"])
-        self.q_norm = _vector(norms.get("q_norm"))
-        self.k_norm = _vector(norms.get("k_norm"))
-        for name in ("qkv", "o", "gate_up", "down"):
-            weight, bias = products[name]
-            setattr(self, name, laid_out(weight))
-            setattr(self, f"{name}_bias", None if bias is None else bias.detach().clone())
-
-    @classmethod
-    def of_module(cls, layer) -> LaidOutLayer:
-        """From a model's DecoderLayer (q/k/v and gate/up fused here)."""
+    def __init__(self, layer) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         heads = attention.qk_norm == "head"
-        norms = dict(
-            norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
-            q_norm=attention.q_norm.weight if heads else None,
-            k_norm=attention.k_norm.weight if heads else None,
-        )
-        return cls(norms, dict(
-            qkv=_stacked(attention.q_proj, attention.k_proj, attention.v_proj),
-            o=_stacked(attention.o_proj),
-            gate_up=_stacked(mlp.gate_proj, mlp.up_proj),
-            down=_stacked(mlp.down_proj),
-        ))
-
-    @classmethod
-    def of_arrays(cls, packed) -> LaidOutLayer:
-        """From the numpy step's `packing.LayerWeights` (matrices (in, out), already fused)."""
-        def pair(matrix: np.ndarray, bias: np.ndarray | None):
-            return torch.from_numpy(matrix.T), None if bias is None else torch.from_numpy(bias)
-
-        norms = dict(norm1=packed.norm1, norm2=packed.norm2, q_norm=packed.q_norm, k_norm=packed.k_norm)
-        return cls(norms, dict(
-            qkv=pair(packed.qkv, packed.qkv_bias), o=pair(packed.o, packed.o_bias),
-            gate_up=pair(packed.gate_up, packed.gate_up_bias), down=pair(packed.down, packed.down_bias),
-        ))
+        self.norm1 = _vector(layer.input_layernorm.weight)
+        self.norm2 = _vector(layer.post_attention_layernorm.weight)
+        self.q_norm = _vector(attention.q_norm.weight) if heads else None
+        self.k_norm = _vector(attention.k_norm.weight) if heads else None
+        self.products: list[LaidOutProduct] = []
+        for name, linears in (
+            ("qkv", (attention.q_proj, attention.k_proj, attention.v_proj)),
+            ("o", (attention.o_proj,)),
+            ("gate_up", (mlp.gate_proj, mlp.up_proj)),
+            ("down", (mlp.down_proj,)),
+        ):
+            product = laid_out_product(*linears)
+            setattr(self, name, product.weight)
+            setattr(self, f"{name}_bias", product.bias)
+            self.products.append(product)
 
 
-def _stacked(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of `linears` stacked along out, and their biases (None when they have none)."""
-    weight = torch.cat([linear.weight for linear in linears])
+def laid_out_product(*linears) -> LaidOutProduct:
+    """The (out, in) weights of `linears` (nn.Linear) stacked along out and `laid_out`, their
+    biases stacked (None when they have none), and which columns are whose."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
     biases = [linear.bias for linear in linears]
-    return weight, None if biases[0] is None else torch.cat(biases)
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    members, start = [], 0
+    for linear in linears:
+        stop = start + linear.out_features
+        members.append(Member(linear.weight, linear.bias, start, stop))
+        start = stop
+    return LaidOutProduct(laid_out(weight), bias, weight.dtype, tuple(members))

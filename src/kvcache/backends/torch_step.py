@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvcache.backends.base import DecodeBackend
 from kvcache.backends.float16_products import float32_products
 
 
-def last_logits(model, input_ids: torch.Tensor, attention_mask, cache) -> torch.Tensor:
+def last_logits(model, input_ids: torch.Tensor, attention_mask, cache, backend=None) -> torch.Tensor:
     """(B, vocab) float logits of the last position after running input_ids (B, T) on `cache`
     through the model's forward (attention_mask: (B, past + T) or None). A float16 model on CPU
-    runs the products and attention of many rows in float32 (`float16_products`)."""
-    with float32_products(model, input_ids.numel()):
+    runs the products and attention of many rows in float32 (`float16_products`); `backend`, the
+    model's DecodeBackend when given, may lend the forward its laid-out weights
+    (`DecodeBackend.prompt_products`)."""
+    lent = contextlib.nullcontext() if backend is None else backend.prompt_products()
+    with float32_products(model, input_ids.numel()), lent:
         out = model(
             input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
         )

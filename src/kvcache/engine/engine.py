@@ -256,7 +256,7 @@ class Engine:
 
             def run(view, piece=piece):
                 ids, mask = prefill_inputs(view, [piece])
-                return last_logits(self.model, ids, mask, view)
+                return last_logits(self.model, ids, mask, view, self.backend)
 
             with self.metrics.timing("prefill", len(piece)):
                 logits = self._forward([request], run)

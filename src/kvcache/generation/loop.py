@@ -58,15 +58,19 @@ def _unheld(ids: torch.Tensor, end: int, cache: Cache, past: int) -> torch.Tenso
     return ids[:, cache.get_seq_length() - past : end]
 
 
-def prefill(model, input_ids, attention_mask, cache: Cache, chunk_size: int | None = None) -> torch.Tensor:
+def prefill(
+    model, input_ids, attention_mask, cache: Cache, chunk_size: int | None = None,
+    backend: DecodeBackend | None = None,
+) -> torch.Tensor:
     """Run the prompt input_ids (B, T) into `cache`, `chunk_size` tokens at a time (None: all at
-    once); return the last position's logits (B, vocab). attention_mask: (B, past + T) or None."""
+    once); return the last position's logits (B, vocab). attention_mask: (B, past + T) or None;
+    backend: the model's DecodeBackend, whose laid-out weights the forward may read."""
     past = cache.get_seq_length()
     length = input_ids.shape[1]
     end = min(chunk_size or length, length)
     while True:
         mask = None if attention_mask is None else attention_mask[:, : past + end]
-        logits = last_logits(model, _unheld(input_ids, end, cache, past), mask, cache)
+        logits = last_logits(model, _unheld(input_ids, end, cache, past), mask, cache, backend)
         if end == length:
             return logits
         # a cache that kept nothing of the chunk (NoCache) would re-run it with every later
@@ -82,7 +86,7 @@ def decode_step(
     row on the backend, several (a cache that keeps nothing) on the model's forward."""
     if new_ids.shape[1] == 1:
         return backend.decode(new_ids, cache, attention_mask)
-    return last_logits(model, new_ids, attention_mask, cache)
+    return last_logits(model, new_ids, attention_mask, cache, backend)
 
 
 def resolve_eos(model, eos_token_id, tokenizer=None) -> tuple[int, ...]:
@@ -197,7 +201,7 @@ def _steps(
         sampling = options.sampling
         ran = "none"  # no decode step yet
 
-        logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size)
+        logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size, backend)
         first_token_at = decode_started = time.perf_counter()
         decode_steps = 0
         for step in range(options.max_new_tokens):
