@@ -2,7 +2,8 @@
 
 One random model, two caches of the same kind filled by the same prefill: decode steps of B rows
 (B in 1, 3, 8, each row at its own length) run on the numpy backend and on the torch backend
-(the model's forward). Logits agree to float32 rounding, and so does what each cache holds, for
+(the model's forward), its one-row products numba's or numpy's (where numba has no OpenMP pool).
+Logits agree to float32 rounding, and so does what each cache holds, for
 every cache kind, left-padded rows, a paged cache's rows at their own lengths, grouped-query
 attention, biases, tied embeddings and sliding-window layers; and each row's last logits equal a
 solo forward of that row's whole sequence without a cache (the naive reference).
@@ -10,13 +11,15 @@ solo forward of that row's whole sequence without a cache (the naive reference).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import random_model, tiny_config
 
-from kvcache.backends import BackendError, NumpyBackend, TorchBackend
+from kvcache.backends import BackendError, NumpyBackend, TorchBackend, numba_products
 from kvcache.cache import QuantizedCache, make_cache
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcache.model import ConfigError, ModelConfig, RopeScaling
@@ -66,7 +69,18 @@ def cases(draw):
         lengths=[draw(st.integers(1, 7)) for _ in range(batch)],
         steps=draw(st.integers(1, 6)),
         seed=draw(st.integers(0, 2**16)),
+        products=draw(st.sampled_from(["numba", "numpy"])),
     )
+
+
+def numpy_backend(model, products: str = "numba") -> NumpyBackend:
+    """A NumpyBackend whose one-row products are numba's, or numpy's as where numba has no
+    OpenMP pool."""
+    if products == "numba":
+        assert numba_products.available()  # (else this environment tests only the numpy side)
+        return NumpyBackend(model)
+    with mock.patch.object(numba_products, "available", lambda: False):
+        return NumpyBackend(model)
 
 
 def _cache(kind: str, model, batch: int, max_length: int):
@@ -95,7 +109,8 @@ def test_numpy_step_equals_the_torch_forward_and_the_solo_no_cache_run(case):
     config, lengths, kind = case["config"], case["lengths"], case["cache"]
     batch, steps = len(lengths), case["steps"]
     model = random_model(config, case["seed"])
-    numpy, torch_step = NumpyBackend(model), TorchBackend(model)
+    numpy, torch_step = numpy_backend(model, case["products"]), TorchBackend(model)
+    assert numpy._numba == (case["products"] == "numba")
     generator = torch.Generator().manual_seed(case["seed"])
     rows = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     ids, mask = _left_padded(rows)

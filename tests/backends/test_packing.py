@@ -13,6 +13,7 @@ from tiny_models import random_model, tiny_config
 
 from kvcache import generate
 from kvcache.backends import NumpyBackend, TorchBackend, huge_pages, packing
+from kvcache.backends.packing import pack_weights
 from kvcache.cache import make_cache
 
 
@@ -58,10 +59,14 @@ def test_values_names_shapes_and_tokens_stay_and_the_model_reads_the_packed_memo
         assert torch.equal(again, tokens), name
 
 
-def test_tall_matrices_are_stored_column_major_and_the_rest_row_major():
+def test_every_matrix_is_row_major_for_numbas_products_and_tall_ones_column_major_for_numpys():
     model = random_model(tiny_config(), 1)  # hidden 32: q/k/v (64 rows) and gate/up (128) are tall
-    backend = NumpyBackend(model)
-    layer = backend.weights.layers[0]
+    layer = pack_weights(model).layers[0]  # numba's products: each output one contiguous row
+    assert layer.gate_up.T.flags.c_contiguous and layer.gate_up.shape == (32, 128)  # read as (in, out)
+    assert layer.down.T.flags.c_contiguous
+    assert model.model.layers[0].mlp.gate_proj.weight.is_contiguous()
+    model = random_model(tiny_config(), 1)
+    layer = pack_weights(model, column_major_tall=True).layers[0]  # numpy's (OpenBLAS) products
     assert layer.gate_up.flags.c_contiguous and layer.gate_up.shape == (32, 128)  # (in, out) rows
     assert model.model.layers[0].mlp.gate_proj.weight.stride() == (1, 128)  # a transposed view
     assert layer.down.T.flags.c_contiguous  # (out, in) rows, read as (in, out)

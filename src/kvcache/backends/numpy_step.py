@@ -1,13 +1,16 @@
-"""NumpyBackend: the decode step of a float32 CPU Llama-family model, its products in numpy.
+"""NumpyBackend: the decode step of a float32 CPU Llama-family model, its products in numba.
 
 Why: a decode step reads every weight once, so on CPU its products are bound by memory
-bandwidth, and numpy's OpenBLAS matrix-vector product reads float32 weights faster than torch's
-MKL one on the machines measured (`docs/backends.md`). So the step (`array_step.ArrayStep`: the
-arithmetic between products on numpy rows) runs its products as `x @ W` on weights packed once
-when the backend is built (`packing`: fused q/k/v and gate/up, tall matrices column-major), and
-talks to the cache through its numpy form, `K, V = cache.update_arrays(k, v, layer_idx)`.
-torch runs on one thread during such a step (its attention and the cache's calls), so no OpenMP
-pool spins beside OpenBLAS's threads.
+bandwidth and by what each product costs to start. The step (`array_step.ArrayStep`: the
+arithmetic between products on numpy rows) runs a one-row step's products as numba-compiled
+matrix-vector loops on OpenMP threads (`numba_products`), which read float32 weights faster in
+the step than numpy's OpenBLAS product on the machines measured (`docs/backends.md`), on
+weights packed once when the backend is built (`packing`: fused q/k/v and gate/up, row-major).
+Where numba has no OpenMP (or TBB) pool its loops are slow, and the step runs numpy's
+products (`x @ W`: OpenBLAS, tall matrices stored column-major for it). The step talks to the
+cache through its numpy form, `K, V = cache.update_arrays(k, v, layer_idx)`. torch runs on one
+thread during such a step (its attention and the cache's calls), so no second OpenMP pool
+spins beside the products' threads.
 
 A step of two rows or more is a matrix-matrix product, for which OpenBLAS packs its weight on
 every call (about twice the one-row cost); those steps run their products on oneDNN's packed
@@ -25,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.backends import onednn
+from kvcache.backends import numba_products, onednn
 from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
 from kvcache.backends.packing import pack_weights
@@ -58,8 +61,9 @@ class NumpyBackend(ArrayStep):
         super().__init__(model)
         # packed outside inference mode (a caller's, or generate's), so the model's parameters
         # stay ordinary tensors it can still train
+        self._numba = numba_products.available()  # else numpy's (OpenBLAS) one-row products
         with torch.inference_mode(False), torch.no_grad():
-            self.weights = pack_weights(model)
+            self.weights = pack_weights(model, column_major_tall=not self._numba)
         self.layers = self.weights.layers
         self.final_norm = self.weights.final_norm
         self.lm_head = self.weights.lm_head
@@ -101,9 +105,14 @@ class NumpyBackend(ArrayStep):
         return PromptProducts([p for layer in layers for p in layer.products] + [head])
 
     def _threads(self, batch: int) -> int | None:
-        """One torch thread beside numpy's products (the cache's and attention's torch calls: no
-        OpenMP pool spinning beside OpenBLAS's threads); the caller's for oneDNN's."""
-        return None if batch > 1 and onednn.available() else 1
+        """The caller's torch threads for oneDNN's products; one beside numba's or numpy's (the
+        cache's and attention's torch calls: no second pool spinning beside theirs), numba's
+        then set to the caller's torch thread count."""
+        if batch > 1 and onednn.available():
+            return None
+        if self._numba:
+            numba_products.set_threads(torch.get_num_threads())
+        return 1
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config and eps, every
@@ -112,9 +121,12 @@ class NumpyBackend(ArrayStep):
         return self.same_model_config(model) and self.weights.matches(model)
 
     def _linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        """x (B, in) @ weight (in, out) (+ bias) -> (B, out); for one row numpy runs OpenBLAS's
-        matrix-vector product."""
-        out = x @ weight
+        """x (B, in) @ weight (in, out) (+ bias) -> (B, out): one row through numba's
+        matrix-vector loop on the row-major weight (out, in), else numpy's product."""
+        if self._numba and x.shape[0] == 1:
+            out = numba_products.matvec(x[0], weight.T)[None]
+        else:
+            out = x @ weight
         if bias is not None:
             out += bias
         return out

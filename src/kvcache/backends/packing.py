@@ -1,9 +1,10 @@
 """The weights of a float32 CPU model, packed once for the numpy decode step.
 
 What measured well on CPU (`docs/backends.md`): fewer, larger products (q/k/v as one matrix,
-gate/up as one), tall matrices stored column-major (OpenBLAS's column-major matrix-vector kernel
-streams them faster; wide and square ones stay row-major), and a small model's weights on 2 MB
-pages (`huge_pages`).
+gate/up as one), every matrix row-major for the step's numba products (each output a dot product
+of one contiguous row), or, when the step runs numpy's products instead, tall matrices stored
+column-major (OpenBLAS's column-major matrix-vector kernel streams them faster), and a small
+model's weights on 2 MB pages (`huge_pages`).
 
 One copy serves both paths: every parameter whose memory was re-laid out (fused, transposed, moved
 onto huge pages) is pointed at its slice of the packed arrays, with the same values, names and
@@ -125,19 +126,24 @@ def _layout_bytes(model) -> int:
     return total
 
 
-def _tall(rows: int, columns: int) -> bool:
-    return rows >= TALL * columns
+def _tall(rows: int, columns: int, column_major_tall: bool) -> bool:
+    return column_major_tall and rows >= TALL * columns
 
 
-def pack_weights(model) -> PackedWeights:
+def pack_weights(model, column_major_tall: bool = False) -> PackedWeights:
     """Pack a float32 CPU LlamaForCausalLM's weights for the numpy step (see the module
-    docstring); its parameters are pointed at the packed memory where it is new."""
+    docstring): row-major, or tall ones column-major when `column_major_tall` (for numpy's
+    products); its parameters are pointed at the packed memory where it is new."""
     total = _layout_bytes(model)
     arena = Arena(total) if huge_pages_available() and total <= MOVE_LIMIT else None
     packer = _Packer(arena)
     decoder = model.model
     embed = packer.matrices([decoder.embed_tokens.weight], column_major=False).T  # (vocab, hidden)
     layers = []
+
+    def tall(linear: nn.Linear, rows: int) -> bool:
+        return _tall(rows, linear.in_features, column_major_tall)
+
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -148,14 +154,14 @@ def pack_weights(model) -> PackedWeights:
             LayerWeights(
                 norm1=packer.vector(layer.input_layernorm.weight),
                 qkv=packer.matrices(
-                    [p.weight for p in projections], column_major=_tall(qkv_rows, attn.q_proj.in_features)
+                    [p.weight for p in projections], column_major=tall(attn.q_proj, qkv_rows)
                 ),
                 qkv_bias=_biases(packer, projections),
                 o=packer.matrices([attn.o_proj.weight], column_major=False),
                 o_bias=packer.vector(attn.o_proj.bias),
                 norm2=packer.vector(layer.post_attention_layernorm.weight),
                 gate_up=packer.matrices(
-                    [p.weight for p in gate_up], column_major=_tall(gate_up_rows, mlp.gate_proj.in_features)
+                    [p.weight for p in gate_up], column_major=tall(mlp.gate_proj, gate_up_rows)
                 ),
                 gate_up_bias=_biases(packer, gate_up),
                 down=packer.matrices([mlp.down_proj.weight], column_major=False),
@@ -170,7 +176,7 @@ def pack_weights(model) -> PackedWeights:
     if head.weight is decoder.embed_tokens.weight:  # tied: the embedding, read as (hidden, vocab)
         lm_head = embed.T
     else:
-        lm_head = packer.matrices([head.weight], column_major=_tall(head.out_features, head.in_features))
+        lm_head = packer.matrices([head.weight], column_major=tall(head, head.out_features))
     release_freed_memory()
     sources = [(parameter, parameter.data_ptr()) for parameter in model.parameters()]
     assert final_norm is not None
