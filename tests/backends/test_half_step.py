@@ -108,15 +108,18 @@ def test_a_model_written_to_since_gets_a_new_backend():
     assert not first.matches(model)
     rebuilt = choose_backend(model)
     assert rebuilt is not first and rebuilt.matches(model)
-    ids = torch.tensor([[3, 9, 4, 1]])
+    # two rows: oneDNN's products on the laid-out copy (one bfloat16 row reads the model's own
+    # parameters in place, which see the write)
+    ids = torch.tensor([[3, 9, 4, 1], [5, 2, 8, 6]])
+    step = torch.tensor([[7], [7]])
     cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
     with torch.no_grad():
         model(ids, past_key_values=cache)
-        stale = first.decode(torch.tensor([[7]]), cache)
+        stale = first.decode(step, cache)
         cache.crop(4)
-        fresh = rebuilt.decode(torch.tensor([[7]]), cache)
+        fresh = rebuilt.decode(step, cache)
         cache.crop(4)
-        theirs = TorchBackend(model).decode(torch.tensor([[7]]), cache)
+        theirs = TorchBackend(model).decode(step, cache)
     assert (fresh - theirs).abs().max() < (stale - theirs).abs().max()
 
 

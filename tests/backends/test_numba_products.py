@@ -1,13 +1,15 @@
-"""numba's one-row product against numpy's float64 product on many random shapes (sizes that
-split unevenly between threads, a single row or column, a long row), at every thread count
-from 1 to the machine's; and numba is available here with an OpenMP or TBB pool, so the numpy
-step's tests run its numba products (tests/backends/test_numpy_step.py runs both sides)."""
+"""numba's one-row products against float64 products of the same values on many random shapes
+(sizes that split unevenly between threads, a single row or column, a long row), float32 at 1
+and 2 threads and bfloat16 read in place as pairs; its rounding to bfloat16 is torch's (ties,
+NaN, infinities, subnormals); and numba is available here with an OpenMP or TBB pool, so the
+steps' tests run its products (tests/backends/test_numpy_step.py runs both sides)."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,3 +45,37 @@ def test_edge_shapes(shape):
     weight = generator.standard_normal(shape, dtype=np.float32)
     x = generator.standard_normal(shape[1], dtype=np.float32)
     np.testing.assert_allclose(numba_products.matvec(x, weight), weight @ x, rtol=1e-4, atol=1e-4)
+
+
+def test_rounding_to_bfloat16_is_torchs():
+    generator = np.random.default_rng(3)
+    values = np.concatenate([
+        generator.standard_normal(4000).astype(np.float32) * 10.0 ** generator.integers(-30, 30, 4000),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-45, 1.00390625, 1.01171875],
+                 np.float32),  # (the last two: ties, to even downwards and upwards)
+    ]).astype(np.float32)
+    ours = numba_products.rounded_to_bfloat16(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(ours, theirs, equal_nan=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 200), pairs=st.integers(1, 150), seed=st.integers(0, 2**16))
+def test_the_bfloat16_product_is_the_float64_product_of_the_same_values(rows, pairs, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, 2 * pairs, generator=generator).to(torch.bfloat16)
+    x = torch.randn(2 * pairs, generator=generator).numpy()
+    out = np.empty(rows, np.float32)
+    numba_products.matvec_bfloat16(x, numba_products.bfloat16_pairs(weight), out)
+    exact = weight.double().numpy() @ x.astype(np.float64)
+    scale = weight.double().abs().numpy() @ np.abs(x).astype(np.float64)
+    assert np.all(np.abs(out - exact) <= 1e-6 * 2 * pairs * scale + 1e-30)
+
+
+def test_only_an_even_contiguous_weight_is_viewed_as_pairs():
+    weight = torch.randn(4, 6).to(torch.bfloat16)
+    pairs = numba_products.bfloat16_pairs(weight)
+    assert pairs.shape == (4, 3) and pairs.dtype == np.uint32
+    assert pairs.ctypes.data == weight.data_ptr()  # a view of the parameter's memory
+    assert numba_products.bfloat16_pairs(torch.randn(4, 5).to(torch.bfloat16)) is None
+    assert numba_products.bfloat16_pairs(weight.T) is None

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvcache.backends import numba_products
 from kvcache.backends.base import BackendError, DecodeBackend
 from kvcache.backends.threads import torch_threads
 
@@ -97,9 +98,24 @@ class ArrayStep(DecodeBackend):
         `layers`, `lm_head` and `_linear`."""
         return self.layers, self.lm_head, self._linear
 
+    #: whether one-row steps run numba's products (`numba_products`), set by the subclass
+    _numba: bool = False
+
+    def _on_torch_threads(self, batch: int) -> bool:
+        """Whether a step of `batch` rows runs its products on torch's threads (oneDNN's,
+        torch's F.linear)."""
+        return True
+
     def _threads(self, batch: int) -> int | None:
-        """torch's CPU threads during a step of `batch` rows (None: the caller's)."""
-        return None
+        """torch's CPU threads during a step of `batch` rows, called as the step starts: the
+        caller's (None) when the products run on torch's threads, else one (numba's or
+        OpenBLAS's threads run them, and a second pool spinning beside theirs makes both wait),
+        numba's then set to the caller's torch thread count."""
+        if self._on_torch_threads(batch):
+            return None
+        if self._numba:
+            numba_products.set_threads(torch.get_num_threads())
+        return 1
 
     def _linear(self, x: np.ndarray, weight, bias) -> np.ndarray:
         """x (B, in) float32 through one of the step's products -> (B, out) float32."""

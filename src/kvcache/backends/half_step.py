@@ -7,7 +7,11 @@ out for oneDNN on every call), so the step keeps its own copy of the weights lai
 bfloat16 matrices in oneDNN's packed layout (`onednn`: its products read each weight once
 whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
 `F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products. A
-bfloat16 model's prompt forward runs its products on the same copy (`prompt_products`).
+bfloat16 model's prompt forward runs its products on the same copy (`prompt_products`). One row
+of a bfloat16 model runs numba's matrix-vector loop instead (`numba_products`: faster in the
+step than oneDNN's on the CPU measured), on the model's own parameters read in place (q, k, v
+and gate, up one after another), its input and output rounded to bfloat16 as oneDNN's are;
+where numba has no fast pool (or a weight's width is odd) oneDNN's runs every step.
 
 The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
 RoPE, the cache update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU,
@@ -29,11 +33,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.backends import onednn
+from kvcache.backends import numba_products, onednn
 from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
 from kvcache.backends.onednn import LaidOutLayer, laid_out_product, product
-from kvcache.backends.prompt_products import PromptProducts
+from kvcache.backends.prompt_products import LaidOutProduct, PromptProducts
 from kvcache.backends.support import unsupported_parameters, unsupported_structure
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -73,6 +77,26 @@ class HalfBackend(ArrayStep):
             self._head = laid_out_product(model.lm_head)
             self.lm_head = self._head.weight
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
+        # one row of a bfloat16 model: numba's products on the model's own parameters
+        self._pairs: tuple[list, _Pairs] | None = None
+        if self.dtype == torch.bfloat16 and numba_products.available():
+            layers = [_PairsLayer(layer) for layer in self.layers]
+            head = _Pairs.of(self._head)
+            if head is not None and all(layer.complete for layer in layers):
+                self._pairs = layers, head
+        self._numba = self._pairs is not None
+
+    def _on_torch_threads(self, batch: int) -> bool:
+        """One row of a bfloat16 model runs on numba's threads; the rest on torch's."""
+        return batch > 1 or not self._numba
+
+    def _products(self, batch: int):
+        """numba's products on the model's bfloat16 parameters for one row; oneDNN's (float16:
+        F.linear's) on the laid-out copy otherwise."""
+        if batch > 1 or self._pairs is None:
+            return self.layers, self.lm_head, self._linear
+        layers, head = self._pairs
+        return layers, head, _Pairs.linear
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
@@ -103,3 +127,49 @@ class HalfBackend(ArrayStep):
 
     def _store(self, cache, k, v, index):
         return cache.update(torch.from_numpy(k).to(self.dtype), torch.from_numpy(v).to(self.dtype), index)
+
+
+class _Pairs:
+    """A laid-out product's member weights as the model's own bfloat16 parameters, viewed as
+    uint32 pairs (`numba_products.bfloat16_pairs`, no copy), and its fused bias in float32."""
+
+    def __init__(self, parts: list[np.ndarray], bias: np.ndarray | None) -> None:
+        self.parts = parts
+        self.rows = sum(part.shape[0] for part in parts)
+        self.bias = bias
+
+    @classmethod
+    def of(cls, laid: LaidOutProduct) -> _Pairs | None:
+        """From a `LaidOutProduct`'s members; None when a weight cannot be viewed as pairs."""
+        parts = [numba_products.bfloat16_pairs(member.weight) for member in laid.members]
+        if any(part is None for part in parts):
+            return None
+        bias = None if laid.bias is None else laid.bias.float().numpy()
+        return cls(parts, bias)
+
+    @staticmethod
+    def linear(x: np.ndarray, weight: _Pairs, bias) -> np.ndarray:
+        """x (1, in) float32 through `weight`'s members in turn (+ its bias; the step's `bias`
+        argument is None) -> (1, out) float32, the input and the output rounded to bfloat16 as
+        oneDNN's bfloat16 product (and torch's) rounds them."""
+        out = np.empty((1, weight.rows), np.float32)
+        rounded = numba_products.rounded_to_bfloat16(x[0])
+        start = 0
+        for part in weight.parts:
+            stop = start + part.shape[0]
+            numba_products.matvec_bfloat16(rounded, part, out[0, start:stop])
+            start = stop
+        if weight.bias is not None:
+            out += weight.bias
+        return numba_products.rounded_to_bfloat16(out[0])[None]
+
+
+class _PairsLayer:
+    """A `LaidOutLayer`'s norms, with its four products as `_Pairs` (`complete`: all of them)."""
+
+    def __init__(self, laid: LaidOutLayer) -> None:
+        self.norm1, self.norm2, self.q_norm, self.k_norm = laid.norm1, laid.norm2, laid.q_norm, laid.k_norm
+        pairs = [_Pairs.of(product) for product in laid.products]
+        self.complete = all(p is not None for p in pairs)
+        self.qkv, self.o, self.gate_up, self.down = pairs
+        self.qkv_bias = self.o_bias = self.gate_up_bias = self.down_bias = None  # (in each _Pairs)

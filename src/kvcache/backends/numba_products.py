@@ -1,11 +1,14 @@
-"""One-row products of a decode step, compiled by numba and run on its OpenMP threads.
+"""One-row products of a decode step, compiled by numba and run on its OpenMP threads: float32
+weights, and bfloat16 ones read in place as pairs.
 
 Why: a one-row decode step is a chain of matrix-vector products, each reading its weight once,
 so it is bound by memory bandwidth plus what each call costs to start. On the CPU measured
 (`docs/backends.md`) a plain loop over the weight's rows (each row one dot product, the rows
 split between the threads), compiled by numba with fast-math vectorisation, read float32
 weights faster in the step than numpy's OpenBLAS matrix-vector product, and its calls start
-faster on small matrices. numba's pool must be OpenMP (or TBB): on its fallback `workqueue`
+faster on small matrices; the bfloat16 loop (each weight widened to float32 by a shift: a
+bfloat16 is a float32's upper half) read faster than oneDNN's packed bfloat16 product.
+numba's pool must be OpenMP (or TBB): on its fallback `workqueue`
 pool the same loop ran at about half OpenBLAS's speed, so `available()` is False there and the
 numpy step keeps numpy's products.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import torch
 
 #: numba threading layers on which the kernels are worth running
 FAST_LAYERS = ("omp", "tbb")
@@ -28,7 +32,8 @@ FAST_LAYERS = ("omp", "tbb")
 
 @functools.cache
 def _kernels():
-    """(float32 matrix-vector kernel, numba module), compiled once; None when numba is missing."""
+    """(float32 matrix-vector kernel, numba module, bfloat16 pairs kernel, bfloat16 rounding),
+    compiled once; None when numba is missing."""
     try:
         import numba
     except ImportError:
@@ -44,7 +49,35 @@ def _kernels():
                 total += weight[i, j] * x[j]
             out[i] = total
 
-    return matvec, numba
+    @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
+    def matvec_pairs(pairs, x, out):  # pragma: no cover (compiled)
+        """out (n,) = bfloat16 weight (n, k) @ x (k,) float32, the weight read as pairs (n, k/2)
+        uint32: the low half of each pair is the even column, the high half the odd one."""
+        rows, half = pairs.shape
+        for i in numba.prange(rows):
+            even = np.float32(0.0)
+            odd = np.float32(0.0)
+            for j in range(half):
+                pair = pairs[i, j]
+                low = np.uint32(pair << np.uint32(16))
+                high = np.uint32(pair & np.uint32(0xFFFF0000))
+                even += low.view(np.float32) * x[2 * j]
+                odd += high.view(np.float32) * x[2 * j + 1]
+            out[i] = even + odd
+
+    @numba.njit(cache=True, boundscheck=False)
+    def round_to_bfloat16(bits, out):  # pragma: no cover (compiled)
+        """out (n,) uint32 = float32 bits (n,) rounded to bfloat16 (to nearest, ties to even),
+        as float32 bits; a NaN stays a NaN."""
+        for i in range(bits.shape[0]):
+            b = bits[i]
+            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: quiet, upper half kept
+                out[i] = (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
+            else:
+                tie_to_even = (b >> np.uint32(16)) & np.uint32(1)
+                out[i] = (b + np.uint32(0x7FFF) + tie_to_even) & np.uint32(0xFFFF0000)
+
+    return matvec, numba, matvec_pairs, round_to_bfloat16
 
 
 @functools.cache
@@ -54,14 +87,14 @@ def available() -> bool:
     found = _kernels()
     if found is None:
         return False
-    matvec, numba = found
+    matvec, numba, _, _ = found
     matvec(np.ones((4, 4), np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
     return numba.threading_layer() in FAST_LAYERS
 
 
 def set_threads(threads: int) -> None:
     """Run the kernels on `threads` threads (at most numba's NUMBA_NUM_THREADS, at least 1)."""
-    _, numba = _kernels()
+    numba = _kernels()[1]
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
 
 
@@ -71,3 +104,27 @@ def matvec(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     out = np.empty(weight.shape[0], np.float32)
     _kernels()[0](weight, x, out)
     return out
+
+
+def bfloat16_pairs(weight) -> np.ndarray | None:
+    """A contiguous (out, in) bfloat16 torch tensor's memory as (out, in/2) uint32 pairs (a view,
+    no copy), or None when `in` is odd or the tensor is not contiguous."""
+    if weight.shape[-1] % 2 or not weight.is_contiguous():
+        return None
+    return weight.detach().view(torch.int16).numpy().view(np.uint32)
+
+
+def rounded_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """x (n,) float32 rounded to the nearest bfloat16 (ties to even, as torch rounds), kept as
+    float32: a new array."""
+    out = np.empty(x.shape[0], np.uint32)
+    _kernels()[3](np.ascontiguousarray(x).view(np.uint32), out)
+    return out.view(np.float32)
+
+
+def matvec_bfloat16(x: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> None:
+    """out (out,) float32 = x (in,) float32 times a bfloat16 weight (out, in) given as
+    `bfloat16_pairs`, each product exact in float32 and summed in float32 (as oneDNN's bfloat16
+    product sums; it takes x rounded to bfloat16 and rounds its output so too:
+    `rounded_to_bfloat16`). Call `available()` first."""
+    _kernels()[2](pairs, x, out)

@@ -104,15 +104,9 @@ class NumpyBackend(ArrayStep):
         layers, head = copy
         return PromptProducts([p for layer in layers for p in layer.products] + [head])
 
-    def _threads(self, batch: int) -> int | None:
-        """The caller's torch threads for oneDNN's products; one beside numba's or numpy's (the
-        cache's and attention's torch calls: no second pool spinning beside theirs), numba's
-        then set to the caller's torch thread count."""
-        if batch > 1 and onednn.available():
-            return None
-        if self._numba:
-            numba_products.set_threads(torch.get_num_threads())
-        return 1
+    def _on_torch_threads(self, batch: int) -> bool:
+        """Several rows run on oneDNN (torch's threads); one on numba's or OpenBLAS's."""
+        return batch > 1 and onednn.available()
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config and eps, every
