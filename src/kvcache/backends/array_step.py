@@ -4,8 +4,9 @@ Why: a decode step is one new token per row. Its weights are read once each, so 
 is memory bandwidth (the products) plus per-operation overhead (everything between them). A
 numpy operation on a few hundred floats costs a fraction of a torch one (`docs/backends.md`), so
 everything between the products runs as numpy calls on float32 rows, and each backend says only
-how a product is computed (`_linear`: numpy's OpenBLAS on float32 weights, oneDNN or torch on
-half-precision ones), how token ids become rows (`_embed`) and how keys and values reach the
+how a product is computed (`_products`/`_linear`: numba's loop for one row, oneDNN's packed
+product for several; numpy's OpenBLAS or torch's F.linear where those do not apply), where it
+runs (`_on_torch_threads`), how token ids become rows (`_embed`) and how keys and values reach the
 cache (`_store`, through the seam `cache.update`/`update_arrays`; the plan comes from
 `cache.begin(1, attention_mask)`).
 
