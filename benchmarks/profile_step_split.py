@@ -5,10 +5,11 @@
 
 The step as `choose_backend` picks it (float32: the numpy step; bfloat16: the half step) is
 timed in a loop on a dynamic cache of `--context` tokens; then its products alone, on the step's
-own weights, one row each; then torch's attention alone on keys and values of that length (the
-same call shape as the step's: each kv head's query group as the rows). The rest is the step
-minus both. Attention alone reuses one layer's keys, which stay in cache: inside the step they
-come from memory, so the rest holds that difference too. Medians; stdout only; not a test.
+own weights and threads, one row each; then torch's attention alone (on the step's torch
+threads) on keys and values of that length (the same call shape as the step's: each kv head's
+query group as the rows). The rest is the step minus both. Attention alone reuses one layer's
+keys, which stay in cache: inside the step they come from memory, so the rest holds that
+difference too. Medians; stdout only; not a test.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def build(name: str):
 
 
 def products(backend):
-    """A function running every product of one step through the step's own `_linear`, on its own
-    weights, one row each, and the bytes of weights those products read."""
+    """A function running every product of one step as a one-row step runs them (the step's
+    `_products(1)`: its weights and its product function), and the bytes of weights they read."""
     import numpy as np
     import torch
 
@@ -59,12 +60,13 @@ def products(backend):
     outs = {"qkv": (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim,
             "o": config.hidden_size, "gate_up": 2 * config.intermediate_size, "down": config.hidden_size}
     ins = {"qkv": "hidden", "o": "heads", "gate_up": "hidden", "down": "inner"}
-    calls = [(getattr(w, name), sizes[ins[name]], outs[name]) for w in backend.layers for name in outs]
-    calls.append((backend.lm_head, sizes["hidden"], config.vocab_size))
+    layers, lm_head, linear = backend._products(1)
+    calls = [(getattr(w, name), sizes[ins[name]], outs[name]) for w in layers for name in outs]
+    calls.append((lm_head, sizes["hidden"], config.vocab_size))
     rows = [np.ones((1, width), np.float32) for _, width, _ in calls]
     dtype = getattr(backend, "dtype", torch.float32)
     read = sum(width * out * (torch.finfo(dtype).bits // 8) for _, width, out in calls)
-    return (lambda: [backend._linear(row, weight, None) for (weight, _, _), row in zip(calls, rows)]), read
+    return (lambda: [linear(row, weight, None) for (weight, _, _), row in zip(calls, rows)]), read
 
 
 def measure(model, dtype, context: int) -> str:
@@ -73,6 +75,7 @@ def measure(model, dtype, context: int) -> str:
     import torch.nn.functional as F
 
     from kvcache.backends import choose_backend
+    from kvcache.backends.threads import torch_threads
     from kvcache.cache import make_cache
 
     model = model.to(dtype)
@@ -84,14 +87,16 @@ def measure(model, dtype, context: int) -> str:
         token = torch.tensor([[5]])
         step = median_ms(lambda: backend.decode(token, cache))  # the context grows by ~45
         run_products, read = products(backend)
-        product_ms = median_ms(run_products)
+        with torch_threads(backend._threads(1)):  # the threads a one-row step runs on
+            product_ms = median_ms(run_products)
         heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         keys = torch.randn(1, kv_heads, context, dim).to(dtype)
         values = torch.randn_like(keys)
         queries = torch.randn(1, kv_heads, heads // kv_heads, dim).to(dtype)
         layers = config.num_hidden_layers
-        attention = median_ms(
-            lambda: [F.scaled_dot_product_attention(queries, keys, values) for _ in range(layers)])
+        with torch_threads(backend._threads(1)):
+            attention = median_ms(
+                lambda: [F.scaled_dot_product_attention(queries, keys, values) for _ in range(layers)])
     return (f"{backend.name} step, {str(dtype)[6:]}: {step:.2f} ms = products {product_ms:.2f} ms "
             f"({read / product_ms / 1e6:.1f} GB/s over {read / 1e6:.0f} MB) + attention {attention:.2f} ms "
             f"+ rest {step - product_ms - attention:.2f} ms")
