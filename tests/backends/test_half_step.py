@@ -11,7 +11,7 @@ import torch
 from tiny_models import left_padded_batch, random_model, tiny_config
 
 from kvcache import generate, load_model
-from kvcache.backends import BackendError, HalfBackend, TorchBackend, choose_backend
+from kvcache.backends import BackendError, HalfBackend, TorchBackend, choose_backend, half_step
 from kvcache.cache import make_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,9 +82,12 @@ def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(fam
     assert max(ours_errors) <= 2 * max(theirs_errors), (max(ours_errors), max(theirs_errors))
 
 
+@pytest.mark.parametrize("long", [half_step.LONG, 12], ids=["short cache", "crossing LONG"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_tokens_equal_transformers_in_the_same_dtype(checkpoints, arch, dtype):
+def test_greedy_tokens_equal_transformers_in_the_same_dtype(checkpoints, arch, dtype, long, monkeypatch):
+    """(bfloat16, crossing LONG: the first steps run numba's products, the later ones oneDNN's)"""
+    monkeypatch.setattr(half_step, "LONG", long)
     folder, hf = checkpoints[arch]
     model = load_model(folder, dtype=dtype)
     assert isinstance(choose_backend(model), HalfBackend)  # auto picks it
@@ -130,3 +133,14 @@ def test_it_refuses_what_it_cannot_run_by_name():
     assert isinstance(choose_backend(gemma), TorchBackend)
     with pytest.raises(BackendError, match="bfloat16 or float16"):
         HalfBackend(random_model(tiny_config(), 0))
+
+
+def test_one_bfloat16_row_runs_numbas_products_below_long_and_onednns_from_it():
+    model = random_model(tiny_config(), 5).to(torch.bfloat16)
+    backend = HalfBackend(model)
+    short, long = half_step.LONG - 1, half_step.LONG
+    assert backend._products(1, short)[0] is not backend.layers and backend._threads(1, short) == 1
+    assert backend._products(1, long)[0] is backend.layers and backend._threads(1, long) is None
+    assert backend._products(2, 0)[0] is backend.layers  # several rows: oneDNN's
+    fp16 = HalfBackend(random_model(tiny_config(), 5).to(torch.float16))
+    assert fp16._products(1, 0)[0] is fp16.layers  # float16: F.linear on the plain copy

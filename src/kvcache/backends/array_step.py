@@ -94,25 +94,25 @@ class ArrayStep(DecodeBackend):
         )
 
     # ---- what a backend supplies ----------------------------------------------------------------
-    def _products(self, batch: int) -> tuple[list, object, object]:
-        """(layers, lm_head, linear) for a step of `batch` rows: here always the backend's own
-        `layers`, `lm_head` and `_linear`."""
+    def _products(self, batch: int, past: int = 0) -> tuple[list, object, object]:
+        """(layers, lm_head, linear) for a step of `batch` rows on a cache of `past` tokens: here
+        always the backend's own `layers`, `lm_head` and `_linear`."""
         return self.layers, self.lm_head, self._linear
 
     #: whether one-row steps run numba's products (`numba_products`), set by the subclass
     _numba: bool = False
 
-    def _on_torch_threads(self, batch: int) -> bool:
-        """Whether a step of `batch` rows runs its products on torch's threads (oneDNN's,
-        torch's F.linear)."""
+    def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
+        """Whether a step of `batch` rows on a cache of `past` tokens runs its products on
+        torch's threads (oneDNN's, torch's F.linear)."""
         return True
 
-    def _threads(self, batch: int) -> int | None:
+    def _threads(self, batch: int, past: int = 0) -> int | None:
         """torch's CPU threads during a step of `batch` rows, called as the step starts: the
         caller's (None) when the products run on torch's threads, else one (numba's or
         OpenBLAS's threads run them, and a second pool spinning beside theirs makes both wait),
         numba's then set to the caller's torch thread count."""
-        if self._on_torch_threads(batch):
+        if self._on_torch_threads(batch, past):
             return None
         if self._numba:
             numba_products.set_threads(torch.get_num_threads())
@@ -175,17 +175,17 @@ class ArrayStep(DecodeBackend):
             )
         # (no autograd to switch off: every tensor the step makes comes from numpy or a detached
         # copy, so nothing it computes records a graph)
-        with torch_threads(self._threads(len(listed))):
-            past = cache.get_seq_length()
+        past = cache.get_seq_length()
+        with torch_threads(self._threads(len(listed), past)):
             windows = self.config.layer_windows
             plan = cache.begin(1, attention_mask, device=torch.device("cpu"), windows=windows)
             try:
-                return torch.from_numpy(self._run(token_ids, plan, cache))
+                return torch.from_numpy(self._run(token_ids, plan, cache, past))
             except BaseException:  # Ctrl-C between layers: undo the step (as the torch forward does)
                 cache.abandon_forward(past)
                 raise
 
-    def _run(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
+    def _run(self, token_ids: np.ndarray, plan, cache, past: int = 0) -> np.ndarray:
         batch = len(token_ids)
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
         rotated = heads + kv_heads
@@ -193,7 +193,7 @@ class ArrayStep(DecodeBackend):
         positions = start if isinstance(start, int) else plan.positions.numpy()[:, 0]
         turn = self.rotations(positions)  # (B or 1, D, D)
         visible_by_mask: dict[int, torch.Tensor | None] = {}
-        layers, lm_head, linear = self._products(batch)
+        layers, lm_head, linear = self._products(batch, past)
         x = self._embed(token_ids)  # (B, hidden)
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(layers):

@@ -8,10 +8,11 @@ bfloat16 matrices in oneDNN's packed layout (`onednn`: its products read each we
 whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
 `F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products. A
 bfloat16 model's prompt forward runs its products on the same copy (`prompt_products`). One row
-of a bfloat16 model runs numba's matrix-vector loop instead (`numba_products`: faster in the
-step than oneDNN's on the CPU measured), on the model's own parameters read in place (q, k, v
-and gate, up one after another), its input and output rounded to bfloat16 as oneDNN's are;
-where numba has no fast pool (or a weight's width is odd) oneDNN's runs every step.
+of a bfloat16 model on a cache of fewer than `LONG` tokens runs numba's matrix-vector loop
+instead (`numba_products`: faster in the step than oneDNN's on the CPU measured), on the model's
+own parameters read in place (q, k, v and gate, up one after another), its input and output
+rounded to bfloat16 as oneDNN's are; where numba has no fast pool (or a weight's width is odd)
+oneDNN's runs every step.
 
 The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
 RoPE, the cache update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU,
@@ -41,6 +42,11 @@ from kvcache.backends.prompt_products import LaidOutProduct, PromptProducts
 from kvcache.backends.support import unsupported_parameters, unsupported_structure
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: cached tokens from which a one-row bfloat16 step runs oneDNN's products on torch's threads
+#: rather than numba's: a numba step runs torch (its attention) on one thread, and bfloat16
+#: attention over a long cache gained more from torch's second thread than numba's products
+#: gained over oneDNN's; the two were level at about this length (`docs/backends.md`)
+LONG = 1024
 
 
 def unsupported(model) -> str | None:
@@ -86,14 +92,18 @@ class HalfBackend(ArrayStep):
                 self._pairs = layers, head
         self._numba = self._pairs is not None
 
-    def _on_torch_threads(self, batch: int) -> bool:
-        """One row of a bfloat16 model runs on numba's threads; the rest on torch's."""
-        return batch > 1 or not self._numba
+    def _numba_step(self, batch: int, past: int) -> bool:
+        """numba's products: one row of a bfloat16 model on a cache of fewer than LONG tokens."""
+        return self._pairs is not None and batch == 1 and past < LONG
 
-    def _products(self, batch: int):
-        """numba's products on the model's bfloat16 parameters for one row; oneDNN's (float16:
-        F.linear's) on the laid-out copy otherwise."""
-        if batch > 1 or self._pairs is None:
+    def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
+        """A numba step's products run on numba's threads; the rest on torch's."""
+        return not self._numba_step(batch, past)
+
+    def _products(self, batch: int, past: int = 0):
+        """numba's products on the model's bfloat16 parameters for a numba step (`_numba_step`);
+        oneDNN's (float16: F.linear's) on the laid-out copy otherwise."""
+        if not self._numba_step(batch, past):
             return self.layers, self.lm_head, self._linear
         layers, head = self._pairs
         return layers, head, _Pairs.linear

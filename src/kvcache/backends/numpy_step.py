@@ -88,7 +88,7 @@ class NumpyBackend(ArrayStep):
             self._laid_out_versions = versions
         return self._laid_out
 
-    def _products(self, batch: int):
+    def _products(self, batch: int, past: int = 0):
         """Numpy's products for one row; oneDNN's on its copy for several."""
         copy = self._oneDNN_copy() if batch > 1 else None
         if copy is None:
@@ -104,7 +104,7 @@ class NumpyBackend(ArrayStep):
         layers, head = copy
         return PromptProducts([p for layer in layers for p in layer.products] + [head])
 
-    def _on_torch_threads(self, batch: int) -> bool:
+    def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
         """Several rows run on oneDNN (torch's threads); one on numba's or OpenBLAS's."""
         return batch > 1 and onednn.available()
 
