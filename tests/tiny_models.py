@@ -222,3 +222,23 @@ def llama_checkpoint(folder: Path, *, seed: int, **config) -> Path:
     settings = {"initializer_range": 0.1, **config}
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
     return save_checkpoint(model, folder)
+
+
+class OwnErrors:
+    """Errors of a computation (`ours`) and of a reference one (`theirs`) against the same truth,
+    in units of `dtype`'s eps times the truth's largest value; `check` asserts ours within the
+    reference's own error: a mean within 1.25× and a worst within 2×."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.ours: list[float] = []
+        self.theirs: list[float] = []
+
+    def add(self, ours: torch.Tensor, theirs: torch.Tensor, truth: torch.Tensor) -> None:
+        unit = torch.finfo(self.dtype).eps * float(truth.abs().max())
+        self.ours.append(float((ours - truth).abs().max()) / unit)
+        self.theirs.append(float((theirs - truth).abs().max()) / unit)
+
+    def check(self) -> None:
+        assert sum(self.ours) <= 1.25 * sum(self.theirs), (self.ours, self.theirs)
+        assert max(self.ours) <= 2 * max(self.theirs), (self.ours, self.theirs)
