@@ -60,16 +60,25 @@ def test_rounding_to_bfloat16_is_torchs():
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 200), pairs=st.integers(1, 150), seed=st.integers(0, 2**16))
-def test_the_bfloat16_product_is_the_float64_product_of_the_same_values(rows, pairs, seed):
+@given(rows=st.lists(st.integers(1, 120), min_size=1, max_size=3), pairs=st.integers(1, 150),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_bfloat16_product_is_the_float64_product_of_the_rounded_values_rounded(rows, pairs, bias, seed):
+    """Parts stacked along out, x rounded to bfloat16, the float64 product (+ bias) rounded to
+    bfloat16: within one bfloat16 rounding of float32 summation error."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(rows, 2 * pairs, generator=generator).to(torch.bfloat16)
+    weights = [torch.randn(n, 2 * pairs, generator=generator).to(torch.bfloat16) for n in rows]
     x = torch.randn(2 * pairs, generator=generator).numpy()
-    out = np.empty(rows, np.float32)
-    numba_products.matvec_bfloat16(x, numba_products.bfloat16_pairs(weight), out)
-    exact = weight.double().numpy() @ x.astype(np.float64)
-    scale = weight.double().abs().numpy() @ np.abs(x).astype(np.float64)
-    assert np.all(np.abs(out - exact) <= 1e-6 * 2 * pairs * scale + 1e-30)
+    b = torch.randn(sum(rows), generator=generator).numpy() if bias else None
+    out = numba_products.product_bfloat16(
+        x, tuple(numba_products.bfloat16_pairs(w) for w in weights), b)
+    stacked = torch.cat(weights).double().numpy()
+    x_rounded = numba_products.rounded_to_bfloat16(x).astype(np.float64)
+    exact = stacked @ x_rounded + (0.0 if b is None else b.astype(np.float64))
+    summed = np.abs(stacked) @ np.abs(x_rounded) + (0.0 if b is None else np.abs(b))
+    eps = float(torch.finfo(torch.bfloat16).eps)
+    assert out.shape == (sum(rows),) and out.dtype == np.float32
+    assert np.array_equal(out, numba_products.rounded_to_bfloat16(out))  # a bfloat16 value
+    assert np.all(np.abs(out - exact) <= eps * np.abs(exact) + 1e-6 * 2 * pairs * summed + 1e-30)
 
 
 def test_only_an_even_contiguous_weight_is_viewed_as_pairs():

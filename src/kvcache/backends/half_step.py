@@ -144,7 +144,7 @@ class _Pairs:
     uint32 pairs (`numba_products.bfloat16_pairs`, no copy), and its fused bias in float32."""
 
     def __init__(self, parts: list[np.ndarray], bias: np.ndarray | None) -> None:
-        self.parts = parts
+        self.parts = tuple(parts)
         self.rows = sum(part.shape[0] for part in parts)
         self.bias = bias
 
@@ -159,19 +159,10 @@ class _Pairs:
 
     @staticmethod
     def linear(x: np.ndarray, weight: _Pairs, bias) -> np.ndarray:
-        """x (1, in) float32 through `weight`'s members in turn (+ its bias; the step's `bias`
-        argument is None) -> (1, out) float32, the input and the output rounded to bfloat16 as
-        oneDNN's bfloat16 product (and torch's) rounds them."""
-        out = np.empty((1, weight.rows), np.float32)
-        rounded = numba_products.rounded_to_bfloat16(x[0])
-        start = 0
-        for part in weight.parts:
-            stop = start + part.shape[0]
-            numba_products.matvec_bfloat16(rounded, part, out[0, start:stop])
-            start = stop
-        if weight.bias is not None:
-            out += weight.bias
-        return numba_products.rounded_to_bfloat16(out[0])[None]
+        """x (1, in) float32 through `weight`'s members (+ its bias; the step's `bias` argument
+        is None) -> (1, out) float32, in one numba call that rounds the input and the output to
+        bfloat16 as oneDNN's bfloat16 product (and torch's) rounds them."""
+        return numba_products.product_bfloat16(x[0], weight.parts, weight.bias)[None]
 
 
 class _PairsLayer:

@@ -32,8 +32,8 @@ FAST_LAYERS = ("omp", "tbb")
 
 @functools.cache
 def _kernels():
-    """(float32 matrix-vector kernel, numba module, bfloat16 pairs kernel, bfloat16 rounding),
-    compiled once; None when numba is missing."""
+    """(float32 matrix-vector kernel, numba module, bfloat16 rounding, the rounded bfloat16
+    product of stacked parts), compiled once; None when numba is missing."""
     try:
         import numba
     except ImportError:
@@ -49,35 +49,48 @@ def _kernels():
                 total += weight[i, j] * x[j]
             out[i] = total
 
-    @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-    def matvec_pairs(pairs, x, out):  # pragma: no cover (compiled)
-        """out (n,) = bfloat16 weight (n, k) @ x (k,) float32, the weight read as pairs (n, k/2)
-        uint32: the low half of each pair is the even column, the high half the odd one."""
-        rows, half = pairs.shape
-        for i in numba.prange(rows):
-            even = np.float32(0.0)
-            odd = np.float32(0.0)
-            for j in range(half):
-                pair = pairs[i, j]
-                low = np.uint32(pair << np.uint32(16))
-                high = np.uint32(pair & np.uint32(0xFFFF0000))
-                even += low.view(np.float32) * x[2 * j]
-                odd += high.view(np.float32) * x[2 * j + 1]
-            out[i] = even + odd
+    @numba.njit(cache=True, inline="always")
+    def bfloat16_bits(b):  # pragma: no cover (compiled)
+        """float32 bits b rounded to bfloat16 (to nearest, ties to even), as float32 bits; a NaN
+        stays a NaN (quieted, its upper half kept)."""
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
+        tie_to_even = (b >> np.uint32(16)) & np.uint32(1)
+        return (b + np.uint32(0x7FFF) + tie_to_even) & np.uint32(0xFFFF0000)
 
     @numba.njit(cache=True, boundscheck=False)
     def round_to_bfloat16(bits, out):  # pragma: no cover (compiled)
-        """out (n,) uint32 = float32 bits (n,) rounded to bfloat16 (to nearest, ties to even),
-        as float32 bits; a NaN stays a NaN."""
+        """out (n,) uint32 = float32 bits (n,) rounded to bfloat16, as float32 bits."""
         for i in range(bits.shape[0]):
-            b = bits[i]
-            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: quiet, upper half kept
-                out[i] = (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
-            else:
-                tie_to_even = (b >> np.uint32(16)) & np.uint32(1)
-                out[i] = (b + np.uint32(0x7FFF) + tie_to_even) & np.uint32(0xFFFF0000)
+            out[i] = bfloat16_bits(bits[i])
 
-    return matvec, numba, matvec_pairs, round_to_bfloat16
+    @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
+    def product_pairs(parts, x_bits, bias, out):  # pragma: no cover (compiled)
+        """out (sum n_i,) = the bfloat16 weights `parts` (a tuple of (n_i, k/2) uint32 pairs,
+        stacked along out) @ x (k,) given as float32 bits, + bias (sum n_i,) or an empty bias:
+        x rounded to bfloat16 first and the output after, as oneDNN's bfloat16 product rounds."""
+        rounded = np.empty(x_bits.shape[0], np.uint32)
+        for j in range(x_bits.shape[0]):
+            rounded[j] = bfloat16_bits(x_bits[j])
+        x = rounded.view(np.float32)
+        start = 0
+        for pairs in parts:
+            rows, half = pairs.shape
+            for i in numba.prange(rows):
+                even = np.float32(0.0)
+                odd = np.float32(0.0)
+                for j in range(half):
+                    pair = pairs[i, j]
+                    even += np.uint32(pair << np.uint32(16)).view(np.float32) * x[2 * j]
+                    odd += np.uint32(pair & np.uint32(0xFFFF0000)).view(np.float32) * x[2 * j + 1]
+                out[start + i] = even + odd
+            start += rows
+        out_bits = out.view(np.uint32)
+        for i in range(out.shape[0]):
+            value = out[i] + bias[i] if bias.shape[0] else out[i]
+            out_bits[i] = bfloat16_bits(np.float32(value).view(np.uint32))
+
+    return matvec, numba, round_to_bfloat16, product_pairs
 
 
 @functools.cache
@@ -87,7 +100,7 @@ def available() -> bool:
     found = _kernels()
     if found is None:
         return False
-    matvec, numba, _, _ = found
+    matvec, numba = found[:2]
     matvec(np.ones((4, 4), np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
     return numba.threading_layer() in FAST_LAYERS
 
@@ -116,15 +129,21 @@ def bfloat16_pairs(weight) -> np.ndarray | None:
 
 def rounded_to_bfloat16(x: np.ndarray) -> np.ndarray:
     """x (n,) float32 rounded to the nearest bfloat16 (ties to even, as torch rounds), kept as
-    float32: a new array."""
+    float32: a new array (the rounding `product_bfloat16` applies, on its own)."""
     out = np.empty(x.shape[0], np.uint32)
-    _kernels()[3](np.ascontiguousarray(x).view(np.uint32), out)
+    _kernels()[2](np.ascontiguousarray(x).view(np.uint32), out)
     return out.view(np.float32)
 
 
-def matvec_bfloat16(x: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> None:
-    """out (out,) float32 = x (in,) float32 times a bfloat16 weight (out, in) given as
-    `bfloat16_pairs`, each product exact in float32 and summed in float32 (as oneDNN's bfloat16
-    product sums; it takes x rounded to bfloat16 and rounds its output so too:
-    `rounded_to_bfloat16`). Call `available()` first."""
-    _kernels()[2](pairs, x, out)
+_NO_BIAS = np.empty(0, np.float32)
+
+
+def product_bfloat16(x: np.ndarray, parts: tuple, bias: np.ndarray | None) -> np.ndarray:
+    """x (in,) float32 through bfloat16 weights given as `bfloat16_pairs` `parts` (stacked along
+    out, each (out_i, in/2)) (+ bias (sum out_i,) float32) -> (sum out_i,) float32, one numba
+    call: x rounded to bfloat16, each product exact in float32 and summed in float32, the output
+    rounded to bfloat16, as oneDNN's (and torch's) bfloat16 product computes. Call `available()`
+    first."""
+    out = np.empty(sum(part.shape[0] for part in parts), np.float32)
+    _kernels()[3](parts, np.ascontiguousarray(x).view(np.uint32), _NO_BIAS if bias is None else bias, out)
+    return out
