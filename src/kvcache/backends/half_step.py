@@ -125,7 +125,7 @@ class HalfBackend(ArrayStep):
         (`prompt_products`); a float16 one's on torch's (float16 copies are not packed)."""
         if self.dtype not in onednn.PACKED_DTYPES:
             return super().prompt_products()
-        return PromptProducts([p for layer in self.layers for p in layer.products] + [self._head])
+        return PromptProducts.of_layers(self.layers, self._head)
 
     def _linear(self, x: np.ndarray, weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
         """x (B, in) float32, rounded to the weights' dtype, through oneDNN's packed bfloat16
@@ -145,7 +145,6 @@ class _Pairs:
 
     def __init__(self, parts: list[np.ndarray], bias: np.ndarray | None) -> None:
         self.parts = tuple(parts)
-        self.rows = sum(part.shape[0] for part in parts)
         self.bias = bias
 
     @classmethod

@@ -102,7 +102,7 @@ class NumpyBackend(ArrayStep):
         if copy is None:
             return super().prompt_products()
         layers, head = copy
-        return PromptProducts([p for layer in layers for p in layer.products] + [head])
+        return PromptProducts.of_layers(layers, head)
 
     def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
         """Several rows run on oneDNN (torch's threads); one on numba's or OpenBLAS's."""

@@ -126,10 +126,6 @@ def _layout_bytes(model) -> int:
     return total
 
 
-def _tall(rows: int, columns: int, column_major_tall: bool) -> bool:
-    return column_major_tall and rows >= TALL * columns
-
-
 def pack_weights(model, column_major_tall: bool = False) -> PackedWeights:
     """Pack a float32 CPU LlamaForCausalLM's weights for the numpy step (see the module
     docstring): row-major, or tall ones column-major when `column_major_tall` (for numpy's
@@ -142,7 +138,8 @@ def pack_weights(model, column_major_tall: bool = False) -> PackedWeights:
     layers = []
 
     def tall(linear: nn.Linear, rows: int) -> bool:
-        return _tall(rows, linear.in_features, column_major_tall)
+        """Whether a product of `rows` outputs from `linear`'s inputs is stored column-major."""
+        return column_major_tall and rows >= TALL * linear.in_features
 
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp

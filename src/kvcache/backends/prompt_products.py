@@ -63,6 +63,11 @@ class PromptProducts(TorchFunctionMode):
         self._pending: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.served = 0
 
+    @classmethod
+    def of_layers(cls, layers, head: LaidOutProduct) -> PromptProducts:
+        """The mode for a model's laid-out layers (each with its `products`) and its lm_head."""
+        return cls([product for layer in layers for product in layer.products] + [head])
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
