@@ -11,12 +11,11 @@ import torch
 from tiny_models import OwnErrors, left_padded_batch, random_model, tiny_config
 
 from kvcache import generate, load_model
-from kvcache.backends import BackendError, HalfBackend, TorchBackend, choose_backend, half_step
+from kvcache.backends import BackendError, HalfBackend, TorchBackend, choose_backend, numba_products
 from kvcache.cache import make_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DTYPES = [torch.bfloat16, torch.float16]
 # (config.json overrides, cache kinds to run): GQA groups, biases, per-head q/k norms, a window
 FAMILIES = {
     "llama, 2 groups": (dict(), ("dynamic", "static", "paged")),
@@ -42,13 +41,31 @@ def _half_and_exact(overrides: dict, dtype: torch.dtype, seed: int):
     return half, exact
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def _road(road: str, monkeypatch) -> None:
+    """One bfloat16 row on numba's kernels (asserting numba runs here: else only the other road
+    would be tested), or on oneDNN's products and the numpy operations, as where numba is absent."""
+    if road == "numba":
+        assert numba_products.available()
+    else:
+        monkeypatch.setattr(numba_products, "available", lambda: False)
+
+
+# (dtype, road): float16 never runs numba's kernels
+ROADS = [(torch.bfloat16, "numba"), (torch.bfloat16, "oneDNN"), (torch.float16, "oneDNN")]
+ROAD_IDS = ["bf16-numba", "bf16-oneDNN", "fp16"]
+
+
+@pytest.mark.parametrize(("dtype", "road"), ROADS, ids=ROAD_IDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(family, dtype):
+def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(
+    family, dtype, road, monkeypatch
+):
     """Errors are measured against a float32 forward of the same (rounded) weights, in units of
     the dtype's eps times the step's largest logit. Rounding makes each step's error a draw, so
     the property is over the family's 3 batches × cache kinds × 5 steps: the half step's mean
-    error within 1.25× the torch forward's in that dtype, and its worst within 2× of theirs."""
+    error within 1.25× the torch forward's in that dtype, and its worst within 2× of theirs.
+    (bfloat16 batches of several rows take the same road either way.)"""
+    _road(road, monkeypatch)
     overrides, kinds = FAMILIES[family]
     errors = OwnErrors(dtype)
     for seed, lengths in enumerate([(7,), (9, 4), (6, 10, 3)]):
@@ -78,12 +95,11 @@ def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(fam
     errors.check()
 
 
-@pytest.mark.parametrize("long", [half_step.LONG, 12], ids=["short cache", "crossing LONG"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("dtype", "road"), ROADS, ids=ROAD_IDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_tokens_equal_transformers_in_the_same_dtype(checkpoints, arch, dtype, long, monkeypatch):
-    """(bfloat16, crossing LONG: the first steps run numba's products, the later ones oneDNN's)"""
-    monkeypatch.setattr(half_step, "LONG", long)
+def test_greedy_tokens_equal_transformers_in_the_same_dtype(checkpoints, arch, dtype, road, monkeypatch):
+    _road(road, monkeypatch)
+    dtype = str(dtype).removeprefix("torch.")
     folder, hf = checkpoints[arch]
     model = load_model(folder, dtype=dtype)
     assert isinstance(choose_backend(model), HalfBackend)  # auto picks it
@@ -131,12 +147,11 @@ def test_it_refuses_what_it_cannot_run_by_name():
         HalfBackend(random_model(tiny_config(), 0))
 
 
-def test_one_bfloat16_row_runs_numbas_products_below_long_and_onednns_from_it():
+def test_one_bfloat16_row_runs_numbas_kernels_at_any_length_and_several_rows_onednns():
     model = random_model(tiny_config(), 5).to(torch.bfloat16)
     backend = HalfBackend(model)
-    short, long = half_step.LONG - 1, half_step.LONG
-    assert backend._products(1, short)[0] is not backend.layers and backend._threads(1, short) == 1
-    assert backend._products(1, long)[0] is backend.layers and backend._threads(1, long) is None
-    assert backend._products(2, 0)[0] is backend.layers  # several rows: oneDNN's
+    for past in (0, 5000):
+        assert backend._numba_step(1, past) and backend._threads(1, past) == 1  # torch on one thread
+    assert not backend._numba_step(2, 0) and backend._threads(2, 0) is None  # oneDNN's, torch's threads
     fp16 = HalfBackend(random_model(tiny_config(), 5).to(torch.float16))
-    assert fp16._products(1, 0)[0] is fp16.layers  # float16: F.linear on the plain copy
+    assert not fp16._numba_step(1, 0)  # float16: F.linear on the plain copy

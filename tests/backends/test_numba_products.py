@@ -1,8 +1,10 @@
 """numba's one-row products against float64 products of the same values on many random shapes
 (sizes that split unevenly between threads, a single row or column, a long row), float32 at 1
 and 2 threads and bfloat16 read in place as pairs; its rounding to bfloat16 is torch's (ties,
-NaN, infinities, subnormals); and numba is available here with an OpenMP or TBB pool, so the
-steps' tests run its products (tests/backends/test_numpy_step.py runs both sides)."""
+NaN, infinities, subnormals); stored keys become rows without a copy where they can; and numba is
+available here with an OpenMP or TBB pool, so the steps' tests run its kernels
+(tests/backends/test_numpy_step.py and test_half_step.py run both roads, test_numba_step.py
+long caches)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def test_the_product_is_numpys_to_float32_rounding(rows, columns, seed, threads)
     before = numba.get_num_threads()
     numba_products.set_threads(threads)
     try:
-        out = numba_products.matvec(x, weight)
+        out = numba_products.product(x, (weight,))
     finally:
         numba.set_num_threads(before)
     exact = weight.astype(np.float64) @ x.astype(np.float64)
@@ -44,7 +46,7 @@ def test_edge_shapes(shape):
     generator = np.random.default_rng(1)
     weight = generator.standard_normal(shape, dtype=np.float32)
     x = generator.standard_normal(shape[1], dtype=np.float32)
-    np.testing.assert_allclose(numba_products.matvec(x, weight), weight @ x, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(numba_products.product(x, (weight,)), weight @ x, rtol=1e-4, atol=1e-4)
 
 
 def test_rounding_to_bfloat16_is_torchs():
@@ -69,8 +71,8 @@ def test_the_bfloat16_product_is_the_float64_product_of_the_rounded_values_round
     weights = [torch.randn(n, 2 * pairs, generator=generator).to(torch.bfloat16) for n in rows]
     x = torch.randn(2 * pairs, generator=generator).numpy()
     b = torch.randn(sum(rows), generator=generator).numpy() if bias else None
-    out = numba_products.product_bfloat16(
-        x, tuple(numba_products.bfloat16_pairs(w) for w in weights), b)
+    out = numba_products.product(
+        x, tuple(numba_products.bfloat16_pairs(w) for w in weights), b, bf16=True)
     stacked = torch.cat(weights).double().numpy()
     x_rounded = numba_products.rounded_to_bfloat16(x).astype(np.float64)
     exact = stacked @ x_rounded + (0.0 if b is None else b.astype(np.float64))
@@ -88,3 +90,17 @@ def test_only_an_even_contiguous_weight_is_viewed_as_pairs():
     assert pairs.ctypes.data == weight.data_ptr()  # a view of the parameter's memory
     assert numba_products.bfloat16_pairs(torch.randn(4, 5).to(torch.bfloat16)) is None
     assert numba_products.bfloat16_pairs(weight.T) is None
+
+
+@pytest.mark.parametrize("capacity", [7, 12])
+def test_stored_keys_become_rows_without_a_copy_where_they_can(capacity):
+    buffer = np.arange(2 * 3 * capacity * 4, dtype=np.float32).reshape(2 // 2, 6, capacity, 4)
+    stored = buffer[:, :, :7]  # a cache buffer narrowed to 7 of its `capacity` tokens
+    rows, step = numba_products.stored_rows(stored)
+    assert rows.flags.c_contiguous and np.shares_memory(rows, buffer) and step == capacity
+    for head in range(6):
+        assert np.array_equal(rows[head * step:head * step + 7], stored[0, head])
+    scattered = buffer[:, :, :7, ::2]  # rows not contiguous: a copy
+    rows, step = numba_products.stored_rows(scattered)
+    assert not np.shares_memory(rows, buffer) and step == 7
+    assert np.array_equal(rows.reshape(6, 7, 2), scattered[0])

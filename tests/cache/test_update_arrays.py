@@ -1,7 +1,7 @@
 """`Cache.update_arrays` is `update` on numpy arrays: for every cache kind and any history of
 updates, crops, resets and batch reorders (which replace a layer's buffers), it returns the
 same keys and values as `update` on a twin cache, and leaves the cache in the same state (what
-later updates return)."""
+later updates return); in float32, and in bfloat16 passing as its bits (uint16: numpy has none)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.cache import CacheError, DynamicCache, DynamicLayer
+from kvcache.cache.arrays import array_of, tensor_of
 
 
-def build(kind: str):
+def build(kind: str, dtype: torch.dtype | None = None):
     # no batch size where the first update may fix it; paged needs one (then batch 1 is refused)
     batch = 2 if kind.startswith("paged") else None
-    return build_cache(kind, max_cache_len=80, window=5, max_batch_size=batch)
+    return build_cache(kind, max_cache_len=80, window=5, max_batch_size=batch, dtype=dtype)
 
 
 # one action: ("update", tokens) | ("crop", length) | ("reset", 0) | ("reorder", 0)
@@ -34,31 +35,35 @@ ACTIONS = st.lists(
 )
 
 
-def _arrays(batch: int, tokens: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
-    k = torch.randn(batch, HEADS, tokens, DIM, generator=generator)
-    return k.numpy(), torch.randn(batch, HEADS, tokens, DIM, generator=generator).numpy()
+def _arrays(batch: int, tokens: int, generator: torch.Generator, dtype: torch.dtype = torch.float32):
+    """k, v (B, H, T, D) as numpy arrays, bfloat16 as its bits."""
+    k, v = (torch.randn(batch, HEADS, tokens, DIM, generator=generator).to(dtype) for _ in range(2))
+    return array_of(k), array_of(v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=30, deadline=None)
 @given(actions=ACTIONS, batch=st.integers(1, 2), seed=st.integers(0, 99))
-def test_update_arrays_equals_update(kind, actions, batch, seed):
-    by_arrays, by_tensors = build(kind), build(kind)
+def test_update_arrays_equals_update(kind, dtype, actions, batch, seed):
+    by_arrays, by_tensors = build(kind, dtype), build(kind, dtype)
     generator = torch.Generator().manual_seed(seed)
     for action, size in actions:
         if action == "update":
-            k, v = _arrays(batch, size, generator)
+            k, v = _arrays(batch, size, generator, dtype)
+            assert k.dtype == (np.uint16 if dtype == torch.bfloat16 else np.float32)
             for layer in range(LAYERS):
                 try:
-                    want = by_tensors.update(torch.from_numpy(k.copy()), torch.from_numpy(v.copy()), layer)
+                    want = by_tensors.update(tensor_of(k.copy()), tensor_of(v.copy()), layer)
                 except Exception as error:  # e.g. a full static cache: both must refuse
                     with pytest.raises(type(error)):
                         by_arrays.update_arrays(k.copy(), v.copy(), layer)
                     return
                 got = by_arrays.update_arrays(k.copy(), v.copy(), layer)
                 assert all(isinstance(array, np.ndarray) for array in got)
-                np.testing.assert_array_equal(got[0], want[0].numpy())
-                np.testing.assert_array_equal(got[1], want[1].numpy())
+                assert want[0].dtype == dtype
+                np.testing.assert_array_equal(got[0], array_of(want[0]))
+                np.testing.assert_array_equal(got[1], array_of(want[1]))
         else:  # reorder: rows reversed, new buffers (index_select)
             change = {
                 "crop": lambda cache, size=size: cache.crop(size),
@@ -89,6 +94,18 @@ def test_a_dynamic_layer_writes_through_numpy_views_and_grows_through_update():
     assert layer._keys is not buffer and layer.capacity == 8
     assert keys.shape[2] == 5 and float(keys[0, 0, 4, 0]) == 5
     np.testing.assert_array_equal(layer.keys.numpy(), keys)
+
+
+def test_a_bfloat16_layer_writes_its_bits_through_numpy_views():
+    layer = DynamicLayer(step=4, growth=1.5)
+    k = array_of(torch.full((1, HEADS, 3, DIM), 1.5, dtype=torch.bfloat16))  # uint16 bits
+    keys, _ = layer.update_arrays(k, k)  # allocates a bfloat16 buffer
+    assert layer._keys.dtype == torch.bfloat16 and keys.dtype == np.uint16
+    buffer = layer._keys
+    two = array_of(torch.full((1, HEADS, 1, DIM), 2.0, dtype=torch.bfloat16))
+    keys, _ = layer.update_arrays(two, two)  # row 4 of 4: through the views, no torch call
+    assert layer._keys is buffer and np.shares_memory(keys, array_of(layer._keys))
+    assert tensor_of(keys)[0, 0, :, 0].tolist() == [1.5, 1.5, 1.5, 2.0]
 
 
 def test_rows_that_do_not_fit_are_refused_as_update_refuses_them_and_nothing_is_stored():

@@ -73,7 +73,7 @@ def test_a_cache_whose_layers_disagree_is_refused_until_crop():
 
 
 # each step and the seam it writes the cache through
-STEPS = {"numpy": (torch.float32, "update_arrays"), "half": (torch.bfloat16, "update")}
+STEPS = {"numpy": (torch.float32, "update_arrays"), "half": (torch.bfloat16, "update_arrays")}
 
 
 @pytest.mark.parametrize("step_name", list(STEPS))

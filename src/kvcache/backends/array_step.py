@@ -4,11 +4,16 @@ Why: a decode step is one new token per row. Its weights are read once each, so 
 is memory bandwidth (the products) plus per-operation overhead (everything between them). A
 numpy operation on a few hundred floats costs a fraction of a torch one (`docs/backends.md`), so
 everything between the products runs as numpy calls on float32 rows, and each backend says only
-how a product is computed (`_products`/`_linear`: numba's loop for one row, oneDNN's packed
-product for several; numpy's OpenBLAS or torch's F.linear where those do not apply), where it
-runs (`_on_torch_threads`), how token ids become rows (`_embed`) and how keys and values reach the
-cache (`_store`, through the seam `cache.update`/`update_arrays`; the plan comes from
-`cache.begin(1, attention_mask)`).
+how a product is computed (`_products`/`_linear`: oneDNN's packed product; numpy's OpenBLAS or
+torch's F.linear where that does not apply), where it runs (`_on_torch_threads`), how token ids
+become rows (`_embed`) and how keys and values reach the cache (`_store`, through the seam
+`cache.update`/`update_arrays`; the plan comes from `cache.begin(1, attention_mask)`).
+
+One row, where numba runs (`numba_products.available`), takes another road to the same forward:
+a backend that sets `_row_layers` runs it on numba's kernels (`numba_kernels`), each layer two
+kernel calls around the cache's update (`_store_rows`) instead of a dozen numpy operations and
+torch's attention, the products, the attention's heads and its chunks of keys split between
+numba's threads.
 
 It computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3), RoPE
 (pairs i, i + D/2), the cache update, grouped-query attention under the plan's masks (torch's
@@ -33,6 +38,8 @@ import torch.nn.functional as F
 from kvcache.backends import numba_products
 from kvcache.backends.base import BackendError, DecodeBackend
 from kvcache.backends.threads import torch_threads
+
+_ALL_VISIBLE = np.empty(0, np.bool_)  # the kernels' "no mask"
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -99,8 +106,14 @@ class ArrayStep(DecodeBackend):
         always the backend's own `layers`, `lm_head` and `_linear`."""
         return self.layers, self.lm_head, self._linear
 
-    #: whether one-row steps run numba's products (`numba_products`), set by the subclass
-    _numba: bool = False
+    #: (layers as `numba_products.RowLayer`, lm_head as (parts, bias)) for one-row steps on
+    #: numba's kernels, set by a subclass that has them; `_bf16`: their products round to bfloat16
+    _row_layers: tuple[list, tuple] | None = None
+    _bf16: bool = False
+
+    def _numba_step(self, batch: int, past: int = 0) -> bool:
+        """Whether a step of `batch` rows on a cache of `past` tokens runs on numba's kernels."""
+        return self._row_layers is not None and batch == 1
 
     def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
         """Whether a step of `batch` rows on a cache of `past` tokens runs its products on
@@ -114,7 +127,7 @@ class ArrayStep(DecodeBackend):
         numba's then set to the caller's torch thread count."""
         if self._on_torch_threads(batch, past):
             return None
-        if self._numba:
+        if self._numba_step(batch, past):
             numba_products.set_threads(torch.get_num_threads())
         return 1
 
@@ -129,6 +142,11 @@ class ArrayStep(DecodeBackend):
     def _store(self, cache, k: np.ndarray, v: np.ndarray, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v (B, H_kv, 1, D) float32 to layer `index` of the cache; return the keys and
         values attention reads, (B, H_kv, T_kv, D) tensors in the cache's dtype."""
+        raise NotImplementedError
+
+    def _store_rows(self, cache, k: np.ndarray, v: np.ndarray, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """`_store` for numba's kernels: the keys and values as numpy (1, H_kv, T_kv, D), float32
+        or bfloat16 bits (uint16)."""
         raise NotImplementedError
 
     # ---- RoPE --------------------------------------------------------------------------------
@@ -187,6 +205,8 @@ class ArrayStep(DecodeBackend):
 
     def _run(self, token_ids: np.ndarray, plan, cache, past: int = 0) -> np.ndarray:
         batch = len(token_ids)
+        if self._numba_step(batch, past):
+            return self._run_one_row(token_ids, plan, cache)
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
         rotated = heads + kv_heads
         start = plan.start  # one int position for every row, or each row's own
@@ -232,6 +252,53 @@ class ArrayStep(DecodeBackend):
                 act *= up
                 x += linear(act, w.down, w.down_bias)
         return linear(rms_norm(x, self.final_norm, self.eps), lm_head, None)  # (B, vocab)
+
+    def _run_one_row(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
+        """(1, vocab) logits of one row's step on numba's kernels: per layer `attention_inputs`
+        (norm, q/k/v, q/k norms, RoPE, the queries' scale), the cache's update, `layer_output`
+        (attention, o, residual, norm, SwiGLU, residual); then the final norm and lm_head."""
+        kernels = numba_products.kernels()
+        heads, kv_heads, dim, eps, bf16 = self.heads, self.kv_heads, self.head_dim, self.eps, self._bf16
+        start = plan.start
+        position = start if isinstance(start, int) else int(plan.positions[0, 0])
+        cos, signed_sin = self._rope_row(position)
+        layers, (head_parts, head_bias) = self._row_layers
+        visible_by_mask: dict[int, torch.Tensor | None] = {}
+        as_rows: dict[int, np.ndarray] = {}  # a mask's (T_kv,) numpy form, by the mask's id
+        x = self._embed(token_ids)[0]  # (hidden,), updated in place layer by layer
+        queries, keys_end = heads * dim, (heads + kv_heads) * dim
+        for index, w in enumerate(layers):
+            qkv = np.empty(keys_end + kv_heads * dim, np.float32)  # (new: the cache may keep k, v)
+            kernels.attention_inputs(
+                x, w.norm1, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, signed_sin,
+                self.scale, heads, kv_heads, bf16, qkv,
+            )
+            k = qkv[queries:keys_end].reshape(1, kv_heads, 1, dim)
+            v = qkv[keys_end:].reshape(1, kv_heads, 1, dim)
+            keys, values = self._store_rows(cache, k, v, index)  # (1, H_kv, T_kv, D)
+            key_rows, key_step = numba_products.stored_rows(keys)
+            value_rows, value_step = numba_products.stored_rows(values)
+            mask = self._visible(plan.mask(index), visible_by_mask)
+            if mask is None:
+                visible = _ALL_VISIBLE
+            elif id(mask) in as_rows:
+                visible = as_rows[id(mask)]
+            else:
+                visible = as_rows[id(mask)] = mask.reshape(-1).numpy()
+            kernels.layer_output(
+                x, qkv, heads, kv_heads, key_rows, key_step, value_rows, value_step,
+                keys.shape[2], visible, keys.dtype == np.uint16,
+                w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, bf16,
+            )
+        logits = np.empty(sum(part.shape[0] for part in head_parts), np.float32)
+        kernels.normed_product(x, self.final_norm, eps, head_parts, head_bias, bf16, logits)
+        return logits[None]
+
+    def _rope_row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, signed_sin), each (D,) float32, of one position (see `rotations`)."""
+        if position >= len(self._cos):
+            self._extend_rope_table(position + 1)
+        return self._cos[position], self._signed_sin[position]
 
     @staticmethod
     def _visible(

@@ -8,11 +8,11 @@ bfloat16 matrices in oneDNN's packed layout (`onednn`: its products read each we
 whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
 `F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products. A
 bfloat16 model's prompt forward runs its products on the same copy (`prompt_products`). One row
-of a bfloat16 model on a cache of fewer than `LONG` tokens runs numba's matrix-vector loop
-instead (`numba_products`: faster in the step than oneDNN's on the CPU measured), on the model's
-own parameters read in place (q, k, v and gate, up one after another), its input and output
-rounded to bfloat16 as oneDNN's are; where numba has no fast pool (or a weight's width is odd)
-oneDNN's runs every step.
+of a bfloat16 model runs on numba's kernels instead (`numba_products`: faster in the step than
+oneDNN's products and torch's attention on the CPU measured), its products on the model's own
+parameters read in place (q, k, v and gate, up one after another), each product's input and
+output rounded to bfloat16 as oneDNN's are, the cache's bfloat16 keys and values read in place;
+where numba has no fast pool (or a weight's width is odd) oneDNN's runs every step.
 
 The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
 RoPE, the cache update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU,
@@ -42,11 +42,6 @@ from kvcache.backends.prompt_products import LaidOutProduct, PromptProducts
 from kvcache.backends.support import unsupported_parameters, unsupported_structure
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-#: cached tokens from which a one-row bfloat16 step runs oneDNN's products on torch's threads
-#: rather than numba's: a numba step runs torch (its attention) on one thread, and bfloat16
-#: attention over a long cache gained more from torch's second thread than numba's products
-#: gained over oneDNN's; the two were level at about this length (`docs/backends.md`)
-LONG = 1024
 
 
 def unsupported(model) -> str | None:
@@ -83,30 +78,13 @@ class HalfBackend(ArrayStep):
             self._head = laid_out_product(model.lm_head)
             self.lm_head = self._head.weight
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
-        # one row of a bfloat16 model: numba's products on the model's own parameters
-        self._pairs: tuple[list, _Pairs] | None = None
         if self.dtype == torch.bfloat16 and numba_products.available():
-            layers = [_PairsLayer(layer) for layer in self.layers]
-            head = _Pairs.of(self._head)
-            if head is not None and all(layer.complete for layer in layers):
-                self._pairs = layers, head
-        self._numba = self._pairs is not None
-
-    def _numba_step(self, batch: int, past: int) -> bool:
-        """numba's products: one row of a bfloat16 model on a cache of fewer than LONG tokens."""
-        return self._pairs is not None and batch == 1 and past < LONG
+            self._row_layers = _pairs_of(self.layers, self._head)  # (None: a weight is odd)
+            self._bf16 = True
 
     def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
-        """A numba step's products run on numba's threads; the rest on torch's."""
+        """A step on numba's kernels runs on numba's threads; any other on torch's."""
         return not self._numba_step(batch, past)
-
-    def _products(self, batch: int, past: int = 0):
-        """numba's products on the model's bfloat16 parameters for a numba step (`_numba_step`);
-        oneDNN's (float16: F.linear's) on the laid-out copy otherwise."""
-        if not self._numba_step(batch, past):
-            return self.layers, self.lm_head, self._linear
-        layers, head = self._pairs
-        return layers, head, _Pairs.linear
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
@@ -138,38 +116,34 @@ class HalfBackend(ArrayStep):
     def _store(self, cache, k, v, index):
         return cache.update(torch.from_numpy(k).to(self.dtype), torch.from_numpy(v).to(self.dtype), index)
 
+    def _store_rows(self, cache, k, v, index):
+        """k, v rounded to bfloat16 and stored through the cache's numpy seam as their bits
+        (`update_arrays`: no torch call where the buffers have room); the keys and values come
+        back as bits (uint16), or float32 from a float32 cache."""
+        keys, values = cache.update_arrays(
+            numba_products.bfloat16_bits_of(k), numba_products.bfloat16_bits_of(v), index
+        )
+        if keys.dtype not in (np.uint16, np.float32):  # (a float16 cache: what the kernels read)
+            keys, values = keys.astype(np.float32), values.astype(np.float32)
+        return keys, values
 
-class _Pairs:
-    """A laid-out product's member weights as the model's own bfloat16 parameters, viewed as
-    uint32 pairs (`numba_products.bfloat16_pairs`, no copy), and its fused bias in float32."""
 
-    def __init__(self, parts: list[np.ndarray], bias: np.ndarray | None) -> None:
-        self.parts = tuple(parts)
-        self.bias = bias
+def _pairs_of(layers: list[LaidOutLayer], head: LaidOutProduct) -> tuple[list, tuple] | None:
+    """The laid-out layers and lm_head as `numba_products.RowLayer`s and (parts, bias), each
+    product's parts its members' bfloat16 parameters viewed as uint32 pairs (the model's own
+    memory); None when a weight cannot be viewed so."""
 
-    @classmethod
-    def of(cls, laid: LaidOutProduct) -> _Pairs | None:
-        """From a `LaidOutProduct`'s members; None when a weight cannot be viewed as pairs."""
-        parts = [numba_products.bfloat16_pairs(member.weight) for member in laid.members]
-        if any(part is None for part in parts):
+    def parts(laid: LaidOutProduct) -> tuple[tuple, np.ndarray | None] | None:
+        pairs = tuple(numba_products.bfloat16_pairs(member.weight) for member in laid.members)
+        if any(pair is None for pair in pairs):
             return None
-        bias = None if laid.bias is None else laid.bias.float().numpy()
-        return cls(parts, bias)
+        return pairs, None if laid.bias is None else laid.bias.float().numpy()
 
-    @staticmethod
-    def linear(x: np.ndarray, weight: _Pairs, bias) -> np.ndarray:
-        """x (1, in) float32 through `weight`'s members (+ its bias; the step's `bias` argument
-        is None) -> (1, out) float32, in one numba call that rounds the input and the output to
-        bfloat16 as oneDNN's bfloat16 product (and torch's) rounds them."""
-        return numba_products.product_bfloat16(x[0], weight.parts, weight.bias)[None]
-
-
-class _PairsLayer:
-    """A `LaidOutLayer`'s norms, with its four products as `_Pairs` (`complete`: all of them)."""
-
-    def __init__(self, laid: LaidOutLayer) -> None:
-        self.norm1, self.norm2, self.q_norm, self.k_norm = laid.norm1, laid.norm2, laid.q_norm, laid.k_norm
-        pairs = [_Pairs.of(product) for product in laid.products]
-        self.complete = all(p is not None for p in pairs)
-        self.qkv, self.o, self.gate_up, self.down = pairs
-        self.qkv_bias = self.o_bias = self.gate_up_bias = self.down_bias = None  # (in each _Pairs)
+    row_layers = []
+    for layer in layers:
+        products = [parts(product) for product in layer.products]
+        if any(product is None for product in products):
+            return None
+        row_layers.append(numba_products.RowLayer.of(layer, products))
+    lm_head = parts(head)
+    return None if lm_head is None else (row_layers, numba_products.row_product(*lm_head))

@@ -1,122 +1,64 @@
-"""One-row products of a decode step, compiled by numba and run on its OpenMP threads: float32
-weights, and bfloat16 ones read in place as pairs.
+"""A one-row decode step on numba's compiled kernels: what a backend hands them, and checks.
 
 Why: a one-row decode step is a chain of matrix-vector products, each reading its weight once,
-so it is bound by memory bandwidth plus what each call costs to start. On the CPU measured
-(`docs/backends.md`) a plain loop over the weight's rows (each row one dot product, the rows
-split between the threads), compiled by numba with fast-math vectorisation, read float32
-weights faster in the step than numpy's OpenBLAS matrix-vector product, and its calls start
-faster on small matrices; the bfloat16 loop (each weight widened to float32 by a shift: a
-bfloat16 is a float32's upper half) read faster than oneDNN's packed bfloat16 product.
-numba's pool must be OpenMP (or TBB): on its fallback `workqueue`
-pool the same loop ran at about half OpenBLAS's speed, so `available()` is False there and the
-numpy step keeps numpy's products.
+with a little arithmetic between them, so on CPU it is bound by memory bandwidth plus what each
+operation costs to start. On the CPU measured (`docs/backends.md`) a plain loop over a weight's
+rows (each row one dot product, the rows split between the threads), compiled by numba with
+fast-math vectorisation, read float32 weights faster in the step than numpy's OpenBLAS product
+and bfloat16 ones (each widened by a shift: a bfloat16 is a float32's upper half) faster than
+oneDNN's packed product; and a layer's arithmetic between products, a dozen numpy and torch
+calls, is two kernel calls (`numba_kernels`: the kernels themselves).
 
-The kernels are compiled on first use (about a second) and cached on disk beside this module
-(numba's `cache=True`); numba is imported only then, so importing kvcache does not load it.
-Two OpenMP pools spinning at once (numba's and torch's, or numba's beside OpenBLAS's) make each
-other wait, so a step that runs these products runs torch on one thread and calls no threaded
-BLAS in between.
+numba's pool must be OpenMP (or TBB): on its fallback `workqueue` pool the same loop ran at
+about half OpenBLAS's speed, so `available()` is False there and the steps keep their numpy and
+oneDNN paths. The kernels are compiled on first use (a few seconds) and cached on disk beside
+`numba_kernels.py` (numba's `cache=True`); numba is imported only then, so importing kvcache
+does not load it. Two OpenMP pools spinning at once (numba's and torch's, or numba's beside
+OpenBLAS's) make each other wait, so a step on these kernels runs torch on one thread.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 #: numba threading layers on which the kernels are worth running
 FAST_LAYERS = ("omp", "tbb")
+_EMPTY = np.empty(0, np.float32)
 
 
 @functools.cache
-def _kernels():
-    """(float32 matrix-vector kernel, numba module, bfloat16 rounding, the rounded bfloat16
-    product of stacked parts), compiled once; None when numba is missing."""
+def kernels():
+    """The `numba_kernels` module, imported (numba with it) on first use; None without numba."""
     try:
-        import numba
+        from kvcache.backends import numba_kernels
     except ImportError:
         return None
-
-    @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-    def matvec(weight, x, out):  # pragma: no cover (compiled: coverage cannot see inside)
-        """out (n,) = weight (n, k) @ x (k,), float32, each row a dot product."""
-        rows, columns = weight.shape
-        for i in numba.prange(rows):
-            total = np.float32(0.0)
-            for j in range(columns):
-                total += weight[i, j] * x[j]
-            out[i] = total
-
-    @numba.njit(cache=True, inline="always")
-    def bfloat16_bits(b):  # pragma: no cover (compiled)
-        """float32 bits b rounded to bfloat16 (to nearest, ties to even), as float32 bits; a NaN
-        stays a NaN (quieted, its upper half kept)."""
-        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            return (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
-        tie_to_even = (b >> np.uint32(16)) & np.uint32(1)
-        return (b + np.uint32(0x7FFF) + tie_to_even) & np.uint32(0xFFFF0000)
-
-    @numba.njit(cache=True, boundscheck=False)
-    def round_to_bfloat16(bits, out):  # pragma: no cover (compiled)
-        """out (n,) uint32 = float32 bits (n,) rounded to bfloat16, as float32 bits."""
-        for i in range(bits.shape[0]):
-            out[i] = bfloat16_bits(bits[i])
-
-    @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-    def product_pairs(parts, x_bits, bias, out):  # pragma: no cover (compiled)
-        """out (sum n_i,) = the bfloat16 weights `parts` (a tuple of (n_i, k/2) uint32 pairs,
-        stacked along out) @ x (k,) given as float32 bits, + bias (sum n_i,) or an empty bias:
-        x rounded to bfloat16 first and the output after, as oneDNN's bfloat16 product rounds."""
-        rounded = np.empty(x_bits.shape[0], np.uint32)
-        for j in range(x_bits.shape[0]):
-            rounded[j] = bfloat16_bits(x_bits[j])
-        x = rounded.view(np.float32)
-        start = 0
-        for pairs in parts:
-            rows, half = pairs.shape
-            for i in numba.prange(rows):
-                even = np.float32(0.0)
-                odd = np.float32(0.0)
-                for j in range(half):
-                    pair = pairs[i, j]
-                    even += np.uint32(pair << np.uint32(16)).view(np.float32) * x[2 * j]
-                    odd += np.uint32(pair & np.uint32(0xFFFF0000)).view(np.float32) * x[2 * j + 1]
-                out[start + i] = even + odd
-            start += rows
-        out_bits = out.view(np.uint32)
-        for i in range(out.shape[0]):
-            value = out[i] + bias[i] if bias.shape[0] else out[i]
-            out_bits[i] = bfloat16_bits(np.float32(value).view(np.uint32))
-
-    return matvec, numba, round_to_bfloat16, product_pairs
+    return numba_kernels
 
 
 @functools.cache
 def available() -> bool:
     """Whether numba is installed and runs parallel loops on OpenMP or TBB threads (checked
-    once, by running the kernel on a tiny matrix)."""
-    found = _kernels()
+    once, by running a kernel on a tiny matrix)."""
+    found = kernels()
     if found is None:
         return False
-    matvec, numba = found[:2]
-    matvec(np.ones((4, 4), np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
+    found.matvec_check(np.ones((4, 4), np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
+    import numba
+
     return numba.threading_layer() in FAST_LAYERS
 
 
 def set_threads(threads: int) -> None:
     """Run the kernels on `threads` threads (at most numba's NUMBA_NUM_THREADS, at least 1)."""
-    numba = _kernels()[1]
+    import numba
+
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-
-
-def matvec(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x (in,) float32 times weight (out, in) float32, C-contiguous -> (out,) float32, a new
-    array. Call `available()` first."""
-    out = np.empty(weight.shape[0], np.float32)
-    _kernels()[0](weight, x, out)
-    return out
 
 
 def bfloat16_pairs(weight) -> np.ndarray | None:
@@ -129,21 +71,84 @@ def bfloat16_pairs(weight) -> np.ndarray | None:
 
 def rounded_to_bfloat16(x: np.ndarray) -> np.ndarray:
     """x (n,) float32 rounded to the nearest bfloat16 (ties to even, as torch rounds), kept as
-    float32: a new array (the rounding `product_bfloat16` applies, on its own)."""
+    float32: a new array (the rounding a bfloat16 product applies to its input and output)."""
     out = np.empty(x.shape[0], np.uint32)
-    _kernels()[2](np.ascontiguousarray(x).view(np.uint32), out)
+    kernels().round_to_bfloat16(np.ascontiguousarray(x).view(np.uint32), out)
     return out.view(np.float32)
 
 
-_NO_BIAS = np.empty(0, np.float32)
-
-
-def product_bfloat16(x: np.ndarray, parts: tuple, bias: np.ndarray | None) -> np.ndarray:
-    """x (in,) float32 through bfloat16 weights given as `bfloat16_pairs` `parts` (stacked along
-    out, each (out_i, in/2)) (+ bias (sum out_i,) float32) -> (sum out_i,) float32, one numba
-    call: x rounded to bfloat16, each product exact in float32 and summed in float32, the output
-    rounded to bfloat16, as oneDNN's (and torch's) bfloat16 product computes. Call `available()`
-    first."""
-    out = np.empty(sum(part.shape[0] for part in parts), np.float32)
-    _kernels()[3](parts, np.ascontiguousarray(x).view(np.uint32), _NO_BIAS if bias is None else bias, out)
+def bfloat16_bits_of(x: np.ndarray) -> np.ndarray:
+    """x float32 (any shape, C-contiguous) rounded to bfloat16 (as `rounded_to_bfloat16`), as
+    the bfloat16 values' bits: uint16 of x's shape, a new array (how a bfloat16 cache takes keys
+    and values from numpy, `Cache.update_arrays`)."""
+    out = np.empty(x.shape, np.uint16)
+    kernels().bfloat16_halves(x.reshape(-1).view(np.uint32), out.reshape(-1))
     return out
+
+
+def product(x: np.ndarray, parts: tuple, bias: np.ndarray | None = None, bf16: bool = False) -> np.ndarray:
+    """x (in,) float32 through a weight given as parts stacked along out (each float32 (out_i,
+    in) row-major, or `bfloat16_pairs` (out_i, in/2)) (+ bias (sum out_i,) float32) -> (sum
+    out_i,) float32, a new array: each output one dot product summed in float32; with bf16, x
+    rounded to bfloat16 first and the output after, as oneDNN's (and torch's) bfloat16 product
+    computes. The kernels' own product, on its own. Call `available()` first."""
+    out = np.empty(sum(part.shape[0] for part in parts), np.float32)
+    kernels().stacked_product(parts, np.ascontiguousarray(x), _vector(bias), bf16, out)
+    return out
+
+
+def row_product(parts: tuple, bias: np.ndarray | None) -> tuple[tuple, np.ndarray]:
+    """A product as the kernels read it: (parts, its bias as float32, empty when absent)."""
+    return parts, _vector(bias)
+
+
+def _vector(values: np.ndarray | None) -> np.ndarray:
+    """A norm's or bias's float32 array, or the kernels' empty array for an absent one."""
+    return _EMPTY if values is None else np.ascontiguousarray(values, np.float32)
+
+
+@dataclass(frozen=True)
+class RowLayer:
+    """One decoder layer as the kernels read it: the norms (n,) float32 (q_norm, k_norm empty
+    when absent), each product a tuple of parts stacked along out (see `product`) and its bias
+    (empty when absent)."""
+
+    norm1: np.ndarray
+    norm2: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    qkv: tuple
+    qkv_bias: np.ndarray
+    o: tuple
+    o_bias: np.ndarray
+    gate_up: tuple
+    gate_up_bias: np.ndarray
+    down: tuple
+    down_bias: np.ndarray
+
+    @classmethod
+    def of(cls, layer, products: list[tuple[tuple, np.ndarray | None]]) -> RowLayer:
+        """From a layer's norms (`layer.norm1`, `norm2`, `q_norm`, `k_norm`: float32 arrays or
+        None) and its four products as (parts, bias), in the order qkv, o, gate_up, down."""
+        (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = products
+        return cls(
+            _vector(layer.norm1), _vector(layer.norm2), _vector(layer.q_norm), _vector(layer.k_norm),
+            qkv, _vector(qkv_bias), o, _vector(o_bias),
+            gate_up, _vector(gate_up_bias), down, _vector(down_bias),
+        )
+
+
+def stored_rows(stored: np.ndarray) -> tuple[np.ndarray, int]:
+    """One row's stored keys or values (1, H_kv, T, D) as the kernels read them: (rows (R, D),
+    step), C-contiguous, kv head h's token t at row h·step + t. A view when every (T, D) block is
+    contiguous and the blocks evenly spaced (a cache buffer's narrowed view: step is its
+    capacity), else a contiguous copy."""
+    _, kv_heads, length, dim = stored.shape
+    if stored.flags.c_contiguous:
+        return stored.reshape(kv_heads * length, dim), length
+    row_stride, item = stored.strides[2], stored.itemsize
+    if stored.strides[3] == item and row_stride == dim * item and stored.strides[1] % row_stride == 0:
+        step = stored.strides[1] // row_stride
+        rows = (kv_heads - 1) * step + length
+        return as_strided(stored, shape=(rows, dim), strides=(row_stride, item)), step
+    return stored_rows(np.ascontiguousarray(stored))

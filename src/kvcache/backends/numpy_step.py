@@ -1,16 +1,16 @@
-"""NumpyBackend: the decode step of a float32 CPU Llama-family model, its products in numba.
+"""NumpyBackend: the decode step of a float32 CPU Llama-family model, one row on numba's kernels.
 
 Why: a decode step reads every weight once, so on CPU its products are bound by memory
-bandwidth and by what each product costs to start. The step (`array_step.ArrayStep`: the
-arithmetic between products on numpy rows) runs a one-row step's products as numba-compiled
-matrix-vector loops on OpenMP threads (`numba_products`), which read float32 weights faster in
-the step than numpy's OpenBLAS product on the machines measured (`docs/backends.md`), on
-weights packed once when the backend is built (`packing`: fused q/k/v and gate/up, row-major).
-Where numba has no OpenMP (or TBB) pool its loops are slow, and the step runs numpy's
-products (`x @ W`: OpenBLAS, tall matrices stored column-major for it). The step talks to the
-cache through its numpy form, `K, V = cache.update_arrays(k, v, layer_idx)`. torch runs on one
-thread during such a step (its attention and the cache's calls), so no second OpenMP pool
-spins beside the products' threads.
+bandwidth and by what each operation costs to start. A one-row step runs on numba's compiled
+kernels on OpenMP threads (`numba_products`: matrix-vector loops that read float32 weights
+faster in the step than numpy's OpenBLAS product on the machines measured, `docs/backends.md`,
+and each layer's arithmetic in two calls), on weights packed once when the backend is built
+(`packing`: fused q/k/v and gate/up, row-major). Where numba has no OpenMP (or TBB) pool its
+loops are slow, and the step runs `array_step.ArrayStep`'s numpy operations with numpy's products
+(`x @ W`: OpenBLAS, tall matrices stored column-major for it). The step talks to the cache
+through its numpy form, `K, V = cache.update_arrays(k, v, layer_idx)`. torch runs on one thread
+during a one-row step (the cache's calls), so no second OpenMP pool spins beside the products'
+threads.
 
 A step of two rows or more is a matrix-matrix product, for which OpenBLAS packs its weight on
 every call (about twice the one-row cost); those steps run their products on oneDNN's packed
@@ -61,12 +61,19 @@ class NumpyBackend(ArrayStep):
         super().__init__(model)
         # packed outside inference mode (a caller's, or generate's), so the model's parameters
         # stay ordinary tensors it can still train
-        self._numba = numba_products.available()  # else numpy's (OpenBLAS) one-row products
+        numba = numba_products.available()  # else numpy's (OpenBLAS) one-row products
         with torch.inference_mode(False), torch.no_grad():
-            self.weights = pack_weights(model, column_major_tall=not self._numba)
+            self.weights = pack_weights(model, column_major_tall=not numba)
         self.layers = self.weights.layers
         self.final_norm = self.weights.final_norm
         self.lm_head = self.weights.lm_head
+        if numba:  # the kernels read the same row-major arrays: (out, in) is (in, out).T
+            self._row_layers = [
+                numba_products.RowLayer.of(w, [
+                    ((w.qkv.T,), w.qkv_bias), ((w.o.T,), w.o_bias),
+                    ((w.gate_up.T,), w.gate_up_bias), ((w.down.T,), w.down_bias),
+                ]) for w in self.layers
+            ], numba_products.row_product((self.lm_head.T,), None)
         # oneDNN's copy (steps of several rows, prompts), made from the modules (which read the
         # packed arrays), and the parameters' version counters it was made at
         self._modules = list(model.model.layers), model.lm_head
@@ -89,7 +96,8 @@ class NumpyBackend(ArrayStep):
         return self._laid_out
 
     def _products(self, batch: int, past: int = 0):
-        """Numpy's products for one row; oneDNN's on its copy for several."""
+        """Numpy's products for one row (numba's kernels run their own); oneDNN's on its copy
+        for several."""
         copy = self._oneDNN_copy() if batch > 1 else None
         if copy is None:
             return self.layers, self.lm_head, self._linear
@@ -105,7 +113,7 @@ class NumpyBackend(ArrayStep):
         return PromptProducts.of_layers(layers, head)
 
     def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
-        """Several rows run on oneDNN (torch's threads); one on numba's or OpenBLAS's."""
+        """Several rows run on oneDNN (torch's threads); one on numba's kernels or OpenBLAS's."""
         return batch > 1 and onednn.available()
 
     def matches(self, model) -> bool:
@@ -115,12 +123,8 @@ class NumpyBackend(ArrayStep):
         return self.same_model_config(model) and self.weights.matches(model)
 
     def _linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        """x (B, in) @ weight (in, out) (+ bias) -> (B, out): one row through numba's
-        matrix-vector loop on the row-major weight (out, in), else numpy's product."""
-        if self._numba and x.shape[0] == 1:
-            out = numba_products.matvec(x[0], weight.T)[None]
-        else:
-            out = x @ weight
+        """x (B, in) @ weight (in, out) (+ bias) -> (B, out): numpy's product."""
+        out = x @ weight
         if bias is not None:
             out += bias
         return out
@@ -136,3 +140,6 @@ class NumpyBackend(ArrayStep):
     def _store(self, cache, k, v, index):
         keys, values = cache.update_arrays(k, v, index)  # numpy (B, H_kv, T_kv, D)
         return torch.from_numpy(keys), torch.from_numpy(values)
+
+    def _store_rows(self, cache, k, v, index):
+        return cache.update_arrays(k, v, index)  # numpy (1, H_kv, T_kv, D) float32

@@ -95,8 +95,9 @@ class Cache:
 
     def update_arrays(self, k, v, layer_idx: int):
         """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU; returns numpy (K, V)
-        (B, H_kv, T_visible, D). The same operation as `update` (see
-        `CacheLayer.update_arrays`): the cache ends in the same state either way."""
+        (B, H_kv, T_visible, D), bfloat16 passing as its bits (uint16, `arrays`). The same
+        operation as `update` (see `CacheLayer.update_arrays`): the cache ends in the same state
+        either way."""
         layer = self._layer(layer_idx, create=True)
         assert layer is not None
         return layer.update_arrays(k, v)

@@ -8,6 +8,7 @@ from collections.abc import Hashable
 
 import torch
 
+from .arrays import array_of, tensor_of
 from .checks import check_batch_index, check_crop, check_kv_pair, where
 from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 
@@ -66,10 +67,11 @@ class CacheLayer:
     def update_arrays(self, k, v):
         """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU, as a numpy decode step
         calls it: returns numpy (K, V) (B, H_kv, T_visible, D), what `update` returns, and leaves
-        the layer as `update` would. Here: `update` on tensors that share the arrays' memory; a
-        kind with buffers it can write through numpy views does that instead (no torch call)."""
-        keys, values = self.update(torch.from_numpy(k), torch.from_numpy(v))
-        return keys.numpy(), values.numpy()
+        the layer as `update` would; bfloat16 passes as its bits, uint16 (`arrays`). Here:
+        `update` on tensors that share the arrays' memory; a kind with buffers it can write
+        through numpy views does that instead (no torch call)."""
+        keys, values = self.update(tensor_of(k), tensor_of(v))
+        return array_of(keys), array_of(values)
 
     # ---- numpy views of the buffers, for update_arrays -----------------------------------------
     def _forget_arrays(self) -> None:
@@ -83,9 +85,10 @@ class CacheLayer:
         return state
 
     def _buffer_arrays(self):
-        """(keys, values) numpy views of the whole buffers, or None (none yet, not on CPU, a
-        dtype numpy lacks); taken again whenever a buffer was replaced (growth, select, …) or
-        its memory moved (the buffers are checked by identity and data pointer)."""
+        """(keys, values) numpy views of the whole buffers (bfloat16 as its bits, uint16), or
+        None (none yet, not on CPU, a dtype numpy lacks); taken again whenever a buffer was
+        replaced (growth, select, …) or its memory moved (the buffers are checked by identity
+        and data pointer)."""
         keys, values = self._keys, self._values
         if keys is None or values is None:
             return None
@@ -101,8 +104,8 @@ class CacheLayer:
             self._arrays_of = (keys, values, keys.data_ptr(), values.data_ptr())
             if keys.device.type == "cpu":
                 try:
-                    self._arrays = (keys.numpy(), values.numpy())
-                except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
+                    self._arrays = (array_of(keys), array_of(values))
+                except (TypeError, RuntimeError):  # a dtype numpy lacks, or a tensor that needs grad
                     self._arrays = None
         return self._arrays
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .arrays import tensor_of
 from .base import Cache, LayerMasks
 from .checks import check_crop, check_kv_pair, check_new_tokens
 from .config import read_cache_geometry
@@ -54,7 +55,7 @@ class NoCache(Cache):
 
     def update_arrays(self, k, v, layer_idx: int):
         """Return numpy k, v (B, H_kv, T_new, D) unchanged after checking them, as `update`."""
-        self.update(torch.from_numpy(k), torch.from_numpy(v), layer_idx)
+        self.update(tensor_of(k), tensor_of(v), layer_idx)
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Hashable
 
 import torch
 
+from .arrays import array_of, tensor_of
 from .checks import check_kv_pair, where
 from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 from .layer import CacheLayer, normal_tensors
@@ -34,9 +35,9 @@ class PagedLayer(CacheLayer):
         cache's scratch buffers, shared by its layers: the returned arrays are valid until the
         next update_arrays on this cache (the numpy step attends with them before that)."""
         keys, values = self._cache._update_layer(
-            self, torch.from_numpy(k), torch.from_numpy(v), scratch=self._cache.gather_scratch
+            self, tensor_of(k), tensor_of(v), scratch=self._cache.gather_scratch
         )
-        return keys.numpy(), values.numpy()
+        return array_of(keys), array_of(values)
 
     def get_seq_length(self) -> int:
         """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""

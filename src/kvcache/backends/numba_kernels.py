@@ -1,0 +1,303 @@
+"""The numba kernels of a one-row decode step: its products, and a layer in two calls.
+
+Imported only through `numba_products` (which imports it on first use), so importing kvcache
+never loads numba. Every kernel works on one row of float32 values; a weight is a tuple of parts
+stacked along its output, each either float32 (out_i, in) row-major or a bfloat16 (out_i, in)
+matrix viewed as uint32 pairs (out_i, in/2) (`numba_products.bfloat16_pairs`); numba compiles
+one version per kind. With `bf16` a product rounds its input and its output (its bias added) to
+bfloat16, as oneDNN's and torch's bfloat16 products do; the arithmetic between products stays
+float32. An absent bias or norm is an empty array.
+
+Floating point: reassociation and contraction are allowed (the dot products' sums are
+vectorised in any order, as a BLAS sums them); infinities and NaNs keep their meaning (a masked
+key's score is -inf; exp(-g) of a very negative gate is inf, making silu -0).
+
+Each layer is two calls around the cache's update (`attention_inputs`: norm, q/k/v, the per-head
+norms, RoPE, the queries' scale; `layer_output`: attention over the stored keys and values, o,
+residual, norm, gate/up, SiLU, down, residual), so what a step costs between its products is two
+calls a layer rather than a dozen numpy operations. The products' rows and the attention's heads
+are split between numba's threads.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+from numba.extending import overload
+
+#: the fast-math flags: no "nnan"/"ninf", so -inf and inf behave as IEEE says
+FLAGS = {"reassoc", "contract", "arcp", "nsz"}
+#: only explicit prange loops run in parallel: numba would otherwise make every array expression
+#: (np.zeros, a slice assignment) a parallel region of its own, each costing a thread hand-off
+PARALLEL = {name: name == "prange" for name in (
+    "comprehension", "reduction", "inplace_binop", "setitem", "numpy", "stencil", "fusion", "prange"
+)}
+#: error_model "numpy": a division by zero gives inf or nan, as numpy and torch give, not an error
+KERNEL = dict(parallel=PARALLEL, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False)
+_HIGH = np.uint32(0xFFFF0000)
+
+
+@numba.njit(cache=True, inline="always")
+def bfloat16_bits(b):  # pragma: no cover (compiled: coverage cannot see inside)
+    """float32 bits b rounded to bfloat16 (to nearest, ties to even), as float32 bits; a NaN
+    stays a NaN (quieted, its upper half kept)."""
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return (b | np.uint32(0x00400000)) & _HIGH
+    tie_to_even = (b >> np.uint32(16)) & np.uint32(1)
+    return (b + np.uint32(0x7FFF) + tie_to_even) & _HIGH
+
+
+@numba.njit(cache=True, boundscheck=False)
+def round_to_bfloat16(bits, out):  # pragma: no cover (compiled)
+    """out (n,) uint32 = float32 bits (n,) rounded to bfloat16, as float32 bits."""
+    for i in range(bits.shape[0]):
+        out[i] = bfloat16_bits(bits[i])
+
+
+@numba.njit(cache=True, boundscheck=False)
+def bfloat16_halves(bits, out):  # pragma: no cover (compiled)
+    """out (n,) uint16 = float32 bits (n,) rounded to bfloat16: the bfloat16 values' own bits."""
+    for i in range(bits.shape[0]):
+        out[i] = np.uint16(bfloat16_bits(bits[i]) >> np.uint32(16))
+
+
+def row_dot(weight, i, x):  # typed by the overload below
+    """weight[i] · x in float32, for a float32 weight or a bfloat16 one viewed as uint32 pairs."""
+    raise NotImplementedError
+
+
+@overload(row_dot, jit_options={"fastmath": FLAGS})
+def _row_dot(weight, i, x):  # pragma: no cover (compiled)
+    if weight.dtype == numba.types.float32:
+
+        def dot(weight, i, x):
+            total = np.float32(0.0)
+            for j in range(weight.shape[1]):
+                total += weight[i, j] * x[j]
+            return total
+
+        return dot
+    if weight.dtype == numba.types.uint32:
+
+        def dot_pairs(weight, i, x):  # a bfloat16 is a float32's upper half: widen by a shift
+            even = np.float32(0.0)
+            odd = np.float32(0.0)
+            for j in range(weight.shape[1]):
+                pair = weight[i, j]
+                even += np.uint32(pair << np.uint32(16)).view(np.float32) * x[2 * j]
+                odd += np.uint32(pair & _HIGH).view(np.float32) * x[2 * j + 1]
+            return even + odd
+
+        return dot_pairs
+    return None
+
+
+def widened(value):  # typed by the overload below
+    """A stored key or value as float32: float32 as it is, bfloat16 bits (uint16) widened."""
+    raise NotImplementedError
+
+
+@overload(widened, inline="always")
+def _widened(value):  # pragma: no cover (compiled)
+    if value == numba.types.float32:
+        return lambda value: value
+    if value == numba.types.uint16:
+        return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
+    return None
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def product(parts, x, bias, bf16, out):  # pragma: no cover (compiled)
+    """out (sum out_i,) = the parts stacked along out @ x (in,) (+ bias), each output one dot
+    product of a weight row, the rows split between the threads; with bf16, x and the output
+    rounded to bfloat16."""
+    if bf16:
+        bits = np.empty(x.shape[0], np.uint32)
+        round_to_bfloat16(x.view(np.uint32), bits)
+        x = bits.view(np.float32)
+    start = 0
+    for part in parts:
+        rows = part.shape[0]
+        for i in prange(rows):
+            out[start + i] = row_dot(part, i, x)
+        start += rows
+    if bias.shape[0]:
+        for i in range(out.shape[0]):
+            out[i] += bias[i]
+    if bf16:
+        round_to_bfloat16(out.view(np.uint32), out.view(np.uint32))
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def rms_normed(x, weight, eps, out):  # pragma: no cover (compiled)
+    """out (n,) = x (n,) / rms(x) * weight (n,)."""
+    squares = np.float32(0.0)
+    for i in range(x.shape[0]):
+        squares += x[i] * x[i]
+    inverse = np.float32(1.0 / np.sqrt(squares / x.shape[0] + eps))
+    for i in range(x.shape[0]):
+        out[i] = x[i] * weight[i] * inverse
+
+
+@numba.njit(**KERNEL)
+def normed_product(x, norm, eps, parts, bias, bf16, out):  # pragma: no cover (compiled)
+    """out = product(parts, rms_normed(x, norm), bias): the final norm and lm_head."""
+    normed = np.empty(x.shape[0], np.float32)
+    rms_normed(x, norm, eps, normed)
+    product(parts, normed, bias, bf16, out)
+
+
+@numba.njit(**KERNEL)
+def stacked_product(parts, x, bias, bf16, out):  # pragma: no cover (compiled)
+    """out = product(parts, x, bias) (see `product`), on its own."""
+    product(parts, x, bias, bf16, out)
+
+
+@numba.njit(**KERNEL)
+def attention_inputs(
+    x, norm, eps, parts, bias, q_norm, k_norm, cos, signed_sin, scale, heads, kv_heads, bf16, qkv
+):  # pragma: no cover (compiled)
+    """qkv ((H + 2·H_kv)·D,) = one row's queries, keys and values: x (hidden,) normed, through
+    the fused q/k/v product (+ bias), each q and k head normed (q_norm, k_norm (D,) or empty),
+    turned by RoPE (x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, cos and signed_sin (D,) of the
+    row's position) and the queries multiplied by `scale`."""
+    normed = np.empty(x.shape[0], np.float32)
+    rms_normed(x, norm, eps, normed)
+    product(parts, normed, bias, bf16, qkv)
+    dim = cos.shape[0]
+    half = dim // 2
+    turned = np.empty(dim, np.float32)
+    for head in range(heads + kv_heads):
+        at = qkv[head * dim:(head + 1) * dim]
+        if q_norm.shape[0]:
+            rms_normed(at, q_norm if head < heads else k_norm, eps, turned)
+            for i in range(dim):
+                at[i] = turned[i]
+        factor = scale if head < heads else np.float32(1.0)
+        for i in range(dim):
+            turned[i] = at[i] * cos[i] + at[(i + half) % dim] * signed_sin[i]
+        for i in range(dim):
+            at[i] = turned[i] * factor
+
+
+#: keys one attention task scores: a kv head's keys are split into chunks of this many, scored
+#: in parallel and their softmax parts combined (as flash attention does), so a long cache keeps
+#: every thread busy whatever the number of kv heads
+CHUNK = 128
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def attend(
+    qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, bf16_keys, out
+):  # pragma: no cover (compiled)
+    """out (H·D,) = each query head of qkv's over its kv head's `length` keys and values:
+    softmax(q·kᵀ)·V, the keys where visible (T,) is False (when not empty) scored -inf. keys and
+    values are rows (R, D), float32 or bfloat16 bits (uint16), kv head h's key t at row
+    h·key_step + t (its value at h·value_step + t). Each (kv head, CHUNK keys) is one task for
+    the threads, its group of queries scored together; the tasks' softmax parts are combined as
+    flash attention combines them. With bf16_keys the queries are rounded to bfloat16 first, as
+    the torch forward's attention in bfloat16 reads them."""
+    dim = keys.shape[1]
+    group = heads // kv_heads
+    chunks = (length + CHUNK - 1) // CHUNK
+    queries = np.empty((heads, dim), np.float32)
+    for h in range(heads):
+        for d in range(dim):
+            queries[h, d] = qkv[h * dim + d]
+    if bf16_keys:
+        flat = queries.reshape(heads * dim).view(np.uint32)
+        round_to_bfloat16(flat, flat)
+    tops = np.empty((kv_heads, chunks, group), np.float32)  # each task's top score per query
+    sums = np.empty((kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
+    parts = np.empty((kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
+    for task in prange(kv_heads * chunks):
+        kv = task // chunks
+        chunk = task % chunks
+        lo = chunk * CHUNK
+        count = min(length, lo + CHUNK) - lo
+        first_key = kv * key_step + lo  # the chunk's first rows
+        first_value = kv * value_step + lo
+        scores = np.empty((group, count), np.float32)
+        for g in range(group):
+            query = queries[kv * group + g]
+            top = np.float32(-np.inf)
+            for t in range(count):
+                score = np.float32(-np.inf)
+                if visible.shape[0] == 0 or visible[lo + t]:
+                    score = np.float32(0.0)
+                    for d in range(dim):
+                        score += query[d] * widened(keys[first_key + t, d])
+                scores[g, t] = score
+                top = max(top, score)
+            total = np.float32(0.0)
+            for t in range(count):  # (every key of the chunk masked: weights 0, not nan)
+                weight = np.exp(scores[g, t] - top) if top != -np.inf else np.float32(0.0)
+                scores[g, t] = weight
+                total += weight
+            tops[kv, chunk, g] = top
+            sums[kv, chunk, g] = total
+            for d in range(dim):
+                parts[kv, chunk, g, d] = 0.0
+        for t in range(count):
+            for g in range(group):
+                weight = scores[g, t]
+                if weight != 0.0:  # (a masked key's value is never read: it may be unwritten)
+                    for d in range(dim):
+                        parts[kv, chunk, g, d] += weight * widened(values[first_value + t, d])
+    for head in range(heads):  # the chunks' parts, rescaled to the head's top score, summed
+        kv = head // group
+        g = head % group
+        top = np.float32(-np.inf)
+        for chunk in range(chunks):
+            top = max(top, tops[kv, chunk, g])
+        total = np.float32(0.0)
+        for d in range(dim):
+            out[head * dim + d] = 0.0
+        for chunk in range(chunks):  # (every key masked: top -inf, the output nan, as torch's)
+            factor = np.exp(tops[kv, chunk, g] - top)
+            total += factor * sums[kv, chunk, g]
+            for d in range(dim):
+                out[head * dim + d] += factor * parts[kv, chunk, g, d]
+        for d in range(dim):
+            out[head * dim + d] /= total
+
+
+@numba.njit(**KERNEL)
+def layer_output(
+    x, qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, bf16_keys,
+    o, o_bias, norm, eps, gate_up, gate_up_bias, down, down_bias, bf16,
+):  # pragma: no cover (compiled)
+    """x (hidden,) += the layer's attention output through o (+ bias), then += the SwiGLU of
+    its norm (gate/up stacked: gate's outputs, then up's; silu(gate)·up through down), in
+    place; qkv, keys, values, their steps, length, visible and bf16_keys as `attend` reads them."""
+    hidden = x.shape[0]
+    attended = np.empty(heads * keys.shape[1], np.float32)
+    attend(qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, bf16_keys, attended)
+    projected = np.empty(hidden, np.float32)
+    product(o, attended, o_bias, bf16, projected)
+    for i in range(hidden):
+        x[i] += projected[i]
+    normed = np.empty(hidden, np.float32)
+    rms_normed(x, norm, eps, normed)
+    inner = 0
+    for part in gate_up:
+        inner += part.shape[0]
+    both = np.empty(inner, np.float32)
+    product(gate_up, normed, gate_up_bias, bf16, both)
+    inner //= 2
+    act = np.empty(inner, np.float32)
+    for i in range(inner):
+        gate = both[i]
+        act[i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[inner + i]
+    product(down, act, down_bias, bf16, projected)
+    for i in range(hidden):
+        x[i] += projected[i]
+
+
+@numba.njit(**KERNEL)
+def matvec_check(weight, x, out):  # pragma: no cover (compiled)
+    """out (n,) = weight (n, k) @ x (k,): a tiny parallel loop `available` runs to start numba's
+    pool and read which threading layer it got."""
+    for i in prange(weight.shape[0]):
+        out[i] = row_dot(weight, i, x)
