@@ -5,7 +5,8 @@
 
 A profiler's per-call hooks cost more than most lines of the step, so this takes the source of
 `ArrayStep._run` (kvcache.backends.array_step: the numpy step's for float32, the half step's for
-bfloat16 or float16, as `choose_backend` picks), puts a `time.perf_counter()` stamp after
+bfloat16 or float16, as `choose_backend` picks; `_run_one_row` where that step runs one row on
+numba's kernels), puts a `time.perf_counter()` stamp after
 every simple statement, runs that copy on the loaded model (each step right after the previous
 one, so the weights have just streamed through the CPU caches, as in generation), and prints
 each statement's mean time per step, summed over the layers. The cache is reset to the same
@@ -23,20 +24,24 @@ import textwrap
 import time
 
 
-def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: list[float]):
-    """A copy of ArrayStep._run with a stamp after every simple statement; returns (function,
-    source lines) where stamps[i] accumulates the seconds spent up to source line i."""
+def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: list[float], method: str):
+    """A copy of ArrayStep's `method` (`_run`, or `_run_one_row`: one row on numba's kernels)
+    with a stamp after every simple statement; returns (function, source lines) where stamps[i]
+    accumulates the seconds spent up to source line i."""
     from kvcache.backends import array_step
 
-    lines = textwrap.dedent(inspect.getsource(array_step.ArrayStep._run)).splitlines()
-    skip = ("#", "if ", "for ", "with ", "def ", '"""', "return", "raise", ")", 'f"', "else", "elif")
+    lines = textwrap.dedent(inspect.getsource(getattr(array_step.ArrayStep, method))).splitlines()
+    skip = ("#", "if ", "for ", "with ", "def ", '"""', "return", "raise", 'f"', "else", "elif")
     out = []
     body_started = False
     depth = 0  # open brackets: a statement split over lines is stamped after its last line
+    first = 0  # the line a statement begins on (its stamp is listed under it)
     for index, line in enumerate(lines):
         out.append(line)
         text = line.strip()
         code = text.split("  #")[0]
+        if depth == 0:
+            first = index
         depth += sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
         if (text.endswith('"""') and index > 0) or (text.startswith("def ") and text.endswith(":")):
             body_started = True  # after the docstring, or after a one-line signature without one
@@ -46,7 +51,7 @@ def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: li
         following_indent = len(following) - len(following.lstrip())
         simple = text and not text.startswith(skip) and not text.endswith(("(", ",", ":"))
         if body_started and simple and depth == 0 and following_indent <= indent:
-            out.append(" " * indent + f"_stamp({index})")
+            out.append(" " * (len(lines[first]) - len(lines[first].lstrip())) + f"_stamp({first})")
 
     def _stamp(index: int) -> None:
         now = time.perf_counter()
@@ -55,7 +60,7 @@ def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: li
 
     scope = dict(namespace, _stamp=_stamp)
     exec("\n".join(out), scope)  # our own source, read from the installed module
-    return scope["_run"], lines
+    return scope[method], lines
 
 
 def main() -> None:
@@ -79,11 +84,12 @@ def main() -> None:
     backend = choose_backend(model)
     stamps: collections.defaultdict = collections.defaultdict(float)
     clock = [0.0]
-    run, lines = instrumented_run(vars(array_step), stamps, clock)
+    method = "_run_one_row" if backend._numba_step(1, args.context) else "_run"
+    run, lines = instrumented_run(vars(array_step), stamps, clock, method)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context))
     token_ids = prompt[0, -1:].numpy()  # (1,)
-    # the step's own thread rule (`_threads`: one torch thread beside numpy's products), which
-    # `decode` applies around `_run`
+    # the step's own thread rule (`_threads`: one torch thread beside numba's or numpy's
+    # products), which `decode` applies around `_run`
     with torch.inference_mode(), torch_threads(backend._threads(1)):
         cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
         model(prompt, past_key_values=cache, logits_to_keep=1)

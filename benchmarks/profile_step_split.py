@@ -4,12 +4,16 @@
     .venv/bin/python benchmarks/profile_step_split.py --model smollm2 --context 2048
 
 The step as `choose_backend` picks it (float32: the numpy step; bfloat16: the half step) is
-timed in a loop on a dynamic cache of `--context` tokens; then its products alone, on the step's
-own weights and threads, one row each; then torch's attention alone (on the step's torch
-threads) on keys and values of that length (the same call shape as the step's: each kv head's
-query group as the rows). The rest is the step minus both. Attention alone reuses one layer's
-keys, which stay in cache: inside the step they come from memory, so the rest holds that
-difference too. Medians; stdout only; not a test.
+timed in a loop on a dynamic cache of `--context` tokens (cropped back after each step); then
+its products alone, on the step's own weights and threads, one row each. A step on numba's
+kernels (`numba_products`) is then split by timing each kernel call and cache store from
+outside: the kernels' time beyond the products alone (attention, norms, RoPE, SwiGLU), the
+stores, and the Python between the calls (the step minus both), medians of 5 rounds of products
+alone and steps in turn. Any other step: torch's
+attention alone (on the step's torch threads) on keys and values of that length (the step's
+call shape), and the rest is the step minus products and attention; attention alone reuses one
+layer's keys, which stay in cache, where inside the step they come from memory, so the rest holds
+that difference too. Medians (kernel and store times: means); stdout only; not a test.
 """
 
 from __future__ import annotations
@@ -49,12 +53,28 @@ def build(name: str):
 
 
 def products(backend):
-    """A function running every product of one step as a one-row step runs them (the step's
-    `_products(1)`: its weights and its product function), and the bytes of weights they read."""
+    """A function running every product of one step as a one-row step runs them, and the bytes
+    of weights they read: numba's kernels' product on the step's `_row_layers` where the step
+    runs on them, else the step's `_products(1)` (its weights and its product function)."""
     import numpy as np
     import torch
 
+    from kvcache.backends import numba_products
+
     config = backend.config
+    dtype = getattr(backend, "dtype", torch.float32)
+    width = torch.finfo(dtype).bits // 8
+    if backend._numba_step(1):
+        layers, (head, head_bias) = backend._row_layers
+        calls = [(getattr(w, name), getattr(w, f"{name}_bias"))
+                 for w in layers for name in ("qkv", "o", "gate_up", "down")]
+        calls.append((head, head_bias))
+        pairs = 2 if backend._bf16 else 1  # a bfloat16 part is (out, in/2) uint32 pairs
+        rows = [np.ones(parts[0].shape[1] * pairs, np.float32) for parts, _ in calls]
+        read = sum(part.shape[0] * row.shape[0] * width for (parts, _), row in zip(calls, rows)
+                   for part in parts)
+        return (lambda: [numba_products.product(row, parts, bias, backend._bf16)
+                         for (parts, bias), row in zip(calls, rows)]), read
     sizes = {"hidden": config.hidden_size, "heads": config.num_attention_heads * config.head_dim,
              "inner": config.intermediate_size}
     outs = {"qkv": (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim,
@@ -64,9 +84,39 @@ def products(backend):
     calls = [(getattr(w, name), sizes[ins[name]], outs[name]) for w in layers for name in outs]
     calls.append((lm_head, sizes["hidden"], config.vocab_size))
     rows = [np.ones((1, width), np.float32) for _, width, _ in calls]
-    dtype = getattr(backend, "dtype", torch.float32)
-    read = sum(width * out * (torch.finfo(dtype).bits // 8) for _, width, out in calls)
+    read = sum(columns * out * width for _, columns, out in calls)
     return (lambda: [linear(row, weight, None) for (weight, _, _), row in zip(calls, rows)]), read
+
+
+def kernel_times(backend, decode, steps: int = 10) -> tuple[float, float, float]:
+    """(ms a step takes, ms of it inside numba's kernels, ms in its cache stores), means over
+    `steps` steps, each kernel call and store timed from outside."""
+    import types
+    from unittest import mock
+
+    from kvcache.backends import numba_products
+
+    kernels = numba_products.kernels()
+    spent = {"kernels": 0.0, "store": 0.0}
+
+    def timed(function, key):
+        def call(*args):
+            started = time.perf_counter()
+            result = function(*args)
+            spent[key] += time.perf_counter() - started
+            return result
+        return call
+
+    wrapped = types.SimpleNamespace(**vars(kernels))
+    for name in ("attention_inputs", "layer_output", "normed_product"):
+        setattr(wrapped, name, timed(getattr(kernels, name), "kernels"))
+    with mock.patch.object(numba_products, "kernels", lambda: wrapped), \
+            mock.patch.object(backend, "_store_rows", timed(backend._store_rows, "store")):
+        started = time.perf_counter()
+        for _ in range(steps):
+            decode()
+        total = time.perf_counter() - started
+    return total / steps * 1000, spent["kernels"] / steps * 1000, spent["store"] / steps * 1000
 
 
 def measure(model, dtype, context: int) -> str:
@@ -85,10 +135,32 @@ def measure(model, dtype, context: int) -> str:
     with torch.inference_mode():
         model(torch.randint(0, config.vocab_size, (1, context)), past_key_values=cache)
         token = torch.tensor([[5]])
-        step = median_ms(lambda: backend.decode(token, cache))  # the context grows by ~45
+
+        def decode():
+            backend.decode(token, cache)
+            cache.crop(context)  # every step attends over `context` keys
+
+        step = median_ms(decode)
         run_products, read = products(backend)
         with torch_threads(backend._threads(1)):  # the threads a one-row step runs on
             product_ms = median_ms(run_products)
+
+        def described(ms: float) -> str:
+            return f"products {ms:.2f} ms ({read / ms / 1e6:.1f} GB/s over {read / 1e6:.0f} MB)"
+
+        split = described(product_ms)
+        if backend._numba_step(1, context):  # rounds of products alone and timed steps in turn
+            rounds = []
+            for _ in range(5):
+                with torch_threads(backend._threads(1)):
+                    alone = median_ms(run_products, runs=8)
+                rounds.append((alone, *kernel_times(backend, decode)))
+            product_ms, step, in_kernels, store = (sorted(column)[2] for column in zip(*rounds))
+            split = described(product_ms)
+            return (f"{backend.name} step on numba's kernels, {str(dtype)[6:]}: {step:.2f} ms = {split} "
+                    f"+ the kernels' other work (attention, norms, RoPE, SwiGLU) "
+                    f"{in_kernels - product_ms:.2f} ms "
+                    f"+ cache stores {store:.2f} ms + Python between {step - in_kernels - store:.2f} ms")
         heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         keys = torch.randn(1, kv_heads, context, dim).to(dtype)
         values = torch.randn_like(keys)
@@ -97,8 +169,7 @@ def measure(model, dtype, context: int) -> str:
         with torch_threads(backend._threads(1)):
             attention = median_ms(
                 lambda: [F.scaled_dot_product_attention(queries, keys, values) for _ in range(layers)])
-    return (f"{backend.name} step, {str(dtype)[6:]}: {step:.2f} ms = products {product_ms:.2f} ms "
-            f"({read / product_ms / 1e6:.1f} GB/s over {read / 1e6:.0f} MB) + attention {attention:.2f} ms "
+    return (f"{backend.name} step, {str(dtype)[6:]}: {step:.2f} ms = {split} + attention {attention:.2f} ms "
             f"+ rest {step - product_ms - attention:.2f} ms")
 
 

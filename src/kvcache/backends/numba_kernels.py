@@ -218,33 +218,41 @@ def attend(
         count = min(length, lo + CHUNK) - lo
         first_key = kv * key_step + lo  # the chunk's first rows
         first_value = kv * value_step + lo
-        scores = np.empty((group, count), np.float32)
-        for g in range(group):
-            query = queries[kv * group + g]
-            top = np.float32(-np.inf)
-            for t in range(count):
-                score = np.float32(-np.inf)
-                if visible.shape[0] == 0 or visible[lo + t]:
+        group_queries = queries[kv * group:(kv + 1) * group]
+        scores = np.empty((count, group), np.float32)
+        for t in range(count):  # each key read once for the group's queries
+            if visible.shape[0] == 0 or visible[lo + t]:
+                key = keys[first_key + t]
+                for g in range(group):
                     score = np.float32(0.0)
                     for d in range(dim):
-                        score += query[d] * widened(keys[first_key + t, d])
-                scores[g, t] = score
-                top = max(top, score)
+                        score += group_queries[g, d] * widened(key[d])
+                    scores[t, g] = score
+            else:
+                for g in range(group):
+                    scores[t, g] = -np.inf
+        for g in range(group):
+            top = np.float32(-np.inf)
+            for t in range(count):
+                top = max(top, scores[t, g])
             total = np.float32(0.0)
             for t in range(count):  # (every key of the chunk masked: weights 0, not nan)
-                weight = np.exp(scores[g, t] - top) if top != -np.inf else np.float32(0.0)
-                scores[g, t] = weight
+                weight = np.exp(scores[t, g] - top) if top != -np.inf else np.float32(0.0)
+                scores[t, g] = weight
                 total += weight
             tops[kv, chunk, g] = top
             sums[kv, chunk, g] = total
-            for d in range(dim):
-                parts[kv, chunk, g, d] = 0.0
-        for t in range(count):
+        summed = np.zeros((group, dim), np.float32)
+        for t in range(count):  # each value read once for the group's queries
+            value = values[first_value + t]
             for g in range(group):
-                weight = scores[g, t]
+                weight = scores[t, g]
                 if weight != 0.0:  # (a masked key's value is never read: it may be unwritten)
                     for d in range(dim):
-                        parts[kv, chunk, g, d] += weight * widened(values[first_value + t, d])
+                        summed[g, d] += weight * widened(value[d])
+        for g in range(group):
+            for d in range(dim):
+                parts[kv, chunk, g, d] = summed[g, d]
     for head in range(heads):  # the chunks' parts, rescaled to the head's top score, summed
         kv = head // group
         g = head % group
