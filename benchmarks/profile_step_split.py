@@ -65,15 +65,14 @@ def products(backend):
     dtype = getattr(backend, "dtype", torch.float32)
     width = torch.finfo(dtype).bits // 8
     if backend._numba_step(1):
-        layers, (head, head_bias) = backend._row_layers
+        layers, (head, head_bias), _ = backend._row_layers
         calls = [(getattr(w, name), getattr(w, f"{name}_bias"))
                  for w in layers for name in ("qkv", "o", "gate_up", "down")]
         calls.append((head, head_bias))
-        pairs = 2 if backend._bf16 else 1  # a bfloat16 part is (out, in/2) uint32 pairs
-        rows = [np.ones(parts[0].shape[1] * pairs, np.float32) for parts, _ in calls]
+        rows = [np.ones(parts[0].shape[1], np.float32) for parts, _ in calls]
         read = sum(part.shape[0] * row.shape[0] * width for (parts, _), row in zip(calls, rows)
                    for part in parts)
-        return (lambda: [numba_products.product(row, parts, bias, backend._bf16)
+        return (lambda: [numba_products.product(row, parts, bias, dtype)
                          for (parts, bias), row in zip(calls, rows)]), read
     sizes = {"hidden": config.hidden_size, "heads": config.num_attention_heads * config.head_dim,
              "inner": config.intermediate_size}

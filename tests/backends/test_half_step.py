@@ -42,17 +42,19 @@ def _half_and_exact(overrides: dict, dtype: torch.dtype, seed: int):
 
 
 def _road(road: str, monkeypatch) -> None:
-    """One bfloat16 row on numba's kernels (asserting numba runs here: else only the other road
-    would be tested), or on oneDNN's products and the numpy operations, as where numba is absent."""
+    """One row on numba's kernels (asserting numba runs here: else only the other road would be
+    tested), or on oneDNN's products (float16: F.linear's) and the numpy operations, as where
+    numba is absent."""
     if road == "numba":
         assert numba_products.available()
     else:
         monkeypatch.setattr(numba_products, "available", lambda: False)
 
 
-# (dtype, road): float16 never runs numba's kernels
-ROADS = [(torch.bfloat16, "numba"), (torch.bfloat16, "oneDNN"), (torch.float16, "oneDNN")]
-ROAD_IDS = ["bf16-numba", "bf16-oneDNN", "fp16"]
+# (dtype, road)
+ROADS = [(torch.bfloat16, "numba"), (torch.bfloat16, "oneDNN"), (torch.float16, "numba"),
+         (torch.float16, "F.linear")]
+ROAD_IDS = ["bf16-numba", "bf16-oneDNN", "fp16-numba", "fp16-F.linear"]
 
 
 @pytest.mark.parametrize(("dtype", "road"), ROADS, ids=ROAD_IDS)
@@ -64,7 +66,7 @@ def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(
     the dtype's eps times the step's largest logit. Rounding makes each step's error a draw, so
     the property is over the family's 3 batches × cache kinds × 5 steps: the half step's mean
     error within 1.25× the torch forward's in that dtype, and its worst within 2× of theirs.
-    (bfloat16 batches of several rows take the same road either way.)"""
+    (batches of several rows take the same road either way.)"""
     _road(road, monkeypatch)
     overrides, kinds = FAMILIES[family]
     errors = OwnErrors(dtype)
@@ -147,11 +149,12 @@ def test_it_refuses_what_it_cannot_run_by_name():
         HalfBackend(random_model(tiny_config(), 0))
 
 
-def test_one_bfloat16_row_runs_numbas_kernels_at_any_length_and_several_rows_onednns():
-    model = random_model(tiny_config(), 5).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_row_runs_numbas_kernels_at_any_length_and_several_rows_onednns(dtype):
+    model = random_model(tiny_config(), 5).to(dtype)
     backend = HalfBackend(model)
     for past in (0, 5000):
         assert backend._numba_step(1, past) and backend._threads(1, past) == 1  # torch on one thread
-    assert not backend._numba_step(2, 0) and backend._threads(2, 0) is None  # oneDNN's, torch's threads
-    fp16 = HalfBackend(random_model(tiny_config(), 5).to(torch.float16))
-    assert not fp16._numba_step(1, 0)  # float16: F.linear on the plain copy
+    assert not backend._numba_step(2, 0) and backend._threads(2, 0) is None  # torch's threads
+    layer = backend._row_layers[0][0]  # the kernels read the model's own parameters
+    assert layer.down[0].ctypes.data == model.model.layers[0].mlp.down_proj.weight.data_ptr()

@@ -1,7 +1,8 @@
 """numba's one-row products against float64 products of the same values on many random shapes
 (sizes that split unevenly between threads, a single row or column, a long row), float32 at 1
-and 2 threads and bfloat16 read in place as pairs; its rounding to bfloat16 is torch's (ties,
-NaN, infinities, subnormals); stored keys become rows without a copy where they can; and numba is
+and 2 threads, bfloat16 and float16 read in place as their bits; its rounding to bfloat16 is
+torch's (ties, NaN, infinities, subnormals); stored keys become rows without a copy where they
+can; and numba is
 available here with an OpenMP or TBB pool, so the steps' tests run its kernels
 (tests/backends/test_numpy_step.py and test_half_step.py run both roads, test_numba_step.py
 long caches)."""
@@ -61,46 +62,35 @@ def test_rounding_to_bfloat16_is_torchs():
     assert np.array_equal(ours, theirs, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @settings(max_examples=30, deadline=None)
-@given(rows=st.lists(st.integers(1, 120), min_size=1, max_size=3), pairs=st.integers(1, 150),
+@given(rows=st.lists(st.integers(1, 120), min_size=1, max_size=3), columns=st.integers(1, 300),
        bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_the_bfloat16_product_is_the_float64_product_of_the_rounded_values_rounded(rows, pairs, bias, seed):
-    """Parts stacked along out, x rounded to bfloat16, the float64 product (+ bias) rounded to
-    bfloat16: within one bfloat16 rounding of float32 summation error."""
+def test_the_half_product_is_the_float64_product_of_the_rounded_values_rounded(
+    dtype, rows, columns, bias, seed
+):
+    """Parts stacked along out, read as their bits; x rounded to the weights' dtype, the float64
+    product (+ bias) rounded to it: a value of that dtype, within one rounding of float32
+    summation error."""
     generator = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(n, 2 * pairs, generator=generator).to(torch.bfloat16) for n in rows]
-    x = torch.randn(2 * pairs, generator=generator).numpy()
+    weights = [torch.randn(n, columns, generator=generator).to(dtype) for n in rows]
+    x = torch.randn(columns, generator=generator)
     b = torch.randn(sum(rows), generator=generator).numpy() if bias else None
-    out = numba_products.product(
-        x, tuple(numba_products.bfloat16_pairs(w) for w in weights), b, bf16=True)
+    out = numba_products.product(x.numpy(), tuple(numba_products.half_bits(w) for w in weights), b, dtype)
     stacked = torch.cat(weights).double().numpy()
-    x_rounded = numba_products.rounded_to_bfloat16(x).astype(np.float64)
+    x_rounded = x.to(dtype).double().numpy()
     exact = stacked @ x_rounded + (0.0 if b is None else b.astype(np.float64))
     summed = np.abs(stacked) @ np.abs(x_rounded) + (0.0 if b is None else np.abs(b))
-    eps = float(torch.finfo(torch.bfloat16).eps)
+    eps = float(torch.finfo(dtype).eps)
     assert out.shape == (sum(rows),) and out.dtype == np.float32
-    assert np.array_equal(out, numba_products.rounded_to_bfloat16(out))  # a bfloat16 value
-    assert np.all(np.abs(out - exact) <= eps * np.abs(exact) + 1e-6 * 2 * pairs * summed + 1e-30)
+    assert np.array_equal(out, torch.from_numpy(out).to(dtype).float().numpy())  # a value of dtype
+    assert np.all(np.abs(out - exact) <= eps * np.abs(exact) + 1e-6 * columns * summed + 1e-30)
 
 
-def test_only_an_even_contiguous_weight_is_viewed_as_pairs():
-    weight = torch.randn(4, 6).to(torch.bfloat16)
-    pairs = numba_products.bfloat16_pairs(weight)
-    assert pairs.shape == (4, 3) and pairs.dtype == np.uint32
-    assert pairs.ctypes.data == weight.data_ptr()  # a view of the parameter's memory
-    assert numba_products.bfloat16_pairs(torch.randn(4, 5).to(torch.bfloat16)) is None
-    assert numba_products.bfloat16_pairs(weight.T) is None
-
-
-@pytest.mark.parametrize("capacity", [7, 12])
-def test_stored_keys_become_rows_without_a_copy_where_they_can(capacity):
-    buffer = np.arange(2 * 3 * capacity * 4, dtype=np.float32).reshape(2 // 2, 6, capacity, 4)
-    stored = buffer[:, :, :7]  # a cache buffer narrowed to 7 of its `capacity` tokens
-    rows, step = numba_products.stored_rows(stored)
-    assert rows.flags.c_contiguous and np.shares_memory(rows, buffer) and step == capacity
-    for head in range(6):
-        assert np.array_equal(rows[head * step:head * step + 7], stored[0, head])
-    scattered = buffer[:, :, :7, ::2]  # rows not contiguous: a copy
-    rows, step = numba_products.stored_rows(scattered)
-    assert not np.shares_memory(rows, buffer) and step == 7
-    assert np.array_equal(rows.reshape(6, 7, 2), scattered[0])
+def test_a_contiguous_half_precision_weight_is_viewed_as_its_bits():
+    for dtype, bits_dtype in ((torch.bfloat16, np.uint16), (torch.float16, np.int16)):
+        weight = torch.randn(4, 5).to(dtype)
+        bits = numba_products.half_bits(weight)
+        assert bits.shape == (4, 5) and bits.dtype == bits_dtype
+        assert bits.ctypes.data == weight.data_ptr()  # a view of the parameter's memory
+        assert numba_products.half_bits(weight.T) is None

@@ -1,8 +1,8 @@
 """One row on numba's kernels over caches long enough to split into several attention chunks
 (`numba_kernels.CHUNK`), whole or in part masked out (a compiled static cache attends over its
 whole buffer, masking what is not filled, and over a sliding window's), with GQA groups, q/k
-norms and biases: float32 logits equal the torch forward's, bfloat16 ones
-lie within the torch forward's own error of a float32 forward of the same weights. (The
+norms and biases: float32 logits equal the torch forward's, bfloat16 and float16 ones lie within
+the torch forward's own error of a float32 forward of the same weights. (The
 property tests on many short shapes, both roads: test_numpy_step.py and test_half_step.py.)"""
 
 from __future__ import annotations
@@ -56,17 +56,18 @@ def test_float32_row_over_a_long_cache_equals_the_torch_forward(family, kind):
         torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_bfloat16_row_over_a_long_cache_is_within_the_torch_forwards_own_error(family, kind):
+def test_half_row_over_a_long_cache_is_within_the_torch_forwards_own_error(family, kind, dtype):
     assert numba_products.available()
     config = tiny_config(max_position_embeddings=1024, **FAMILIES[family])
-    half = random_model(config, 4).to(torch.bfloat16)
+    half = random_model(config, 4).to(dtype)
     exact = random_model(config, 4)
     exact.load_state_dict({name: value.float() for name, value in half.state_dict().items()})
     backend = HalfBackend(half)
     assert backend._numba_step(1, PROMPT)
-    errors = OwnErrors(torch.bfloat16)
+    errors = OwnErrors(dtype)
     for seed in range(3):
         generator = torch.Generator().manual_seed(seed)
         prompt = torch.randint(0, 64, (1, PROMPT), generator=generator)

@@ -106,10 +106,10 @@ class ArrayStep(DecodeBackend):
         always the backend's own `layers`, `lm_head` and `_linear`."""
         return self.layers, self.lm_head, self._linear
 
-    #: (layers as `numba_products.RowLayer`, lm_head as (parts, bias)) for one-row steps on
-    #: numba's kernels, set by a subclass that has them; `_bf16`: their products round to bfloat16
-    _row_layers: tuple[list, tuple] | None = None
-    _bf16: bool = False
+    #: (layers as `numba_products.RowLayer`, lm_head as (parts, bias), what their products round
+    #: to: `numba_products.rounding_of`) for one-row steps on numba's kernels, set by a subclass
+    #: that has them
+    _row_layers: tuple[list, tuple, int] | None = None
 
     def _numba_step(self, batch: int, past: int = 0) -> bool:
         """Whether a step of `batch` rows on a cache of `past` tokens runs on numba's kernels."""
@@ -145,8 +145,8 @@ class ArrayStep(DecodeBackend):
         raise NotImplementedError
 
     def _store_rows(self, cache, k: np.ndarray, v: np.ndarray, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """`_store` for numba's kernels: the keys and values as numpy (1, H_kv, T_kv, D), float32
-        or bfloat16 bits (uint16)."""
+        """`_store` for numba's kernels: the keys and values as numpy (1, H_kv, T_kv, D), float32,
+        bfloat16 bits (uint16) or float16 bits (int16)."""
         raise NotImplementedError
 
     # ---- RoPE --------------------------------------------------------------------------------
@@ -258,11 +258,11 @@ class ArrayStep(DecodeBackend):
         (norm, q/k/v, q/k norms, RoPE, the queries' scale), the cache's update, `layer_output`
         (attention, o, residual, norm, SwiGLU, residual); then the final norm and lm_head."""
         kernels = numba_products.kernels()
-        heads, kv_heads, dim, eps, bf16 = self.heads, self.kv_heads, self.head_dim, self.eps, self._bf16
+        heads, kv_heads, dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         start = plan.start
         position = start if isinstance(start, int) else int(plan.positions[0, 0])
         cos, signed_sin = self._rope_row(position)
-        layers, (head_parts, head_bias) = self._row_layers
+        layers, (head_parts, head_bias), rounding = self._row_layers
         visible_by_mask: dict[int, torch.Tensor | None] = {}
         as_rows: dict[int, np.ndarray] = {}  # a mask's (T_kv,) numpy form, by the mask's id
         x = self._embed(token_ids)[0]  # (hidden,), updated in place layer by layer
@@ -271,7 +271,7 @@ class ArrayStep(DecodeBackend):
             qkv = np.empty(keys_end + kv_heads * dim, np.float32)  # (new: the cache may keep k, v)
             kernels.attention_inputs(
                 x, w.norm1, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, signed_sin,
-                self.scale, heads, kv_heads, bf16, qkv,
+                self.scale, heads, kv_heads, rounding, qkv,
             )
             k = qkv[queries:keys_end].reshape(1, kv_heads, 1, dim)
             v = qkv[keys_end:].reshape(1, kv_heads, 1, dim)
@@ -287,11 +287,11 @@ class ArrayStep(DecodeBackend):
                 visible = as_rows[id(mask)] = mask.reshape(-1).numpy()
             kernels.layer_output(
                 x, qkv, heads, kv_heads, key_rows, key_step, value_rows, value_step,
-                keys.shape[2], visible, keys.dtype == np.uint16,
-                w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, bf16,
+                keys.shape[2], visible, numba_products.key_rounding(keys),
+                w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, rounding,
             )
         logits = np.empty(sum(part.shape[0] for part in head_parts), np.float32)
-        kernels.normed_product(x, self.final_norm, eps, head_parts, head_bias, bf16, logits)
+        kernels.normed_product(x, self.final_norm, eps, head_parts, head_bias, rounding, logits)
         return logits[None]
 
     def _rope_row(self, position: int) -> tuple[np.ndarray, np.ndarray]:

@@ -78,9 +78,8 @@ class HalfBackend(ArrayStep):
             self._head = laid_out_product(model.lm_head)
             self.lm_head = self._head.weight
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
-        if self.dtype == torch.bfloat16 and numba_products.available():
-            self._row_layers = _pairs_of(self.layers, self._head)  # (None: a weight is odd)
-            self._bf16 = True
+        if numba_products.available():
+            self._row_layers = _row_layers(self.layers, self._head, self.dtype)
 
     def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
         """A step on numba's kernels runs on numba's threads; any other on torch's."""
@@ -117,27 +116,31 @@ class HalfBackend(ArrayStep):
         return cache.update(torch.from_numpy(k).to(self.dtype), torch.from_numpy(v).to(self.dtype), index)
 
     def _store_rows(self, cache, k, v, index):
-        """k, v rounded to bfloat16 and stored through the cache's numpy seam as their bits
-        (`update_arrays`: no torch call where the buffers have room); the keys and values come
-        back as bits (uint16), or float32 from a float32 cache."""
-        keys, values = cache.update_arrays(
-            numba_products.bfloat16_bits_of(k), numba_products.bfloat16_bits_of(v), index
-        )
-        if keys.dtype not in (np.uint16, np.float32):  # (a float16 cache: what the kernels read)
-            keys, values = keys.astype(np.float32), values.astype(np.float32)
+        """k, v rounded to the weights' dtype and stored through the cache's numpy seam
+        (`update_arrays`: no torch call where the buffers have room; bfloat16 as its bits); the
+        keys and values come back as the kernels read them: bfloat16 and float16 as their bits
+        (uint16 and int16: numba has no float16 values)."""
+        if self.dtype == torch.bfloat16:
+            k, v = numba_products.bfloat16_bits_of(k), numba_products.bfloat16_bits_of(v)
+        else:  # (numpy rounds float32 to float16 to nearest, ties to even, as torch does)
+            k, v = k.astype(np.float16), v.astype(np.float16)
+        keys, values = cache.update_arrays(k, v, index)
+        if keys.dtype == np.float16:
+            keys, values = keys.view(np.int16), values.view(np.int16)
         return keys, values
 
 
-def _pairs_of(layers: list[LaidOutLayer], head: LaidOutProduct) -> tuple[list, tuple] | None:
-    """The laid-out layers and lm_head as `numba_products.RowLayer`s and (parts, bias), each
-    product's parts its members' bfloat16 parameters viewed as uint32 pairs (the model's own
-    memory); None when a weight cannot be viewed so."""
+def _row_layers(layers: list[LaidOutLayer], head: LaidOutProduct, dtype: torch.dtype) -> tuple | None:
+    """The laid-out layers and lm_head as numba's kernels read them (`ArrayStep._row_layers`),
+    each product's parts its members' own parameters (the model's memory) viewed as their bits
+    (`numba_products.half_bits`); None when a weight cannot be viewed so (not contiguous)."""
+    view = numba_products.half_bits
 
     def parts(laid: LaidOutProduct) -> tuple[tuple, np.ndarray | None] | None:
-        pairs = tuple(numba_products.bfloat16_pairs(member.weight) for member in laid.members)
-        if any(pair is None for pair in pairs):
+        bits = tuple(view(member.weight) for member in laid.members)
+        if any(part is None for part in bits):
             return None
-        return pairs, None if laid.bias is None else laid.bias.float().numpy()
+        return bits, None if laid.bias is None else laid.bias.float().numpy()
 
     row_layers = []
     for layer in layers:
@@ -146,4 +149,6 @@ def _pairs_of(layers: list[LaidOutLayer], head: LaidOutProduct) -> tuple[list, t
             return None
         row_layers.append(numba_products.RowLayer.of(layer, products))
     lm_head = parts(head)
-    return None if lm_head is None else (row_layers, numba_products.row_product(*lm_head))
+    if lm_head is None:
+        return None
+    return row_layers, numba_products.row_product(*lm_head), numba_products.rounding_of(dtype)

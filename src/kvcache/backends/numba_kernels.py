@@ -2,11 +2,13 @@
 
 Imported only through `numba_products` (which imports it on first use), so importing kvcache
 never loads numba. Every kernel works on one row of float32 values; a weight is a tuple of parts
-stacked along its output, each either float32 (out_i, in) row-major or a bfloat16 (out_i, in)
-matrix viewed as uint32 pairs (out_i, in/2) (`numba_products.bfloat16_pairs`); numba compiles
-one version per kind. With `bf16` a product rounds its input and its output (its bias added) to
-bfloat16, as oneDNN's and torch's bfloat16 products do; the arithmetic between products stays
-float32. An absent bias or norm is an empty array.
+stacked along its output, each (out_i, in) row-major: float32, or a half-precision matrix viewed
+as its bits (`numba_products.half_bits`; numba has no bfloat16 or float16 values): bfloat16 as
+uint16 (widened by a shift: a bfloat16 is a float32's upper half), float16 as int16 (widened by
+the CPU's half-precision conversion); numba compiles one version per kind. Stored keys and values
+come the same three ways. `rounding` (NONE, BFLOAT16, FLOAT16) says what a product rounds its input
+and its output (its bias added) to, as oneDNN's and torch's half-precision products do; the
+arithmetic between products stays float32. An absent bias or norm is an empty array.
 
 Floating point: reassociation and contraction are allowed (the dot products' sums are
 vectorised in any order, as a BLAS sums them); infinities and NaNs keep their meaning (a masked
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import prange
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 #: the fast-math flags: no "nnan"/"ninf", so -inf and inf behave as IEEE says
 FLAGS = {"reassoc", "contract", "arcp", "nsz"}
@@ -36,6 +39,33 @@ PARALLEL = {name: name == "prange" for name in (
 #: error_model "numpy": a division by zero gives inf or nan, as numpy and torch give, not an error
 KERNEL = dict(parallel=PARALLEL, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False)
 _HIGH = np.uint32(0xFFFF0000)
+#: what a product rounds its input and output to (the weights' dtype)
+NONE, BFLOAT16, FLOAT16 = 0, 1, 2
+
+
+@intrinsic
+def float16_widened(typingctx, half):  # pragma: no cover (compiled)
+    """A float16 given as its bits (uint16 or int16) as float32, exactly (one instruction)."""
+    if half not in (numba.types.uint16, numba.types.int16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return numba.types.float32(half), codegen
+
+
+@intrinsic
+def float16_rounded(typingctx, value):  # pragma: no cover (compiled)
+    """float32 rounded to the nearest float16 (ties to even; beyond its range ±inf), as its
+    bits (uint16), as torch and numpy round."""
+    if value != numba.types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return numba.types.uint16(value), codegen
 
 
 @numba.njit(cache=True, inline="always")
@@ -63,38 +93,27 @@ def bfloat16_halves(bits, out):  # pragma: no cover (compiled)
 
 
 def row_dot(weight, i, x):  # typed by the overload below
-    """weight[i] · x in float32, for a float32 weight or a bfloat16 one viewed as uint32 pairs."""
+    """weight[i] · x in float32, for a float32 weight or a half-precision one as its bits."""
     raise NotImplementedError
 
 
 @overload(row_dot, jit_options={"fastmath": FLAGS})
 def _row_dot(weight, i, x):  # pragma: no cover (compiled)
-    if weight.dtype == numba.types.float32:
+    if weight.dtype not in (numba.types.float32, numba.types.uint16, numba.types.int16):
+        return None
 
-        def dot(weight, i, x):
-            total = np.float32(0.0)
-            for j in range(weight.shape[1]):
-                total += weight[i, j] * x[j]
-            return total
+    def dot(weight, i, x):
+        total = np.float32(0.0)
+        for j in range(weight.shape[1]):
+            total += widened(weight[i, j]) * x[j]
+        return total
 
-        return dot
-    if weight.dtype == numba.types.uint32:
-
-        def dot_pairs(weight, i, x):  # a bfloat16 is a float32's upper half: widen by a shift
-            even = np.float32(0.0)
-            odd = np.float32(0.0)
-            for j in range(weight.shape[1]):
-                pair = weight[i, j]
-                even += np.uint32(pair << np.uint32(16)).view(np.float32) * x[2 * j]
-                odd += np.uint32(pair & _HIGH).view(np.float32) * x[2 * j + 1]
-            return even + odd
-
-        return dot_pairs
-    return None
+    return dot
 
 
 def widened(value):  # typed by the overload below
-    """A stored key or value as float32: float32 as it is, bfloat16 bits (uint16) widened."""
+    """A weight, key or value as float32: float32 as it is, bfloat16 bits (uint16) and float16
+    bits (int16) widened."""
     raise NotImplementedError
 
 
@@ -104,18 +123,30 @@ def _widened(value):  # pragma: no cover (compiled)
         return lambda value: value
     if value == numba.types.uint16:
         return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
+    if value == numba.types.int16:
+        return lambda value: float16_widened(value)
     return None
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
-def product(parts, x, bias, bf16, out):  # pragma: no cover (compiled)
+def round_in_place(x, rounding):  # pragma: no cover (compiled)
+    """x (n,) float32 rounded in place to bfloat16 or float16 (as `rounding` says), kept float32."""
+    if rounding == BFLOAT16:
+        bits = x.view(np.uint32)
+        round_to_bfloat16(bits, bits)
+    elif rounding == FLOAT16:
+        for i in range(x.shape[0]):
+            x[i] = float16_widened(float16_rounded(x[i]))
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def product(parts, x, bias, rounding, out):  # pragma: no cover (compiled)
     """out (sum out_i,) = the parts stacked along out @ x (in,) (+ bias), each output one dot
-    product of a weight row, the rows split between the threads; with bf16, x and the output
-    rounded to bfloat16."""
-    if bf16:
-        bits = np.empty(x.shape[0], np.uint32)
-        round_to_bfloat16(x.view(np.uint32), bits)
-        x = bits.view(np.float32)
+    product of a weight row, the rows split between the threads; x and the output rounded as
+    `rounding` says."""
+    if rounding != NONE:
+        x = x.copy()
+        round_in_place(x, rounding)
     start = 0
     for part in parts:
         rows = part.shape[0]
@@ -125,8 +156,7 @@ def product(parts, x, bias, bf16, out):  # pragma: no cover (compiled)
     if bias.shape[0]:
         for i in range(out.shape[0]):
             out[i] += bias[i]
-    if bf16:
-        round_to_bfloat16(out.view(np.uint32), out.view(np.uint32))
+    round_in_place(out, rounding)
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
@@ -141,22 +171,22 @@ def rms_normed(x, weight, eps, out):  # pragma: no cover (compiled)
 
 
 @numba.njit(**KERNEL)
-def normed_product(x, norm, eps, parts, bias, bf16, out):  # pragma: no cover (compiled)
+def normed_product(x, norm, eps, parts, bias, rounding, out):  # pragma: no cover (compiled)
     """out = product(parts, rms_normed(x, norm), bias): the final norm and lm_head."""
     normed = np.empty(x.shape[0], np.float32)
     rms_normed(x, norm, eps, normed)
-    product(parts, normed, bias, bf16, out)
+    product(parts, normed, bias, rounding, out)
 
 
 @numba.njit(**KERNEL)
-def stacked_product(parts, x, bias, bf16, out):  # pragma: no cover (compiled)
+def stacked_product(parts, x, bias, rounding, out):  # pragma: no cover (compiled)
     """out = product(parts, x, bias) (see `product`), on its own."""
-    product(parts, x, bias, bf16, out)
+    product(parts, x, bias, rounding, out)
 
 
 @numba.njit(**KERNEL)
 def attention_inputs(
-    x, norm, eps, parts, bias, q_norm, k_norm, cos, signed_sin, scale, heads, kv_heads, bf16, qkv
+    x, norm, eps, parts, bias, q_norm, k_norm, cos, signed_sin, scale, heads, kv_heads, rounding, qkv
 ):  # pragma: no cover (compiled)
     """qkv ((H + 2·H_kv)·D,) = one row's queries, keys and values: x (hidden,) normed, through
     the fused q/k/v product (+ bias), each q and k head normed (q_norm, k_norm (D,) or empty),
@@ -164,7 +194,7 @@ def attention_inputs(
     row's position) and the queries multiplied by `scale`."""
     normed = np.empty(x.shape[0], np.float32)
     rms_normed(x, norm, eps, normed)
-    product(parts, normed, bias, bf16, qkv)
+    product(parts, normed, bias, rounding, qkv)
     dim = cos.shape[0]
     half = dim // 2
     turned = np.empty(dim, np.float32)
@@ -189,15 +219,15 @@ CHUNK = 128
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
 def attend(
-    qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, bf16_keys, out
+    qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, key_rounding, out
 ):  # pragma: no cover (compiled)
     """out (H·D,) = each query head of qkv's over its kv head's `length` keys and values:
     softmax(q·kᵀ)·V, the keys where visible (T,) is False (when not empty) scored -inf. keys and
-    values are rows (R, D), float32 or bfloat16 bits (uint16), kv head h's key t at row
+    values are rows (R, D), float32, bfloat16 bits (uint16) or float16 bits (int16), kv head h's key t at row
     h·key_step + t (its value at h·value_step + t). Each (kv head, CHUNK keys) is one task for
     the threads, its group of queries scored together; the tasks' softmax parts are combined as
-    flash attention combines them. With bf16_keys the queries are rounded to bfloat16 first, as
-    the torch forward's attention in bfloat16 reads them."""
+    flash attention combines them. The queries are rounded first as `key_rounding` says (the
+    keys' dtype), as the torch forward's attention in that dtype reads them."""
     dim = keys.shape[1]
     group = heads // kv_heads
     chunks = (length + CHUNK - 1) // CHUNK
@@ -205,9 +235,7 @@ def attend(
     for h in range(heads):
         for d in range(dim):
             queries[h, d] = qkv[h * dim + d]
-    if bf16_keys:
-        flat = queries.reshape(heads * dim).view(np.uint32)
-        round_to_bfloat16(flat, flat)
+    round_in_place(queries.reshape(heads * dim), key_rounding)
     tops = np.empty((kv_heads, chunks, group), np.float32)  # each task's top score per query
     sums = np.empty((kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
     parts = np.empty((kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
@@ -273,17 +301,17 @@ def attend(
 
 @numba.njit(**KERNEL)
 def layer_output(
-    x, qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, bf16_keys,
-    o, o_bias, norm, eps, gate_up, gate_up_bias, down, down_bias, bf16,
+    x, qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, key_rounding,
+    o, o_bias, norm, eps, gate_up, gate_up_bias, down, down_bias, rounding,
 ):  # pragma: no cover (compiled)
     """x (hidden,) += the layer's attention output through o (+ bias), then += the SwiGLU of
     its norm (gate/up stacked: gate's outputs, then up's; silu(gate)·up through down), in
-    place; qkv, keys, values, their steps, length, visible and bf16_keys as `attend` reads them."""
+    place; qkv, keys, values, their steps, length, visible and key_rounding as `attend` reads them."""
     hidden = x.shape[0]
     attended = np.empty(heads * keys.shape[1], np.float32)
-    attend(qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, bf16_keys, attended)
+    attend(qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, key_rounding, attended)
     projected = np.empty(hidden, np.float32)
-    product(o, attended, o_bias, bf16, projected)
+    product(o, attended, o_bias, rounding, projected)
     for i in range(hidden):
         x[i] += projected[i]
     normed = np.empty(hidden, np.float32)
@@ -292,13 +320,13 @@ def layer_output(
     for part in gate_up:
         inner += part.shape[0]
     both = np.empty(inner, np.float32)
-    product(gate_up, normed, gate_up_bias, bf16, both)
+    product(gate_up, normed, gate_up_bias, rounding, both)
     inner //= 2
     act = np.empty(inner, np.float32)
     for i in range(inner):
         gate = both[i]
         act[i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[inner + i]
-    product(down, act, down_bias, bf16, projected)
+    product(down, act, down_bias, rounding, projected)
     for i in range(hidden):
         x[i] += projected[i]
 

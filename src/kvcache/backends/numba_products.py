@@ -5,9 +5,10 @@ with a little arithmetic between them, so on CPU it is bound by memory bandwidth
 operation costs to start. On the CPU measured (`docs/backends.md`) a plain loop over a weight's
 rows (each row one dot product, the rows split between the threads), compiled by numba with
 fast-math vectorisation, read float32 weights faster in the step than numpy's OpenBLAS product
-and bfloat16 ones (each widened by a shift: a bfloat16 is a float32's upper half) faster than
-oneDNN's packed product; and a layer's arithmetic between products, a dozen numpy and torch
-calls, is two kernel calls (`numba_kernels`: the kernels themselves).
+and half-precision ones (read as their bits and widened: a bfloat16 by a shift, a float16 by
+the CPU's conversion) faster than oneDNN's packed product and torch's; and a layer's arithmetic
+between products, a dozen numpy and torch calls, is two kernel calls (`numba_kernels`: the
+kernels themselves).
 
 numba's pool must be OpenMP (or TBB): on its fallback `workqueue` pool the same loop ran at
 about half OpenBLAS's speed, so `available()` is False there and the steps keep their numpy and
@@ -61,12 +62,29 @@ def set_threads(threads: int) -> None:
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
 
 
-def bfloat16_pairs(weight) -> np.ndarray | None:
-    """A contiguous (out, in) bfloat16 torch tensor's memory as (out, in/2) uint32 pairs (a view,
-    no copy), or None when `in` is odd or the tensor is not contiguous."""
-    if weight.shape[-1] % 2 or not weight.is_contiguous():
+def rounding_of(dtype: torch.dtype) -> int:
+    """What the kernels' products round to for weights of `dtype` (`numba_kernels.NONE`,
+    `BFLOAT16` or `FLOAT16`). Call `available()` first."""
+    found = kernels()
+    return {torch.float32: found.NONE, torch.bfloat16: found.BFLOAT16, torch.float16: found.FLOAT16}[dtype]
+
+
+def key_rounding(stored: np.ndarray) -> int:
+    """What the kernels' attention rounds queries to for keys stored as `stored` is: float32
+    none, uint16 (bfloat16 bits) bfloat16, int16 (float16 bits) float16 (`numba_kernels.NONE`,
+    ...)."""
+    found = kernels()
+    return {"f": found.NONE, "H": found.BFLOAT16, "h": found.FLOAT16}[stored.dtype.char]
+
+
+def half_bits(weight) -> np.ndarray | None:
+    """A contiguous bfloat16 or float16 torch tensor's memory as its bits, as the kernels read
+    it: bfloat16 as uint16, float16 as int16, of the same shape (a view, no copy); None when
+    the tensor is not contiguous."""
+    if not weight.is_contiguous():
         return None
-    return weight.detach().view(torch.int16).numpy().view(np.uint32)
+    bits = weight.detach().view(torch.int16).numpy()
+    return bits.view(np.uint16) if weight.dtype == torch.bfloat16 else bits
 
 
 def rounded_to_bfloat16(x: np.ndarray) -> np.ndarray:
@@ -86,14 +104,17 @@ def bfloat16_bits_of(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def product(x: np.ndarray, parts: tuple, bias: np.ndarray | None = None, bf16: bool = False) -> np.ndarray:
-    """x (in,) float32 through a weight given as parts stacked along out (each float32 (out_i,
-    in) row-major, or `bfloat16_pairs` (out_i, in/2)) (+ bias (sum out_i,) float32) -> (sum
-    out_i,) float32, a new array: each output one dot product summed in float32; with bf16, x
-    rounded to bfloat16 first and the output after, as oneDNN's (and torch's) bfloat16 product
-    computes. The kernels' own product, on its own. Call `available()` first."""
+def product(
+    x: np.ndarray, parts: tuple, bias: np.ndarray | None = None, dtype: torch.dtype = torch.float32
+) -> np.ndarray:
+    """x (in,) float32 through a weight of `dtype` given as parts stacked along out (each (out_i,
+    in) row-major: float32, or half precision as `half_bits`) (+ bias
+    (sum out_i,) float32) -> (sum out_i,) float32, a new array: each output one dot product
+    summed in float32; in half precision x rounded to `dtype` first and the output after, as
+    oneDNN's (and torch's) half-precision product computes. The kernels' own product, on its
+    own. Call `available()` first."""
     out = np.empty(sum(part.shape[0] for part in parts), np.float32)
-    kernels().stacked_product(parts, np.ascontiguousarray(x), _vector(bias), bf16, out)
+    kernels().stacked_product(parts, np.ascontiguousarray(x), _vector(bias), rounding_of(dtype), out)
     return out
 
 

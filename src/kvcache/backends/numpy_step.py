@@ -73,7 +73,7 @@ class NumpyBackend(ArrayStep):
                     ((w.qkv.T,), w.qkv_bias), ((w.o.T,), w.o_bias),
                     ((w.gate_up.T,), w.gate_up_bias), ((w.down.T,), w.down_bias),
                 ]) for w in self.layers
-            ], numba_products.row_product((self.lm_head.T,), None)
+            ], numba_products.row_product((self.lm_head.T,), None), numba_products.rounding_of(torch.float32)
         # oneDNN's copy (steps of several rows, prompts), made from the modules (which read the
         # packed arrays), and the parameters' version counters it was made at
         self._modules = list(model.model.layers), model.lm_head
