@@ -11,7 +11,14 @@ import torch
 from tiny_models import OwnErrors, left_padded_batch, random_model, tiny_config
 
 from kvcache import generate, load_model
-from kvcache.backends import BackendError, HalfBackend, TorchBackend, choose_backend, numba_products
+from kvcache.backends import (
+    BackendError,
+    HalfBackend,
+    TorchBackend,
+    choose_backend,
+    huge_pages,
+    numba_products,
+)
 from kvcache.cache import make_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -158,3 +165,23 @@ def test_one_row_runs_numbas_kernels_at_any_length_and_several_rows_onednns(dtyp
     assert not backend._numba_step(2, 0) and backend._threads(2, 0) is None  # torch's threads
     layer = backend._row_layers[0][0]  # the kernels read the model's own parameters
     assert layer.down[0].ctypes.data == model.model.layers[0].mlp.down_proj.weight.data_ptr()
+
+
+@pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="no transparent huge pages on this OS")
+def test_the_parameters_move_onto_one_huge_page_block_values_and_ties_kept(monkeypatch):
+    model = random_model(tiny_config(tie_word_embeddings=True), 6).to(torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parameters = list(model.parameters())
+    backend = HalfBackend(model)
+    assert list(model.parameters()) == parameters  # the same Parameter objects, re-pointed
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and p.dtype == torch.bfloat16
+    pointers = sorted(p.data_ptr() for p in model.parameters())
+    assert pointers[0] % huge_pages.HUGE_PAGE == 0  # one block on a 2 MB boundary
+    assert backend.matches(model)
+    monkeypatch.setattr(huge_pages, "MOVE_LIMIT", 1024)  # past the limit: nothing moves
+    other = random_model(tiny_config(), 6).to(torch.bfloat16)
+    kept = [p.data_ptr() for p in other.parameters()]
+    HalfBackend(other)
+    assert [p.data_ptr() for p in other.parameters()] == kept

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.backends import numba_products, onednn
+from kvcache.backends import huge_pages, numba_products, onednn
 from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
 from kvcache.backends.onednn import LaidOutLayer, laid_out_product, product
@@ -69,6 +69,10 @@ class HalfBackend(ArrayStep):
 
     def __init__(self, model) -> None:
         require_supported(model)
+        numba = numba_products.available()
+        if numba:  # the kernels read the parameters in place: onto 2 MB pages (a copy, once)
+            with torch.inference_mode(False):
+                huge_pages.move_parameters(model)
         super().__init__(model)
         self.dtype = model.dtype
         with torch.inference_mode(False), torch.no_grad():
@@ -78,7 +82,7 @@ class HalfBackend(ArrayStep):
             self._head = laid_out_product(model.lm_head)
             self.lm_head = self._head.weight
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
-        if numba_products.available():
+        if numba:
             self._row_layers = _row_layers(self.layers, self._head, self.dtype)
 
     def _on_torch_threads(self, batch: int, past: int = 0) -> bool:

@@ -3,10 +3,11 @@
 Why: a decode step reads every weight once, and with 4 KB pages that is one TLB entry per 4 KB.
 Cycling matrix-vector products over weights past the reach of the second-level TLB (8 MB of
 4 KB pages) slows them several-fold, while the same bytes on 2 MB pages keep their speed
-(`docs/backends.md` has the measurements). So the numpy backend packs a small model's weights
+(`docs/backends.md` has the measurements). So the numpy backend packs a model's weights
 into one anonymous mapping aligned to 2 MB and advised MADV_HUGEPAGE (Linux transparent huge
-pages in "always" or "madvise" mode). Larger models (over MOVE_LIMIT bytes) keep ordinary
-allocations: the copy costs them more than the pages gain.
+pages in "always" or "madvise" mode), and the half step moves a half-precision model's
+parameters into one (`move_parameters`), since its one-row kernels read them in place. Models
+over MOVE_LIMIT bytes keep ordinary allocations (not measured there; their copy takes seconds).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import mmap
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from kvcache.model.heap import release_freed_memory
 
 HUGE_PAGE = 2 << 20  # bytes
 #: weight bytes up to which a model is packed onto huge pages
-MOVE_LIMIT = 64 << 20
+MOVE_LIMIT = 4 << 30
 ALIGN = 64  # bytes between two arrays (a cache line)
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -66,3 +70,26 @@ class Arena:
         out = self.block[self.offset : self.offset + size].view(np.float32).reshape(shape)
         self.offset += aligned(size)
         return out
+
+
+def move_parameters(module: torch.nn.Module) -> bool:
+    """Move every parameter of `module` (a CPU model's, contiguous or not) into one huge-page
+    block, each pointed at its copy (same values, dtype, shape and Parameter object; tied ones
+    stay tied), when huge pages are available and the parameters' bytes are at most MOVE_LIMIT.
+    Returns whether they moved. An in-place write to a parameter is then a write to the block."""
+    parameters = list({id(p): p for p in module.parameters()}.values())
+    total = sum(aligned(p.numel() * p.element_size()) for p in parameters)
+    if not huge_pages_available() or total > MOVE_LIMIT or any(p.device.type != "cpu" for p in parameters):
+        return False
+    block = huge_page_block(total)
+    offset = 0
+    with torch.no_grad():
+        for parameter in parameters:
+            size = parameter.numel() * parameter.element_size()
+            memory = torch.from_numpy(block[offset:offset + size])
+            moved = memory.view(parameter.dtype).view(parameter.shape)
+            moved.copy_(parameter.detach())
+            parameter.data = moved
+            offset += aligned(size)
+    release_freed_memory()  # the old storages' pages
+    return True

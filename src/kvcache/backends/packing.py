@@ -3,8 +3,8 @@
 What measured well on CPU (`docs/backends.md`): fewer, larger products (q/k/v as one matrix,
 gate/up as one), every matrix row-major for the step's numba products (each output a dot product
 of one contiguous row), or, when the step runs numpy's products instead, tall matrices stored
-column-major (OpenBLAS's column-major matrix-vector kernel streams them faster), and a small
-model's weights on 2 MB pages (`huge_pages`).
+column-major (OpenBLAS's column-major matrix-vector kernel streams them faster), and the weights
+on 2 MB pages (`huge_pages`, up to its MOVE_LIMIT).
 
 One copy serves both paths: every parameter whose memory was re-laid out (fused, transposed, moved
 onto huge pages) is pointed at its slice of the packed arrays, with the same values, names and
