@@ -92,25 +92,6 @@ def bfloat16_halves(bits, out):  # pragma: no cover (compiled)
         out[i] = np.uint16(bfloat16_bits(bits[i]) >> np.uint32(16))
 
 
-def row_dot(weight, i, x):  # typed by the overload below
-    """weight[i] · x in float32, for a float32 weight or a half-precision one as its bits."""
-    raise NotImplementedError
-
-
-@overload(row_dot, jit_options={"fastmath": FLAGS})
-def _row_dot(weight, i, x):  # pragma: no cover (compiled)
-    if weight.dtype not in (numba.types.float32, numba.types.uint16, numba.types.int16):
-        return None
-
-    def dot(weight, i, x):
-        total = np.float32(0.0)
-        for j in range(weight.shape[1]):
-            total += widened(weight[i, j]) * x[j]
-        return total
-
-    return dot
-
-
 def widened(value):  # typed by the overload below
     """A weight, key or value as float32: float32 as it is, bfloat16 bits (uint16) and float16
     bits (int16) widened."""
@@ -126,6 +107,15 @@ def _widened(value):  # pragma: no cover (compiled)
     if value == numba.types.int16:
         return lambda value: float16_widened(value)
     return None
+
+
+@numba.njit(fastmath=FLAGS, cache=True, boundscheck=False)
+def row_dot(weight, i, x):  # pragma: no cover (compiled)
+    """weight[i] · x (in,) in float32, weight (out, in) float32 or half-precision bits."""
+    total = np.float32(0.0)
+    for j in range(weight.shape[1]):
+        total += widened(weight[i, j]) * x[j]
+    return total
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
