@@ -78,6 +78,7 @@ class HalfBackend(ArrayStep):
         with torch.inference_mode(False), torch.no_grad():
             self.layers = [LaidOutLayer(layer) for layer in model.model.layers]
             self.embed = model.model.embed_tokens.weight.detach()  # the model's own: rows are read
+            self._embed_bits = numba_products.half_bits(self.embed.contiguous())  # (a view)
             self.final_norm = model.model.norm.weight.detach().float().numpy()
             self._head = laid_out_product(model.lm_head)
             self.lm_head = self._head.weight
@@ -114,7 +115,12 @@ class HalfBackend(ArrayStep):
         return product(x, weight, bias, self.dtype)
 
     def _embed(self, token_ids: np.ndarray) -> np.ndarray:
-        return self.embed[torch.from_numpy(token_ids)].float().numpy()  # (B, hidden)
+        """The rows of token_ids (B,) widened to float32 (B, hidden), in numpy from the table's
+        bits (no torch call)."""
+        rows = self._embed_bits[token_ids]  # (B, hidden) bits, a copy
+        if self.dtype == torch.bfloat16:
+            return (rows.astype(np.uint32) << 16).view(np.float32)
+        return rows.view(np.float16).astype(np.float32)
 
     def _store(self, cache, k, v, index):
         return cache.update(torch.from_numpy(k).to(self.dtype), torch.from_numpy(v).to(self.dtype), index)
