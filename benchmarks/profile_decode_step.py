@@ -84,7 +84,7 @@ def main() -> None:
     backend = choose_backend(model)
     stamps: collections.defaultdict = collections.defaultdict(float)
     clock = [0.0]
-    method = "_run_one_row" if backend._numba_step(1, args.context) else "_run"
+    method = "_run_one_row" if backend._numba_step(1) else "_run"
     run, lines = instrumented_run(vars(array_step), stamps, clock, method)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context))
     token_ids = prompt[0, -1:].numpy()  # (1,)

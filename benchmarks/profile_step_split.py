@@ -148,7 +148,7 @@ def measure(model, dtype, context: int) -> str:
             return f"products {ms:.2f} ms ({read / ms / 1e6:.1f} GB/s over {read / 1e6:.0f} MB)"
 
         split = described(product_ms)
-        if backend._numba_step(1, context):  # rounds of products alone and timed steps in turn
+        if backend._numba_step(1):  # rounds of products alone and timed steps in turn
             rounds = []
             for _ in range(5):
                 with torch_threads(backend._threads(1)):

@@ -157,12 +157,11 @@ def test_it_refuses_what_it_cannot_run_by_name():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_one_row_runs_numbas_kernels_at_any_length_and_several_rows_onednns(dtype):
+def test_one_row_runs_numbas_kernels_and_several_rows_onednns(dtype):
     model = random_model(tiny_config(), 5).to(dtype)
     backend = HalfBackend(model)
-    for past in (0, 5000):
-        assert backend._numba_step(1, past) and backend._threads(1, past) == 1  # torch on one thread
-    assert not backend._numba_step(2, 0) and backend._threads(2, 0) is None  # torch's threads
+    assert backend._numba_step(1) and backend._threads(1) == 1  # torch on one thread
+    assert not backend._numba_step(2) and backend._threads(2) is None  # torch's threads
     layer = backend._row_layers[0][0]  # the kernels read the model's own parameters
     assert layer.down[0].ctypes.data == model.model.layers[0].mlp.down_proj.weight.data_ptr()
 

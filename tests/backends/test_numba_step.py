@@ -47,7 +47,7 @@ def test_float32_row_over_a_long_cache_equals_the_torch_forward(family, kind):
     assert numba_products.available()
     model = random_model(tiny_config(max_position_embeddings=1024, **FAMILIES[family]), 3)
     backend = NumpyBackend(model)
-    assert backend._numba_step(1, PROMPT)
+    assert backend._numba_step(1)
     generator = torch.Generator().manual_seed(1)
     prompt, tokens = torch.randint(0, 64, (1, PROMPT), generator=generator), torch.randint(0, 64, (1, 4))
     ours = _steps(model, backend, prompt, tokens, kind)
@@ -66,7 +66,7 @@ def test_half_row_over_a_long_cache_is_within_the_torch_forwards_own_error(famil
     exact = random_model(config, 4)
     exact.load_state_dict({name: value.float() for name, value in half.state_dict().items()})
     backend = HalfBackend(half)
-    assert backend._numba_step(1, PROMPT)
+    assert backend._numba_step(1)
     errors = OwnErrors(dtype)
     for seed in range(3):
         generator = torch.Generator().manual_seed(seed)

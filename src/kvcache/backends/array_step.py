@@ -101,9 +101,9 @@ class ArrayStep(DecodeBackend):
         )
 
     # ---- what a backend supplies ----------------------------------------------------------------
-    def _products(self, batch: int, past: int = 0) -> tuple[list, object, object]:
-        """(layers, lm_head, linear) for a step of `batch` rows on a cache of `past` tokens: here
-        always the backend's own `layers`, `lm_head` and `_linear`."""
+    def _products(self, batch: int) -> tuple[list, object, object]:
+        """(layers, lm_head, linear) for a step of `batch` rows: here always the backend's own
+        `layers`, `lm_head` and `_linear`."""
         return self.layers, self.lm_head, self._linear
 
     #: (layers as `numba_products.RowLayer`, lm_head as (parts, bias), what their products round
@@ -111,23 +111,23 @@ class ArrayStep(DecodeBackend):
     #: that has them
     _row_layers: tuple[list, tuple, int] | None = None
 
-    def _numba_step(self, batch: int, past: int = 0) -> bool:
-        """Whether a step of `batch` rows on a cache of `past` tokens runs on numba's kernels."""
+    def _numba_step(self, batch: int) -> bool:
+        """Whether a step of `batch` rows runs on numba's kernels (at any cache length)."""
         return self._row_layers is not None and batch == 1
 
-    def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
-        """Whether a step of `batch` rows on a cache of `past` tokens runs its products on
-        torch's threads (oneDNN's, torch's F.linear)."""
+    def _on_torch_threads(self, batch: int) -> bool:
+        """Whether a step of `batch` rows runs its products on torch's threads (oneDNN's, torch's
+        F.linear)."""
         return True
 
-    def _threads(self, batch: int, past: int = 0) -> int | None:
+    def _threads(self, batch: int) -> int | None:
         """torch's CPU threads during a step of `batch` rows, called as the step starts: the
         caller's (None) when the products run on torch's threads, else one (numba's or
         OpenBLAS's threads run them, and a second pool spinning beside theirs makes both wait),
         numba's then set to the caller's torch thread count."""
-        if self._on_torch_threads(batch, past):
+        if self._on_torch_threads(batch):
             return None
-        if self._numba_step(batch, past):
+        if self._numba_step(batch):
             numba_products.set_threads(torch.get_num_threads())
         return 1
 
@@ -194,18 +194,18 @@ class ArrayStep(DecodeBackend):
         # (no autograd to switch off: every tensor the step makes comes from numpy or a detached
         # copy, so nothing it computes records a graph)
         past = cache.get_seq_length()
-        with torch_threads(self._threads(len(listed), past)):
+        with torch_threads(self._threads(len(listed))):
             windows = self.config.layer_windows
             plan = cache.begin(1, attention_mask, device=torch.device("cpu"), windows=windows)
             try:
-                return torch.from_numpy(self._run(token_ids, plan, cache, past))
+                return torch.from_numpy(self._run(token_ids, plan, cache))
             except BaseException:  # Ctrl-C between layers: undo the step (as the torch forward does)
                 cache.abandon_forward(past)
                 raise
 
-    def _run(self, token_ids: np.ndarray, plan, cache, past: int = 0) -> np.ndarray:
+    def _run(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
         batch = len(token_ids)
-        if self._numba_step(batch, past):
+        if self._numba_step(batch):
             return self._run_one_row(token_ids, plan, cache)
         heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
         rotated = heads + kv_heads
@@ -213,7 +213,7 @@ class ArrayStep(DecodeBackend):
         positions = start if isinstance(start, int) else plan.positions.numpy()[:, 0]
         turn = self.rotations(positions)  # (B or 1, D, D)
         visible_by_mask: dict[int, torch.Tensor | None] = {}
-        layers, lm_head, linear = self._products(batch, past)
+        layers, lm_head, linear = self._products(batch)
         x = self._embed(token_ids)  # (B, hidden)
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(layers):
@@ -263,8 +263,7 @@ class ArrayStep(DecodeBackend):
         position = start if isinstance(start, int) else int(plan.positions[0, 0])
         cos, signed_sin = self._rope_row(position)
         layers, (head_parts, head_bias), rounding = self._row_layers
-        visible_by_mask: dict[int, torch.Tensor | None] = {}
-        as_rows: dict[int, np.ndarray] = {}  # a mask's (T_kv,) numpy form, by the mask's id
+        visible_by_mask: dict[int, np.ndarray] = {}  # a layer mask's (T_kv,) numpy form, by its id
         x = self._embed(token_ids)[0]  # (hidden,), updated in place layer by layer
         queries, keys_end = heads * dim, (heads + kv_heads) * dim
         for index, w in enumerate(layers):
@@ -278,13 +277,12 @@ class ArrayStep(DecodeBackend):
             keys, values = self._store_rows(cache, k, v, index)  # (1, H_kv, T_kv, D)
             key_rows, key_step = numba_products.stored_rows(keys)
             value_rows, value_step = numba_products.stored_rows(values)
-            mask = self._visible(plan.mask(index), visible_by_mask)
-            if mask is None:
-                visible = _ALL_VISIBLE
-            elif id(mask) in as_rows:
-                visible = as_rows[id(mask)]
-            else:
-                visible = as_rows[id(mask)] = mask.reshape(-1).numpy()
+            given = plan.mask(index)
+            visible = visible_by_mask.get(id(given))
+            if visible is None:  # (layers that share a mask object check and convert it once)
+                mask = self._visible(given, {})
+                visible = _ALL_VISIBLE if mask is None else mask.reshape(-1).numpy()
+                visible_by_mask[id(given)] = visible
             kernels.layer_output(
                 x, qkv, heads, kv_heads, key_rows, key_step, value_rows, value_step,
                 keys.shape[2], visible, numba_products.key_rounding(keys),

@@ -8,11 +8,12 @@ bfloat16 matrices in oneDNN's packed layout (`onednn`: its products read each we
 whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
 `F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products. A
 bfloat16 model's prompt forward runs its products on the same copy (`prompt_products`). One row
-of a bfloat16 model runs on numba's kernels instead (`numba_products`: faster in the step than
-oneDNN's products and torch's attention on the CPU measured), its products on the model's own
-parameters read in place (q, k, v and gate, up one after another), each product's input and
-output rounded to bfloat16 as oneDNN's are, the cache's bfloat16 keys and values read in place;
-where numba has no fast pool (or a weight's width is odd) oneDNN's runs every step.
+runs on numba's kernels instead (`numba_products`: faster in the step than oneDNN's or
+F.linear's products and torch's attention on the CPU measured), its products on the model's own
+parameters read in place as their bits (q, k, v and gate, up one after another; the parameters
+moved onto 2 MB pages first, `huge_pages.move_parameters`), each product's input and output
+rounded to the weights' dtype as oneDNN's and torch's are, the cache's keys and values read in
+place; where numba has no fast pool oneDNN's (float16: F.linear's) runs every step.
 
 The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
 RoPE, the cache update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU,
@@ -86,9 +87,9 @@ class HalfBackend(ArrayStep):
         if numba:
             self._row_layers = _row_layers(self.layers, self._head, self.dtype)
 
-    def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
+    def _on_torch_threads(self, batch: int) -> bool:
         """A step on numba's kernels runs on numba's threads; any other on torch's."""
-        return not self._numba_step(batch, past)
+        return not self._numba_step(batch)
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
@@ -135,19 +136,16 @@ class HalfBackend(ArrayStep):
         else:  # (numpy rounds float32 to float16 to nearest, ties to even, as torch does)
             k, v = k.astype(np.float16), v.astype(np.float16)
         keys, values = cache.update_arrays(k, v, index)
-        if keys.dtype == np.float16:
-            keys, values = keys.view(np.int16), values.view(np.int16)
-        return keys, values
+        return numba_products.as_kernel_array(keys), numba_products.as_kernel_array(values)
 
 
 def _row_layers(layers: list[LaidOutLayer], head: LaidOutProduct, dtype: torch.dtype) -> tuple | None:
     """The laid-out layers and lm_head as numba's kernels read them (`ArrayStep._row_layers`),
     each product's parts its members' own parameters (the model's memory) viewed as their bits
     (`numba_products.half_bits`); None when a weight cannot be viewed so (not contiguous)."""
-    view = numba_products.half_bits
 
     def parts(laid: LaidOutProduct) -> tuple[tuple, np.ndarray | None] | None:
-        bits = tuple(view(member.weight) for member in laid.members)
+        bits = tuple(numba_products.half_bits(member.weight) for member in laid.members)
         if any(part is None for part in bits):
             return None
         return bits, None if laid.bias is None else laid.bias.float().numpy()

@@ -54,8 +54,8 @@ def aligned(nbytes: int) -> int:
 
 
 class Arena:
-    """float32 arrays carved in order out of one huge-page block of `nbytes` (the sum of
-    `aligned(array bytes)` over the arrays to come)."""
+    """float32 arrays (or raw bytes) carved in order out of one huge-page block of `nbytes`
+    (the sum of `aligned(array bytes)` over the arrays to come)."""
 
     def __init__(self, nbytes: int) -> None:
         self.block = huge_page_block(nbytes)
@@ -63,11 +63,14 @@ class Arena:
 
     def array(self, shape: tuple[int, ...]) -> np.ndarray:
         """The next (shape) float32 array of the block, C-contiguous and uninitialised."""
-        count = int(np.prod(shape))
-        size = count * 4
+        return self.bytes(int(np.prod(shape)) * 4).view(np.float32).reshape(shape)
+
+    def bytes(self, size: int) -> np.ndarray:
+        """The next `size` bytes of the block, (size,) uint8, uninitialised; the next array
+        starts ALIGN-aligned after them."""
         if self.offset + size > len(self.block):
             raise ValueError(f"the arena holds {len(self.block)} bytes; {self.offset + size} asked")
-        out = self.block[self.offset : self.offset + size].view(np.float32).reshape(shape)
+        out = self.block[self.offset : self.offset + size]
         self.offset += aligned(size)
         return out
 
@@ -81,15 +84,12 @@ def move_parameters(module: torch.nn.Module) -> bool:
     total = sum(aligned(p.numel() * p.element_size()) for p in parameters)
     if not huge_pages_available() or total > MOVE_LIMIT or any(p.device.type != "cpu" for p in parameters):
         return False
-    block = huge_page_block(total)
-    offset = 0
+    arena = Arena(total)
     with torch.no_grad():
         for parameter in parameters:
-            size = parameter.numel() * parameter.element_size()
-            memory = torch.from_numpy(block[offset:offset + size])
+            memory = torch.from_numpy(arena.bytes(parameter.numel() * parameter.element_size()))
             moved = memory.view(parameter.dtype).view(parameter.shape)
             moved.copy_(parameter.detach())
             parameter.data = moved
-            offset += aligned(size)
     release_freed_memory()  # the old storages' pages
     return True

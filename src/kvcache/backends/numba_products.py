@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from kvcache.cache.arrays import array_of
+
 #: numba threading layers on which the kernels are worth running
 FAST_LAYERS = ("omp", "tbb")
 _EMPTY = np.empty(0, np.float32)
@@ -77,28 +79,27 @@ def key_rounding(stored: np.ndarray) -> int:
     return {"f": found.NONE, "H": found.BFLOAT16, "h": found.FLOAT16}[stored.dtype.char]
 
 
+def as_kernel_array(array: np.ndarray) -> np.ndarray:
+    """A numpy array (weights, stored keys or values) as the kernels read it, a view: float16 as
+    its bits, int16 (numba has no float16 values); float32 and bfloat16 bits (uint16, as the
+    cache passes them, `kvcache.cache.arrays`) as they are."""
+    return array.view(np.int16) if array.dtype == np.float16 else array
+
+
 def half_bits(weight) -> np.ndarray | None:
     """A contiguous bfloat16 or float16 torch tensor's memory as its bits, as the kernels read
     it: bfloat16 as uint16, float16 as int16, of the same shape (a view, no copy); None when
     the tensor is not contiguous."""
     if not weight.is_contiguous():
         return None
-    bits = weight.detach().view(torch.int16).numpy()
-    return bits.view(np.uint16) if weight.dtype == torch.bfloat16 else bits
-
-
-def rounded_to_bfloat16(x: np.ndarray) -> np.ndarray:
-    """x (n,) float32 rounded to the nearest bfloat16 (ties to even, as torch rounds), kept as
-    float32: a new array (the rounding a bfloat16 product applies to its input and output)."""
-    out = np.empty(x.shape[0], np.uint32)
-    kernels().round_to_bfloat16(np.ascontiguousarray(x).view(np.uint32), out)
-    return out.view(np.float32)
+    return as_kernel_array(array_of(weight.detach()))
 
 
 def bfloat16_bits_of(x: np.ndarray) -> np.ndarray:
-    """x float32 (any shape, C-contiguous) rounded to bfloat16 (as `rounded_to_bfloat16`), as
-    the bfloat16 values' bits: uint16 of x's shape, a new array (how a bfloat16 cache takes keys
-    and values from numpy, `Cache.update_arrays`)."""
+    """x float32 (any shape, C-contiguous) rounded to the nearest bfloat16 (ties to even, as
+    torch rounds; the kernels' products round the same way), as the bfloat16 values' bits:
+    uint16 of x's shape, a new array (how a bfloat16 cache takes keys and values from numpy,
+    `Cache.update_arrays`)."""
     out = np.empty(x.shape, np.uint16)
     kernels().bfloat16_halves(x.reshape(-1).view(np.uint32), out.reshape(-1))
     return out

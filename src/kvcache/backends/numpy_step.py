@@ -95,7 +95,7 @@ class NumpyBackend(ArrayStep):
             self._laid_out_versions = versions
         return self._laid_out
 
-    def _products(self, batch: int, past: int = 0):
+    def _products(self, batch: int):
         """Numpy's products for one row (numba's kernels run their own); oneDNN's on its copy
         for several."""
         copy = self._oneDNN_copy() if batch > 1 else None
@@ -112,7 +112,7 @@ class NumpyBackend(ArrayStep):
         layers, head = copy
         return PromptProducts.of_layers(layers, head)
 
-    def _on_torch_threads(self, batch: int, past: int = 0) -> bool:
+    def _on_torch_threads(self, batch: int) -> bool:
         """Several rows run on oneDNN (torch's threads); one on numba's kernels or OpenBLAS's."""
         return batch > 1 and onednn.available()
 
