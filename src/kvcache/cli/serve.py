@@ -187,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
             "this address can use the model",
             file=sys.stderr,
         )
+    print("kvcache serve: warming the engine up (on a first run, compiling its kernels)…", file=sys.stderr,
+          flush=True)
+    engine.warm_up()
     context = model.config.max_position_embeddings
     print(
         f"kvcache serve: {name} ({model.dtype}, decode step {engine.backend.name}) on "
@@ -204,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(
             build_app(engine, tokenizer, settings),
+            engine,
             drain_s=args.drain_seconds,
             sock=sock,
             log_level=args.log_level,

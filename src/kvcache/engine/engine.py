@@ -91,6 +91,7 @@ class Engine:
         self._wake_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._looping = threading.Event()  # set while a loop (start's thread, or run) makes the steps
 
     # ---- capacity ---------------------------------------------------------------------------------
     @property
@@ -142,6 +143,17 @@ class Engine:
         self.metrics.submitted += 1
         self._wake()
         return handle
+
+    def warm_up(self) -> None:
+        """Run two short requests side by side before serving, so every road a step takes has run
+        once (one row, several rows, a prompt): kernels compiled (on the first run of an install
+        numba compiles them, a pause of seconds), weights laid out. The counters start again
+        after; the requests' blocks are freed."""
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        handles = [self.submit([token], params) for token in (0, 1)]
+        for handle in handles:
+            handle.result()
+        self.metrics = EngineMetrics()
 
     def stats(self) -> dict:
         """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
@@ -334,18 +346,34 @@ class Engine:
 
     @property
     def running_in_background(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Whether a loop makes the steps (`start`'s thread, or `run` on another thread): handles
+        then wait for it instead of stepping themselves."""
+        return self._looping.is_set()
 
     def start(self) -> None:
         """Run steps on a background thread until `stop()` (handles then wait for it)."""
         if self.running_in_background:
             return
         self._stopping.clear()
+        self._looping.set()
         self._thread = threading.Thread(target=self._loop, name="kvcache-engine", daemon=True)
         self._thread.start()
 
+    def run(self, until: Callable[[], bool] | None = None, started: Callable[[], None] | None = None) -> None:
+        """Run steps on the calling thread until `stop()` is called (from another thread) or
+        `until()` turns true; started: called once the loop counts as running, before its first
+        step (e.g. to start the threads that submit). `kvcache serve` runs its engine here, on
+        the thread that loaded the model (`kvcache.server.run.serve` says why)."""
+        if self.running_in_background:
+            raise RuntimeError("the engine's steps already run on a loop: stop() it first")
+        self._stopping.clear()
+        self._looping.set()
+        if started is not None:
+            started()
+        self._loop(until)
+
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the background thread after its current step."""
+        """End the loop after its current step (and wait for `start`'s thread to end)."""
         self._stopping.set()
         self._wake()
         if self._thread is not None:
@@ -358,16 +386,19 @@ class Engine:
         if self.store_tier is not None:
             self.store_tier.store.close()
 
-    def _loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                busy = self.step()
-            except Exception as error:  # noqa: BLE001 (a fault outside any one request's work)
-                self._fail_everything(f"{type(error).__name__}: {error}")
-                busy = True
-            if not busy:
-                self._wake_event.wait(0.05)
-                self._wake_event.clear()
+    def _loop(self, until: Callable[[], bool] | None = None) -> None:
+        try:
+            while not self._stopping.is_set() and (until is None or not until()):
+                try:
+                    busy = self.step()
+                except Exception as error:  # noqa: BLE001 (a fault outside any one request's work)
+                    self._fail_everything(f"{type(error).__name__}: {error}")
+                    busy = True
+                if not busy:
+                    self._wake_event.wait(0.05)
+                    self._wake_event.clear()
+        finally:
+            self._looping.clear()
 
     def _fail_everything(self, message: str) -> None:
         """End every queued and running request with finish reason "error" and free the pool's

@@ -1,6 +1,7 @@
-"""Serving the app with uvicorn: bound to 127.0.0.1 unless told otherwise; on SIGTERM or Ctrl-C it
-stops accepting connections, lets running requests finish for up to `drain_s` seconds, then
-cancels what is left and returns (the command exits 0)."""
+"""Serving the app: uvicorn on a thread of its own, the engine's steps on the calling thread; bound
+to 127.0.0.1 unless told otherwise. On SIGTERM or Ctrl-C it stops accepting connections, lets
+running requests finish for up to `drain_s` seconds, then cancels what is left and returns (the
+command exits 0)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import uvicorn
 
 def serve(
     app,
+    engine,
     host: str = "127.0.0.1",
     port: int = 8000,
     *,
@@ -21,7 +23,14 @@ def serve(
     sock: socket.socket | None = None,
     log_level: str = "info",
 ) -> None:
-    """Run `app` until a shutdown signal. sock: an already bound socket (port 0 in tests)."""
+    """Run `app` (built on `engine`) until a shutdown signal. sock: an already bound socket.
+
+    Why the engine runs on this thread: the model was loaded here, and torch and the compiled
+    kernels share one OpenMP runtime, which lets its idle threads spin between parallel regions
+    (waking at once) only while the process's threads in teams fit its cores; a second thread
+    with a team of its own (an engine thread beside the loading thread) turns the spinning off
+    for every team, and each of a step's many short kernels then waits for its threads to be
+    woken (docs/serve.md). The HTTP side does no parallel work, so it takes the other thread."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -32,21 +41,40 @@ def serve(
         access_log=False,
     )
     server = uvicorn.Server(config)
-    with _signals_already_handled():
-        server.run(sockets=[sock] if sock is not None else None)
+    failure: list[BaseException] = []
+
+    def run_http() -> None:
+        try:
+            server.run(sockets=[sock] if sock is not None else None)
+        except BaseException as error:  # noqa: BLE001 (raised again on the calling thread)
+            failure.append(error)
+        finally:
+            engine.stop()
+
+    http = threading.Thread(target=run_http, name="kvcache-http", daemon=True)
+    with _shutdown_on_signals(server):
+        engine.run(until=lambda: not http.is_alive(), started=http.start)
+        http.join()
+    if failure:
+        raise failure[0]
 
 
 @contextlib.contextmanager
-def _signals_already_handled():
-    """uvicorn re-raises the signal that stopped it once it has drained, through the handler that
-    was there before it; with the default one SIGTERM would kill the process (exit -15) and SIGINT
-    print a KeyboardInterrupt traceback. The drain is the answer to the signal, so the handler
-    that is there before is a no-op and the command returns normally."""
+def _shutdown_on_signals(server: uvicorn.Server):
+    """SIGINT and SIGTERM ask uvicorn to drain and stop (a second one: to stop at once). uvicorn
+    on a thread other than the main one installs no handlers of its own; off the main thread
+    (tests) none are installed here either."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+
+    def shut_down(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
     handled = (signal.SIGINT, signal.SIGTERM)
-    before = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    before = {sig: signal.signal(sig, shut_down) for sig in handled}
     try:
         yield
     finally:
