@@ -44,9 +44,9 @@ def solo(model):
 
 def _assert_baseline(engine: Engine) -> None:
     """No row left, no block in use, the bookkeeping consistent."""
-    allocator = engine.pool.allocator
+    allocator = engine.pool.cache.allocator
     allocator.check_invariants()
-    assert not engine.running and not engine.waiting and not engine.pool.rows
+    assert not engine.running and not engine.waiting and not engine.pool.cache.rows
     assert allocator.num_in_use == 0 and allocator.num_free + allocator.num_cached == allocator.num_blocks
 
 
@@ -223,7 +223,7 @@ def test_the_pool_is_what_the_memory_planner_predicts(model):
     for budget in (2**20, 3 * 2**20 + 12345, 64 * 2**20):
         engine = Engine(model, kv_budget=budget, block_size=16)
         assert engine.num_blocks == paged_blocks_in_budget(shape, budget, 16, "float32")
-        assert engine.pool.nbytes == engine.num_blocks * engine.block_bytes <= budget
+        assert engine.pool.cache.nbytes == engine.num_blocks * engine.pool.block_bytes <= budget
     assert Engine(model, kv_budget="8MiB", block_size=16).capacity(256) == 8
 
 
@@ -320,10 +320,10 @@ def test_every_model_family_is_served_including_sliding_windows(checkpoints, arc
         expected = kvcache.generate(model, torch.tensor([prompt]), max_new_tokens=9, eos_token_id=())
         assert handle.result().tokens == expected.new_tokens[0], prompt
     assert handles[-1].result().usage.cached_tokens == 12  # 3 whole blocks of the shared 13 tokens
-    for allocator in engine.pool.allocators:
+    for allocator in engine.pool.cache.allocators:
         allocator.check_invariants()
         assert allocator.num_in_use == 0
-    windows = [allocator.window for allocator in engine.pool.allocators]
+    windows = [allocator.window for allocator in engine.pool.cache.allocators]
     assert (4 in windows) == (model.config.sliding_window is not None)
 
 

@@ -15,8 +15,8 @@ from tiny_models import tiny_model
 import kvcache
 from kvcache.engine import Engine
 from kvcache.engine.block_codec import block_key
-from kvcache.engine.params import RequestError
 from kvcache.engine.redis_store import RedisBlockStore
+from kvcache.generation.params import RequestError
 
 BLOCK = 8
 NEW = 6
@@ -111,7 +111,7 @@ def test_a_tampered_block_is_refused_and_the_answer_does_not_change(model, redis
     prompt = ids(40, seed=5)
     answer(first_replica, prompt)
     flushed(first_replica)
-    digests = first_replica.pool.prefix_digests(prompt)
+    digests = first_replica.pool.cache.prefix_digests(prompt)
     space = first_replica.store_tier.space
     target = block_key(space, digests[2])  # the third block: the first two are still good
     value = bytearray(client.get(target))
@@ -170,3 +170,37 @@ def test_a_store_slower_than_its_timeout_is_skipped_and_the_answer_does_not_chan
     finally:
         sleeper.join()
         replica.close()
+
+
+def test_a_store_hit_never_takes_blocks_the_plan_gave_to_decoding_rows(model, redis_server):
+    """Two rows decode in a tight pool; at the step they each need a new block, a prompt whose
+    five blocks are all in the store is admitted with room for three. Its store hit loads only the
+    chunk the plan gave it, so the decoding rows get their blocks: every answer is the cold one
+    (no row fails for lack of a block), and the later chunks come from the store too."""
+    redis_server.client().flushdb()
+    writer = engine(model, redis_server.url)
+    prompt = ids(41, seed=8)  # five full blocks of 8, and one token
+    answer(writer, prompt)
+    flushed(writer)
+    tight = Engine(model, num_blocks=9, block_size=BLOCK, max_running=4, token_budget=64,
+                   kv_store=redis_server.url)
+    decoders = [tight.submit(ids(15, seed=9 + index), max_tokens=12, ignore_eos=True) for index in range(2)]
+    tight.step()  # both prompts prefilled: 2 blocks each, their first token chosen
+    tight.step()  # their 16th position: still 2 blocks each, 5 free
+    late = tight.submit(prompt, max_tokens=NEW, ignore_eos=True)
+    tight.step()  # the decoders' 17th positions need a block each; the prompt gets the other 3
+    counters = tight.stats()["kv_store"]
+    assert counters["hit_blocks"] == 3  # the chunk the plan gave it, not the 5 the store holds
+    assert all(request.finish is None for request in tight.running)
+    cold = engine(model)
+    for index, handle in enumerate(decoders):
+        done = handle.result()
+        assert done.finish_reason == "length" and done.tokens == answer_for(cold, ids(15, seed=9 + index), 12)
+    done = late.result()
+    assert done.finish_reason == "length" and done.tokens == answer(cold, prompt).tokens
+    assert tight.stats()["kv_store"]["hit_blocks"] >= 5  # the rest came from the store too
+    writer.close(), tight.close()
+
+
+def answer_for(replica: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    return replica.generate([prompt], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)[0].tokens

@@ -153,7 +153,7 @@ def test_a_client_that_goes_away_mid_stream_frees_its_blocks(server):
         assert sum(1 for line, _ in zip(lines, range(6)) if line.startswith("data:")) >= 3
     assert wait_for(lambda: engine.stats()["finished"].get("cancelled", 0) == cancelled + 1)
     assert wait_for(lambda: engine.stats()["blocks_used"] == 0 and engine.stats()["running"] == 0)
-    engine.pool.allocator.check_invariants()
+    engine.pool.cache.allocator.check_invariants()
 
 
 def _error(response: httpx.Response, status: int) -> dict:

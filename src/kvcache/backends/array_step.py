@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from kvcache.backends import numba_products
 from kvcache.backends.base import BackendError, DecodeBackend
 from kvcache.backends.threads import torch_threads
+from kvcache.backends.torch_step import forward_rows
 
 _ALL_VISIBLE = np.empty(0, np.bool_)  # the kernels' "no mask"
 
@@ -178,6 +179,11 @@ class ArrayStep(DecodeBackend):
         self._cos, self._signed_sin = cos[0, 0].numpy(), signed_sin[0, 0].numpy()
 
     # ---- the step ------------------------------------------------------------------------------
+    def step(self, model, batch) -> torch.Tensor:
+        """One engine step (`DecodeBackend.step`): decode rows as this backend's decode step,
+        prompt chunks on the model's forward (`torch_step.forward_rows`)."""
+        return forward_rows(self, model, batch)
+
     def decode(
         self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -30,6 +30,13 @@ class DecodeBackend:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def step(self, model, batch) -> torch.Tensor:
+        """(sampled rows, vocab) float32 logits of one engine step over `batch` (a
+        `kvcache.cache.PagedBatch`: rows of a paged cache, each running its new tokens, one when
+        it decodes, a prompt chunk when it prefills, on blocks reserved before), the logits of
+        the rows that sample, in order. `model` is the one the backend was built from."""
+        raise NotImplementedError
+
     @staticmethod
     def check_step_ids(input_ids: torch.Tensor) -> None:
         """Raise ValueError unless input_ids is (batch, 1): one new token per row."""

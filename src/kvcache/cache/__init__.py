@@ -28,6 +28,7 @@ from .factory import make_cache
 from .masks import build_mask
 from .nocache import NoCache
 from .paged import OutOfBlocksError, PagedCache, RowState
+from .paged_batch import PagedBatch
 from .paged_layer import PagedLayer
 from .quantized import QuantizedCache, QuantizedLayer
 from .sliding import CompiledSlidingWindowLayer, SlidingWindowCache, SlidingWindowLayer
@@ -53,6 +54,7 @@ __all__ = [
     "LayerMasks",
     "NoCache",
     "OutOfBlocksError",
+    "PagedBatch",
     "PagedCache",
     "PagedLayer",
     "QuantizedCache",

@@ -94,6 +94,7 @@ class PagedCache(Cache):
         self._seq_ids = count()
         self._steps: list[Step] | None = None  # this forward's, one per group
         self._step_counter = 0
+        self._reserved = False  # a view: its forwards only read the block tables (see view)
         self.gather_scratch = (ScratchBuffer(), ScratchBuffer())  # keys, values: update_arrays' gathers
         super().__init__([PagedLayer(self, group) for group in self._groups], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
@@ -256,7 +257,8 @@ class PagedCache(Cache):
         columns = self.get_seq_length()
         layouts = [
             plan_forward(
-                allocator, self.rows, columns, new_tokens, attention_mask, device, self._step_counter
+                allocator, self.rows, columns, new_tokens, attention_mask, device, self._step_counter,
+                reserve=not self._reserved,
             )
             for allocator in self.allocators
         ]
@@ -285,8 +287,9 @@ class PagedCache(Cache):
         step = None if steps is None else steps[layer.group]
         if step is not None and step.pending and layer.layer_idx == self._groups.index(layer.group):
             step.pending = False  # the group's first layer: its rows' positions are written now
-            for seq, total in zip(self.rows, step.totals):
-                self.allocators[layer.group].commit(seq, total)
+            if not self._reserved:  # (a reserved view's owner commits after the forward)
+                for seq, total in zip(self.rows, step.totals):
+                    self.allocators[layer.group].commit(seq, total)
         elif step is None or step.pending or layer._last_step == step.step_id:
             raise CacheShapeError(
                 f"layer {layer.layer_idx} updated before layer 0 in this forward: update the layers "
@@ -305,16 +308,17 @@ class PagedCache(Cache):
     append_to_row = append_to_row
 
     def view(self, rows: Sequence[int]) -> PagedCache:
-        """A cache of rows `rows` (indices, in that order) over the same blocks: a forward through it
-        reads and writes those rows' blocks, each row at its own length. The engine runs decode rows
-        and prefill chunks as separate forwards this way. Rows are added, dropped and declared on
-        this cache; the view is for forwards (its columns start at its longest row)."""
+        """A cache of rows `rows` (indices, in that order) over the same blocks, for a forward
+        whose blocks were reserved on this cache's allocators before (the engine's pool does it
+        for a whole step): the forward only reads the block tables and writes the reserved slots,
+        each row at its own length, and the caller commits what it wrote. Rows are added,
+        dropped and declared on this cache."""
         if self.layers and self.layers[0]._keys is None:
             raise CacheShapeError("a view needs the blocks allocated: build the PagedCache with its dtype")
         view = PagedCache.__new__(PagedCache)
         view.allocators, view._groups, view._seq_ids = self.allocators, self._groups, self._seq_ids
         view.rows = [self._row_seq(row) for row in rows]
-        view._steps, view._step_counter = None, 0
+        view._steps, view._step_counter, view._reserved = None, 0, True
         view.gather_scratch = self.gather_scratch  # every view's forwards reuse the same memory
         Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):

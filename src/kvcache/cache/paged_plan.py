@@ -14,7 +14,7 @@ import torch
 
 from .base import ForwardPlan, LayerMasks
 from .blocks import BlockAllocator
-from .errors import CacheConfigError, CacheShapeError
+from .errors import CacheConfigError, CacheError, CacheShapeError
 from .paged_storage import Step
 
 
@@ -38,10 +38,13 @@ def plan_forward(
     attention_mask: torch.Tensor | None,
     device: torch.device,
     step_id: int,
+    reserve: bool = True,
 ) -> ForwardLayout:
     """Reserve the blocks of one forward of `new_tokens` columns over `rows` (allocator sequence
     ids, one per batch row) and lay it out. Raises `OutOfBlocksError` (nothing reserved) when
-    the pool is short, `CacheShapeError` for a mask that does not describe the rows."""
+    the pool is short, `CacheShapeError` for a mask that does not describe the rows. reserve=False:
+    the blocks were reserved before (the engine's pool, `kvcache.engine.pool`); the block tables
+    are only read, and a row without its blocks raises `CacheError`."""
     batch = len(rows)
     lengths = [allocator.sequence(seq).num_tokens for seq in rows]
     real = None  # (B, T_new) bool: which new columns are tokens; None = all of them
@@ -64,7 +67,13 @@ def plan_forward(
         if all(count == new_tokens for count in counts):
             real = None
     totals = [held + new for held, new in zip(lengths, counts)]
-    copies = allocator.reserve(rows, totals)
+    if reserve:
+        copies = allocator.reserve(rows, totals)
+    else:
+        copies = []
+        for seq, total in zip(rows, totals):
+            if allocator.blocks_needed(seq, total):
+                raise CacheError(f"sequence {seq!r} runs {total} tokens but its blocks were not reserved")
     size, window = allocator.block_size, allocator.window
     if window is None:  # every row reads its blocks from the first
         firsts = [0] * batch

@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
-        f"({format_bytes(engine.pool.nbytes)}): {engine.capacity(context)} sequences of {context} tokens, "
+        f"({format_bytes(engine.pool.cache.nbytes)}): {engine.capacity(context)} sequences of {context} "
+        f"tokens, "
         f"{args.max_running} running at once",
         flush=True,
     )

@@ -4,9 +4,9 @@ what a request gives back (`RequestHandle`, `Completion`, `Usage`)."""
 
 from kvcache.engine.engine import Engine
 from kvcache.engine.metrics import EngineMetrics
-from kvcache.engine.params import RequestError, SamplingParams
 from kvcache.engine.request import FINISH_REASONS, Completion, RequestHandle, Usage
 from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq, schedule
+from kvcache.generation.params import RequestError, SamplingParams
 
 __all__ = [
     "FINISH_REASONS",

@@ -5,13 +5,16 @@
     for token in handle: ...                                      # tokens as they are made
     handle.result().finish_reason, handle.result().usage
 
-Each `step()` asks the scheduler (`engine.scheduler`, a pure function) for a plan, then runs ONE
-batched decode forward on the backend over every decoding row (each row at its own length in the
-pool, the weights read once for all of them) and one prefill forward over the planned prompt
-chunks, samples each request's next token with its own settings and generator, and retires the
-finished (their blocks freed; full blocks stay cached, found by later prompts that start the same
-way). A request whose decode step finds no block is preempted: its row is freed and it is
-recomputed later from its tokens, attaching whatever of them is still cached.
+Each `step()` is schedule -> apply -> run: the pure scheduler (`scheduler.schedule`) plans the
+step from a snapshot of the pool (who decodes, which prompt chunks run, who joins, who is
+preempted); the pool (`pool.KVPool`) applies the plan in one place before any forward (rows
+freed and added, cached prefixes attached, store blocks loaded, every row's blocks reserved);
+the runner (`runner.Runner`) runs the whole step on the backend in one call and chooses every
+sampling row's next token in one batched call. Then the pool commits what the forward wrote and
+the finished requests retire (their blocks freed; full blocks stay cached, found by later prompts
+that start the same way). When the decoding rows' next blocks do not fit, the newest running
+requests are preempted: their rows are freed and they are recomputed later from their tokens,
+attaching whatever of them is still cached.
 """
 
 from __future__ import annotations
@@ -20,19 +23,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import torch
-
 from kvcache.backends import choose_backend
-from kvcache.backends.torch_step import last_logits
-from kvcache.cache.paged_rows import prefill_inputs
 from kvcache.engine.metrics import EngineMetrics
-from kvcache.engine.params import RequestError, SamplingParams
-from kvcache.engine.pool import build_pool
+from kvcache.engine.pool import KVPool, StepWork
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
 from kvcache.engine.request import Completion, Request, RequestHandle
+from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
-from kvcache.engine.store_tier import StoreTier, open_store
-from kvcache.engine.views import running_view, waiting_view
+from kvcache.engine.store_tier import open_store
+from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
 from kvcache.progress import ProgressBar
 
@@ -70,20 +69,19 @@ class Engine:
         kv_store=None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.prefix_caching = prefix_caching
         if max_running < 1 or token_budget < max_running:
             raise RequestError(
                 f"need max_running >= 1 and token_budget >= max_running, got {max_running} and {token_budget}"
             )
         self.limits = Limits(block_size, max_running, token_budget)
-        self.pool, self.block_bytes = build_pool(model, self.limits, kv_budget, num_blocks)
+        store = None if kv_store is None else open_store(kv_store)
+        self.pool = KVPool(model, self.limits, kv_budget, num_blocks, prefix_caching, store)
         self.backend = choose_backend(model, backend)
-        self.store_tier = None if kv_store is None else StoreTier(open_store(kv_store), model, self.pool)
+        self.runner = Runner(model, self.backend)
         self.metrics = EngineMetrics()
         # called with every Completion as its request ends (a server's metrics); must not raise
         self.on_finish: Callable[[Completion], None] | None = None
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in the order of self.pool.rows
         self._incoming: list[Request] = []
         self._ids = 0
         self._lock = threading.Lock()  # guards _incoming and _ids (submit may come from any thread)
@@ -93,11 +91,21 @@ class Engine:
         self._stopping = threading.Event()
         self._looping = threading.Event()  # set while a loop (start's thread, or run) makes the steps
 
+    @property
+    def running(self) -> list[Request]:
+        """The requests holding a row of the pool, in row order."""
+        return self.pool.running
+
+    @property
+    def store_tier(self):
+        """The KV store tier (`store_tier.StoreTier`), or None."""
+        return self.pool.store_tier
+
     # ---- capacity ---------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         """Blocks of the full-attention layers' pool (0 when every layer slides)."""
-        return 0 if self.pool.full_allocator is None else self.pool.num_blocks
+        return 0 if self.pool.full_allocator is None else self.pool.cache.num_blocks
 
     def capacity(self, tokens: int) -> int:
         """How many sequences of `tokens` tokens the pool holds at once (no prefix shared); the
@@ -157,7 +165,7 @@ class Engine:
 
     def stats(self) -> dict:
         """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
-        allocator = self.pool.allocator
+        allocator = self.pool.cache.allocator
         m = self.metrics
         return {
             "running": len(self.running),
@@ -195,29 +203,27 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one scheduling step; False when there was nothing to do."""
+        """Run one step (schedule -> apply -> run -> retire); False when there was nothing to do."""
         with self._step_lock:
             with self._lock:
                 self.waiting.extend(self._incoming)
                 self._incoming.clear()
-            self._retire(
-                [r for r in (*self.running, *self.waiting) if r.cancelled], "cancelled"
-            )
+            self._retire([r for r in (*self.running, *self.waiting) if r.cancelled], "cancelled")
             if not self.running and not self.waiting:
                 return False
-            full = self.pool.full_allocator
-            free = full.num_allocatable if full is not None else 1 << 40  # sliding blocks never run short
-            running = running_view(self.running, self.pool)
-            waiting = waiting_view(self.waiting, self.pool, self.prefix_caching, self.limits.max_running)
+            running, waiting, free = self.pool.snapshot(self.waiting, self.limits.max_running)
             plan = schedule(running, waiting, free, self.limits)
             by_id = {request.id: request for request in (*self.running, *self.waiting)}
             self._preempt([by_id[i] for i in plan.preempt])
-            self._admit([by_id[i] for i in plan.admit])
-            with torch.inference_mode():
-                self._decode([by_id[i] for i in plan.decode])
-                self._prefill([(by_id[i], count) for i, count in plan.prefill])
-                if self.store_tier is not None:
-                    self.store_tier.offer(self.pool)
+            admitted = [by_id[i] for i in plan.admit]
+            for request in admitted:
+                self.waiting.remove(request)
+            work = self.pool.apply(plan, admitted)
+            self._count_cached(admitted, work)
+            if work.requests:
+                self._run(work)
+            if self.store_tier is not None:
+                self.store_tier.offer(self.pool.cache)
             self._retire([r for r in self.running if r.finish is not None], None)
             self.metrics.steps += 1
             return True
@@ -225,72 +231,49 @@ class Engine:
     def _preempt(self, victims: list[Request]) -> None:
         if not victims:
             return
-        self._drop_rows(victims)
+        self.pool.release(victims)
+        for request in victims:
+            request.first_pass = False
         for request in sorted(victims, key=lambda r: r.arrival, reverse=True):
-            request.cached = 0
             self.waiting.appendleft(request)  # recomputed first, in arrival order
         self.metrics.preemptions += len(victims)
 
-    def _admit(self, requests: list[Request]) -> None:
-        for request in requests:
-            self.waiting.remove(request)
-            request.cached = self.pool.add_sequence(request.tokens, reuse_prefix=self.prefix_caching)
-            if self.store_tier is not None and self.prefix_caching:  # other replicas' blocks
-                row = len(self.running)
-                request.cached += self.store_tier.load(self.pool, row, request.tokens, request.cached)
+    def _count_cached(self, admitted: list[Request], work: StepWork) -> None:
+        """Prompt tokens served without a forward (attached from the pool, loaded from the store)
+        in usage and counters, while a request is on its first pass: a recomputation after a
+        preemption is not counted again."""
+        for request in admitted:
             if not request.admitted:
                 request.admitted = True
-                request.usage.cached_tokens = request.cached
                 self.metrics.prompt_tokens += len(request.prompt)
-                self.metrics.cached_prompt_tokens += request.cached
-            self.running.append(request)
+                request.usage.cached_tokens += work.attached[request.id]
+                self.metrics.cached_prompt_tokens += work.attached[request.id]
+        for request in self.running:
+            if request.first_pass and request.id in work.loaded:
+                request.usage.cached_tokens += work.loaded[request.id]
+                self.metrics.cached_prompt_tokens += work.loaded[request.id]
 
-    def _rows(self, requests) -> list[int]:
-        index = {request.id: row for row, request in enumerate(self.running)}
-        return [index[request.id] for request in requests]
-
-    def _decode(self, requests: list[Request]) -> None:
-        if not requests:
-            return
-        ids = torch.tensor([[r.tokens[-1]] for r in requests], device=self.model.device)  # (B, 1)
-        with self.metrics.timing("decode", len(requests)):
-            logits = self._forward(requests, lambda view: self.backend.decode(ids, view))
-        if logits is not None:
-            for request, row_logits in zip(requests, logits):
-                request.cached += 1
-                self._sample(request, row_logits)
-
-    def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
-        """Each chunk is its own forward: prefill is compute-bound, so batching chunks saves no
-        weight reads, while padding them to the longest would compute (and gather) the padding."""
-        for request, count in chunks:
-            piece = request.tokens[request.cached : request.cached + count]
-
-            def run(view, piece=piece):
-                ids, mask = prefill_inputs(view, [piece])
-                return last_logits(self.model, ids, mask, view, self.backend)
-
-            with self.metrics.timing("prefill", len(piece)):
-                logits = self._forward([request], run)
-            if logits is not None:
-                request.cached += len(piece)  # the plan's count, or the rest after store blocks
-                if request.cached == len(request.tokens):
-                    self._sample(request, logits[0])
-
-    def _forward(self, requests: list[Request], run: Callable):
-        """run(view) over these requests' rows; on an exception they fail (the others go on)."""
-        try:
-            return run(self.pool.view(self._rows(requests)))
-        except Exception as error:  # noqa: BLE001 (a failed forward fails its requests only)
-            for request in requests:
-                request.finish = ("error", f"{type(error).__name__}: {error}")
-            return None
-
-    def _sample(self, request: Request, logits: torch.Tensor) -> None:
-        """The request's next token from its logits (vocab,), declared to the pool and streamed."""
-        token = request.take(logits, self.metrics.now())
-        if token is not None:
-            self.pool.declare_tokens(self._rows([request])[0], [token])
+    def _run(self, work: StepWork) -> None:
+        """The step's forward on the runner, what it wrote committed, the sampling rows' tokens
+        chosen, declared to the pool and streamed; a failed forward fails the step's requests
+        (the others go on), a row whose sampling fails fails alone."""
+        batch = work.batch
+        decoding = sum(1 for tokens in batch.tokens if len(tokens) == 1)
+        with self.metrics.timing(decoding, sum(map(len, batch.tokens)) - decoding):
+            try:
+                logits = self.runner.run(work)
+            except Exception as error:  # noqa: BLE001 (the forward's requests fail, the engine goes on)
+                for request in work.requests:
+                    request.finish = ("error", f"{type(error).__name__}: {error}")
+                return
+        self.pool.commit(work)
+        chosen, failed = self.runner.choose(logits, [work.requests[index] for index in batch.sampled])
+        for request, message in failed:
+            request.finish = ("error", message)
+        now = self.metrics.now()
+        for request, token in chosen:
+            request.append(token, now)
+            self.pool.declare(request, token)
             request.deliver(token)
             self.metrics.generated_tokens += 1
 
@@ -298,7 +281,7 @@ class Engine:
         """Finish these requests (reason and error, or each one's own) and free their rows."""
         if not requests:
             return
-        self._drop_rows([r for r in requests if r in self.running])
+        self.pool.release([r for r in requests if r in self.running])
         for request in requests:
             if request in self.waiting:
                 self.waiting.remove(request)
@@ -308,12 +291,6 @@ class Engine:
             request.finished(completion)
             if self.on_finish is not None:
                 self.on_finish(completion)
-
-    def _drop_rows(self, requests: list[Request]) -> None:
-        gone = {request.id for request in requests}
-        keep = [row for row, request in enumerate(self.running) if request.id not in gone]
-        self.pool.select(keep)  # the dropped rows' blocks go back; hashed full blocks stay cached
-        self.running = [self.running[row] for row in keep]
 
     # ---- running many ------------------------------------------------------------------------------
     def generate(

@@ -28,19 +28,21 @@ class EngineMetrics:
         return time.perf_counter()
 
     @contextmanager
-    def timing(self, kind: str, tokens: int):
-        """Add the block's seconds and `tokens` to the prefill or decode totals."""
+    def timing(self, decode_tokens: int, prefill_tokens: int):
+        """Count a step's decode rows and prefill tokens, and add its seconds to the decode time
+        when it had decode rows and to the prefill time when it had prompt tokens (a step that
+        mixes both counts in both)."""
         started = time.perf_counter()
         try:
             yield
         finally:
             elapsed = time.perf_counter() - started
-            if kind == "prefill":
+            if prefill_tokens:
                 self.prefill_seconds += elapsed
-                self.prefill_tokens += tokens
-            else:
+                self.prefill_tokens += prefill_tokens
+            if decode_tokens:
                 self.decode_seconds += elapsed
-                self.decode_tokens += tokens
+                self.decode_tokens += decode_tokens
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -1,15 +1,185 @@
-"""The engine's KV pool: one PagedCache sized from a byte budget as `kvcache.memory` sizes it."""
+"""The engine's KV pool: one PagedCache sized from a byte budget as `kvcache.memory` sizes it, a row
+for each running request (in `running`'s order), and the one place its blocks change hands.
+
+A step goes snapshot -> schedule -> apply -> run -> commit:
+- `snapshot` reads what the pure scheduler needs (each running sequence's blocks, what each
+  waiting prompt's prefix would attach, the free blocks);
+- `apply(plan)`, before any forward, frees the preempted rows, attaches the admitted prompts'
+  cached prefixes, loads the next blocks of a prompt from the KV store (at most the chunk the plan
+  gave it, so a store hit never takes blocks the plan gave to other rows), and reserves every
+  row's blocks for the step, all at once; it returns the step's `PagedBatch`;
+- the runner's forward only reads the block tables and writes the reserved slots;
+- `commit` records what the forward wrote.
+"""
 
 from __future__ import annotations
 
-from kvcache.cache import PagedCache
-from kvcache.engine.params import RequestError
-from kvcache.engine.scheduler import Limits
+from dataclasses import dataclass
+
+from kvcache.cache import OutOfBlocksError, PagedBatch, PagedCache
+from kvcache.engine.request import Request
+from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq
+from kvcache.engine.store_tier import StoreTier
+from kvcache.generation.params import RequestError
 from kvcache.geometry import read_geometry
 from kvcache.memory import KVShape, paged_block_bytes, paged_pool, parse_size, window_pool_blocks
 
 
-def build_pool(
+@dataclass
+class StepWork:
+    """One step applied to the pool: the batch the backend runs and the request of each of its
+    rows (batch.rows[i] is requests[i]'s row)."""
+
+    batch: PagedBatch
+    requests: list[Request]
+    attached: dict[int, int]  # request id -> prompt tokens its prefix attached (admitted ones)
+    loaded: dict[int, int]  # request id -> prompt tokens loaded from the KV store this step
+
+
+class KVPool:
+    """The engine's PagedCache (`cache`), the requests holding its rows (`running`), and the KV
+    store tier when there is one (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        limits: Limits,
+        kv_budget: int | str | None,
+        num_blocks: int | None,
+        prefix_caching: bool,
+        store=None,
+    ) -> None:
+        self.cache, self.block_bytes = build_cache(model, limits, kv_budget, num_blocks)
+        self.block_size = limits.block_size
+        self.prefix_caching = prefix_caching
+        self.store_tier = None if store is None else StoreTier(store, model, self.cache)
+        self.running: list[Request] = []  # row r of the cache is running[r]'s
+
+    @property
+    def full_allocator(self):
+        """The full-attention layers' block bookkeeping (None when every layer slides: their
+        blocks are sized never to run short)."""
+        return self.cache.full_allocator
+
+    # ---- what the scheduler sees --------------------------------------------------------------
+    def snapshot(self, waiting, cap: int) -> tuple[list[RunningSeq], list[WaitingSeq], int]:
+        """(running sequences in row order, the first `cap` waiting requests, free blocks): the
+        running ones with the full-attention blocks each holds and could free, the waiting ones
+        with the tokens their prefix would attach and the idle cached blocks that takes. A
+        waiting request's prefix hashes are kept on it while its tokens stay the same."""
+        full = self.full_allocator
+        running = [
+            RunningSeq(
+                request.id,
+                request.arrival,
+                len(request.tokens),
+                request.cached,
+                0 if full is None else len(full.sequence(seq).table),
+                0 if full is None else full.unshared_blocks(seq),
+            )
+            for request, seq in zip(self.running, self.cache.rows)
+        ]
+        seen = []
+        for request in waiting:
+            if len(seen) >= cap:
+                break
+            prefix, idle = (0, 0)
+            if self.prefix_caching:
+                if request.digests is None or request.digests[0] != len(request.tokens):
+                    request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens))
+                prefix, idle = self.cache.prefix_cost(request.tokens, request.digests[1])
+            seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
+        free = full.num_allocatable if full is not None else 1 << 40
+        return running, seen, free
+
+    # ---- applying a plan ------------------------------------------------------------------------
+    def release(self, requests: list[Request]) -> None:
+        """Free these requests' rows (their blocks go back; hashed full blocks stay cached)."""
+        gone = {request.id for request in requests}
+        keep = [row for row, request in enumerate(self.running) if request.id not in gone]
+        if len(keep) == len(self.running):
+            return
+        self.cache.select(keep)
+        self.running = [self.running[row] for row in keep]
+        for request in requests:
+            request.cached, request.store_missed = 0, False
+
+    def apply(self, plan: Plan, admitted: list[Request]) -> StepWork:
+        """Attach the `admitted` requests' prefixes (each takes a row), load prompt blocks from the
+        store within each chunk the plan gave, and reserve every row's blocks for the step (the
+        plan's preempted rows must be released first). Returns the step's work; rows whose whole
+        chunk came from the store run nothing this step."""
+        attached, loaded = {}, {}
+        for request in admitted:
+            request.cached = self.cache.add_sequence(request.tokens, reuse_prefix=self.prefix_caching)
+            attached[request.id] = request.cached
+            self.running.append(request)
+        rows = {request.id: row for row, request in enumerate(self.running)}
+        work = [(rows[seq_id], 1) for seq_id in plan.decode] + [
+            (rows[seq_id], count) for seq_id, count in plan.prefill
+        ]
+        batch_rows, tokens, ends = [], [], []
+        for row, count in work:
+            request = self.running[row]
+            end = request.cached + count  # the plan counted from what the row held then
+            if count > 1:
+                loaded[request.id] = self._load_from_store(request, row, end)
+            if request.cached < end:
+                batch_rows.append(row)
+                tokens.append(request.tokens[request.cached : end])
+                ends.append(end)
+        try:
+            self._reserve(batch_rows, ends)
+        except OutOfBlocksError as error:  # the scheduler counted these blocks: a bug, not a load
+            raise RuntimeError(f"the step's plan does not fit the pool it was made for: {error}") from None
+        sample = [end == len(self.running[row].tokens) for row, end in zip(batch_rows, ends)]
+        batch = PagedBatch(self.cache, batch_rows, tokens, sample)
+        return StepWork(batch, [self.running[row] for row in batch_rows], attached, loaded)
+
+    def _load_from_store(self, request: Request, row: int, end: int) -> int:
+        """Load row `row`'s next prompt blocks from the KV store, up to position `end` (its
+        chunk this step); the tokens loaded."""
+        if self.store_tier is None or not self.prefix_caching or request.store_missed:
+            return 0
+        loaded = self.store_tier.load(self.cache, row, request.tokens, request.cached, end)
+        request.cached += loaded
+        # the store holds runs of blocks from a prompt's start: once a run ends short of the
+        # chunk, later chunks are not asked for
+        whole = min(end, len(request.tokens) - 1) // self.block_size * self.block_size
+        request.store_missed = request.cached < whole
+        return loaded
+
+    def _reserve(self, rows: list[int], totals: list[int]) -> None:
+        """Give rows `rows` room for `totals` tokens each in every group of layers, all or nothing
+        (`OutOfBlocksError`, nothing changed, when the pool is short), a shared partial block
+        copied on write."""
+        cache = self.cache
+        seqs = [cache.rows[row] for row in rows]
+        for allocator in cache.allocators:
+            needed = sum(allocator.blocks_needed(seq, total) for seq, total in zip(seqs, totals))
+            if needed > allocator.num_allocatable:
+                raise OutOfBlocksError(needed, allocator.num_allocatable, allocator.num_blocks)
+        for group, allocator in enumerate(cache.allocators):
+            copies = allocator.reserve(seqs, totals)
+            for layer in cache.layers:
+                if layer.group == group:
+                    for source, target in copies:
+                        layer.copy_block(source, target)
+
+    def commit(self, work: StepWork) -> None:
+        """Record what the step's forward wrote: each row now holds its chunk's tokens (full
+        blocks hashed, findable by prefix once their ids are declared)."""
+        for row, request, total in zip(work.batch.rows, work.requests, work.batch.totals):
+            for allocator in self.cache.allocators:
+                allocator.commit(self.cache.rows[row], total)
+            request.cached = total
+
+    def declare(self, request: Request, token: int) -> None:
+        """A new token of `request` (its next position's id), so its full blocks become findable."""
+        self.cache.declare_tokens(self.running.index(request), [token])
+
+
+def build_cache(
     model, limits: Limits, kv_budget: int | str | None, num_blocks: int | None
 ) -> tuple[PagedCache, int]:
     """The PagedCache for `model` and the bytes of one full-attention block.
@@ -38,7 +208,7 @@ def build_pool(
             full, window = paged_pool(shape, budget, limits.block_size, dtype_name, **sizes)
     except ValueError as error:
         raise RequestError(str(error)) from None
-    pool = PagedCache(
+    cache = PagedCache(
         num_blocks if num_blocks is not None else max(full, 1),
         limits.block_size,
         window_blocks=window or None,
@@ -46,4 +216,4 @@ def build_pool(
         dtype=model.dtype,
         device=model.device,
     )
-    return pool, block_bytes
+    return cache, block_bytes

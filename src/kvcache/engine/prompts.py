@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.engine.params import RequestError
+from kvcache.generation.params import RequestError
 
 
 def tokenizer_eos(tokenizer) -> tuple[int, ...]:

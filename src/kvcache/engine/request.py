@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.engine.params import SamplingParams
-from kvcache.generation.sampling import SamplingSettings, choose_next
+from kvcache.generation.params import SamplingParams
 from kvcache.generation.stops import StopRule
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -169,13 +168,15 @@ class Request:
         self.cached = 0  # tokens whose keys and values the cache holds
         self.usage = Usage(prompt_tokens=len(prompt))
         self.admitted = False  # once admitted, later admissions are recomputations
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        self.generator = torch.Generator().manual_seed(seed)
+        self.first_pass = True  # not preempted yet: prompt tokens served from caches count in usage
+        # its own generator only when it gave a seed (the others draw from the runner's)
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         self.submitted_at = time.perf_counter()
         self.token_times: list[float] = []
         self.finish: tuple[str, str | None] | None = None  # (reason, error) once it stopped
         # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
         self.digests: tuple[int, list[bytes]] | None = None
+        self.store_missed = False  # the KV store ran out of its blocks: not asked again
 
     def cancel(self) -> None:
         """End this request at the engine's next step (the engine's own cancel: shutting down)."""
@@ -200,28 +201,18 @@ class Request:
         if handle is not None:
             handle._finish(completion)
 
-    def take(self, logits: torch.Tensor, now: float) -> int | None:
-        """Pick the next token from logits (vocab,) with this request's settings and generator,
-        append it, and set `finish` if it stopped ("stop", "length"). Returns the token, or None
-        when sampling failed; an exception here fails this request only (finish "error")."""
-        params = self.params
-        try:
-            greedy, temperature = params.greedy, params.temperature or 1.0
-            settings = SamplingSettings(not greedy, temperature, params.top_k, params.top_p)
-            token = int(choose_next(logits[None].float(), settings, self.generator)[0])
-        except Exception as error:  # noqa: BLE001 (a failing sampler: this request only)
-            self.finish = ("error", f"{type(error).__name__}: {error}")
-            return None
+    def append(self, token: int, now: float) -> None:
+        """Take its next token (chosen at time `now`), and set `finish` if it stopped ("stop",
+        "length"); a stop check that raises fails this request only (finish "error")."""
         self.tokens.append(token)
         self.token_times.append(now)
         try:
             if self.stop_rule.reason(self.generated) is not None:
                 self.finish = ("stop", None)
-            elif len(self.generated) >= params.max_tokens:
+            elif len(self.generated) >= self.params.max_tokens:
                 self.finish = ("length", None)
         except Exception as error:  # noqa: BLE001 (a failing stop check: this request only)
             self.finish = ("error", f"{type(error).__name__}: {error}")
-        return token
 
     @property
     def generated(self) -> list[int]:

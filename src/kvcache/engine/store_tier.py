@@ -1,8 +1,9 @@
 """The engine's second tier of prefix blocks: a block store shared by replicas (`RedisBlockStore`).
 
-On admission, the prompt's full blocks that the pool could not attach are looked up in the store
-(the longest run, in two round trips), checked, and written into the request's row as if a
-forward had computed them; prefill then runs only the rest. After each step, full blocks of the
+When a prompt's chunk is about to be prefilled, its full blocks that the pool could not attach
+are looked up in the store (the longest run within the chunk, in two round trips), checked, and
+written into the request's row as if a forward had computed them; prefill then runs only the
+rest. After each step, full blocks of the
 running rows that the store has not seen are copied out and queued for the background writer.
 The pool stays the first tier: what it holds is never fetched.
 """
@@ -23,7 +24,7 @@ from kvcache.engine.block_codec import (
     layout_of,
     namespace,
 )
-from kvcache.engine.params import RequestError
+from kvcache.generation.params import RequestError
 
 log = logging.getLogger("kvcache.store")
 _KNOWN = 1 << 16  # digests remembered as stored (written or read back), least recent forgotten first
@@ -58,11 +59,12 @@ class StoreTier:
             self._known.clear()
 
     # ---- reads: on admission ----------------------------------------------------------------------
-    def load(self, pool: PagedCache, row: int, tokens: list[int], attached: int) -> int:
+    def load(self, pool: PagedCache, row: int, tokens: list[int], attached: int, end: int) -> int:
         """Append to row `row` (holding `attached` tokens of `tokens`) the next full blocks of
-        `tokens` the store holds; the tokens added (0 when none, or the store fails)."""
+        `tokens` the store holds, up to position `end` (the chunk its step may fill); the tokens
+        added (0 when none, or the store fails)."""
         size = pool.block_size
-        wanted = pool.prefix_digests(tokens)[attached // size :]
+        wanted = pool.prefix_digests(tokens)[attached // size : end // size]
         if not wanted or not self.store.available():
             return 0
         self.store.counters.lookups += 1

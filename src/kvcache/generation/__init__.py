@@ -1,8 +1,8 @@
 """Text generation on a kvcache model: prefill, then one decode step per token.
 
 `generate` returns tokens and timings; `stream_generate` yields each step's tokens; `prefill`
-and `decode_step` are its two steps; the sampling functions are pure (logits, settings,
-torch.Generator) -> tokens.
+and `decode_step` are its two steps; `SamplingParams` says how a request samples and stops (the
+engine's too), and `choose_tokens` picks a batch's next tokens in one call.
 """
 
 from kvcache.generation.loop import (
@@ -13,29 +13,21 @@ from kvcache.generation.loop import (
     resolve_eos,
     stream_generate,
 )
-from kvcache.generation.sampling import (
-    SamplingSettings,
-    apply_temperature,
-    choose_next,
-    greedy,
-    sample,
-    top_k_filter,
-    top_p_filter,
-)
+from kvcache.generation.params import RequestError, SamplingParams
+from kvcache.generation.sampling import NonFiniteLogitsError, choose_tokens, top_k_filter, top_p_filter
 from kvcache.generation.settings import GenerationSettings
 
 __all__ = [
     "GenerationResult",
     "GenerationSettings",
-    "SamplingSettings",
-    "apply_temperature",
-    "choose_next",
+    "NonFiniteLogitsError",
+    "RequestError",
+    "SamplingParams",
+    "choose_tokens",
     "decode_step",
     "generate",
-    "greedy",
     "prefill",
     "resolve_eos",
-    "sample",
     "stream_generate",
     "top_k_filter",
     "top_p_filter",

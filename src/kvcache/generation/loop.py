@@ -26,7 +26,7 @@ import torch
 from kvcache.backends import DecodeBackend, choose_backend
 from kvcache.backends.torch_step import last_logits
 from kvcache.cache import Cache, make_cache
-from kvcache.generation.sampling import choose_next
+from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
 from kvcache.generation.stops import Stops
 
@@ -198,7 +198,7 @@ def _steps(
         ids = input_ids.new_empty((batch, prompt_length + options.max_new_tokens))  # (B, T_prompt + new)
         ids[:, :prompt_length] = input_ids
         stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer)
-        sampling = options.sampling
+        sampling = [options.sampling] * batch
         ran = "none"  # no decode step yet
 
         logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size, backend)
@@ -213,7 +213,7 @@ def _steps(
                 ran = backend.name if new_ids.shape[1] == 1 else "torch"
                 logits = decode_step(model, backend, new_ids, attention_mask, cache)
                 decode_steps += 1
-            tokens = stops.take(choose_next(logits, sampling, generator)).to(ids.device)  # (B,)
+            tokens = stops.take(choose_tokens(logits, sampling, shared=generator)).to(ids.device)  # (B,)
             if step == 0:
                 first_token_at = decode_started = time.perf_counter()
             ids[:, end] = tokens

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcache.generation.sampling import SamplingSettings
+from kvcache.generation.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -13,7 +14,7 @@ class GenerationSettings:
     """The settings of `generate` / `stream_generate`, which take them as keywords.
 
     max_new_tokens: tokens to generate per row (>= 1).
-    do_sample, temperature, top_k, top_p: greedy unless do_sample (`SamplingSettings`).
+    do_sample, temperature, top_k, top_p: greedy unless do_sample (then temperature > 0).
     eos_token_id: None = the model config's (and tokenizer's) EOS ids; () = never stop early.
     pad_token_id: the token of a row after it stopped (None: the first EOS id, else the
         tokenizer's pad token, else 0).
@@ -40,9 +41,23 @@ class GenerationSettings:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1 or None, got {self.prefill_chunk_size}")
-        self.sampling  # noqa: B018 (validates temperature, top_k, top_p)
+        if self.do_sample and (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, int | float)
+            or not 0 < self.temperature < math.inf
+        ):  # NaN fails every comparison, so it lands here too
+            raise ValueError(
+                f"temperature must be > 0 and finite, got {self.temperature!r}; use do_sample=False for "
+                f"greedy"
+            )
+        self.sampling  # noqa: B018 (validates top_k, top_p)
 
     @property
-    def sampling(self) -> SamplingSettings:
-        """How to pick each token."""
-        return SamplingSettings(self.do_sample, self.temperature, self.top_k, self.top_p)
+    def sampling(self) -> SamplingParams:
+        """How to pick each token (greedy: temperature 0), as the engine's requests say it."""
+        return SamplingParams(
+            max_tokens=self.max_new_tokens,
+            temperature=float(self.temperature) if self.do_sample else 0.0,
+            top_k=self.top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+        )

@@ -1,4 +1,5 @@
-"""Per-request sampling and stopping, checked when a request is submitted."""
+"""How a request samples and when it stops: the one `SamplingParams` of `generate` and the engine
+(vLLM's field names), checked when it is made; `RequestError` names a field out of range."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 
 class RequestError(ValueError):
-    """A request refused at submit (nothing queued): which field, what was expected, what was given."""
+    """A request refused (nothing queued): which field, what was expected, what was given."""
 
 
 @dataclass(frozen=True)
@@ -16,9 +17,10 @@ class SamplingParams:
 
     max_tokens: new tokens at most (>= 1). temperature: 0 is greedy (the default), else sample
     from softmax(logits / temperature) after top_k and top_p (in that order, as transformers does).
-    seed: the request's own generator (None: a random seed). stop: strings that end the request
-    once its new text contains one (the string is not removed). stop_token_ids: ids that end it,
-    besides the model's EOS ids (ignore_eos=True drops those).
+    seed: the request's own generator (None: the sampler's shared one). stop: strings that end the
+    request once its new text contains one (the string is not returned). stop_token_ids: ids that
+    end it, besides the model's EOS ids (ignore_eos=True drops those).
+    Raises RequestError naming the first field out of range.
     """
 
     max_tokens: int = 16
@@ -35,25 +37,17 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))  # one string is one stop string
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def check(self, vocab_size: int) -> None:
-        """Raise RequestError naming the first field that is out of range."""
         _integer("max_tokens", self.max_tokens, minimum=1)
         if (
             isinstance(self.temperature, bool)
             or not isinstance(self.temperature, (int, float))
             or not (math.isfinite(self.temperature) and self.temperature >= 0)
         ):
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if (
-            isinstance(self.top_p, bool)
-            or not isinstance(self.top_p, (int, float))
-            or not 0 < self.top_p <= 1
-        ):
+            raise RequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
+        top_p = self.top_p
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is not None:
             _integer("top_k", self.top_k, minimum=1)
@@ -64,6 +58,14 @@ class SamplingParams:
                 raise RequestError(f"stop strings must be non-empty strings, got {text!r}")
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, minimum=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check(self, vocab_size: int) -> None:
+        """Raise RequestError unless every stop token id is in [0, vocab_size)."""
+        for token in self.stop_token_ids:
             if token >= vocab_size:
                 raise RequestError(f"stop_token_ids must lie in [0, {vocab_size}), got {token}")
 
