@@ -54,8 +54,8 @@ def build(name: str):
 
 def products(backend):
     """A function running every product of one step as a one-row step runs them, and the bytes
-    of weights they read: numba's kernels' product on the step's `_row_layers` where the step
-    runs on them, else the step's `_products(1)` (its weights and its product function)."""
+    of weights they read: numba's kernels' product on the step's `row_layers` where the step
+    runs on them, else the step's `products(1)` (its weights and its product function)."""
     import numpy as np
     import torch
 
@@ -65,7 +65,7 @@ def products(backend):
     dtype = getattr(backend, "dtype", torch.float32)
     width = torch.finfo(dtype).bits // 8
     if backend._numba_step(1):
-        layers, (head, head_bias), _ = backend._row_layers
+        layers, (head, head_bias), _ = backend.row_layers
         calls = [(getattr(w, name), getattr(w, f"{name}_bias"))
                  for w in layers for name in ("qkv", "o", "gate_up", "down")]
         calls.append((head, head_bias))
@@ -79,7 +79,7 @@ def products(backend):
     outs = {"qkv": (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim,
             "o": config.hidden_size, "gate_up": 2 * config.intermediate_size, "down": config.hidden_size}
     ins = {"qkv": "hidden", "o": "heads", "gate_up": "hidden", "down": "inner"}
-    layers, lm_head, linear = backend._products(1)
+    layers, lm_head, linear = backend.products(1)
     calls = [(getattr(w, name), sizes[ins[name]], outs[name]) for w in layers for name in outs]
     calls.append((lm_head, sizes["hidden"], config.vocab_size))
     rows = [np.ones((1, width), np.float32) for _, width, _ in calls]

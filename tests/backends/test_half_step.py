@@ -162,7 +162,7 @@ def test_one_row_runs_numbas_kernels_and_several_rows_onednns(dtype):
     backend = HalfBackend(model)
     assert backend._numba_step(1) and backend._threads(1) == 1  # torch on one thread
     assert not backend._numba_step(2) and backend._threads(2) is None  # torch's threads
-    layer = backend._row_layers[0][0]  # the kernels read the model's own parameters
+    layer = backend.row_layers[0][0]  # the kernels read the model's own parameters
     assert layer.down[0].ctypes.data == model.model.layers[0].mlp.down_proj.weight.data_ptr()
 
 

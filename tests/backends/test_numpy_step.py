@@ -110,7 +110,7 @@ def test_numpy_step_equals_the_torch_forward_and_the_solo_no_cache_run(case):
     batch, steps = len(lengths), case["steps"]
     model = random_model(config, case["seed"])
     numpy, torch_step = numpy_backend(model, case["products"]), TorchBackend(model)
-    assert (numpy._row_layers is not None) == (case["products"] == "numba")
+    assert (numpy.row_layers is not None) == (case["products"] == "numba")
     generator = torch.Generator().manual_seed(case["seed"])
     rows = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     ids, mask = _left_padded(rows)
@@ -163,8 +163,8 @@ def test_one_row_runs_numpys_products_and_several_rows_onednns_on_a_copy_made_on
     backend = NumpyBackend(model)
     laid_out = backend._laid_out  # made with the backend
     assert laid_out is not None
-    assert backend._products(1)[0] is backend.layers  # one row: numpy's, on the model's own memory
-    assert backend._products(3)[0] is laid_out[0]
+    assert backend.products(1)[0] is backend.layers  # one row: numpy's, on the model's own memory
+    assert backend.products(3)[0] is laid_out[0]
     ids = torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(5))
     for rows in (ids[:1], ids):
         torch.testing.assert_close(

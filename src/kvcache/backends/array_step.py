@@ -4,13 +4,13 @@ Why: a decode step is one new token per row. Its weights are read once each, so 
 is memory bandwidth (the products) plus per-operation overhead (everything between them). A
 numpy operation on a few hundred floats costs a fraction of a torch one (`docs/backends.md`), so
 everything between the products runs as numpy calls on float32 rows, and each backend says only
-how a product is computed (`_products`/`_linear`: oneDNN's packed product; numpy's OpenBLAS or
+how a product is computed (`products`/`_linear`: oneDNN's packed product; numpy's OpenBLAS or
 torch's F.linear where that does not apply), where it runs (`_on_torch_threads`), how token ids
-become rows (`_embed`) and how keys and values reach the cache (`_store`, through the seam
+become rows (`embed_rows`) and how keys and values reach the cache (`_store`, through the seam
 `cache.update`/`update_arrays`; the plan comes from `cache.begin(1, attention_mask)`).
 
 One row, where numba runs (`numba_products.available`), takes another road to the same forward:
-a backend that sets `_row_layers` runs it on numba's kernels (`numba_kernels`), each layer two
+a backend that sets `row_layers` runs it on numba's kernels (`numba_kernels`), each layer two
 kernel calls around the cache's update (`_store_rows`) instead of a dozen numpy operations and
 torch's attention, the products, the attention's heads and its chunks of keys split between
 numba's threads.
@@ -35,36 +35,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcache.backends import numba_products
+from kvcache.backends import numba_products, paged_step
 from kvcache.backends.base import BackendError, DecodeBackend
+from kvcache.backends.rows import rms_norm, swiglu
 from kvcache.backends.threads import torch_threads
 from kvcache.backends.torch_step import forward_rows
 
 _ALL_VISIBLE = np.empty(0, np.bool_)  # the kernels' "no mask"
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x (rows, n) / rms(x) * weight (n,), float32 (a new array)."""
-    if x.shape[0] == 1:
-        row = x[0]
-        inverse_rms = 1.0 / math.sqrt(float(row @ row) / row.shape[0] + eps)  # a Python float
-        out = x * weight
-        out *= inverse_rms
-        return out
-    squares = np.add.reduce(x * x, axis=-1, keepdims=True)  # (rows, 1)
-    squares *= 1.0 / x.shape[-1]
-    squares += eps
-    np.sqrt(squares, out=squares)
-    out = x / squares
-    out *= weight
-    return out
-
-
 class ArrayStep(DecodeBackend):
     """The step's arithmetic on numpy rows (see the module docstring). A subclass sets `layers`
     (each with norm1, norm2, q_norm, k_norm as float32 arrays or None, and the products' weights
     qkv, o, gate_up, down with their biases), `final_norm` and `lm_head`, and implements
-    `_linear`, `_embed` and `_store`."""
+    `_linear`, `embed_rows` and `_store`."""
 
     layers: list
     final_norm: np.ndarray
@@ -102,7 +86,7 @@ class ArrayStep(DecodeBackend):
         )
 
     # ---- what a backend supplies ----------------------------------------------------------------
-    def _products(self, batch: int) -> tuple[list, object, object]:
+    def products(self, batch: int) -> tuple[list, object, object]:
         """(layers, lm_head, linear) for a step of `batch` rows: here always the backend's own
         `layers`, `lm_head` and `_linear`."""
         return self.layers, self.lm_head, self._linear
@@ -110,11 +94,11 @@ class ArrayStep(DecodeBackend):
     #: (layers as `numba_products.RowLayer`, lm_head as (parts, bias), what their products round
     #: to: `numba_products.rounding_of`) for one-row steps on numba's kernels, set by a subclass
     #: that has them
-    _row_layers: tuple[list, tuple, int] | None = None
+    row_layers: tuple[list, tuple, int] | None = None
 
     def _numba_step(self, batch: int) -> bool:
         """Whether a step of `batch` rows runs on numba's kernels (at any cache length)."""
-        return self._row_layers is not None and batch == 1
+        return self.row_layers is not None and batch == 1
 
     def _on_torch_threads(self, batch: int) -> bool:
         """Whether a step of `batch` rows runs its products on torch's threads (oneDNN's, torch's
@@ -136,7 +120,7 @@ class ArrayStep(DecodeBackend):
         """x (B, in) float32 through one of the step's products -> (B, out) float32."""
         raise NotImplementedError
 
-    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+    def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """The embedding rows of token_ids (B,) as a new float32 array (B, hidden)."""
         raise NotImplementedError
 
@@ -179,10 +163,18 @@ class ArrayStep(DecodeBackend):
         self._cos, self._signed_sin = cos[0, 0].numpy(), signed_sin[0, 0].numpy()
 
     # ---- the step ------------------------------------------------------------------------------
+    #: a step of up to this many tokens runs every product on numba's kernels (`paged_step`);
+    #: more, on `products`
+    kernel_rows: int = 16
+
     def step(self, model, batch) -> torch.Tensor:
-        """One engine step (`DecodeBackend.step`): decode rows as this backend's decode step,
-        prompt chunks on the model's forward (`torch_step.forward_rows`)."""
-        return forward_rows(self, model, batch)
+        """One engine step (`DecodeBackend.step`): every row on numba's kernels, reading and
+        writing the paged blocks in place (`paged_step`), where numba runs; else decode rows as
+        this backend's decode step and prompt chunks on the model's forward
+        (`torch_step.forward_rows`)."""
+        if self.row_layers is None:
+            return forward_rows(self, model, batch)
+        return paged_step.run(self, batch)
 
     def decode(
         self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None
@@ -219,8 +211,8 @@ class ArrayStep(DecodeBackend):
         positions = start if isinstance(start, int) else plan.positions.numpy()[:, 0]
         turn = self.rotations(positions)  # (B or 1, D, D)
         visible_by_mask: dict[int, torch.Tensor | None] = {}
-        layers, lm_head, linear = self._products(batch)
-        x = self._embed(token_ids)  # (B, hidden)
+        layers, lm_head, linear = self.products(batch)
+        x = self.embed_rows(token_ids)  # (B, hidden)
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
             for index, w in enumerate(layers):
                 qkv = linear(rms_norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias)
@@ -249,14 +241,7 @@ class ArrayStep(DecodeBackend):
                     attended = attended.float()
                 x += linear(attended.numpy().reshape(batch, heads * head_dim), w.o, w.o_bias)
                 gate_up = linear(rms_norm(x, w.norm2, self.eps), w.gate_up, w.gate_up_bias)
-                inner = gate_up.shape[-1] // 2
-                gate, up = gate_up[:, :inner], gate_up[:, inner:]
-                act = np.negative(gate)
-                np.exp(act, out=act)
-                act += 1.0
-                np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
-                act *= up
-                x += linear(act, w.down, w.down_bias)
+                x += linear(swiglu(gate_up), w.down, w.down_bias)
         return linear(rms_norm(x, self.final_norm, self.eps), lm_head, None)  # (B, vocab)
 
     def _run_one_row(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
@@ -267,22 +252,23 @@ class ArrayStep(DecodeBackend):
         heads, kv_heads, dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         start = plan.start
         position = start if isinstance(start, int) else int(plan.positions[0, 0])
-        cos, signed_sin = self._rope_row(position)
-        layers, (head_parts, head_bias), rounding = self._row_layers
+        cos, signed_sin = self.rope_rows(np.array([position]))  # (1, D) each
+        layers, (head_parts, head_bias), rounding = self.row_layers
         visible_by_mask: dict[int, np.ndarray] = {}  # a layer mask's (T_kv,) numpy form, by its id
-        x = self._embed(token_ids)[0]  # (hidden,), updated in place layer by layer
+        x = self.embed_rows(token_ids)  # (1, hidden), updated in place layer by layer
         queries, keys_end = heads * dim, (heads + kv_heads) * dim
         for index, w in enumerate(layers):
-            qkv = np.empty(keys_end + kv_heads * dim, np.float32)  # (new: the cache may keep k, v)
+            qkv = np.empty((1, keys_end + kv_heads * dim), np.float32)  # (new: the cache may keep k, v)
             kernels.attention_inputs(
                 x, w.norm1, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, signed_sin,
                 self.scale, heads, kv_heads, rounding, qkv,
             )
-            k = qkv[queries:keys_end].reshape(1, kv_heads, 1, dim)
-            v = qkv[keys_end:].reshape(1, kv_heads, 1, dim)
+            k = qkv[0, queries:keys_end].reshape(1, kv_heads, 1, dim)
+            v = qkv[0, keys_end:].reshape(1, kv_heads, 1, dim)
             keys, values = self._store_rows(cache, k, v, index)  # (1, H_kv, T_kv, D)
             key_rows, key_step = numba_products.stored_rows(keys)
             value_rows, value_step = numba_products.stored_rows(values)
+            table, layout = numba_products.buffer_layout(keys.shape[2], key_step, value_step)
             given = plan.mask(index)
             visible = visible_by_mask.get(id(given))
             if visible is None:  # (layers that share a mask object check and convert it once)
@@ -290,19 +276,20 @@ class ArrayStep(DecodeBackend):
                 visible = _ALL_VISIBLE if mask is None else mask.reshape(-1).numpy()
                 visible_by_mask[id(given)] = visible
             kernels.layer_output(
-                x, qkv, heads, kv_heads, key_rows, key_step, value_rows, value_step,
-                keys.shape[2], visible, numba_products.key_rounding(keys),
+                x, qkv, heads, kv_heads, key_rows, value_rows, *table, layout, visible,
+                numba_products.key_rounding(keys),
                 w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, rounding,
             )
-        logits = np.empty(sum(part.shape[0] for part in head_parts), np.float32)
+        logits = np.empty((1, sum(part.shape[0] for part in head_parts)), np.float32)
         kernels.normed_product(x, self.final_norm, eps, head_parts, head_bias, rounding, logits)
-        return logits[None]
+        return logits
 
-    def _rope_row(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """(cos, signed_sin), each (D,) float32, of one position (see `rotations`)."""
-        if position >= len(self._cos):
-            self._extend_rope_table(position + 1)
-        return self._cos[position], self._signed_sin[position]
+    def rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, signed_sin), each (N, D) float32, of positions (N,) (see `rotations`)."""
+        needed = int(positions.max()) + 1
+        if needed > len(self._cos):
+            self._extend_rope_table(needed)
+        return self._cos[positions], self._signed_sin[positions]
 
     @staticmethod
     def _visible(

@@ -85,7 +85,9 @@ class HalfBackend(ArrayStep):
             self.lm_head = self._head.weight
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
         if numba:
-            self._row_layers = _row_layers(self.layers, self._head, self.dtype)
+            self.row_layers = kernel_layers(self.layers, self._head, self.dtype)
+        if self.dtype == torch.float16:  # its products for many rows (F.linear) are slower still
+            self.kernel_rows = 1 << 30
 
     def _on_torch_threads(self, batch: int) -> bool:
         """A step on numba's kernels runs on numba's threads; any other on torch's."""
@@ -115,7 +117,7 @@ class HalfBackend(ArrayStep):
         product or float16 `F.linear` (`onednn.product`), read back as float32 (B, out)."""
         return product(x, weight, bias, self.dtype)
 
-    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+    def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """The rows of token_ids (B,) widened to float32 (B, hidden), in numpy from the table's
         bits (no torch call)."""
         rows = self._embed_bits[token_ids]  # (B, hidden) bits, a copy
@@ -139,8 +141,8 @@ class HalfBackend(ArrayStep):
         return numba_products.as_kernel_array(keys), numba_products.as_kernel_array(values)
 
 
-def _row_layers(layers: list[LaidOutLayer], head: LaidOutProduct, dtype: torch.dtype) -> tuple | None:
-    """The laid-out layers and lm_head as numba's kernels read them (`ArrayStep._row_layers`),
+def kernel_layers(layers: list[LaidOutLayer], head: LaidOutProduct, dtype: torch.dtype) -> tuple | None:
+    """The laid-out layers and lm_head as numba's kernels read them (`ArrayStep.row_layers`),
     each product's parts its members' own parameters (the model's memory) viewed as their bits
     (`numba_products.half_bits`); None when a weight cannot be viewed so (not contiguous)."""
 

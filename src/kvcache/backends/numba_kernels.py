@@ -1,12 +1,19 @@
-"""The numba kernels of a one-row decode step: its products, and a layer in two calls.
+"""The numba kernels of a decode step of N rows (tokens): its products, a layer in two calls, and
+attention that reads stored keys and values in place through a block table.
 
 Imported only through `numba_products` (which imports it on first use), so importing kvcache
-never loads numba. Every kernel works on one row of float32 values; a weight is a tuple of parts
-stacked along its output, each (out_i, in) row-major: float32, or a half-precision matrix viewed
-as its bits (`numba_products.half_bits`; numba has no bfloat16 or float16 values): bfloat16 as
-uint16 (widened by a shift: a bfloat16 is a float32's upper half), float16 as int16 (widened by
-the CPU's half-precision conversion); numba compiles one version per kind. Stored keys and values
-come the same three ways. `rounding` (NONE, BFLOAT16, FLOAT16) says what a product rounds its input
+never loads numba. Every kernel works on N rows of float32 values (N = 1: one decode row); a
+weight is a tuple of parts stacked along its output, each (out_i, in) row-major: float32, or a
+half-precision matrix viewed as its bits (`numba_products.half_bits`; numba has no bfloat16 or
+float16 values): bfloat16 as uint16 (widened by a shift: a bfloat16 is a float32's upper half),
+float16 as int16 (widened by the CPU's half-precision conversion); numba compiles one version per
+kind. Stored keys and values come the same three ways.
+
+Stored keys are rows (R, D) found through a block table (`attend`): token t of table row r, kv
+head h, sits at row (tables[r, t // S]·S + t % S)·token_stride + h·head_stride. A paged cache's
+storage (blocks, S, H_kv, D) is that with its block size S, token_stride H_kv, head_stride 1; a
+cache buffer's rows (H_kv, capacity, D) are one "block" of any size, token_stride 1,
+head_stride capacity. `rounding` (NONE, BFLOAT16, FLOAT16) says what a product rounds its input
 and its output (its bias added) to, as oneDNN's and torch's half-precision products do; the
 arithmetic between products stays float32. An absent bias or norm is an empty array.
 
@@ -17,153 +24,95 @@ key's score is -inf; exp(-g) of a very negative gate is inf, making silu -0).
 Each layer is two calls around the cache's update (`attention_inputs`: norm, q/k/v, the per-head
 norms, RoPE, the queries' scale; `layer_output`: attention over the stored keys and values, o,
 residual, norm, gate/up, SiLU, down, residual), so what a step costs between its products is two
-calls a layer rather than a dozen numpy operations. The products' rows and the attention's heads
-are split between numba's threads.
+calls a layer rather than a dozen numpy operations. A product reads each weight row once for all
+N rows; the products' rows and the attention's (token, kv head, chunk of keys) tasks are split
+between numba's threads. Where another library's product is faster (many rows), the steps
+between products are kernels of their own (`rope`, `store`, `attention`).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import prange
-from numba.extending import intrinsic, overload
 
-#: the fast-math flags: no "nnan"/"ninf", so -inf and inf behave as IEEE says
-FLAGS = {"reassoc", "contract", "arcp", "nsz"}
-#: only explicit prange loops run in parallel: numba would otherwise make every array expression
-#: (np.zeros, a slice assignment) a parallel region of its own, each costing a thread hand-off
-PARALLEL = {name: name == "prange" for name in (
-    "comprehension", "reduction", "inplace_binop", "setitem", "numpy", "stencil", "fusion", "prange"
-)}
-#: error_model "numpy": a division by zero gives inf or nan, as numpy and torch give, not an error
-KERNEL = dict(parallel=PARALLEL, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False)
-_HIGH = np.uint32(0xFFFF0000)
-#: what a product rounds its input and output to (the weights' dtype)
-NONE, BFLOAT16, FLOAT16 = 0, 1, 2
-
-
-@intrinsic
-def float16_widened(typingctx, half):  # pragma: no cover (compiled)
-    """A float16 given as its bits (uint16 or int16) as float32, exactly (one instruction)."""
-    if half not in (numba.types.uint16, numba.types.int16):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return numba.types.float32(half), codegen
+from kvcache.backends.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)
+    BFLOAT16,
+    FLAGS,
+    FLOAT16,
+    KERNEL,
+    NONE,
+    SERIAL,
+    bfloat16_halves,
+    narrowed,
+    round_in_place,
+    widened,
+)
 
 
-@intrinsic
-def float16_rounded(typingctx, value):  # pragma: no cover (compiled)
-    """float32 rounded to the nearest float16 (ties to even; beyond its range ±inf), as its
-    bits (uint16), as torch and numpy round."""
-    if value != numba.types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return numba.types.uint16(value), codegen
-
-
-@numba.njit(cache=True, inline="always")
-def bfloat16_bits(b):  # pragma: no cover (compiled: coverage cannot see inside)
-    """float32 bits b rounded to bfloat16 (to nearest, ties to even), as float32 bits; a NaN
-    stays a NaN (quieted, its upper half kept)."""
-    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return (b | np.uint32(0x00400000)) & _HIGH
-    tie_to_even = (b >> np.uint32(16)) & np.uint32(1)
-    return (b + np.uint32(0x7FFF) + tie_to_even) & _HIGH
-
-
-@numba.njit(cache=True, boundscheck=False)
-def round_to_bfloat16(bits, out):  # pragma: no cover (compiled)
-    """out (n,) uint32 = float32 bits (n,) rounded to bfloat16, as float32 bits."""
-    for i in range(bits.shape[0]):
-        out[i] = bfloat16_bits(bits[i])
-
-
-@numba.njit(cache=True, boundscheck=False)
-def bfloat16_halves(bits, out):  # pragma: no cover (compiled)
-    """out (n,) uint16 = float32 bits (n,) rounded to bfloat16: the bfloat16 values' own bits."""
-    for i in range(bits.shape[0]):
-        out[i] = np.uint16(bfloat16_bits(bits[i]) >> np.uint32(16))
-
-
-def widened(value):  # typed by the overload below
-    """A weight, key or value as float32: float32 as it is, bfloat16 bits (uint16) and float16
-    bits (int16) widened."""
-    raise NotImplementedError
-
-
-@overload(widened, inline="always")
-def _widened(value):  # pragma: no cover (compiled)
-    if value == numba.types.float32:
-        return lambda value: value
-    if value == numba.types.uint16:
-        return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
-    if value == numba.types.int16:
-        return lambda value: float16_widened(value)
-    return None
-
-
-@numba.njit(fastmath=FLAGS, cache=True, boundscheck=False)
-def row_dot(weight, i, x):  # pragma: no cover (compiled)
-    """weight[i] · x (in,) in float32, weight (out, in) float32 or half-precision bits."""
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def row_dot(weight, i, x, n):  # pragma: no cover (compiled)
+    """weight[i] · x[n] in float32, weight (out, in) float32 or half-precision bits, x (N, in)."""
     total = np.float32(0.0)
     for j in range(weight.shape[1]):
-        total += widened(weight[i, j]) * x[j]
+        total += widened(weight[i, j]) * x[n, j]
     return total
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
-def round_in_place(x, rounding):  # pragma: no cover (compiled)
-    """x (n,) float32 rounded in place to bfloat16 or float16 (as `rounding` says), kept float32."""
-    if rounding == BFLOAT16:
-        bits = x.view(np.uint32)
-        round_to_bfloat16(bits, bits)
-    elif rounding == FLOAT16:
-        for i in range(x.shape[0]):
-            x[i] = float16_widened(float16_rounded(x[i]))
-
-
-@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
 def product(parts, x, bias, rounding, out):  # pragma: no cover (compiled)
-    """out (sum out_i,) = the parts stacked along out @ x (in,) (+ bias), each output one dot
-    product of a weight row, the rows split between the threads; x and the output rounded as
-    `rounding` says."""
+    """out (N, sum out_i) = x (N, in) @ the parts stacked along out, transposed (+ bias): each
+    weight row read once and dotted with every row of x (four at a time), the weight rows split
+    between the threads; x and the output rounded as `rounding` says."""
+    rows = x.shape[0]
     if rounding != NONE:
         x = x.copy()
-        round_in_place(x, rounding)
+        round_in_place(x.reshape(x.size), rounding)
     start = 0
     for part in parts:
-        rows = part.shape[0]
-        for i in prange(rows):
-            out[start + i] = row_dot(part, i, x)
-        start += rows
+        for i in prange(part.shape[0]):
+            n = 0
+            while n + 4 <= rows:  # one pass over the weight row for four rows of x
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                for j in range(part.shape[1]):
+                    w = widened(part[i, j])
+                    a0 += w * x[n, j]
+                    a1 += w * x[n + 1, j]
+                    a2 += w * x[n + 2, j]
+                    a3 += w * x[n + 3, j]
+                out[n, start + i] = a0
+                out[n + 1, start + i] = a1
+                out[n + 2, start + i] = a2
+                out[n + 3, start + i] = a3
+                n += 4
+            while n < rows:
+                out[n, start + i] = row_dot(part, i, x, n)
+                n += 1
+        start += part.shape[0]
     if bias.shape[0]:
-        for i in range(out.shape[0]):
-            out[i] += bias[i]
-    round_in_place(out, rounding)
+        for n in range(rows):
+            for i in range(out.shape[1]):
+                out[n, i] += bias[i]
+    round_in_place(out.reshape(out.size), rounding)
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
 def rms_normed(x, weight, eps, out):  # pragma: no cover (compiled)
-    """out (n,) = x (n,) / rms(x) * weight (n,)."""
-    squares = np.float32(0.0)
-    for i in range(x.shape[0]):
-        squares += x[i] * x[i]
-    inverse = np.float32(1.0 / np.sqrt(squares / x.shape[0] + eps))
-    for i in range(x.shape[0]):
-        out[i] = x[i] * weight[i] * inverse
+    """out (N, n) = each row of x (N, n) / its rms * weight (n,)."""
+    for row in range(x.shape[0]):
+        squares = np.float32(0.0)
+        for i in range(x.shape[1]):
+            squares += x[row, i] * x[row, i]
+        inverse = np.float32(1.0 / np.sqrt(squares / x.shape[1] + eps))
+        for i in range(x.shape[1]):
+            out[row, i] = x[row, i] * weight[i] * inverse
 
 
 @numba.njit(**KERNEL)
 def normed_product(x, norm, eps, parts, bias, rounding, out):  # pragma: no cover (compiled)
-    """out = product(parts, rms_normed(x, norm), bias): the final norm and lm_head."""
-    normed = np.empty(x.shape[0], np.float32)
+    """out (N, out) = product(parts, rms_normed(x (N, hidden), norm), bias): the final norm and
+    lm_head."""
+    normed = np.empty(x.shape, np.float32)
     rms_normed(x, norm, eps, normed)
     product(parts, normed, bias, rounding, out)
 
@@ -174,151 +123,212 @@ def stacked_product(parts, x, bias, rounding, out):  # pragma: no cover (compile
     product(parts, x, bias, rounding, out)
 
 
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def turned(qkv, cos, signed_sin, q_norm, k_norm, eps, scale, heads, kv_heads):  # pragma: no cover
+    """In place on qkv (N, (H + 2·H_kv)·D): each q and k head normed (q_norm, k_norm (D,) or
+    empty), turned by RoPE (x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, cos and signed_sin
+    (N, D): each row's position) and the queries multiplied by `scale`."""
+    dim = cos.shape[1]
+    half = dim // 2
+    work = np.empty(dim, np.float32)
+    for row in range(qkv.shape[0]):
+        for head in range(heads + kv_heads):
+            at = qkv[row, head * dim:(head + 1) * dim]
+            if q_norm.shape[0]:
+                squares = np.float32(0.0)
+                for i in range(dim):
+                    squares += at[i] * at[i]
+                inverse = np.float32(1.0 / np.sqrt(squares / dim + eps))
+                weight = q_norm if head < heads else k_norm
+                for i in range(dim):
+                    at[i] = at[i] * weight[i] * inverse
+            factor = scale if head < heads else np.float32(1.0)
+            for i in range(dim):
+                work[i] = at[i] * cos[row, i] + at[(i + half) % dim] * signed_sin[row, i]
+            for i in range(dim):
+                at[i] = work[i] * factor
+
+
 @numba.njit(**KERNEL)
 def attention_inputs(
     x, norm, eps, parts, bias, q_norm, k_norm, cos, signed_sin, scale, heads, kv_heads, rounding, qkv
 ):  # pragma: no cover (compiled)
-    """qkv ((H + 2·H_kv)·D,) = one row's queries, keys and values: x (hidden,) normed, through
-    the fused q/k/v product (+ bias), each q and k head normed (q_norm, k_norm (D,) or empty),
-    turned by RoPE (x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, cos and signed_sin (D,) of the
-    row's position) and the queries multiplied by `scale`."""
-    normed = np.empty(x.shape[0], np.float32)
+    """qkv (N, (H + 2·H_kv)·D) = N rows' queries, keys and values: x (N, hidden) normed, through
+    the fused q/k/v product (+ bias), then `turned` (per-head norms, RoPE at each row's position,
+    the queries' scale)."""
+    normed = np.empty(x.shape, np.float32)
     rms_normed(x, norm, eps, normed)
     product(parts, normed, bias, rounding, qkv)
-    dim = cos.shape[0]
-    half = dim // 2
-    turned = np.empty(dim, np.float32)
-    for head in range(heads + kv_heads):
-        at = qkv[head * dim:(head + 1) * dim]
-        if q_norm.shape[0]:
-            rms_normed(at, q_norm if head < heads else k_norm, eps, turned)
-            for i in range(dim):
-                at[i] = turned[i]
-        factor = scale if head < heads else np.float32(1.0)
-        for i in range(dim):
-            turned[i] = at[i] * cos[i] + at[(i + half) % dim] * signed_sin[i]
-        for i in range(dim):
-            at[i] = turned[i] * factor
+    turned(qkv, cos, signed_sin, q_norm, k_norm, eps, scale, heads, kv_heads)
+
+
+@numba.njit(**SERIAL)
+def rope(qkv, cos, signed_sin, q_norm, k_norm, eps, scale, heads, kv_heads):  # pragma: no cover
+    """`turned` on its own: qkv computed by another library's product."""
+    turned(qkv, cos, signed_sin, q_norm, k_norm, eps, scale, heads, kv_heads)
+
+
+@numba.njit(**SERIAL)
+def store(qkv, heads, kv_heads, slots, keys, values):  # pragma: no cover (compiled)
+    """Write each row's keys and values (qkv (N, (H + 2·H_kv)·D) after `turned`) into a paged
+    cache's storage, keys and values (blocks·S·H_kv, D) in its dtype: row n's kv head h at row
+    slots[n]·H_kv + h."""
+    dim = keys.shape[1]
+    for row in range(qkv.shape[0]):
+        for h in range(kv_heads):
+            target = slots[row] * kv_heads + h
+            key_at = (heads + h) * dim
+            value_at = (heads + kv_heads + h) * dim
+            for d in range(dim):
+                keys[target, d] = narrowed(qkv[row, key_at + d], keys[0, 0])
+                values[target, d] = narrowed(qkv[row, value_at + d], values[0, 0])
 
 
 #: keys one attention task scores: a kv head's keys are split into chunks of this many, scored
 #: in parallel and their softmax parts combined (as flash attention does), so a long cache keeps
 #: every thread busy whatever the number of kv heads
 CHUNK = 128
+#: where `attend` finds a layout's numbers: (block size, token stride, key head stride, value
+#: head stride, window or 0)
+BLOCK, TOKEN_STRIDE, KEY_HEAD_STRIDE, VALUE_HEAD_STRIDE, WINDOW = 0, 1, 2, 3, 4
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def first_key(length, window):  # pragma: no cover (compiled)
+    """The first key a query seeing `length` keys attends to (its window's, or 0)."""
+    return max(0, length - window) if window > 0 else 0
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
 def attend(
-    qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, key_rounding, out
+    qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, out
 ):  # pragma: no cover (compiled)
-    """out (H·D,) = each query head of qkv's over its kv head's `length` keys and values:
-    softmax(q·kᵀ)·V, the keys where visible (T,) is False (when not empty) scored -inf. keys and
-    values are rows (R, D), float32, bfloat16 bits (uint16) or float16 bits (int16), kv head h's key t at row
-    h·key_step + t (its value at h·value_step + t). Each (kv head, CHUNK keys) is one task for
-    the threads, its group of queries scored together; the tasks' softmax parts are combined as
-    flash attention combines them. The queries are rounded first as `key_rounding` says (the
-    keys' dtype), as the torch forward's attention in that dtype reads them."""
-    dim = keys.shape[1]
-    group = heads // kv_heads
-    chunks = (length + CHUNK - 1) // CHUNK
-    queries = np.empty((heads, dim), np.float32)
-    for h in range(heads):
-        for d in range(dim):
-            queries[h, d] = qkv[h * dim + d]
-    round_in_place(queries.reshape(heads * dim), key_rounding)
-    tops = np.empty((kv_heads, chunks, group), np.float32)  # each task's top score per query
-    sums = np.empty((kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
-    parts = np.empty((kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
-    for task in prange(kv_heads * chunks):
-        kv = task // chunks
-        chunk = task % chunks
-        lo = chunk * CHUNK
-        count = min(length, lo + CHUNK) - lo
-        first_key = kv * key_step + lo  # the chunk's first rows
-        first_value = kv * value_step + lo
-        group_queries = queries[kv * group:(kv + 1) * group]
-        scores = np.empty((count, group), np.float32)
-        for t in range(count):  # each key read once for the group's queries
-            if visible.shape[0] == 0 or visible[lo + t]:
-                key = keys[first_key + t]
-                for g in range(group):
-                    score = np.float32(0.0)
-                    for d in range(dim):
-                        score += group_queries[g, d] * widened(key[d])
-                    scores[t, g] = score
-            else:
-                for g in range(group):
-                    scores[t, g] = -np.inf
-        for g in range(group):
-            top = np.float32(-np.inf)
-            for t in range(count):
-                top = max(top, scores[t, g])
-            total = np.float32(0.0)
-            for t in range(count):  # (every key of the chunk masked: weights 0, not nan)
-                weight = np.exp(scores[t, g] - top) if top != -np.inf else np.float32(0.0)
-                scores[t, g] = weight
-                total += weight
-            tops[kv, chunk, g] = top
-            sums[kv, chunk, g] = total
-        summed = np.zeros((group, dim), np.float32)
-        for t in range(count):  # each value read once for the group's queries
-            value = values[first_value + t]
+    """out (N, H·D) = each query head of qkv's rows (N, ...) over its kv head's keys and values:
+    softmax(q·kᵀ)·V. Row n sees keys first_key(lengths[n], window) .. lengths[n] - 1 of table
+    row token_row[n]; with one row, keys where visible (T,) is False (when not empty) are scored
+    -inf. Keys and values are rows (R, D), float32, bfloat16 bits (uint16) or float16 bits
+    (int16), found through `tables` (see the module docstring; `layout` holds the block size,
+    strides and window). Each (row, kv head, CHUNK keys) is one task for the threads, its group
+    of queries scored together; the tasks' softmax parts are combined as flash attention combines
+    them. The queries are rounded first as `key_rounding` says (the keys' dtype), as the torch
+    forward's attention in that dtype reads them."""
+    tokens, dim, group = qkv.shape[0], keys.shape[1], heads // kv_heads
+    size, step, window = layout[BLOCK], layout[TOKEN_STRIDE], layout[WINDOW]
+    span = 1
+    for n in range(tokens):
+        span = max(span, lengths[n] - first_key(lengths[n], window))
+    chunks = (span + CHUNK - 1) // CHUNK
+    queries = np.empty((tokens, heads * dim), np.float32)
+    queries[:] = qkv[:, :heads * dim]
+    round_in_place(queries.reshape(queries.size), key_rounding)
+    tops = np.full((tokens, kv_heads, chunks, group), -np.inf, np.float32)  # each task's top score
+    sums = np.zeros((tokens, kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
+    parts = np.zeros((tokens, kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
+    for task in prange(tokens * kv_heads * chunks):
+        n, kv, chunk = task // (kv_heads * chunks), task // chunks % kv_heads, task % chunks
+        lo = first_key(lengths[n], window) + chunk * CHUNK
+        count = min(lengths[n], lo + CHUNK) - lo
+        if count > 0:
+            table = tables[token_row[n]]
+            scores = np.empty((count, group), np.float32)
+            for t in range(count):  # each key read once for the group's queries
+                at = lo + t
+                if visible.shape[0] == 0 or visible[at]:
+                    slot = table[at // size] * size + at % size
+                    key = keys[slot * step + kv * layout[KEY_HEAD_STRIDE]]
+                    for g in range(group):
+                        score = np.float32(0.0)
+                        base = (kv * group + g) * dim
+                        for d in range(dim):
+                            score += queries[n, base + d] * widened(key[d])
+                        scores[t, g] = score
+                else:
+                    for g in range(group):
+                        scores[t, g] = -np.inf
             for g in range(group):
-                weight = scores[t, g]
-                if weight != 0.0:  # (a masked key's value is never read: it may be unwritten)
-                    for d in range(dim):
-                        summed[g, d] += weight * widened(value[d])
-        for g in range(group):
+                top = np.float32(-np.inf)
+                for t in range(count):
+                    top = max(top, scores[t, g])
+                total = np.float32(0.0)
+                for t in range(count):  # (every key of the chunk masked: weights 0, not nan)
+                    weight = np.exp(scores[t, g] - top) if top != -np.inf else np.float32(0.0)
+                    scores[t, g] = weight
+                    total += weight
+                tops[n, kv, chunk, g] = top
+                sums[n, kv, chunk, g] = total
+            for t in range(count):  # each value read once for the group's queries
+                at = lo + t
+                slot = table[at // size] * size + at % size
+                value = values[slot * step + kv * layout[VALUE_HEAD_STRIDE]]
+                for g in range(group):
+                    weight = scores[t, g]
+                    if weight != 0.0:  # (a masked key's value is never read: it may be unwritten)
+                        for d in range(dim):
+                            parts[n, kv, chunk, g, d] += weight * widened(value[d])
+    combine(tops, sums, parts, out)
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def combine(tops, sums, parts, out):  # pragma: no cover (compiled)
+    """out (N, H·D): each query head's chunks' softmax parts rescaled to its top score, summed and
+    divided by their weights' sum (every key masked: top -inf, the output nan, as torch's)."""
+    tokens, kv_heads, chunks, group, dim = parts.shape
+    for n in range(tokens):
+        for head in range(kv_heads * group):
+            kv, g = head // group, head % group
+            top = np.float32(-np.inf)
+            for chunk in range(chunks):
+                top = max(top, tops[n, kv, chunk, g])
+            total = np.float32(0.0)
             for d in range(dim):
-                parts[kv, chunk, g, d] = summed[g, d]
-    for head in range(heads):  # the chunks' parts, rescaled to the head's top score, summed
-        kv = head // group
-        g = head % group
-        top = np.float32(-np.inf)
-        for chunk in range(chunks):
-            top = max(top, tops[kv, chunk, g])
-        total = np.float32(0.0)
-        for d in range(dim):
-            out[head * dim + d] = 0.0
-        for chunk in range(chunks):  # (every key masked: top -inf, the output nan, as torch's)
-            factor = np.exp(tops[kv, chunk, g] - top)
-            total += factor * sums[kv, chunk, g]
+                out[n, head * dim + d] = 0.0
+            for chunk in range(chunks):
+                factor = np.exp(tops[n, kv, chunk, g] - top)
+                total += factor * sums[n, kv, chunk, g]
+                for d in range(dim):
+                    out[n, head * dim + d] += factor * parts[n, kv, chunk, g, d]
             for d in range(dim):
-                out[head * dim + d] += factor * parts[kv, chunk, g, d]
-        for d in range(dim):
-            out[head * dim + d] /= total
+                out[n, head * dim + d] /= total
+
+
+@numba.njit(**KERNEL)
+def attention(
+    qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, out
+):  # pragma: no cover (compiled)
+    """`attend` on its own (a step whose products another library runs)."""
+    attend(qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, out)
 
 
 @numba.njit(**KERNEL)
 def layer_output(
-    x, qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, key_rounding,
+    x, qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding,
     o, o_bias, norm, eps, gate_up, gate_up_bias, down, down_bias, rounding,
 ):  # pragma: no cover (compiled)
-    """x (hidden,) += the layer's attention output through o (+ bias), then += the SwiGLU of
+    """x (N, hidden) += the layer's attention output through o (+ bias), then += the SwiGLU of
     its norm (gate/up stacked: gate's outputs, then up's; silu(gate)·up through down), in
-    place; qkv, keys, values, their steps, length, visible and key_rounding as `attend` reads them."""
-    hidden = x.shape[0]
-    attended = np.empty(heads * keys.shape[1], np.float32)
-    attend(qkv, heads, kv_heads, keys, key_step, values, value_step, length, visible, key_rounding, attended)
-    projected = np.empty(hidden, np.float32)
+    place; qkv and the keys, values and their addressing as `attend` reads them."""
+    tokens, hidden = x.shape
+    attended = np.empty((tokens, heads * keys.shape[1]), np.float32)
+    attend(qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding,
+           attended)
+    projected = np.empty((tokens, hidden), np.float32)
     product(o, attended, o_bias, rounding, projected)
-    for i in range(hidden):
-        x[i] += projected[i]
-    normed = np.empty(hidden, np.float32)
+    x += projected
+    normed = np.empty((tokens, hidden), np.float32)
     rms_normed(x, norm, eps, normed)
     inner = 0
     for part in gate_up:
         inner += part.shape[0]
-    both = np.empty(inner, np.float32)
+    both = np.empty((tokens, inner), np.float32)
     product(gate_up, normed, gate_up_bias, rounding, both)
     inner //= 2
-    act = np.empty(inner, np.float32)
-    for i in range(inner):
-        gate = both[i]
-        act[i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[inner + i]
+    act = np.empty((tokens, inner), np.float32)
+    for n in range(tokens):
+        for i in range(inner):
+            gate = both[n, i]
+            act[n, i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[n, inner + i]
     product(down, act, down_bias, rounding, projected)
-    for i in range(hidden):
-        x[i] += projected[i]
+    x += projected
 
 
 @numba.njit(**KERNEL)
@@ -326,4 +336,7 @@ def matvec_check(weight, x, out):  # pragma: no cover (compiled)
     """out (n,) = weight (n, k) @ x (k,): a tiny parallel loop `available` runs to start numba's
     pool and read which threading layer it got."""
     for i in prange(weight.shape[0]):
-        out[i] = row_dot(weight, i, x)
+        total = np.float32(0.0)
+        for j in range(weight.shape[1]):
+            total += weight[i, j] * x[j]
+        out[i] = total

@@ -51,7 +51,11 @@ def available() -> bool:
     found = kernels()
     if found is None:
         return False
+    threads = torch.get_num_threads()
     found.matvec_check(np.ones((4, 4), np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
+    # numba's OpenMP pool, started by that first kernel, sets the OpenMP runtime's thread count
+    # (torch's, which shares the runtime) to numba's own: the caller's count is put back
+    torch.set_num_threads(threads)
     import numba
 
     return numba.threading_layer() in FAST_LAYERS
@@ -108,15 +112,16 @@ def bfloat16_bits_of(x: np.ndarray) -> np.ndarray:
 def product(
     x: np.ndarray, parts: tuple, bias: np.ndarray | None = None, dtype: torch.dtype = torch.float32
 ) -> np.ndarray:
-    """x (in,) float32 through a weight of `dtype` given as parts stacked along out (each (out_i,
-    in) row-major: float32, or half precision as `half_bits`) (+ bias
-    (sum out_i,) float32) -> (sum out_i,) float32, a new array: each output one dot product
+    """x (in,) or (N, in) float32 through a weight of `dtype` given as parts stacked along out
+    (each (out_i, in) row-major: float32, or half precision as `half_bits`) (+ bias (sum out_i,)
+    float32) -> (sum out_i,) or (N, sum out_i) float32, a new array: each output one dot product
     summed in float32; in half precision x rounded to `dtype` first and the output after, as
     oneDNN's (and torch's) half-precision product computes. The kernels' own product, on its
     own. Call `available()` first."""
-    out = np.empty(sum(part.shape[0] for part in parts), np.float32)
-    kernels().stacked_product(parts, np.ascontiguousarray(x), _vector(bias), rounding_of(dtype), out)
-    return out
+    rows = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])  # (N, in)
+    out = np.empty((rows.shape[0], sum(part.shape[0] for part in parts)), np.float32)
+    kernels().stacked_product(parts, rows, _vector(bias), rounding_of(dtype), out)
+    return out.reshape(*x.shape[:-1], out.shape[1])
 
 
 def row_product(parts: tuple, bias: np.ndarray | None) -> tuple[tuple, np.ndarray]:
@@ -158,6 +163,26 @@ class RowLayer:
             qkv, _vector(qkv_bias), o, _vector(o_bias),
             gate_up, _vector(gate_up_bias), down, _vector(down_bias),
         )
+
+
+#: a block size no cache reaches: a cache buffer's rows are one block to the kernels' attention
+WHOLE = 1 << 62
+_ONE_TABLE = np.zeros((1, 1), np.int64)  # one table row, its one block the buffer's rows
+_FIRST_ROW = np.zeros(1, np.int64)
+
+
+def buffer_layout(length: int, key_step: int, value_step: int) -> tuple[tuple, np.ndarray]:
+    """How the kernels' attention (`numba_kernels.attend`) finds one row's `length` keys and
+    values in rows of a cache buffer (`stored_rows`: kv head h's token t at row h·step + t):
+    ((tables, token_row, lengths), layout)."""
+    table = (_ONE_TABLE, _FIRST_ROW, np.array([length], np.int64))
+    return table, np.array([WHOLE, 1, key_step, value_step, 0], np.int64)
+
+
+def paged_layout(block_size: int, kv_heads: int, window: int | None) -> np.ndarray:
+    """How the kernels' attention finds keys in a paged cache's storage (blocks·S·H_kv, D):
+    slot s's kv head h at row s·H_kv + h; `window` (None: every key) as the layer attends."""
+    return np.array([block_size, kv_heads, 1, 1, window or 0], np.int64)
 
 
 def stored_rows(stored: np.ndarray) -> tuple[np.ndarray, int]:

@@ -68,7 +68,7 @@ class NumpyBackend(ArrayStep):
         self.final_norm = self.weights.final_norm
         self.lm_head = self.weights.lm_head
         if numba:  # the kernels read the same row-major arrays: (out, in) is (in, out).T
-            self._row_layers = [
+            self.row_layers = [
                 numba_products.RowLayer.of(w, [
                     ((w.qkv.T,), w.qkv_bias), ((w.o.T,), w.o_bias),
                     ((w.gate_up.T,), w.gate_up_bias), ((w.down.T,), w.down_bias),
@@ -95,7 +95,7 @@ class NumpyBackend(ArrayStep):
             self._laid_out_versions = versions
         return self._laid_out
 
-    def _products(self, batch: int):
+    def products(self, batch: int):
         """Numpy's products for one row (numba's kernels run their own); oneDNN's on its copy
         for several."""
         copy = self._oneDNN_copy() if batch > 1 else None
@@ -134,7 +134,7 @@ class NumpyBackend(ArrayStep):
         """x (B, in) through oneDNN's packed float32 product -> (B, out)."""
         return onednn.product(x, weight, bias, torch.float32)
 
-    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+    def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
         return self.weights.embed[token_ids]  # (B, hidden), a copy
 
     def _store(self, cache, k, v, index):

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 import torch
 
 from .arrays import array_of, tensor_of
+from .blocks import HOLE
 from .checks import check_kv_pair, where
 from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 from .layer import CacheLayer, normal_tensors
@@ -138,6 +139,17 @@ class PagedLayer(CacheLayer):
             write_and_gather(self._values, v, step, value_scratch),
         )
 
+    def storage_rows(self):
+        """The layer's whole storage as numpy rows, views: keys (blocks·S·H_kv, D) and values
+        (…, D_v), bfloat16 as its bits (uint16, `arrays`); slot s's kv head h is row s·H_kv + h.
+        None before it is allocated, off the CPU, or in a dtype numpy lacks (what a step that
+        reads and writes the blocks in place needs)."""
+        arrays = self._buffer_arrays()
+        if arrays is None:
+            return None
+        keys, values = arrays
+        return keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])
+
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (T, H_kv, D) and values (T, H_kv, D_v) at storage `slots` (T,), copies."""
         assert self._keys is not None and self._values is not None
@@ -174,16 +186,21 @@ class PagedLayer(CacheLayer):
 
     def _gather(self, storage: torch.Tensor | None) -> torch.Tensor | None:
         """Each row's rows of `storage` (B, H_kv, T, D), right-padded with zeros: every token, or a
-        windowed layer's last `window`."""
+        windowed layer's last `window` that its blocks still hold (the window's first block may
+        be given back already: the next query needs only the last window - 1)."""
         cache = self._cache
         lengths = cache.row_lengths
         if storage is None or not lengths or max(lengths) == 0:
             return None
-        window = self.window
-        slots = [
-            self.allocator.slots(seq, 0 if window is None else max(0, n - window), n)
-            for seq, n in zip(cache.rows, lengths)
-        ]
+        window, size = self.window, cache.block_size
+        slots = []
+        for seq, n in zip(cache.rows, lengths):
+            start = 0
+            if window is not None:
+                table = self.allocator.sequence(seq).table
+                held = next((index for index, block in enumerate(table) if block != HOLE), len(table))
+                start = max(0, n - window, held * size)
+            slots.append(self.allocator.slots(seq, start, n))
         return gather_rows(storage, slots)
 
     @property

@@ -1,0 +1,139 @@
+"""The engine's step on numba's kernels: every row of a `PagedBatch` (decode rows and prompt chunks
+alike) in one pass over the weights, attention reading the paged blocks in place.
+
+The batch's new tokens become the kernels' N rows, each with its position, its row's block table
+and its slot in every group of layers; each token's keys and values are written straight into
+their slots (`numba_kernels.store`) and attention reads every row's keys and values through its
+block table (`numba_kernels.attend`): no gather of any row's context. Up to the step's
+`kernel_rows` tokens every product is the kernels' (a layer in two calls, as one decode row of
+`generate`, reading each weight once for all rows); a step of more tokens (a prompt chunk) runs
+its products on the backend's products for many rows (`ArrayStep.products`: oneDNN's), with the
+kernels between them. Only the rows that sample get logits (the final norm and lm_head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcache.backends import numba_products
+from kvcache.backends.rows import rms_norm, swiglu
+from kvcache.backends.threads import torch_threads
+
+_NO_MASK = np.empty(0, np.bool_)  # the kernels' "every key the layout allows"
+
+
+@dataclass
+class TokenRows:
+    """A batch's new tokens as the kernels' N rows."""
+
+    ids: np.ndarray  # (N,) token ids
+    positions: np.ndarray  # (N,)
+    table_row: np.ndarray  # (N,) int64: each token's batch row (its row of the block tables)
+    lengths: np.ndarray  # (N,) int64: the keys each token sees, its position + 1
+    last: np.ndarray  # (S,) the token index of each sampling row's last token
+    groups: list[tuple[np.ndarray, np.ndarray]]  # per group of layers: (tables (R, W), slots (N,))
+
+
+def token_rows(batch) -> TokenRows:
+    """`batch`'s tokens laid out for the kernels, with every group's block tables and slots."""
+    cache = batch.cache
+    counts = np.array([len(tokens) for tokens in batch.tokens])
+    ids = np.fromiter((token for tokens in batch.tokens for token in tokens), np.int64, int(counts.sum()))
+    table_row = np.repeat(np.arange(len(counts)), counts)
+    firsts = np.cumsum(counts) - counts  # each row's first token index
+    positions = np.arange(len(ids)) - np.repeat(firsts, counts) + np.repeat(batch.starts, counts)
+    size = cache.block_size
+    groups = []
+    for allocator in cache.allocators:
+        held = [allocator.sequence(cache.rows[row]).table for row in batch.rows]
+        tables = np.zeros((len(held), max(map(len, held))), np.int64)  # (holes before windows: 0, never read)
+        for row, table in enumerate(held):
+            tables[row, : len(table)] = np.maximum(table, 0)
+        slots = tables[table_row, positions // size] * size + positions % size
+        groups.append((tables, slots))
+    last = (firsts + counts - 1)[batch.sampled]
+    return TokenRows(ids, positions, table_row, positions + 1, last, groups)
+
+
+def run(step, batch) -> torch.Tensor:
+    """(sampling rows, vocab) float32 logits of one engine step of `step` (an `ArrayStep` whose
+    `row_layers` are set) over `batch`, every row's keys and values written to its slots."""
+    rows = token_rows(batch)
+    count = len(rows.ids)
+    on_kernels = count <= step.kernel_rows
+    cache = batch.cache
+    storages = [layer.storage_rows() for layer in cache.layers]
+    if any(storage is None for storage in storages):
+        raise ValueError("the kernels read a paged cache's blocks in place: its storage must be on the CPU")
+    storages = [tuple(numba_products.as_kernel_array(a) for a in storage) for storage in storages]
+    layouts = [
+        numba_products.paged_layout(cache.block_size, step.kv_heads, window)
+        for window in step.config.layer_windows
+    ]
+    groups = [rows.groups[layer.group] for layer in cache.layers]
+    threads = torch.get_num_threads()
+    with torch_threads(1 if on_kernels else None):
+        numba_products.set_threads(threads)
+        x = step.embed_rows(rows.ids)  # (N, hidden)
+        cos, signed_sin = step.rope_rows(rows.positions)  # (N, D) each
+        layers = _on_kernels if on_kernels else _with_products
+        layers(step, x, cos, signed_sin, rows, storages, layouts, groups)
+        return torch.from_numpy(_logits(step, x[rows.last]))
+
+
+def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups) -> None:
+    """Every layer on the kernels: `attention_inputs`, `store`, `layer_output` (x in place)."""
+    kernels = numba_products.kernels()
+    heads, kv_heads, dim, eps = step.heads, step.kv_heads, step.head_dim, step.eps
+    layers, _, rounding = step.row_layers
+    for w, (keys, values), layout, (tables, slots) in zip(layers, storages, layouts, groups):
+        qkv = np.empty((len(x), (heads + 2 * kv_heads) * dim), np.float32)
+        kernels.attention_inputs(
+            x, w.norm1, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, signed_sin,
+            step.scale, heads, kv_heads, rounding, qkv,
+        )
+        kernels.store(qkv, heads, kv_heads, slots, keys, values)
+        kernels.layer_output(
+            x, qkv, heads, kv_heads, keys, values, tables, rows.table_row, rows.lengths, layout,
+            _NO_MASK, numba_products.key_rounding(keys),
+            w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, rounding,
+        )
+
+
+def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups) -> None:
+    """Every layer's products on the backend's products for many rows, the kernels between them
+    (`rope`, `store`, `attention`), x in place."""
+    kernels = numba_products.kernels()
+    heads, kv_heads, eps = step.heads, step.kv_heads, step.eps
+    kernel_layers, _, _ = step.row_layers
+    layers, _, linear = step.products(len(x))
+    for w, norms, (keys, values), layout, (tables, slots) in zip(
+        layers, kernel_layers, storages, layouts, groups
+    ):
+        qkv = linear(rms_norm(x, w.norm1, eps), w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
+        kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
+        kernels.store(qkv, heads, kv_heads, slots, keys, values)
+        attended = np.empty((len(x), heads * step.head_dim), np.float32)
+        kernels.attention(
+            qkv, heads, kv_heads, keys, values, tables, rows.table_row, rows.lengths, layout,
+            _NO_MASK, numba_products.key_rounding(keys), attended,
+        )
+        x += linear(attended, w.o, w.o_bias)
+        x += linear(swiglu(linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+
+
+def _logits(step, x: np.ndarray) -> np.ndarray:
+    """(S, vocab) logits of the sampling rows' last hidden states x (S, hidden)."""
+    if len(x) == 0:
+        return np.empty((0, step.vocab), np.float32)
+    if len(x) <= step.kernel_rows:
+        _, (head_parts, head_bias), rounding = step.row_layers
+        logits = np.empty((len(x), sum(part.shape[0] for part in head_parts)), np.float32)
+        numba_products.kernels().normed_product(x, step.final_norm, step.eps, head_parts, head_bias,
+                                                rounding, logits)
+        return logits
+    _, lm_head, linear = step.products(len(x))
+    return linear(rms_norm(x, step.final_norm, step.eps), lm_head, None)

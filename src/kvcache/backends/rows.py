@@ -1,0 +1,37 @@
+"""numpy operations on float32 rows that the array steps share (`array_step`, `paged_step`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (rows, n) / rms(x) * weight (n,), float32 (a new array)."""
+    if x.shape[0] == 1:
+        row = x[0]
+        inverse_rms = 1.0 / math.sqrt(float(row @ row) / row.shape[0] + eps)  # a Python float
+        out = x * weight
+        out *= inverse_rms
+        return out
+    squares = np.add.reduce(x * x, axis=-1, keepdims=True)  # (rows, 1)
+    squares *= 1.0 / x.shape[-1]
+    squares += eps
+    np.sqrt(squares, out=squares)
+    out = x / squares
+    out *= weight
+    return out
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """silu(gate)·up of gate_up (rows, 2·inner) (gate's outputs, then up's) -> (rows, inner)."""
+    inner = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :inner], gate_up[:, inner:]
+    with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
+        act = np.negative(gate)
+        np.exp(act, out=act)
+    act += 1.0
+    np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
+    act *= up
+    return act

@@ -1,0 +1,135 @@
+"""The engine's step on numba's kernels (`paged_step`: every row of a batch in one pass, keys and
+values written to their slots and read through the block tables in place) against the model's
+forward on the same blocks (`torch_step.forward_rows`), on random batches: rows at their own
+lengths, decode rows beside prompt chunks, few tokens (every product the kernels') and many (the
+products on oneDNN), shuffled block tables, GQA groups, a sliding window, q/k norms, biases.
+float32 logits and stored keys equal the forward's; bfloat16 and float16 ones lie within the
+forward's own error of a float32 forward of the same weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import OwnErrors, random_model, tiny_config
+
+from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend, numba_products
+from kvcache.cache import PagedBatch, PagedCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = {
+    "llama, 2 groups": dict(),
+    "mistral, window 7": dict(model_type="mistral", sliding_window=7),
+    "qwen3 (q/k norms)": dict(model_type="qwen3", head_dim=16),
+    "qwen2 (biases), 1 kv head": dict(model_type="qwen2", num_key_value_heads=1),
+}
+BLOCK = 4
+
+
+def step(backend, model, cache: PagedCache, rows: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    """One engine step as the engine's pool runs it: every row's blocks reserved, the backend's
+    step, the positions committed, the new tokens declared; the logits of every row."""
+    batch = PagedBatch(cache, rows, tokens, [True] * len(rows))
+    seqs = [cache.rows[row] for row in rows]
+    for allocator in cache.allocators:
+        assert not allocator.reserve(seqs, batch.totals)  # (no shared partial block: no copy)
+    with torch.inference_mode():
+        logits = backend.step(model, batch)
+    for seq, total in zip(seqs, batch.totals):
+        for allocator in cache.allocators:
+            allocator.commit(seq, total)
+    for row, new in zip(rows, tokens):
+        cache.declare_tokens(row, new)
+    return logits
+
+
+def scenario(seed: int, rows: int, vocab: int) -> list[list[list[int]]]:
+    """Steps of a batch: each a list of the new tokens of every row (prompts first: chunks of
+    1-20 tokens, rows joining at different steps; then single tokens)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(rows)]
+    steps, held = [], [0] * rows
+    while any(held[row] < len(prompts[row]) for row in range(rows)):
+        chunk = []
+        for row in range(rows):
+            count = min(rng.randint(1, 20), len(prompts[row]) - held[row])
+            chunk.append(prompts[row][held[row]: held[row] + count] if count > 0 else [rng.randrange(vocab)])
+            held[row] += max(count, 0)
+        steps.append(chunk)
+    steps += [[[rng.randrange(vocab)] for _ in range(rows)] for _ in range(3)]
+    return steps
+
+
+def shuffled_cache(model, rows: int, seed: int) -> PagedCache:
+    """A PagedCache of `rows` rows whose free blocks are handed out in a shuffled order (so no
+    row's blocks are consecutive): every block taken by a sequence of its own, then given back
+    in a random order."""
+    cache = PagedCache(96, BLOCK, config=model.config, dtype=model.dtype)
+    for allocator in cache.allocators:
+        spacers = [("spacer", index) for index in range(allocator.num_blocks)]
+        for spacer in spacers:
+            allocator.add_sequence(spacer, [])
+            allocator.reserve([spacer], [BLOCK])
+        random.Random(seed).shuffle(spacers)
+        for spacer in spacers:
+            allocator.free_sequence(spacer)
+    for _ in range(rows):
+        cache.add_sequence()
+    return cache
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(list(FAMILIES)), seed=st.integers(0, 2**16), rows=st.integers(1, 5),
+       kernel_rows=st.sampled_from([1 << 30, 4]))
+def test_float32_steps_equal_the_forward_on_the_same_blocks(family, seed, rows, kernel_rows):
+    assert numba_products.available()
+    model = random_model(tiny_config(**FAMILIES[family]), seed % 7)
+    ours, theirs = NumpyBackend(model), TorchBackend(model)
+    ours.kernel_rows = kernel_rows  # 4: steps of more tokens run their products on oneDNN
+    mine, reference = shuffled_cache(model, rows, seed), shuffled_cache(model, rows, seed)
+    for tokens in scenario(seed, rows, model.config.vocab_size):
+        picked = list(range(rows))
+        got = step(ours, model, mine, picked, tokens)
+        expected = step(theirs, model, reference, picked, tokens)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for layer, other in zip(mine.layers, reference.layers):
+        torch.testing.assert_close(layer.keys, other.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, other.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_half_steps_lie_within_the_forwards_own_error(family, dtype):
+    config = tiny_config(**FAMILIES[family])
+    exact = random_model(config, 4)
+    model = random_model(config, 4).to(dtype)
+    ours, theirs, truth = HalfBackend(model), TorchBackend(model), TorchBackend(exact)
+    caches = [shuffled_cache(m, 3, 5) for m in (model, model, exact)]
+    errors = OwnErrors(dtype)
+    for kernel_rows in (1 << 30, 4):
+        ours.kernel_rows = kernel_rows
+        caches = [shuffled_cache(m, 3, 5) for m in (model, model, exact)]
+        for tokens in scenario(kernel_rows % 97, 3, config.vocab_size):
+            logits = [step(backend, m, cache, [0, 1, 2], tokens)
+                      for backend, m, cache in zip((ours, theirs, truth), (model, model, exact), caches)]
+            errors.add(logits[0], logits[1], logits[2])
+    errors.check()
+
+
+def test_a_row_that_does_not_sample_gets_no_logits_and_its_keys_are_stored():
+    model = random_model(tiny_config(), 2)
+    backend = NumpyBackend(model)
+    cache = shuffled_cache(model, 2, 3)
+    batch = PagedBatch(cache, [0, 1], [[1, 2, 3], [4, 5]], [False, True])
+    for allocator in cache.allocators:
+        allocator.reserve([cache.rows[0], cache.rows[1]], batch.totals)
+    with torch.inference_mode():
+        logits = backend.step(model, batch)
+    assert logits.shape == (1, model.config.vocab_size)
+    reference = shuffled_cache(model, 2, 3)
+    expected = step(TorchBackend(model), model, reference, [0, 1], [[1, 2, 3], [4, 5]])
+    torch.testing.assert_close(logits[0], expected[1], atol=1e-4, rtol=1e-4)
