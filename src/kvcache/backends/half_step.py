@@ -86,8 +86,10 @@ class HalfBackend(ArrayStep):
         self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
         if numba:
             self.row_layers = kernel_layers(self.layers, self._head, self.dtype)
-        if self.dtype == torch.float16:  # its products for many rows (F.linear) are slower still
-            self.kernel_rows = 1 << 30
+        # several rows: oneDNN's bfloat16 product reads its weight once for all of them at about
+        # one row's cost, where the kernels' costs grow with the rows; float16's product for many
+        # rows (F.linear) is slower than the kernels at any count (docs/backends.md)
+        self.kernel_rows = 1 if self.dtype == torch.bfloat16 else 1 << 30
 
     def _on_torch_threads(self, batch: int) -> bool:
         """A step on numba's kernels runs on numba's threads; any other on torch's."""

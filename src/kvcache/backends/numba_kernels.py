@@ -224,13 +224,15 @@ def attend(
     tops = np.full((tokens, kv_heads, chunks, group), -np.inf, np.float32)  # each task's top score
     sums = np.zeros((tokens, kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
     parts = np.zeros((tokens, kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
+    all_scores = np.empty((tokens * kv_heads * chunks, CHUNK, group), np.float32)  # each task's
     for task in prange(tokens * kv_heads * chunks):
         n, kv, chunk = task // (kv_heads * chunks), task // chunks % kv_heads, task % chunks
         lo = first_key(lengths[n], window) + chunk * CHUNK
         count = min(lengths[n], lo + CHUNK) - lo
         if count > 0:
             table = tables[token_row[n]]
-            scores = np.empty((count, group), np.float32)
+            group_queries = queries[n].reshape(heads, dim)[kv * group:(kv + 1) * group]  # (G, D)
+            scores = all_scores[task]
             for t in range(count):  # each key read once for the group's queries
                 at = lo + t
                 if visible.shape[0] == 0 or visible[at]:
@@ -238,9 +240,8 @@ def attend(
                     key = keys[slot * step + kv * layout[KEY_HEAD_STRIDE]]
                     for g in range(group):
                         score = np.float32(0.0)
-                        base = (kv * group + g) * dim
                         for d in range(dim):
-                            score += queries[n, base + d] * widened(key[d])
+                            score += group_queries[g, d] * widened(key[d])
                         scores[t, g] = score
                 else:
                     for g in range(group):
@@ -256,6 +257,7 @@ def attend(
                     total += weight
                 tops[n, kv, chunk, g] = top
                 sums[n, kv, chunk, g] = total
+            summed = parts[n, kv, chunk]  # (G, D), zeros
             for t in range(count):  # each value read once for the group's queries
                 at = lo + t
                 slot = table[at // size] * size + at % size
@@ -264,7 +266,7 @@ def attend(
                     weight = scores[t, g]
                     if weight != 0.0:  # (a masked key's value is never read: it may be unwritten)
                         for d in range(dim):
-                            parts[n, kv, chunk, g, d] += weight * widened(value[d])
+                            summed[g, d] += weight * widened(value[d])
     combine(tops, sums, parts, out)
 
 

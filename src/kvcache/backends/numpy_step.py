@@ -55,6 +55,9 @@ class NumpyBackend(ArrayStep):
     once (see the module docstring). Raises `BackendError` for a model it cannot stand in for."""
 
     name = "numpy"
+    #: past a few rows oneDNN's float32 product (compute-bound, blocked for the cache) beats the
+    #: kernels' (docs/backends.md)
+    kernel_rows = 4
 
     def __init__(self, model) -> None:
         require_supported(model)
