@@ -183,7 +183,7 @@ def test_a_store_hit_never_takes_blocks_the_plan_gave_to_decoding_rows(model, re
     answer(writer, prompt)
     flushed(writer)
     tight = Engine(model, num_blocks=9, block_size=BLOCK, max_running=4, token_budget=64,
-                   kv_store=redis_server.url)
+                   prefill_slowdown=None, kv_store=redis_server.url)  # (blocks, not time, bound it)
     decoders = [tight.submit(ids(15, seed=9 + index), max_tokens=12, ignore_eos=True) for index in range(2)]
     tight.step()  # both prompts prefilled: 2 blocks each, their first token chosen
     tight.step()  # their 16th position: still 2 blocks each, 5 free

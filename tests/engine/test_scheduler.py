@@ -31,7 +31,7 @@ def states(draw):
         waiting.append(
             WaitingSeq(100 + index, 100 + index, tokens, prefix, draw(st.integers(0, prefix // SIZE)))
         )
-    return running, waiting, draw(st.integers(0, 30)), limits
+    return running, waiting, draw(st.integers(0, 30)), limits, draw(st.none() | st.integers(1, 40))
 
 
 def _new_blocks(seq_cached: int, blocks: int, count: int) -> int:
@@ -41,9 +41,9 @@ def _new_blocks(seq_cached: int, blocks: int, count: int) -> int:
 @settings(max_examples=300, deadline=None)
 @given(state=states())
 def test_every_plan_keeps_the_rules(state):
-    running, waiting, free, limits = state
+    running, waiting, free, limits, cap = state
     try:
-        plan = schedule(running, waiting, free, limits)
+        plan = schedule(running, waiting, free, limits, cap)
     except RuntimeError:  # the oldest's next token cannot fit even with every other one preempted
         oldest = min(running, key=lambda s: s.arrival)
         others = sum(s.freeable for s in running if s is not oldest)
@@ -53,6 +53,8 @@ def test_every_plan_keeps_the_rules(state):
     by_id = {s.seq_id: s for s in running}
     waits = {w.seq_id: w for w in waiting}
     assert plan.tokens <= limits.token_budget
+    if plan.decode and cap is not None:  # beside decoding rows a step carries at most the cap
+        assert plan.tokens - len(plan.decode) <= cap
     assert len(running) - len(plan.preempt) + len(plan.admit) <= limits.max_running
     kept = [s for s in running if s.seq_id not in plan.preempt]
     # every decoding sequence that was not preempted decodes, exactly once

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kvcache.backends import numba_products
 from kvcache.backends.rows import rms_norm, swiglu
 from kvcache.backends.threads import torch_threads
+from kvcache.cache.arrays import tensor_of
 
 _NO_MASK = np.empty(0, np.bool_)  # the kernels' "every key the layout allows"
 
@@ -35,6 +37,13 @@ class TokenRows:
     lengths: np.ndarray  # (N,) int64: the keys each token sees, its position + 1
     last: np.ndarray  # (S,) the token index of each sampling row's last token
     groups: list[tuple[np.ndarray, np.ndarray]]  # per group of layers: (tables (R, W), slots (N,))
+    firsts: np.ndarray  # (R,) each batch row's first token index
+    counts: np.ndarray  # (R,) each batch row's tokens
+
+    @property
+    def singles(self) -> np.ndarray:
+        """Token indices of the rows that run one token (decoding)."""
+        return self.firsts[self.counts == 1]
 
 
 def token_rows(batch) -> TokenRows:
@@ -55,7 +64,7 @@ def token_rows(batch) -> TokenRows:
         slots = tables[table_row, positions // size] * size + positions % size
         groups.append((tables, slots))
     last = (firsts + counts - 1)[batch.sampled]
-    return TokenRows(ids, positions, table_row, positions + 1, last, groups)
+    return TokenRows(ids, positions, table_row, positions + 1, last, groups, firsts, counts)
 
 
 def run(step, batch) -> torch.Tensor:
@@ -116,13 +125,66 @@ def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts,
         qkv = linear(rms_norm(x, w.norm1, eps), w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
         kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
         kernels.store(qkv, heads, kv_heads, slots, keys, values)
-        attended = np.empty((len(x), heads * step.head_dim), np.float32)
-        kernels.attention(
-            qkv, heads, kv_heads, keys, values, tables, rows.table_row, rows.lengths, layout,
-            _NO_MASK, numba_products.key_rounding(keys), attended,
-        )
+        attended = _attention(step, qkv, rows, keys, values, tables, slots, layout)
         x += linear(attended, w.o, w.o_bias)
         x += linear(swiglu(linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+
+
+def _attention(step, qkv, rows: TokenRows, keys, values, tables, slots, layout) -> np.ndarray:
+    """(N, H·D) attention of every token of a step whose products run elsewhere: the decoding
+    rows' single tokens on the kernels' attention (`attend`, in place through the block tables);
+    each prompt chunk on torch's fused attention over its own row's keys and values read out of
+    their blocks once (a chunk's queries share its keys, which a matrix product reads once for all
+    of them where the kernels would read them once per query)."""
+    heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
+    attended = np.empty((len(qkv), heads * dim), np.float32)
+    singles = rows.singles
+    if len(singles):
+        out = np.empty((len(singles), heads * dim), np.float32)
+        numba_products.kernels().attention(
+            qkv[singles], heads, kv_heads, keys, values, tables, rows.table_row[singles],
+            rows.lengths[singles], layout, _NO_MASK, numba_products.key_rounding(keys), out,
+        )
+        attended[singles] = out
+    size = layout[numba_products.kernels().BLOCK]
+    window = int(layout[numba_products.kernels().WINDOW])
+    for row in np.flatnonzero(rows.counts > 1):
+        first, count = rows.firsts[row], rows.counts[row]
+        end = int(rows.positions[first + count - 1]) + 1  # the keys its last token sees
+        start = max(0, int(rows.positions[first]) - window + 1) if window else 0  # its first's
+        positions = np.arange(start, end)
+        held = tables[row, positions // size] * size + positions % size  # (T,) slots
+        attended[first : first + count] = _chunk_attention(
+            qkv[first : first + count], keys, values, held, positions, rows.positions[first : first + count],
+            window, heads, kv_heads, dim,
+        )
+    return attended
+
+
+def _chunk_attention(qkv, keys, values, held, key_positions, query_positions, window, heads, kv_heads, dim):
+    """(n, H·D) attention of one row's n prompt tokens (qkv (n, ...): queries scaled already)
+    over its keys and values at storage slots `held` (T,) (positions key_positions), causal and
+    within `window` (0: none), on torch's fused attention in the storage's dtype."""
+    rows = held[:, None] * kv_heads + np.arange(kv_heads)  # (T, H_kv) storage rows
+    k = _tensor(keys[rows.reshape(-1)]).view(len(held), kv_heads, dim).transpose(0, 1)  # (H_kv, T, D)
+    v = _tensor(values[rows.reshape(-1)]).view(len(held), kv_heads, dim).transpose(0, 1)
+    q = torch.from_numpy(qkv[:, : heads * dim]).view(len(qkv), heads, dim).transpose(0, 1)  # (H, n, D)
+    if k.dtype != torch.float32:
+        q = q.to(k.dtype)
+    keys_at, queries_at = torch.from_numpy(key_positions), torch.from_numpy(query_positions)
+    visible = keys_at[None, :] <= queries_at[:, None]  # (n, T)
+    if window:
+        visible &= keys_at[None, :] > queries_at[:, None] - window
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=visible, scale=1.0, enable_gqa=heads != kv_heads
+    )  # (1, H, n, D)
+    return out[0].transpose(0, 1).reshape(len(qkv), heads * dim).float().numpy()
+
+
+def _tensor(stored: np.ndarray) -> torch.Tensor:
+    """Stored keys or values as the kernels read them (float32, bfloat16 bits, float16 bits as
+    int16) as a torch tensor of their dtype, sharing their memory."""
+    return tensor_of(stored.view(np.float16) if stored.dtype == np.int16 else stored)
 
 
 def _logits(step, x: np.ndarray) -> np.ndarray:

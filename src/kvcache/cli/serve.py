@@ -34,6 +34,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 1, or 0 for none, got {text!r}") from None
+    if not (value == 0 or 1 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number > 1, or 0 for none, got {value}")
+    return value
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -78,6 +88,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=256,
         help="tokens one engine step runs, decode rows and prefill chunks (default 256)",
+    )
+    engine.add_argument(
+        "--prefill-slowdown",
+        type=_slowdown,
+        default=2.0,
+        help="while rows decode, a step with a prompt's tokens costs at most about this many "
+        "steps of those rows alone (measured as it runs; default 2; 0: only --token-budget bounds it)",
     )
     engine.add_argument(
         "--backend", choices=BACKEND_NAMES, default="auto", help="the decode step (default auto)"
@@ -159,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_running=args.max_running,
             token_budget=args.token_budget,
+            prefill_slowdown=args.prefill_slowdown or None,
             kv_store=store,
         )
     except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors

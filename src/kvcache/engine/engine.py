@@ -25,15 +25,16 @@ from collections.abc import Callable, Sequence
 
 from kvcache.backends import choose_backend
 from kvcache.engine.metrics import EngineMetrics
+from kvcache.engine.offline import run_to_completion
 from kvcache.engine.pool import KVPool, StepWork
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
 from kvcache.engine.request import Completion, Request, RequestHandle
 from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
+from kvcache.engine.step_costs import StepCosts
 from kvcache.engine.store_tier import open_store
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
-from kvcache.progress import ProgressBar
 
 
 class Engine:
@@ -48,6 +49,9 @@ class Engine:
         max_running: sequences holding a row at once. token_budget: tokens one step runs (decode
             rows and prefill chunks together), so a long prompt is prefilled in chunks while the
             others keep decoding.
+        prefill_slowdown: while rows decode, a step with prompt tokens costs at most about this
+            many steps of those rows alone: its prompt tokens are capped by step costs measured
+            as the engine runs (`step_costs`); None: only token_budget bounds them.
         prefix_caching: attach cached blocks of earlier prompts that start the same way (False:
             every prompt is prefilled whole).
         kv_store: a second tier of prefix blocks shared with other replicas: a URL
@@ -65,6 +69,7 @@ class Engine:
         block_size: int = 16,
         max_running: int = 16,
         token_budget: int = 256,
+        prefill_slowdown: float | None = 2.0,
         prefix_caching: bool = True,
         kv_store=None,
     ) -> None:
@@ -78,6 +83,10 @@ class Engine:
         self.pool = KVPool(model, self.limits, kv_budget, num_blocks, prefix_caching, store)
         self.backend = choose_backend(model, backend)
         self.runner = Runner(model, self.backend)
+        # bounds what a prompt adds to a step while rows decode (None: nothing but the budget)
+        self.step_costs = (
+            None if prefill_slowdown is None else StepCosts(prefill_slowdown, maximum=token_budget)
+        )
         self.metrics = EngineMetrics()
         # called with every Completion as its request ends (a server's metrics); must not raise
         self.on_finish: Callable[[Completion], None] | None = None
@@ -212,7 +221,10 @@ class Engine:
             if not self.running and not self.waiting:
                 return False
             running, waiting, free = self.pool.snapshot(self.waiting, self.limits.max_running)
-            plan = schedule(running, waiting, free, self.limits)
+            cap = None
+            if self.step_costs is not None:
+                cap = self.step_costs.prefill_cap(sum(1 for seq in running if seq.tokens - seq.cached == 1))
+            plan = schedule(running, waiting, free, self.limits, cap)
             by_id = {request.id: request for request in (*self.running, *self.waiting)}
             self._preempt([by_id[i] for i in plan.preempt])
             admitted = [by_id[i] for i in plan.admit]
@@ -259,13 +271,17 @@ class Engine:
         (the others go on), a row whose sampling fails fails alone."""
         batch = work.batch
         decoding = sum(1 for tokens in batch.tokens if len(tokens) == 1)
-        with self.metrics.timing(decoding, sum(map(len, batch.tokens)) - decoding):
+        prompt_tokens = sum(map(len, batch.tokens)) - decoding
+        started = self.metrics.now()
+        with self.metrics.timing(decoding, prompt_tokens):
             try:
                 logits = self.runner.run(work)
             except Exception as error:  # noqa: BLE001 (the forward's requests fail, the engine goes on)
                 for request in work.requests:
                     request.finish = ("error", f"{type(error).__name__}: {error}")
                 return
+        if self.step_costs is not None:
+            self.step_costs.record(decoding, prompt_tokens, self.metrics.now() - started)
         self.pool.commit(work)
         chosen, failed = self.runner.choose(logits, [work.requests[index] for index in batch.sampled])
         for request, message in failed:
@@ -305,21 +321,7 @@ class Engine:
         progress: True for a bar on stderr, or a callable progress(done, total) called after each
         step that finished some. Every prompt is checked before any is queued."""
         params = params if params is not None else SamplingParams(**fields)
-        for prompt in prompts:  # refuse a bad batch before queueing any of it
-            prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
-        report = _progress_reporter(progress)
-        handles = [self.submit(prompt, params) for prompt in prompts]
-        done = 0
-        while done < len(handles):
-            if not self.running_in_background:
-                self.step()
-            else:
-                handles[done].result()
-            finished = sum(handle.done for handle in handles)
-            if finished != done and report is not None:
-                report(finished, len(handles))
-            done = finished
-        return [handle.result() for handle in handles]
+        return run_to_completion(self, prompts, params, progress)
 
     @property
     def running_in_background(self) -> bool:
@@ -389,12 +391,3 @@ class Engine:
     def _wake(self) -> None:
         self._wake_event.set()
 
-
-def _progress_reporter(progress) -> Callable[[int, int], None] | None:
-    """generate's progress argument as a callable (done, total), or None."""
-    if callable(progress):
-        return progress
-    if not progress:
-        return None
-    bar = ProgressBar("kvcache engine")
-    return lambda done, total: bar(done / total, f"{done}/{total} requests finished")

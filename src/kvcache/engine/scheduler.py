@@ -8,10 +8,10 @@ in the batched decode step); one lacking more is prefilling, in chunks. Each ste
 1. every decoding sequence gets its token; when their new blocks do not fit, the newest running
    sequences are preempted (their blocks freed, the requests sent back to the front of the queue
    to be recomputed; their full blocks stay cached, so the recompute finds them);
-2. the token budget left goes to prefill chunks: first of running sequences still prefilling
-   (oldest first), then of waiting requests admitted in arrival order while the running cap and
-   the free blocks allow (first come, first served: a request that does not fit holds back the
-   ones behind it).
+2. the token budget left (while sequences decode, at most the step's prefill cap) goes to
+   prefill chunks: first of running sequences still prefilling (oldest first), then of waiting
+   requests admitted in arrival order while the running cap and the free blocks allow (first
+   come, first served: a request that does not fit holds back the ones behind it).
 """
 
 from __future__ import annotations
@@ -67,9 +67,18 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def schedule(running: list[RunningSeq], waiting: list[WaitingSeq], free_blocks: int, limits: Limits) -> Plan:
+def schedule(
+    running: list[RunningSeq],
+    waiting: list[WaitingSeq],
+    free_blocks: int,
+    limits: Limits,
+    prefill_cap: int | None = None,
+) -> Plan:
     """The plan of one step (see the module docstring). `free_blocks`: blocks the pool can hand
-    out (free, or cached and unused); `waiting` in queue order (preempted requests first)."""
+    out (free, or cached and unused); `waiting` in queue order (preempted requests first).
+    prefill_cap: the most prompt tokens a step may run while sequences decode (the engine's
+    bound on what a prompt may add to their step, `step_costs`); None: what the token budget
+    leaves."""
     plan = Plan()
     size = limits.block_size
     active = sorted(running, key=lambda seq: seq.arrival)
@@ -88,6 +97,8 @@ def schedule(running: list[RunningSeq], waiting: list[WaitingSeq], free_blocks: 
     plan.decode = [seq.seq_id for seq in active if seq.seq_id in need]
     free_blocks -= sum(need.values())
     budget = limits.token_budget - len(plan.decode)
+    if plan.decode and prefill_cap is not None:
+        budget = min(budget, prefill_cap)
     for seq in active:
         lacking = seq.tokens - seq.cached
         if lacking <= 1 or budget <= 0:

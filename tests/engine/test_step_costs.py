@@ -1,0 +1,49 @@
+"""The prompt tokens a step may carry beside decoding rows, from step costs measured as they run:
+a mixed step costs at most `factor` decode-only steps by the measured rates; the cap starts at its
+initial value, keeps to its bounds, and reads the nearest row count measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.engine.step_costs import StepCosts
+
+
+def test_before_any_measurement_the_cap_is_the_initial_one():
+    costs = StepCosts(initial=24)
+    assert costs.prefill_cap(4) == 24
+    costs.record(4, 0, 0.010)  # the rows' cost alone: still no token's
+    assert costs.prefill_cap(4) == 24
+
+
+def test_the_cap_keeps_a_mixed_step_within_factor_decode_steps():
+    costs = StepCosts(factor=2.0)
+    costs.record(4, 0, 0.010)  # 4 rows alone: 10 ms
+    costs.record(4, 20, 0.020)  # and 20 prompt tokens: 10 ms more, 0.5 ms a token
+    assert costs.prefill_cap(4) == 20  # 20 tokens add one more decode step's 10 ms
+    assert StepCosts(factor=3.0).prefill_cap(4) == 32  # (unmeasured: the initial cap)
+    tripled = StepCosts(factor=3.0)
+    tripled.record(4, 0, 0.010)
+    tripled.record(4, 20, 0.020)
+    assert tripled.prefill_cap(4) == 40
+
+
+def test_a_step_of_prompt_tokens_alone_measures_them_too_and_the_nearest_rows_are_read():
+    costs = StepCosts()
+    costs.record(0, 100, 0.050)  # 0.5 ms a token (its weight reads included: the cap is cautious)
+    costs.record(8, 0, 0.030)
+    assert costs.prefill_cap(8) == 60
+    assert costs.prefill_cap(7) == 60 and costs.prefill_cap(12) == 60  # 8 rows: the nearest measured
+
+
+def test_the_cap_keeps_to_its_bounds():
+    cheap = StepCosts(minimum=8, maximum=64)
+    cheap.record(1, 0, 0.010)
+    cheap.record(1, 10, 0.010 + 10 * 1e-6)  # a token costs a microsecond: thousands would fit
+    assert cheap.prefill_cap(1) == 64
+    dear = StepCosts(minimum=8, maximum=64)
+    dear.record(1, 0, 0.001)
+    dear.record(1, 10, 0.101)  # a token costs 10 ms: not even one fits, the minimum still runs
+    assert dear.prefill_cap(1) == 8
+    with pytest.raises(ValueError, match="factor must be > 1"):
+        StepCosts(factor=1.0)
