@@ -207,10 +207,10 @@ def test_a_failing_stop_check_fails_that_request_only(model, solo):
     bad = engine.submit([4, 5, 6], max_tokens=6, ignore_eos=True)
     request = engine._incoming[-1]
 
-    def broken(tokens):
+    def broken(token):
         raise ValueError("a stop check that breaks")
 
-    request.stop_rule.reason = broken
+    request.stop_rule.take = broken
     assert good.result().tokens == solo([1, 2, 3], 6)
     failed = bad.result()
     assert failed.finish_reason == "error" and "a stop check that breaks" in failed.error

@@ -12,6 +12,7 @@ from tiny_models import ARCHS, left_padded_batch
 from kvcache import generate, load_model, load_tokenizer, make_cache
 from kvcache.cache import CacheConfigError
 from kvcache.generation import stream_generate
+from kvcache.generation.text import ReplyText
 
 NEW = 12
 
@@ -128,15 +129,19 @@ def test_stop_string_ends_the_row(checkpoints, models):
     model, tokenizer = models["llama"], load_tokenizer(checkpoints["llama"][0])
     prompt = tokenizer("The quick brown fox", return_tensors="pt").input_ids
     free = generate(model, prompt, max_new_tokens=NEW, eos_token_id=())
-    text = tokenizer.decode(free.new_tokens[0])
-    stop = text[len(tokenizer.decode(free.new_tokens[0][:4])) :][:2]  # text of the 5th token on
-    assert stop
+
+    def reply(tokens) -> str:  # the text a reply reads (ReplyText: the stop rule's reading)
+        text = ReplyText(tokenizer)
+        return "".join(text.add(token) for token in tokens) + text.finish()
+
+    later = reply(free.new_tokens[0])[len(reply(free.new_tokens[0][:4])) :]  # from the 5th token on
+    stop = next(later[i : i + 2] for i in range(len(later) - 1) if "\ufffd" not in later[i : i + 2])
     stopped = generate(
         model, prompt, max_new_tokens=NEW, eos_token_id=(), stop_strings=[stop], tokenizer=tokenizer
     )
     assert stopped.stop_reasons == ["stop_string"]
-    assert stop in tokenizer.decode(stopped.new_tokens[0])
-    assert stop not in tokenizer.decode(stopped.new_tokens[0][:-1])
+    assert stop in reply(stopped.new_tokens[0])
+    assert stop not in reply(stopped.new_tokens[0][:-1])
     assert stopped.new_tokens[0] == free.new_tokens[0][: len(stopped.new_tokens[0])]
 
 

@@ -1,5 +1,6 @@
 """Stop strings: one string is one stop string, an empty one is refused, and a stop string fires
-however many tokens spell it (byte-level tokens of multi-byte characters included)."""
+however many tokens spell it (byte-level tokens of multi-byte characters included); the rule reads
+the text once: what it returns is the reply cut before the stop, and EOS ends it by id."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ class ByteTokenizer:
 
 def fires_at(rule: StopRule, ids: list[int]) -> int | None:
     """The index of the token on which `rule` stops, feeding ids one at a time."""
-    for end in range(1, len(ids) + 1):
-        if rule.reason(ids[:end]) is not None:
-            return end - 1
+    for index, token in enumerate(ids):
+        rule.take(token)
+        if rule.reason is not None:
+            return index
     return None
 
 
@@ -48,3 +50,14 @@ def test_a_single_string_is_one_stop_string_not_its_characters():
 def test_an_empty_or_non_string_stop_is_refused(bad):
     with pytest.raises(ValueError, match="non-empty str"):
         StopRule([], bad, ByteTokenizer())
+
+
+def test_the_text_it_returns_is_the_reply_cut_before_the_stop_and_eos_stops_by_id():
+    tokenizer = ByteTokenizer()
+    rule = StopRule([0], ["END"], tokenizer)
+    text = "".join(rule.take(token) for token in tokenizer.encode("one ENtwo END three"))
+    assert rule.reason == "stop_string" and text + rule.finish() == "one ENtwo "
+    eos = StopRule([0], None, tokenizer, text=True)
+    pieces = [eos.take(token) for token in [*tokenizer.encode("hi"), 0]]
+    assert eos.reason == "eos" and "".join(pieces) + eos.finish() == "hi\x00"
+    assert StopRule([0], None, None).take(5) == ""  # no tokenizer: ids only

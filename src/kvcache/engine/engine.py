@@ -151,7 +151,7 @@ class Engine:
         eos = () if params.ignore_eos else (*config.eos_token_id, *tokenizer_eos(self.tokenizer))
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer to read the generated text")
-        rule = StopRule((*eos, *params.stop_token_ids), params.stop, self.tokenizer)
+        rule = StopRule((*eos, *params.stop_token_ids), params.stop, self.tokenizer, text=True)
         with self._lock:
             request_id = self._ids
             self._ids += 1
@@ -288,9 +288,9 @@ class Engine:
             request.finish = ("error", message)
         now = self.metrics.now()
         for request, token in chosen:
-            request.append(token, now)
+            piece = request.append(token, now)
             self.pool.declare(request, token)
-            request.deliver(token)
+            request.deliver(token, piece)
             self.metrics.generated_tokens += 1
 
     def _retire(self, requests: list[Request], reason: str | None, error: str | None = None) -> None:

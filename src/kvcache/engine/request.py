@@ -41,11 +41,13 @@ class Completion:
     error: str | None = None
     time_to_first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list, repr=False)  # when each token came
+    text: str | None = None  # the reply's text, cut before a stop string (None: no tokenizer)
 
 
 class RequestHandle:
-    """What `Engine.submit` returns. Iterate it for the new token ids as they are made; `result()`
-    waits for the Completion; `cancel()` ends the request at the next step (its blocks freed), and so
+    """What `Engine.submit` returns. Iterate it for the new token ids as they are made (or
+    `texts()`, asynchronously, for the reply's text as it becomes final); `result()` waits for
+    the Completion; `cancel()` ends the request at the next step (its blocks freed), and so
 does dropping the last reference to the handle (nobody is left to read what it makes).
 
     With the engine's background thread running (`Engine.start`) the handle waits for it; without,
@@ -61,8 +63,9 @@ does dropping the last reference to the handle (nobody is left to read what it m
         self.cancel_requested = False
 
     # ---- the engine's side ----------------------------------------------------------------------
-    def _put_token(self, token: int) -> None:
-        self._events.put(token)
+    def _put(self, token: int | None, piece: str) -> None:
+        """A new token and the text it made final (token None: the text left at the end)."""
+        self._events.put((token, piece))
         self._notify()
 
     def _finish(self, completion: Completion) -> None:
@@ -113,13 +116,26 @@ does dropping the last reference to the handle (nobody is left to read what it m
             event = self._next_event(None)
             if isinstance(event, Completion):
                 return
-            yield event
+            if event[0] is not None:
+                yield event[0]
 
     async def __aiter__(self) -> AsyncIterator[int]:
         """The new token ids, awaited on the running event loop (a server's); needs the engine's
-        background thread (`Engine.start`), which makes them."""
+        loop running elsewhere (`Engine.start`, `Engine.run`)."""
+        async for token, _ in self._awaited():
+            if token is not None:
+                yield token
+
+    async def texts(self) -> AsyncIterator[str]:
+        """The reply's text as it becomes final (whole characters, cut before a stop string), in
+        pieces whose join is `Completion.text`; awaited as `__aiter__` is."""
+        async for _, piece in self._awaited():
+            if piece:
+                yield piece
+
+    async def _awaited(self) -> AsyncIterator[tuple[int | None, str]]:
         if not self._engine.running_in_background:
-            raise RuntimeError("async iteration needs the engine's background thread: call engine.start()")
+            raise RuntimeError("async iteration needs the engine's loop running: call engine.start()")
         event = asyncio.Event()
         self._waiter = (asyncio.get_running_loop(), event)
         try:
@@ -177,6 +193,7 @@ class Request:
         # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
         self.digests: tuple[int, list[bytes]] | None = None
         self.store_missed = False  # the KV store ran out of its blocks: not asked again
+        self.tail = ""  # the text its stop rule held back until it ended
 
     def cancel(self) -> None:
         """End this request at the engine's next step (the engine's own cancel: shutting down)."""
@@ -189,37 +206,51 @@ class Request:
         handle = self._handle()
         return self.cancel_requested or handle is None or handle.cancel_requested
 
-    def deliver(self, token: int) -> None:
-        """Hand a new token to the submitter's handle (if it still has one)."""
+    def deliver(self, token: int | None, piece: str) -> None:
+        """Hand a new token and the text it made final to the submitter's handle (if it still has
+        one); token None: the text left when the request ended."""
         handle = self._handle()
         if handle is not None:
-            handle._put_token(token)
+            handle._put(token, piece)
 
     def finished(self, completion: Completion) -> None:
-        """Hand the Completion to the submitter's handle (if it still has one)."""
+        """Hand the rest of its text, then the Completion, to the submitter's handle (if it still
+        has one)."""
         handle = self._handle()
         if handle is not None:
+            if self.tail:
+                handle._put(None, self.tail)
             handle._finish(completion)
 
-    def append(self, token: int, now: float) -> None:
-        """Take its next token (chosen at time `now`), and set `finish` if it stopped ("stop",
-        "length"); a stop check that raises fails this request only (finish "error")."""
+    def append(self, token: int, now: float) -> str:
+        """Take its next token (chosen at time `now`); the text it made final. Sets `finish` if
+        it stopped ("stop": an EOS id or a stop string; "length"); a stop check that raises fails
+        this request only (finish "error")."""
         self.tokens.append(token)
         self.token_times.append(now)
         try:
-            if self.stop_rule.reason(self.generated) is not None:
+            piece = self.stop_rule.take(token)
+            if self.stop_rule.reason is not None:
                 self.finish = ("stop", None)
             elif len(self.generated) >= self.params.max_tokens:
                 self.finish = ("length", None)
         except Exception as error:  # noqa: BLE001 (a failing stop check: this request only)
             self.finish = ("error", f"{type(error).__name__}: {error}")
+            piece = ""
+        return piece
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
 
     def completion(self, reason: str, error: str | None = None) -> Completion:
+        """The Completion of this request, ended for `reason`; reads the rest of its text."""
         self.usage.completion_tokens = len(self.generated)
+        try:
+            self.tail = self.stop_rule.finish()
+        except Exception:  # noqa: BLE001 (a tokenizer that fails at the end: no more text)
+            self.tail = ""
+        reply = self.stop_rule.text
         first = self.token_times[0] - self.submitted_at if self.token_times else None
         return Completion(
             self.id,
@@ -230,4 +261,5 @@ class Request:
             error,
             first,
             [moment - self.submitted_at for moment in self.token_times],
+            None if reply is None else reply.text,
         )

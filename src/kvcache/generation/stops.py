@@ -6,15 +6,26 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcache.generation.text import ReplyText
+
 
 class StopRule:
-    """The stop conditions of one sequence: EOS ids, and stop strings (read with `tokenizer`).
+    """When one sequence stops, an EOS id or a stop string in its new text, and that text, read
+    once: `take(token)` returns the text that became final (`ReplyText`: whole characters, the
+    reply cut before a stop string) and sets `reason` ("eos", "stop_string") when it stopped;
+    `finish()` returns the rest.
 
     stop_strings: a string (one stop string, not its characters) or a sequence of them; each
-    non-empty (ValueError otherwise)."""
+    non-empty (ValueError otherwise); they need a tokenizer. text=True decodes the new tokens
+    even without stop strings (a server streams them)."""
 
     def __init__(
-        self, eos_ids: Sequence[int], stop_strings: Sequence[str] | str | None = None, tokenizer=None
+        self,
+        eos_ids: Sequence[int],
+        stop_strings: Sequence[str] | str | None = None,
+        tokenizer=None,
+        *,
+        text: bool = False,
     ) -> None:
         self.eos = {int(token) for token in eos_ids}  # ints (0-d tensors would hash by identity)
         self.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
@@ -23,20 +34,22 @@ class StopRule:
                 raise ValueError(f"a stop string must be a non-empty str, got {stop!r}")
         if self.stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the generated text")
-        self.tokenizer = tokenizer
-        # enough tokens to spell any stop string: a byte-level token is at least one byte, and
-        # the window may start inside a character (up to 3 bytes of it), so bytes + 4 and a margin
-        self.window = max((len(stop.encode("utf-8")) for stop in self.stop_strings), default=0) + 8
+        wanted = (self.stop_strings or text) and tokenizer is not None
+        self.text = ReplyText(tokenizer, tuple(self.stop_strings)) if wanted else None
+        self.reason: str | None = None
 
-    def reason(self, new_tokens: list[int]) -> str | None:
-        """ "eos" or "stop_string" when the newest of `new_tokens` stops the sequence, else None."""
-        if new_tokens[-1] in self.eos:
-            return "eos"
-        if self.stop_strings:
-            text = self.tokenizer.decode(new_tokens[-self.window :])
-            if any(stop in text for stop in self.stop_strings):
-                return "stop_string"
-        return None
+    def take(self, token: int) -> str:
+        """Read the sequence's next token; the text that became final (maybe "")."""
+        piece = "" if self.text is None else self.text.add(token)
+        if token in self.eos:
+            self.reason = "eos"
+        elif self.text is not None and self.text.stopped:
+            self.reason = "stop_string"
+        return piece
+
+    def finish(self) -> str:
+        """The text not yet returned (the sequence ended)."""
+        return "" if self.text is None else self.text.finish()
 
 
 class Stops:
@@ -51,7 +64,7 @@ class Stops:
         stop_strings: Sequence[str] | None,
         tokenizer,
     ) -> None:
-        self.rule = StopRule(eos_ids, stop_strings, tokenizer)
+        self.rules = [StopRule(eos_ids, stop_strings, tokenizer) for _ in range(batch)]
         self.pad_token_id = pad_token_id
         self.finished = [False] * batch
         self.reasons = ["length"] * batch
@@ -72,7 +85,8 @@ class Stops:
             if self.finished[row]:
                 continue
             self.new_tokens[row].append(token)
-            reason = self.rule.reason(self.new_tokens[row])
-            if reason is not None:
-                self.reasons[row], self.finished[row] = reason, True
+            rule = self.rules[row]
+            rule.take(token)
+            if rule.reason is not None:
+                self.reasons[row], self.finished[row] = rule.reason, True
         return chosen

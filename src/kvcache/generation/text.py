@@ -28,6 +28,7 @@ class ReplyText:
         self.read = 0
         self.text = ""  # decoded so far (final pieces, not yet all sent)
         self.sent = 0  # characters of self.text already returned
+        self.searched = 0  # characters of self.text no stop string starts in (a stop not yet whole)
         self.stopped = False
 
     def add(self, token: int) -> str:
@@ -61,7 +62,10 @@ class ReplyText:
         return piece
 
     def _first_stop(self) -> int | None:
-        found = [index for index in (self.text.find(s) for s in self.stop) if index >= 0]
+        """Where the first stop string in the text starts (searched from where one could still
+        start: each token's text is searched once, not the whole reply again), or None."""
+        found = [index for index in (self.text.find(s, self.searched) for s in self.stop) if index >= 0]
+        self.searched = max(self.searched, len(self.text) - self.hold)
         return min(found) if found else None
 
     def _decode(self, ids: list[int]) -> str:

@@ -25,7 +25,6 @@ from starlette.routing import Route
 
 from kvcache.engine import Completion, RequestError
 from kvcache.engine.prompts import prompt_ids
-from kvcache.generation.text import ReplyText
 from kvcache.server.metrics import ServerMetrics
 from kvcache.server.openai_api import (
     ApiError,
@@ -163,16 +162,15 @@ class _Server:
         return await self._whole(request, call, handle)
 
     async def _whole(self, request: Request, call: Call, handle) -> Response:
-        text = ReplyText(self.tokenizer, call.params.stop)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         try:
-            pieces = [text.add(token) async for token in handle]
+            async for _ in handle:  # (the engine reads the text: Completion.text)
+                pass
         finally:
             watcher.cancel()
             if not handle.done:
                 handle.cancel()
         completion = handle.result()
-        pieces.append(text.finish())
         if completion.finish_reason in ("error", "cancelled"):
             return self._failed(completion)
         return JSONResponse(
@@ -180,7 +178,7 @@ class _Server:
                 call,
                 new_id(call.kind),
                 self.settings.model_name,
-                "".join(pieces),
+                completion.text or "",
                 completion.finish_reason,
                 _usage(completion),
             )
@@ -188,21 +186,15 @@ class _Server:
 
     async def _events(self, call: Call, handle):
         rid, model = new_id(call.kind), self.settings.model_name
-        text = ReplyText(self.tokenizer, call.params.stop)
         try:
             if call.kind == "chat":
                 yield _sse(chunk_object(call, rid, model, None, None, first=True))
-            async for token in handle:
-                piece = text.add(token)
-                if piece:
-                    yield _sse(chunk_object(call, rid, model, piece, None))
+            async for piece in handle.texts():  # the engine's reading of the reply, stops cut
+                yield _sse(chunk_object(call, rid, model, piece, None))
             completion = handle.result()
             if completion.finish_reason in ("error", "cancelled"):
                 yield _sse(_failure(completion).body())
             else:
-                tail = text.finish()
-                if tail:
-                    yield _sse(chunk_object(call, rid, model, tail, None))
                 yield _sse(chunk_object(call, rid, model, None, completion.finish_reason))
                 if call.include_usage:
                     yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion)))
