@@ -356,3 +356,22 @@ def test_a_bfloat16_model_is_served_by_the_half_step_and_differs_from_solo_runs_
                 logits = exact(torch.tensor([prompt + served[:at]])).logits[0, -1]
             gap = float((logits[served[at]] - logits[solo[at]]).abs())
             assert gap <= 8 * torch.finfo(torch.bfloat16).eps * float(logits.abs().max()), (prompt, at, gap)
+
+
+def test_warming_up_runs_every_road_a_step_takes_then_starts_the_counters_again(model):
+    engine = Engine(model, num_blocks=64, block_size=8)
+    seen = []
+    step = engine.backend.step
+
+    def spy(model, batch):
+        seen.append((len(batch.rows), sum(map(len, batch.tokens))))
+        return step(model, batch)
+
+    engine.backend.step = spy
+    engine.warm_up()
+    assert any(tokens > rows for rows, tokens in seen)  # a prompt chunk beside single tokens
+    assert any(rows > engine.backend.kernel_rows and tokens == rows for rows, tokens in seen)  # many decode
+    assert (1, 1) in seen  # one row alone
+    assert engine.metrics.steps == 0 and engine.metrics.generated_tokens == 0
+    assert engine.step_costs.prefill_cap(1) == engine.step_costs.initial  # costs measured afresh
+    _assert_baseline(engine)

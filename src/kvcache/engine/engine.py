@@ -162,15 +162,22 @@ class Engine:
         return handle
 
     def warm_up(self) -> None:
-        """Run two short requests side by side before serving, so every road a step takes has run
-        once (one row, several rows, a prompt): kernels compiled (on the first run of an install
-        numba compiles them, a pause of seconds), weights laid out. The counters start again
-        after; the requests' blocks are freed."""
-        params = SamplingParams(max_tokens=3, ignore_eos=True)
-        handles = [self.submit([token], params) for token in (0, 1)]
-        for handle in handles:
-            handle.result()
+        """Run a few short requests before serving, so every road a step takes has run once: a
+        prompt chunk beside single tokens, several decoding rows, one row alone. Kernels are
+        compiled then (on the first run of an install numba compiles them: a pause of seconds)
+        and weights laid out, not inside a request's timings. The counters and the measured step
+        costs start again after; the requests' blocks are freed."""
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        room = self.model.config.max_position_embeddings
+        if self.pool.full_allocator is not None:  # (the batch's blocks: a small pool's quarter)
+            room = min(room, self.num_blocks * self.limits.block_size // 4)
+        chunk = max(1, min(40, room - 2))
+        for batch in ([[0] * chunk, *([token] for token in range(5))], [[0]]):
+            for handle in [self.submit(prompt, params) for prompt in batch]:
+                handle.result()
         self.metrics = EngineMetrics()
+        if self.step_costs is not None:
+            self.step_costs = StepCosts(self.step_costs.factor, maximum=self.step_costs.maximum)
 
     def stats(self) -> dict:
         """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
