@@ -19,9 +19,12 @@ PARALLEL = {name: name == "prange" for name in (
     "comprehension", "reduction", "inplace_binop", "setitem", "numpy", "stencil", "fusion", "prange"
 )}
 #: error_model "numpy": a division by zero gives inf or nan, as numpy and torch give, not an error
-KERNEL = dict(parallel=PARALLEL, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False)
+#: nogil: a kernel lets go of the GIL while it runs, so a server's event loop streams meanwhile
+KERNEL = dict(
+    parallel=PARALLEL, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True
+)
 #: a kernel of one thread (its work is a pass over N rows, no parallel loop)
-SERIAL = dict(fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False)
+SERIAL = dict(fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True)
 _HIGH = np.uint32(0xFFFF0000)
 #: what a product rounds its input and output to (the weights' dtype)
 NONE, BFLOAT16, FLOAT16 = 0, 1, 2
