@@ -33,7 +33,17 @@ def test_a_step_of_prompt_tokens_alone_measures_them_too_and_the_nearest_rows_ar
     costs.record(0, 100, 0.050)  # 0.5 ms a token (its weight reads included: the cap is cautious)
     costs.record(8, 0, 0.030)
     assert costs.prefill_cap(8) == 60
-    assert costs.prefill_cap(7) == 60 and costs.prefill_cap(12) == 60  # 8 rows: the nearest measured
+    assert costs.prefill_cap(7) == 60  # 8 rows: the nearest measured
+    assert costs.prefill_cap(12) == 64  # and four rows more, each about a prompt token's 0.5 ms
+
+
+def test_the_cap_is_held_to_the_batch_being_formed_not_the_few_rows_decoding_now():
+    costs = StepCosts()
+    costs.record(2, 0, 0.020)  # 2 rows decode: 20 ms
+    costs.record(2, 10, 0.025)  # a token 0.5 ms
+    assert costs.prefill_cap(2) == 40
+    assert costs.prefill_cap(2, batch=16) == 40 + 14  # 14 rows about to join: 7 ms more a step
+    assert costs.prefill_cap(2, batch=1) == 40  # (never below the rows decoding now)
 
 
 def test_the_cap_keeps_to_its_bounds():

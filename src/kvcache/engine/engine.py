@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from kvcache.backends import choose_backend
 from kvcache.engine.metrics import EngineMetrics
-from kvcache.engine.offline import run_to_completion
+from kvcache.engine.offline import run_to_completion, warm_up
 from kvcache.engine.pool import KVPool, StepWork
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
 from kvcache.engine.request import Completion, Request, RequestHandle
@@ -158,7 +158,7 @@ class Engine:
             handle = RequestHandle(request_id, self)
             self._incoming.append(Request(request_id, ids, params, rule, handle, arrival=request_id))
         self.metrics.submitted += 1
-        self._wake()
+        self.wake()
         return handle
 
     def warm_up(self) -> None:
@@ -166,18 +166,9 @@ class Engine:
         prompt chunk beside single tokens, several decoding rows, one row alone. Kernels are
         compiled then (on the first run of an install numba compiles them: a pause of seconds)
         and weights laid out, not inside a request's timings. The counters and the measured step
-        costs start again after; the requests' blocks are freed."""
-        params = SamplingParams(max_tokens=2, ignore_eos=True)
-        room = self.model.config.max_position_embeddings
-        if self.pool.full_allocator is not None:  # (the batch's blocks: a small pool's quarter)
-            room = min(room, self.num_blocks * self.limits.block_size // 4)
-        chunk = max(1, min(40, room - 2))
-        for batch in ([[0] * chunk, *([token] for token in range(5))], [[0]]):
-            for handle in [self.submit(prompt, params) for prompt in batch]:
-                handle.result()
-        self.metrics = EngineMetrics()
-        if self.step_costs is not None:
-            self.step_costs = StepCosts(self.step_costs.factor, maximum=self.step_costs.maximum)
+        costs start again after; the requests' blocks are freed, and the KV store is neither read
+        nor written (their blocks are no one's to share)."""
+        warm_up(self)
 
     def stats(self) -> dict:
         """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
@@ -210,7 +201,7 @@ class Engine:
             unfinished = [*self._incoming, *self.waiting, *self.running]
         for request in unfinished:
             request.cancel()
-        self._wake()
+        self.wake()
 
     @property
     def queue_depth(self) -> int:
@@ -229,8 +220,10 @@ class Engine:
                 return False
             running, waiting, free = self.pool.snapshot(self.waiting, self.limits.max_running)
             cap = None
-            if self.step_costs is not None:
-                cap = self.step_costs.prefill_cap(sum(1 for seq in running if seq.tokens - seq.cached == 1))
+            if self.step_costs is not None:  # held to the cost of the batch being formed
+                decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
+                batch = min(self.limits.max_running, len(running) + len(waiting))
+                cap = self.step_costs.prefill_cap(decoding, batch)
             plan = schedule(running, waiting, free, self.limits, cap)
             by_id = {request.id: request for request in (*self.running, *self.waiting)}
             self._preempt([by_id[i] for i in plan.preempt])
@@ -361,7 +354,7 @@ class Engine:
     def stop(self, timeout: float | None = None) -> None:
         """End the loop after its current step (and wait for `start`'s thread to end)."""
         self._stopping.set()
-        self._wake()
+        self.wake()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -395,6 +388,7 @@ class Engine:
                 self._incoming.clear()
             self._retire([*self.running, *self.waiting], "error", message)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wake the loop now (a request was submitted or cancelled): it sleeps while idle."""
         self._wake_event.set()
 

@@ -1,10 +1,13 @@
-"""Running a list of prompts to completion on an engine (`Engine.generate`), with progress."""
+"""Running requests to completion on an engine without a server: a list of prompts with progress
+(`Engine.generate`), and the warm-up before serving (`Engine.warm_up`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.prompts import prompt_ids
+from kvcache.engine.step_costs import StepCosts
 from kvcache.generation.params import SamplingParams
 from kvcache.progress import ProgressBar
 
@@ -30,6 +33,27 @@ def run_to_completion(
             report(finished, len(handles))
         done = finished
     return [handle.result() for handle in handles]
+
+
+def warm_up(engine) -> None:
+    """`Engine.warm_up`: a prompt chunk beside five single tokens, then one row alone, two new
+    tokens each, sized to the pool and the context; the store tier off meanwhile; the counters
+    and the step costs anew after."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    room = engine.model.config.max_position_embeddings
+    if engine.pool.full_allocator is not None:  # (the batch's blocks: a small pool's quarter)
+        room = min(room, engine.num_blocks * engine.limits.block_size // 4)
+    chunk = max(1, min(40, room - 2))
+    store, engine.pool.store_tier = engine.pool.store_tier, None
+    try:
+        for batch in ([[0] * chunk, *([token] for token in range(5))], [[0]]):
+            for handle in [engine.submit(prompt, params) for prompt in batch]:
+                handle.result()
+    finally:
+        engine.pool.store_tier = store
+    engine.metrics = EngineMetrics()
+    if engine.step_costs is not None:
+        engine.step_costs = StepCosts(engine.step_costs.factor, maximum=engine.step_costs.maximum)
 
 
 def _progress_reporter(progress) -> Callable[[int, int], None] | None:

@@ -86,7 +86,7 @@ does dropping the last reference to the handle (nobody is left to read what it m
     def cancel(self) -> None:
         """Ask the engine to end this request (finish reason "cancelled") at its next step."""
         self.cancel_requested = True
-        self._engine._wake()
+        self._engine.wake()
 
     @property
     def done(self) -> bool:

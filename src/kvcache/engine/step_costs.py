@@ -1,12 +1,17 @@
 """What the engine's steps cost, learned as they run, and the prompt tokens a step may carry beside
-decoding rows so that it costs at most `factor` times a step of those rows alone.
+decoding rows so that it costs at most `factor` times a step of the batch's decoding rows alone.
 
 A long prompt must not freeze everyone's stream: while rows decode, each step runs at most
-`prefill_cap(rows)` of its tokens. The cap is measured, not fixed: a step of R decoding rows is
-learned as `decode_seconds(R)` (a moving average per row count), a prompt token's share of a
-step as `token_seconds` (a step's seconds beyond its decode rows' estimate, over its prompt
-tokens), and the cap is (factor - 1) · decode_seconds(R) / token_seconds, so a model, a dtype and
-a machine each get their own. Until both are measured the cap is `initial`.
+`prefill_cap(rows, batch)` of its tokens. The cap is measured, not fixed: a step of R decoding
+rows is learned as `decode_seconds(R)` (a moving average per row count), a prompt token's share
+of a step as `token_seconds` (a step's seconds beyond its decode rows' estimate, over its prompt
+tokens), and the cap is (factor - 1) · decode_seconds(batch) / token_seconds, so a model, a dtype
+and a machine each get their own. `batch` is the rows that will decode once the prompts being
+prefilled and waiting have joined: a step is held to the cost of the batch being formed, not of
+the few rows decoding while the others wait (a cap measured on those would admit the others at a
+trickle, and they would decode in small batches for long). A row count not measured yet is
+estimated from the nearest one measured, each further row costing about a prompt token. Until a
+token's cost is measured the cap is `initial`.
 """
 
 from __future__ import annotations
@@ -42,19 +47,22 @@ class StepCosts:
         self.token_seconds = _averaged(self.token_seconds, share)
 
     def decode_seconds(self, rows: int) -> float | None:
-        """The learned seconds of a step of `rows` decode rows (the nearest row count measured),
-        or None before any."""
+        """The learned seconds of a step of `rows` decode rows, or None before any: the nearest
+        row count measured, plus a prompt token's cost for each row it lacks."""
         if not self.decode:
             return None
-        return self.decode[min(self.decode, key=lambda seen: (abs(seen - rows), seen))]
+        nearest = min(self.decode, key=lambda seen: (abs(seen - rows), seen))
+        more = max(rows - nearest, 0) * (self.token_seconds or 0.0)
+        return self.decode[nearest] + more
 
-    def prefill_cap(self, decode_rows: int) -> int:
-        """Prompt tokens a step beside `decode_rows` decoding rows may run."""
-        decode = self.decode_seconds(decode_rows)
+    def prefill_cap(self, decode_rows: int, batch: int | None = None) -> int:
+        """Prompt tokens a step beside `decode_rows` decoding rows may run; batch: the rows that
+        will decode once the prompts prefilling and waiting have joined (default decode_rows)."""
+        decode = self.decode_seconds(max(decode_rows, batch or 0))
         if decode is None or not self.token_seconds:
             cap = self.initial
         else:
-            cap = int((self.factor - 1) * decode / self.token_seconds)
+            cap = round((self.factor - 1) * decode / self.token_seconds)
         return max(self.minimum, min(self.maximum, cap))
 
 
