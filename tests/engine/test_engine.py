@@ -62,20 +62,37 @@ requests = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batch=requests,
     budget=st.sampled_from([8, 24, 64]),
     blocks=st.sampled_from([12, 40, 200]),
     shared=st.lists(st.integers(0, 1023), min_size=0, max_size=40),
+    road=st.sampled_from(["kernels", "kernels and oneDNN", "torch"]),
 )
 def test_each_request_gives_its_solo_tokens_whatever_runs_beside_it(
-    model, solo, batch, budget, blocks, shared
+    model, solo, batch, budget, blocks, shared, road
 ):
     """Random arrivals, prompt lengths (some sharing a prefix), max tokens, cancellations, token
-    budgets (chunked prefill) and pool sizes (preemption): greedy tokens equal the solo run, a
-    cancelled request's are a prefix of it, and every block comes back."""
-    engine = Engine(model, num_blocks=blocks, block_size=4, max_running=4, token_budget=budget)
+    budgets (chunked prefill) and pool sizes (preemption), on every road a step takes (numba's
+    kernels for every product, oneDNN's past two rows, the model's forward): greedy tokens equal
+    the solo run, a cancelled request's are a prefix of it, and every block comes back."""
+    backend = kvcache.backends.TorchBackend(model) if road == "torch" else "numpy"
+    engine = Engine(model, backend=backend, num_blocks=blocks, block_size=4, max_running=4,
+                    token_budget=budget)
+    rows = engine.backend.kernel_rows if road != "torch" else None
+    if road != "torch":  # (the model's one numpy backend: put back below)
+        engine.backend.kernel_rows = 1 << 30 if road == "kernels" else 2
+    try:
+        _run_and_check(engine, solo, batch, shared, blocks, budget)
+    finally:
+        if rows is not None:
+            engine.backend.kernel_rows = rows
+
+
+def _run_and_check(engine, solo, batch, shared, blocks, budget) -> None:
+    """Submit `batch` (arrival step, prompt, max tokens, cancel after) to `engine` step by step;
+    every request's tokens are its solo run's (a cancelled one's a prefix of them)."""
     batch = [
         (arrive, shared + prompt, min(max_tokens, 4 * blocks - len(shared + prompt)), cancel)
         for arrive, prompt, max_tokens, cancel in batch

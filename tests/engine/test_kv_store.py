@@ -9,6 +9,8 @@ import random
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from redis_server import RedisServer
 from tiny_models import tiny_model
 
@@ -204,3 +206,40 @@ def test_a_store_hit_never_takes_blocks_the_plan_gave_to_decoding_rows(model, re
 
 def answer_for(replica: Engine, prompt: list[int], max_tokens: int) -> list[int]:
     return replica.generate([prompt], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)[0].tokens
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), blocks=st.sampled_from([10, 14, 24]), budget=st.sampled_from([16, 64]))
+def test_store_hits_in_a_tight_pool_change_no_answer(model, redis_server, seed, blocks, budget):
+    """Prompts some of which another replica wrote to the store (sharing prefixes), arriving at
+    random steps into a tight pool (preemptions) with chunked prefill: every answer is the cold
+    one, none fails, and every block comes back."""
+    redis_server.client().flushdb()
+    rng = random.Random(seed)
+    shared = ids(rng.randrange(0, 20), seed)
+    prompts = [shared + ids(rng.randrange(1, 20), seed + 1 + index) for index in range(5)]
+    writer = engine(model, redis_server.url)
+    for prompt in prompts[::2]:
+        answer(writer, prompt)
+    flushed(writer)
+    tight = Engine(model, num_blocks=blocks, block_size=BLOCK, max_running=3, token_budget=budget,
+                   kv_store=redis_server.url)
+    arrivals = sorted((rng.randrange(0, 6), index) for index in range(len(prompts)))
+    handles, step = {}, 0
+    while len(handles) < len(prompts) or not all(h.done for h in handles.values()):
+        for arrive, index in arrivals:
+            if arrive == step and index not in handles:
+                handles[index] = tight.submit(prompts[index], max_tokens=NEW, ignore_eos=True)
+        tight.step()
+        step += 1
+        assert step < 2000
+    cold = engine(model)
+    for index, prompt in enumerate(prompts):
+        done = handles[index].result()
+        assert done.finish_reason == "length", done.error
+        assert done.tokens == answer(cold, prompt).tokens
+    assert tight.stats()["kv_store"]["invalid_blocks"] == 0
+    tight.pool.cache.allocator.check_invariants()
+    assert not tight.running and tight.pool.cache.allocator.num_in_use == 0
+    writer.close(), tight.close()

@@ -124,6 +124,8 @@ class KVPool:
             end = request.cached + count  # the plan counted from what the row held then
             if count > 1:
                 loaded[request.id] = self._load_from_store(request, row, end)
+                if loaded[request.id] and end < len(request.tokens):  # (the next chunk's blocks
+                    end = max(request.cached, end // self.block_size * self.block_size)  # aligned)
             if request.cached < end:
                 batch_rows.append(row)
                 tokens.append(request.tokens[request.cached : end])
@@ -138,8 +140,14 @@ class KVPool:
 
     def _load_from_store(self, request: Request, row: int, end: int) -> int:
         """Load row `row`'s next prompt blocks from the KV store, up to position `end` (its
-        chunk this step); the tokens loaded."""
-        if self.store_tier is None or not self.prefix_caching or request.store_missed:
+        chunk this step); the tokens loaded. Only where the row ends on a block boundary (a store
+        block starts at one): a chunk after a store hit stops at a boundary for the next one."""
+        if (
+            self.store_tier is None
+            or not self.prefix_caching
+            or request.store_missed
+            or request.cached % self.block_size
+        ):
             return 0
         loaded = self.store_tier.load(self.cache, row, request.tokens, request.cached, end)
         request.cached += loaded

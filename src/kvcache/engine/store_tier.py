@@ -64,6 +64,8 @@ class StoreTier:
         `tokens` the store holds, up to position `end` (the chunk its step may fill); the tokens
         added (0 when none, or the store fails)."""
         size = pool.block_size
+        if attached % size:
+            raise ValueError(f"store blocks start on block boundaries; the row holds {attached} tokens")
         wanted = pool.prefix_digests(tokens)[attached // size : end // size]
         if not wanted or not self.store.available():
             return 0
