@@ -41,6 +41,17 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig.from_dict({**raw, **overrides})
 
 
+def step_families(window: int) -> dict[str, dict]:
+    """The config overrides the decode steps' tests run on (`tiny_config(**overrides)`): GQA
+    groups, a sliding window of `window`, per-head q/k norms, biases with one kv head."""
+    return {
+        "llama, 2 groups": dict(),
+        f"mistral, window {window}": dict(model_type="mistral", sliding_window=window),
+        "qwen3 (q/k norms)": dict(model_type="qwen3", head_dim=16),
+        "qwen2 (biases), 1 kv head": dict(model_type="qwen2", num_key_value_heads=1),
+    }
+
+
 def random_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     """A kvcache model of `config` with every weight random, in eval mode."""
     torch.manual_seed(seed)

@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import OwnErrors, random_model, tiny_config
+from tiny_models import OwnErrors, random_model, step_families, tiny_config
 
 from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend, numba_kernels, numba_products
 from kvcache.cache import make_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = {
-    "llama, 2 groups": dict(),
-    "mistral, window 37": dict(model_type="mistral", sliding_window=37),
-    "qwen3 (q/k norms)": dict(model_type="qwen3", head_dim=16),
-    "qwen2 (biases), 1 kv head": dict(model_type="qwen2", num_key_value_heads=1),
-}
+FAMILIES = step_families(window=37)
 PROMPT = 2 * numba_kernels.CHUNK + 45  # three chunks, the last one partial
 
 

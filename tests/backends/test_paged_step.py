@@ -14,19 +14,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import OwnErrors, random_model, tiny_config
+from tiny_models import OwnErrors, random_model, step_families, tiny_config
 
 from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend, numba_products
 from kvcache.cache import PagedBatch, PagedCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = {
-    "llama, 2 groups": dict(),
-    "mistral, window 7": dict(model_type="mistral", sliding_window=7),
-    "qwen3 (q/k norms)": dict(model_type="qwen3", head_dim=16),
-    "qwen2 (biases), 1 kv head": dict(model_type="qwen2", num_key_value_heads=1),
-}
+FAMILIES = step_families(window=7)
 BLOCK = 4
 
 

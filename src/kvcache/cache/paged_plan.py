@@ -67,13 +67,7 @@ def plan_forward(
         if all(count == new_tokens for count in counts):
             real = None
     totals = [held + new for held, new in zip(lengths, counts)]
-    if reserve:
-        copies = allocator.reserve(rows, totals)
-    else:
-        copies = []
-        for seq, total in zip(rows, totals):
-            if allocator.blocks_needed(seq, total):
-                raise CacheError(f"sequence {seq!r} runs {total} tokens but its blocks were not reserved")
+    copies = allocator.reserve(rows, totals) if reserve else _check_reserved(allocator, rows, totals)
     size, window = allocator.block_size, allocator.window
     if window is None:  # every row reads its blocks from the first
         firsts = [0] * batch
@@ -132,6 +126,14 @@ def plan_forward(
             allowed |= (query[:, :, None] < 0) & (key_positions == 0)
             mask = allowed[:, None]  # (B, 1, T_new, T_kv)
     return ForwardLayout(step, copies, query.clamp(min=0), mask)
+
+
+def _check_reserved(allocator: BlockAllocator, rows: list[int], totals: list[int]) -> list:
+    """No copies to make: raise CacheError unless every row's blocks hold its total already."""
+    for seq, total in zip(rows, totals):
+        if allocator.blocks_needed(seq, total):
+            raise CacheError(f"sequence {seq!r} runs {total} tokens but its blocks were not reserved")
+    return []
 
 
 def check_windows(windows, kept: list[int | None]) -> None:

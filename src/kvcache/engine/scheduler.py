@@ -82,20 +82,7 @@ def schedule(
     plan = Plan()
     size = limits.block_size
     active = sorted(running, key=lambda seq: seq.arrival)
-    need = {
-        seq.seq_id: blocks_for(seq.cached + 1, size) - seq.blocks
-        for seq in active
-        if seq.tokens - seq.cached == 1
-    }
-    while sum(need.values()) > free_blocks and len(active) > 1:
-        victim = active.pop()  # the newest
-        plan.preempt.append(victim.seq_id)
-        free_blocks += victim.freeable
-        need.pop(victim.seq_id, None)
-    if sum(need.values()) > free_blocks:  # one sequence alone: submit refused what could not fit
-        raise RuntimeError("the pool cannot hold one running sequence's next token")
-    plan.decode = [seq.seq_id for seq in active if seq.seq_id in need]
-    free_blocks -= sum(need.values())
+    free_blocks = _decode(plan, active, free_blocks, size)
     budget = limits.token_budget - len(plan.decode)
     if plan.decode and prefill_cap is not None:
         budget = min(budget, prefill_cap)
@@ -131,6 +118,25 @@ def schedule(
         budget -= count
         held += 1
     return plan
+
+
+def _decode(plan: Plan, active: list[RunningSeq], free_blocks: int, size: int) -> int:
+    """Plan every decoding sequence's token, preempting the newest (popped from `active`, in
+    arrival order) while their new blocks do not fit; the free blocks left."""
+    need = {
+        seq.seq_id: blocks_for(seq.cached + 1, size) - seq.blocks
+        for seq in active
+        if seq.tokens - seq.cached == 1
+    }
+    while sum(need.values()) > free_blocks and len(active) > 1:
+        victim = active.pop()  # the newest
+        plan.preempt.append(victim.seq_id)
+        free_blocks += victim.freeable
+        need.pop(victim.seq_id, None)
+    if sum(need.values()) > free_blocks:  # one sequence alone: submit refused what could not fit
+        raise RuntimeError("the pool cannot hold one running sequence's next token")
+    plan.decode = [seq.seq_id for seq in active if seq.seq_id in need]
+    return free_blocks - sum(need.values())
 
 
 def _fits(cached: int, wanted: int, blocks: int, free_blocks: int, size: int) -> int:
