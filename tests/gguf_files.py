@@ -46,8 +46,10 @@ def interleave(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str = "gpt-2",
-               arch: str | None = None) -> Path:
-    """Convert the checkpoint in `folder` to the GGUF file `path`; tensor_type: F32, F16 or Q8_0."""
+               arch: str | None = None, fields: dict | None = None) -> Path:
+    """Convert the checkpoint in `folder` to the GGUF file `path`; tensor_type: F32, F16 or Q8_0;
+    `fields`: metadata key -> (value, gguf.GGUFValueType[, element type of an array]) written in
+    place of the converter's."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -112,6 +114,8 @@ def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str =
         else:
             kind = gguf.GGMLQuantizationType[tensor_type]
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(value, kind), raw_dtype=kind)
+    for key, spec in (fields or {}).items():
+        writer.kv_data[0][key] = gguf.GGUFValue(*spec)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,7 +1,8 @@
 """Reading a llama.cpp GGUF file: its metadata as a config.json-style dict, and its tensors under
-Hugging Face's names, dequantized to float32, through the `gguf` package (the format's own
-library). The file is data: nothing in it is executed, and every tensor's name, type and shape
-is checked against the model its metadata describes before any tensor is dequantized.
+Hugging Face's names, dequantized to float32 by the `gguf` package (the format's own library);
+the container itself is parsed by kvcache's bounded reader, `kvcache.model.gguf_reader`. The file
+is data: nothing in it is executed, and every tensor's name, type and shape is checked against
+the model its metadata describes before any tensor is dequantized.
 
 llama.cpp's converter stores llama query and key weights with each head's rotary pairs
 interleaved (its RoPE rotates adjacent pairs; Hugging Face's rotates the two halves); reading
@@ -10,12 +11,14 @@ undoes that permutation, so the weights equal the checkpoint's they were convert
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvcache.model.errors import CheckpointError
+from kvcache.model.gguf_reader import GGUFFile, read_gguf
 
 # GGUF architecture -> the model_type it is loaded as; the converter permutes q/k for llama only
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -47,31 +50,21 @@ _MODEL_NAMES = {
 }
 
 
-def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` over the file (memory-mapped: nothing is read until used)."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file read by kvcache's bounded reader (`kvcache.model.gguf_reader`): metadata fields and
+    tensor records checked, tensor data mapped, nothing dequantized yet."""
     try:
-        import gguf
+        import gguf  # noqa: F401 (its type tables and dequantizers)
     except ImportError:
         raise CheckpointError(
             f"{path} is a GGUF file; reading it needs the gguf package: pip install gguf"
         ) from None
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as error:  # noqa: BLE001 (a malformed file: the reader's own error, named)
-        raise CheckpointError(
-            f"{path} is not a readable GGUF file: {type(error).__name__}: {error}"
-        ) from None
+    return read_gguf(path)
 
 
-def metadata(reader) -> dict[str, Any]:
-    """Every scalar, string or array field of the file, key -> value (arrays as lists)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception as error:  # noqa: BLE001
-            raise CheckpointError(f"GGUF field {key!r} cannot be read: {error}") from None
-    return out
+def metadata(reader: GGUFFile) -> dict[str, Any]:
+    """Every metadata field of the file, key -> value (string arrays as lists, numeric ones as arrays)."""
+    return reader.fields
 
 
 def config_dict(meta: dict[str, Any], tensor_names: set[str], source: str) -> dict[str, Any]:
@@ -151,7 +144,7 @@ def located_tensors(reader, source: str) -> dict[str, Any]:
 
 def tensor_shape(tensor) -> tuple[int, ...]:
     """The tensor's shape in torch order (GGUF lists dimensions innermost first)."""
-    return tuple(int(extent) for extent in reversed(tensor.shape.tolist()))
+    return tuple(int(extent) for extent in reversed(tensor.shape))
 
 
 def read_tensor(tensor, shape: tuple[int, ...], permute_heads: int | None) -> np.ndarray:
@@ -160,14 +153,14 @@ def read_tensor(tensor, shape: tuple[int, ...], permute_heads: int | None) -> np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    data = tensor.data
-    kind = tensor.tensor_type
+    data, kind = tensor.data, tensor.tensor_type
     if kind == GGMLQuantizationType.F32:
-        values = np.asarray(data, dtype=np.float32)
+        values = data.view(np.float32)
     elif kind == GGMLQuantizationType.F16:
-        values = np.asarray(data, dtype=np.float16).astype(np.float32)
-    else:
-        values = dequantize(np.asarray(data), kind).astype(np.float32, copy=False)
+        values = data.view(np.float16).astype(np.float32)
+    else:  # rows of whole blocks, as the gguf package's dequantizer takes them
+        values = dequantize(data.reshape(-1, data.size // math.prod(tensor.shape[1:])), kind)
+        values = values.astype(np.float32, copy=False)
     values = values.reshape(shape)
     if permute_heads:
         rows, *rest = values.shape
