@@ -4,6 +4,8 @@ memory, with a named error; ordinary templates render as before."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvcache.chat_template import (
@@ -26,6 +28,22 @@ HOSTILE = {
     "namespace doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
                           "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
     "long output": "{% for i in range(100000) %}{{ 'y' * 100 }}{% endfor %}",
+    # one call that allocates from an argument: refused before it runs
+    "center": "{{ 'x'|center(2**34) }}",
+    "center method": "{{ 'x'.center(2**34) }}",
+    "ljust method by keyword": "{{ 'x'.ljust(width=2**34) }}",
+    "tojson indent": "{{ [[1, 2], {'a': 3}]|tojson(indent=2**33) }}",
+    "tojson indent string": "{% set s = 'x' * 4000000 %}{{ [[[[1, 2, 3]]]]|tojson(indent=s) }}",
+    "format filter width": "{{ '%2000000000d'|format(1) }}",
+    "percent width": "{{ '%2000000000d' % 1 }}",
+    "percent star width": "{{ '%*d' % (2**34, 1) }}",
+    "str.format width": "{{ '{:2000000000}'.format(1) }}",
+    "replace growth": "{{ ('x' * 4000000)|replace('x', 'yy') }}",
+    "replace of the empty string": "{{ ('x' * 3000)|replace('', 'y' * 3000) }}",
+    "join of many": "{{ (['a' * 1000000] * 100)|join }}",
+    "join method": "{{ ('-' * 100).join(['a' * 1000000] * 100) }}",
+    "indent width": "{{ ('a\n' * 1000)|indent(2**32) }}",
+    "indent string": "{% set w = 'x' * 10000 %}{{ ('a\n' * 1000)|indent(w) }}",
 }
 
 
@@ -48,3 +66,13 @@ def test_an_ordinary_template_renders_as_jinja_renders_it():
                                 messages=[{"role": "user", "content": " hi "}])
     assert text == "<|user|>hi\n<|assistant|>a,a,a"
     assert MAX_OUTPUT_CHARS >= 1 << 20  # room for any real prompt
+
+
+def test_the_sized_filters_still_render_ordinary_arguments():
+    source = ("{{ tools|tojson(indent=4) }}|{{ '%5d' % 42 }}|{{ '%-4s|'|format('a') }}"
+              "|{{ '{:>4}'.format('b') }}|{{ ['x', 'y']|join(', ') }}|{{ ', '.join(['p', 'q']) }}"
+              "|{{ 'a\nb'|indent(2) }}"
+              "|{{ 'ab'|replace('a', 'cc') }}|{{ 'z'|center(5) }}|")
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
+    text = render_chat_template(compile_chat_template(source), tools=tools)
+    assert text == (json.dumps(tools, indent=4) + "|   42|a   ||   b|x, y|p, q|a\n  b|ccb|  z  |")

@@ -7,8 +7,10 @@ but not from running forever or filling memory: `{% for %}` loops nested over th
 - time: `MAX_RENDER_SECONDS`, checked on every line the compiled template runs (a trace function
   on the rendering thread, removed after);
 - size: no string or list the template builds, and not its output, may pass `MAX_OUTPUT_CHARS`:
-  `+`, `*` and `**` are checked before they run (a repetition that would pass the limit is never
-  computed), and the template's variables are checked on every line (`~` doubling);
+  `+`, `*`, `**` and `%` are checked before they run (a repetition that would pass the limit is
+  never computed), and so is every filter and method call that sizes its output from an argument
+  (`center(2**34)`, `tojson(indent=…)`, `'%2000000000d'|format(1)`, `replace`, `join`, `indent`:
+  `_check_call`); the template's variables are checked on every line (`~` doubling);
 - source: a template of more than `MAX_TEMPLATE_BYTES` is refused before it is compiled.
 
 Each limit raises `TemplateLimitError` (a ValueError) naming it.
@@ -16,7 +18,9 @@ Each limit raises `TemplateLimitError` (a ValueError) naming it.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
 import time
 from datetime import datetime
@@ -41,6 +45,81 @@ def _sized(value) -> int | None:
     return len(value) if isinstance(value, str | list | tuple) else None
 
 
+def _str_or_none(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _format_widths(text: str) -> list[int]:
+    """Every number written in a format string (widths and precisions among them)."""
+    return [int(digits) for digits in re.findall(r"\d{7,}", text)]
+
+
+def _json_size(value, indent) -> int:
+    """An upper bound of json.dumps(value, indent=indent)'s length, from its compact form."""
+    compact = json.dumps(value)
+    step = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
+    if not step:
+        return len(compact) * 2
+    depth = deepest = 0
+    for bracket in re.finditer(r"[\[\]{}]", compact):
+        depth += 1 if bracket.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    lines = compact.count(",") + compact.count("[") + compact.count("{") + compact.count("]") * 2 + 1
+    return len(compact) * 2 + lines * (deepest * step + 1)
+
+
+def _output_size(name: str, value, args: tuple, kwargs: dict) -> int:
+    """An upper bound of what filter or str method `name` returns for these arguments (0: not sized
+    from its arguments beyond the plain integer check)."""
+    text = _str_or_none(value)
+    if name == "replace" and text is not None and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        count = text.count(old) if old else len(text) + 1
+        return len(text) + count * max(0, len(new) - len(old))
+    if name == "join" and isinstance(value, list | tuple | str):
+        separator = str(args[0] if args else kwargs.get("d", ""))
+        items = value if text is None else list(text)
+        return sum(len(str(item)) for item in items) + len(separator) * len(items)
+    if name == "indent" and text is not None:
+        width = args[0] if args else kwargs.get("width", 4)
+        step = width if isinstance(width, int) else len(str(width))
+        return len(text) + (text.count("\n") + 1) * step
+    if name in ("format", "format_map") and text is not None:
+        return max(_format_widths(text), default=0)
+    if name == "tojson":
+        return _json_size(value, args[0] if args else kwargs.get("indent"))
+    return 0
+
+
+def _check_call(name: str, value, args: tuple, kwargs: dict) -> None:
+    """Raise TemplateLimitError before a filter or method call whose output could pass the limit:
+    an integer argument past it (a width, a fill count) or a size estimated from the inputs."""
+    for argument in (*args, *kwargs.values()):
+        if isinstance(argument, int) and not isinstance(argument, bool) and argument > MAX_OUTPUT_CHARS:
+            raise TemplateLimitError(
+                f"the chat template passes {argument:,} to {name}, past the limit of {MAX_OUTPUT_CHARS:,}"
+            )
+    size = _output_size(name, value, args, kwargs)
+    if size > MAX_OUTPUT_CHARS:
+        raise TemplateLimitError(
+            f"the chat template's {name} would build {size:,} characters, past the limit of "
+            f"{MAX_OUTPUT_CHARS:,}"
+        )
+
+
+def _bounded_filter(name: str, function):
+    """`function` (a jinja2 filter) with `_check_call` before it; its pass-context marks kept."""
+    skip = 1 if hasattr(function, "jinja_pass_arg") else 0  # the context/environment argument
+
+    @functools.wraps(function)
+    def bounded(*args, **kwargs):
+        value, rest = (args[skip], args[skip + 1 :]) if len(args) > skip else (None, ())
+        _check_call(name, value, rest, kwargs)
+        return function(*args, **kwargs)
+
+    return bounded
+
+
 def compile_chat_template(source: str):
     """A jinja2 template in a bounded sandbox, with the helpers Hugging Face templates call."""
     import jinja2
@@ -55,10 +134,21 @@ def compile_chat_template(source: str):
         )
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["+", "*", "**"])
+        intercepted_binops = frozenset(["+", "*", "**", "%"])
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+            owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "a call")
+            if name == "join" and isinstance(owner, str) and args:  # sep.join(items): items first
+                _check_call(name, args[0], (owner, *args[1:]), kwargs)
+            else:
+                _check_call(name, owner, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
-            if operator == "*":
+            if operator == "%" and isinstance(left, str):
+                _check_call("%", "", right if isinstance(right, tuple) else (right,), {})
+                _check_call("format", left, (), {})
+            elif operator == "*":
                 for sequence, count in ((left, right), (right, left)):
                     size = _sized(sequence)
                     if size is not None and isinstance(count, int) and size * count > MAX_OUTPUT_CHARS:
@@ -86,6 +176,7 @@ def compile_chat_template(source: str):
 
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
+    env.filters.update({name: _bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
