@@ -19,6 +19,8 @@ attaching whatever of them is still cached.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,7 +30,7 @@ from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.offline import run_to_completion, warm_up
 from kvcache.engine.pool import KVPool, StepWork
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
-from kvcache.engine.request import Completion, Request, RequestHandle
+from kvcache.engine.request import Completion, Request, RequestHandle, notify_all
 from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
 from kvcache.engine.step_costs import StepCosts
@@ -88,7 +90,7 @@ class Engine:
             None if prefill_slowdown is None else StepCosts(prefill_slowdown, maximum=token_budget)
         )
         self.metrics = EngineMetrics()
-        # called with every Completion as its request ends (a server's metrics); must not raise
+        # called with every Completion as its request ends (a server's metrics); `notify_all` says
         self.on_finish: Callable[[Completion], None] | None = None
         self.waiting: deque[Request] = deque()
         self._incoming: list[Request] = []
@@ -241,8 +243,6 @@ class Engine:
             return True
 
     def _preempt(self, victims: list[Request]) -> None:
-        if not victims:
-            return
         self.pool.release(victims)
         for request in victims:
             request.first_pass = False
@@ -298,15 +298,15 @@ class Engine:
         if not requests:
             return
         self.pool.release([r for r in requests if r in self.running])
+        completions = []
         for request in requests:
             if request in self.waiting:
                 self.waiting.remove(request)
             finish, message = (reason, error) if reason is not None else request.finish
-            completion: Completion = request.completion(finish, message)
+            completions.append(request.completion(finish, message))
             self.metrics.finished[finish] = self.metrics.finished.get(finish, 0) + 1
-            request.finished(completion)
-            if self.on_finish is not None:
-                self.on_finish(completion)
+            request.finished(completions[-1])
+        notify_all(self.on_finish, completions)
 
     # ---- running many ------------------------------------------------------------------------------
     def generate(
@@ -376,6 +376,12 @@ class Engine:
                 if not busy:
                     self._wake_event.wait(0.05)
                     self._wake_event.clear()
+        except BaseException as error:  # SystemExit, KeyboardInterrupt: said, and no one left waiting
+            print(f"kvcache engine: the loop stops on {type(error).__name__}", file=sys.stderr)
+            with contextlib.suppress(BaseException):
+                self._fail_everything(f"the engine's loop stopped on {type(error).__name__}")
+            if threading.current_thread() is not self._thread:
+                raise  # run()'s caller (Ctrl-C in a terminal) sees it; start()'s thread just ends
         finally:
             self._looping.clear()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -263,3 +264,21 @@ class Request:
             [moment - self.submitted_at for moment in self.token_times],
             None if reply is None else reply.text,
         )
+
+
+def notify_all(hook: Callable[[Completion], None] | None, completions: list[Completion]) -> None:
+    """Call `hook` with each completion; one that raises is reported on stderr and the others are
+    still called. A SystemExit or KeyboardInterrupt from it is raised again once all were called."""
+    if hook is None:
+        return
+    stopping: BaseException | None = None
+    for completion in completions:
+        try:
+            hook(completion)
+        except Exception as error:  # noqa: BLE001 (a caller's hook: reported, the engine goes on)
+            print(f"kvcache engine: on_finish raised {type(error).__name__}: {error} "
+                  f"(request {completion.request_id}); the engine goes on", file=sys.stderr)
+        except BaseException as error:  # noqa: BLE001 (raised again below)
+            stopping = stopping or error
+    if stopping is not None:
+        raise stopping
