@@ -12,6 +12,7 @@ from tiny_models import tiny_model
 from kvcache.engine.block_codec import InvalidBlock, decode_block, encode_block, layout_of, namespace
 
 DIGEST = bytes(range(16))
+SPACE = "ab" * 16
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16])
@@ -20,43 +21,43 @@ def block(request):
     layout = layout_of(model, 4)
     shape = (layout.layers, 4, layout.kv_heads, layout.head_dim)
     keys, values = torch.randn(shape).to(request.param), torch.randn(shape).to(request.param)
-    return layout, keys, values, encode_block(layout, DIGEST, keys, values)
+    return layout, keys, values, encode_block(layout, SPACE, DIGEST, keys, values)
 
 
 def test_a_block_reads_back_exactly(block):
     layout, keys, values, value = block
     assert len(value) == layout.value_bytes
-    got_keys, got_values = decode_block(layout, DIGEST, value)
+    got_keys, got_values = decode_block(layout, SPACE, DIGEST, value)
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
 
 
-@pytest.mark.parametrize("offset", [0, 4, 6, 8, 10, 12, 14, 16, 18, 20, 40, -1])
+@pytest.mark.parametrize("offset", [0, 4, 6, 8, 10, 12, 14, 16, 18, 20, 40, 56, 72, -1])
 def test_any_changed_byte_is_refused(block, offset):
     layout, _, _, value = block
     damaged = bytearray(value)
     damaged[offset] ^= 0x01
     with pytest.raises(InvalidBlock):
-        decode_block(layout, DIGEST, bytes(damaged))
+        decode_block(layout, SPACE, DIGEST, bytes(damaged))
 
 
 def test_a_block_under_another_digest_a_short_value_or_non_finite_numbers_are_refused(block):
     layout, keys, values, value = block
     with pytest.raises(InvalidBlock, match="does not match"):
-        decode_block(layout, bytes(16), value)
+        decode_block(layout, SPACE, bytes(16), value)
     with pytest.raises(InvalidBlock, match="bytes, got"):
-        decode_block(layout, DIGEST, value[:-1])
+        decode_block(layout, SPACE, DIGEST, value[:-1])
     with pytest.raises(InvalidBlock, match="bytes, got NoneType"):
-        decode_block(layout, DIGEST, None)
+        decode_block(layout, SPACE, DIGEST, None)
     poisoned = keys.clone()
     poisoned[0, 0, 0, 0] = float("nan")
     with pytest.raises(InvalidBlock, match="non-finite"):
-        decode_block(layout, DIGEST, encode_block(layout, DIGEST, poisoned, values))
+        decode_block(layout, SPACE, DIGEST, encode_block(layout, SPACE, DIGEST, poisoned, values))
 
 
 def test_the_header_is_fixed_and_names_the_layout(block):
     layout, _, _, value = block
     magic, version, _, _, layers, heads, dim, _, size = struct.unpack_from("<4sHBBHHHHH", value)
-    assert (magic, version, layers, heads, dim, size) == (b"KVB1", 1, layout.layers, layout.kv_heads,
+    assert (magic, version, layers, heads, dim, size) == (b"KVB2", 2, layout.layers, layout.kv_heads,
                                                          layout.head_dim, 4)
 
 
@@ -68,3 +69,15 @@ def test_namespaces_differ_by_weights_dtype_and_block_size():
     half = tiny_model(seed=0).to(torch.bfloat16)
     cases = ((first, 4), (third, 4), (first, 8), (half, 4))
     assert len({namespace(model, layout_of(model, size)) for model, size in cases}) == 4
+
+
+def test_another_models_valid_block_copied_under_this_models_key_is_refused():
+    ours, theirs = tiny_model(seed=0), tiny_model(seed=1)  # one geometry, other weights
+    layout = layout_of(ours, 4)
+    assert layout == layout_of(theirs, 4)
+    shape = (layout.layers, 4, layout.kv_heads, layout.head_dim)
+    keys, values = torch.randn(shape), torch.randn(shape)
+    copied = encode_block(layout, namespace(theirs, layout), DIGEST, keys, values)  # valid: its own
+    decode_block(layout, namespace(theirs, layout), DIGEST, copied)
+    with pytest.raises(InvalidBlock, match="another model's block"):
+        decode_block(layout, namespace(ours, layout), DIGEST, copied)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import uvicorn
+from waiting import wait_for  # noqa: F401 (the server tests import it from here)
 
 import kvcache
 from kvcache.engine import Engine
@@ -66,13 +67,3 @@ def server(model, tokenizer):
     )
     yield running
     running.stop()
-
-
-def wait_for(condition, timeout: float = 15.0) -> bool:
-    """Poll `condition()` until true or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()

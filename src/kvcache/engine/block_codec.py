@@ -2,14 +2,16 @@
 
 A value is a fixed header and the raw tensor bytes, never a pickle:
 
-    magic b"KVB1" | version u16 | dtype u8 | pad u8 | layers u16 | kv_heads u16 | head_dim u16 |
-    value_dim u16 | block_size u16 | digest 16 B | checksum 16 B | keys | values
+    magic b"KVB2" | version u16 | dtype u8 | pad u8 | layers u16 | kv_heads u16 | head_dim u16 |
+    value_dim u16 | block_size u16 | namespace 16 B | digest 16 B | checksum 16 B | keys | values
 
 keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size, kv_heads,
 value_dim), in the stored dtype, little-endian. The checksum is SHA-256 (its first 16 bytes) over
 the header (checksum field zeroed) and the payload, chosen over blake2b for the CPU's SHA
 instructions, since every byte read back is hashed before the request may use it. The digest is
-the block's prefix hash chain, so a valid block copied under another block's key is refused too.
+the block's prefix hash chain, so a valid block copied under another block's key is refused too,
+and the namespace (below) is inside the checksummed header, so a valid block another model wrote
+(same geometry, other weights or dtype) copied under this model's key is refused as well.
 A value read back is checked field by field before a byte of it is used (`decode_block` raises
 `InvalidBlock`, which the engine counts and recomputes).
 
@@ -28,9 +30,9 @@ import torch
 
 from kvcache.model.fingerprint import model_fingerprint
 
-MAGIC = b"KVB1"
-VERSION = 1
-_HEADER = struct.Struct("<4sHBBHHHHH16s16s")
+MAGIC = b"KVB2"
+VERSION = 2
+_HEADER = struct.Struct("<4sHBBHHHHH16s16s16s")
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 
@@ -90,30 +92,40 @@ def _checksum(header: bytes, payload: bytes) -> bytes:
     return digest.digest()[:16]
 
 
-def encode_block(layout: BlockLayout, digest: bytes, keys: torch.Tensor, values: torch.Tensor) -> bytes:
-    """One block's value: keys (layers, block_size, H_kv, D) and values (…, D_v) under `digest`."""
+def encode_block(
+    layout: BlockLayout, space: str, digest: bytes, keys: torch.Tensor, values: torch.Tensor
+) -> bytes:
+    """One block's value: keys (layers, block_size, H_kv, D) and values (…, D_v) under `digest`, in
+    namespace `space` (`namespace()`'s 32 hex digits)."""
     payload = b"".join(
         tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
         for tensor in (keys, values)
     )
     fields = (MAGIC, VERSION, _DTYPES[layout.dtype], 0, layout.layers, layout.kv_heads, layout.head_dim,
-              layout.value_dim, layout.block_size, digest)
+              layout.value_dim, layout.block_size, bytes.fromhex(space), digest)
     header = _HEADER.pack(*fields, bytes(16))
     return _HEADER.pack(*fields, _checksum(header, payload)) + payload
 
 
-def decode_block(layout: BlockLayout, digest: bytes, value: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_block(
+    layout: BlockLayout, space: str, digest: bytes, value: bytes
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) of a value read back, each (layers, block_size, H_kv, D): raises
-    `InvalidBlock` for a value of another size, format, layout or digest, a bad checksum, or
-    non-finite numbers."""
+    `InvalidBlock` for a value of another size, format, layout, namespace or digest, a bad
+    checksum, or non-finite numbers."""
     if not isinstance(value, bytes | bytearray) or len(value) != layout.value_bytes:
         size = len(value) if isinstance(value, bytes | bytearray) else type(value).__name__
         raise InvalidBlock(f"a block of this layout has {layout.value_bytes} bytes, got {size}")
-    (magic, version, dtype, _, layers, heads, head_dim, value_dim, block_size, stored_digest,
-     checksum) = _HEADER.unpack_from(value)
+    (magic, version, dtype, _, layers, heads, head_dim, value_dim, block_size, stored_space,
+     stored_digest, checksum) = _HEADER.unpack_from(value)
     expected = (MAGIC, VERSION, _DTYPES[layout.dtype], layout.layers, layout.kv_heads, layout.head_dim,
                 layout.value_dim, layout.block_size, digest)
     found = (magic, version, dtype, layers, heads, head_dim, value_dim, block_size, stored_digest)
+    if stored_space != bytes.fromhex(space):
+        raise InvalidBlock(
+            f"the block was written in namespace {stored_space.hex()}, not this model's {space} "
+            "(another model's block, copied under this model's key)"
+        )
     if found != expected:
         raise InvalidBlock(f"block header {found} does not match this model's {expected}")
     header = bytes(value[: _HEADER.size - 16]) + bytes(16)

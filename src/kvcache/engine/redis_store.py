@@ -1,8 +1,11 @@
 """A second tier of KV blocks in Redis (or a server that speaks its protocol: Valkey, …), shared by
 every replica that points at it.
 
-Reads are synchronous and bounded: one pipelined round trip asks which of a prompt's block keys
-exist, a second fetches the leading run that does (MGET), each under a short socket timeout.
+Reads are bounded as a whole: one pipelined round trip asks the size of each of a prompt's block
+keys (STRLEN: 0 when absent, so a value of the wrong size is never read), a second fetches the
+leading run that holds blocks of the right size (MGET). Both run on a reader thread, and the
+engine waits for them at most `timeout_s` in all (a server that trickles its answer a byte at a
+time keeps a socket read alive forever): past that the store counts as down.
 Writes never block a request: they go to a bounded queue that a background thread drains in
 batches (pipelined SET with a TTL); when the queue is full, blocks are dropped and counted.
 
@@ -18,6 +21,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 log = logging.getLogger("kvcache.store")
@@ -48,7 +53,8 @@ class RedisBlockStore:
         url: where the server is; its client is the `redis` package (`pip install redis`).
         ttl_s: seconds a written block lives (refreshed by nothing: a block read back is simply
             rewritten when its absence is noticed).
-        timeout_s: the socket timeout of every call (connect included).
+        timeout_s: the socket timeout of every call (connect included), and the most a read
+            (both its round trips) may keep the engine waiting.
         retry_s: how long an error keeps the store out of use.
         max_pending: blocks queued for writing before new ones are dropped.
     """
@@ -78,6 +84,9 @@ class RedisBlockStore:
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._drain, name="kvcache-store-writer", daemon=True)
         self._writer.start()
+        self.timeout_s = timeout_s
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-store-reader")
+        self._reading: Future | None = None
 
     # ---- health ------------------------------------------------------------------------------------
     def available(self) -> bool:
@@ -102,20 +111,18 @@ class RedisBlockStore:
                     log.warning("KV store %s is back", self.url)
 
     # ---- reads ------------------------------------------------------------------------------------
-    def fetch_run(self, keys: list[str]) -> list[bytes]:
-        """The values of the longest run of `keys`, from the first, that the store holds (two
-        round trips: which exist, then those values); [] when none does or the store fails."""
-        if not keys or not self.available():
-            return []
+    def fetch_run(self, keys: list[str], value_bytes: int) -> list[bytes]:
+        """The values of the longest run of `keys`, from the first, that the store holds with
+        `value_bytes` bytes each (a value of another size ends the run, counted invalid, unread);
+        [] when none does, or the store fails or takes more than timeout_s in all."""
+        if not keys or not self.available() or (self._reading is not None and not self._reading.done()):
+            return []  # (a read still stuck on the reader thread: not queued behind)
+        self._reading = self._reader.submit(self._read_run, keys, value_bytes)
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            present = pipe.execute()
-            run = next((index for index, found in enumerate(present) if not found), len(keys))
-            self.counters.read_round_trips += 1
-            values = self._client.mget(keys[:run]) if run else []
-            self.counters.read_round_trips += bool(run)
+            values = self._reading.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._failed(TimeoutError(f"no answer within {self.timeout_s} s"), "reading blocks")
+            return []
         except self._errors as error:
             self._failed(error, "reading blocks")
             return []
@@ -127,6 +134,19 @@ class RedisBlockStore:
             found.append(value)
             self.counters.read_bytes += len(value)
         return found
+
+    def _read_run(self, keys: list[str], value_bytes: int) -> list:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.strlen(key)
+        sizes = pipe.execute()
+        run = next((index for index, size in enumerate(sizes) if size != value_bytes), len(keys))
+        if run < len(keys) and sizes[run]:
+            self.counters.invalid_blocks += 1  # present, of another size: never read
+        self.counters.read_round_trips += 1
+        values = self._client.mget(keys[:run]) if run else []
+        self.counters.read_round_trips += bool(run)
+        return values
 
     # ---- writes -----------------------------------------------------------------------------------
     def put(self, key: str, make_value: Callable[[], bytes]) -> bool:
@@ -193,4 +213,5 @@ class RedisBlockStore:
         """Stop the writer (queued blocks are dropped) and close the connection."""
         self._stop.set()
         self._writer.join(timeout=2)
+        self._reader.shutdown(wait=False, cancel_futures=True)
         self._client.close()

@@ -70,11 +70,14 @@ class StoreTier:
         if not wanted or not self.store.available():
             return 0
         self.store.counters.lookups += 1
-        values = self.store.fetch_run([block_key(self.space, digest) for digest in wanted])
+        keys_wanted = [block_key(self.space, digest) for digest in wanted]
+        values = self.store.fetch_run(keys_wanted, self.layout.value_bytes)
+        for digest in wanted[len(values) :]:  # not there (evicted, flushed): offered again
+            self._known.pop(digest, None)
         keys, vals = [], []
         for digest, value in zip(wanted, values):
             try:
-                block_keys, block_values = decode_block(self.layout, digest, value)
+                block_keys, block_values = decode_block(self.layout, self.space, digest, value)
             except InvalidBlock as error:
                 self.store.counters.invalid_blocks += 1
                 if not self._warned_invalid:
@@ -121,7 +124,7 @@ class StoreTier:
                 block_keys, block_values = keys[:, rows], values[:, rows]
 
                 def make(digest=digest, block_keys=block_keys, block_values=block_values) -> bytes:
-                    return encode_block(self.layout, digest, block_keys, block_values)
+                    return encode_block(self.layout, self.space, digest, block_keys, block_values)
 
                 self.store.put(block_key(self.space, digest), make)
                 self._remember(digest)
