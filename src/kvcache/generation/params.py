@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
+
 
 class RequestError(ValueError):
     """A request refused (nothing queued): which field, what was expected, what was given."""
@@ -15,9 +17,10 @@ class RequestError(ValueError):
 class SamplingParams:
     """How one request is sampled and when it stops.
 
-    max_tokens: new tokens at most (>= 1). temperature: 0 is greedy (the default), else sample
-    from softmax(logits / temperature) after top_k and top_p (in that order, as transformers does).
-    seed: the request's own generator (None: the sampler's shared one). stop: strings that end the
+    max_tokens: new tokens at most (>= 1). temperature: 0 is greedy (the default; so is any value
+    below GREEDY_BELOW, as in vLLM: dividing logits by it would overflow), else sample from
+    softmax(logits / temperature) after top_k and top_p (in that order, as transformers does).
+    seed: the request's own generator, < 2**64 (None: the sampler's shared one). stop: strings that end the
     request once its new text contains one (the string is not returned). stop_token_ids: ids that
     end it, besides the model's EOS ids (ignore_eos=True drops those).
     Raises RequestError naming the first field out of range.
@@ -53,6 +56,8 @@ class SamplingParams:
             _integer("top_k", self.top_k, minimum=1)
         if self.seed is not None:
             _integer("seed", self.seed, minimum=0)
+            if self.seed >= 1 << 64:
+                raise RequestError(f"seed must be below 2**64 (a generator's seed), got {self.seed}")
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise RequestError(f"stop strings must be non-empty strings, got {text!r}")
@@ -61,7 +66,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def check(self, vocab_size: int) -> None:
         """Raise RequestError unless every stop token id is in [0, vocab_size)."""

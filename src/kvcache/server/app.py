@@ -7,6 +7,8 @@ GET /metrics. Every error is OpenAI's JSON shape. With an API key, every route b
 needs `Authorization: Bearer KEY` (compared in constant time). A body over the size limit, a
 bad field, a prompt too long: 400. A full waiting queue: 429 with Retry-After. A client that
 goes away mid-answer cancels its request (its blocks are freed at the engine's next step).
+A request's preparation (JSON, chat template, tokenizing) runs on a few preparing threads, never
+on the event loop: one client's 30,000-message body does not pause the others' streams.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import hmac
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -37,6 +40,8 @@ from kvcache.server.openai_api import (
     response_object,
     usage_object,
 )
+
+PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepared at once
 
 
 @dataclass
@@ -67,6 +72,7 @@ def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
         finally:
             engine.cancel_all()
             await asyncio.to_thread(engine.stop, 10.0)
+            server.preparing.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
@@ -93,6 +99,7 @@ class _Server:
         )
         self.metrics = ServerMetrics(engine)
         engine.on_finish = self.metrics.finished
+        self.preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="kvcache-prepare")
         self.created = int(time.time())
 
     # ---- routes --------------------------------------------------------------------------------
@@ -128,17 +135,11 @@ class _Server:
     async def _complete(self, request: Request, kind: str) -> Response:
         try:
             self._authorize(request)
-            call = read_call(kind, await self._body(request), self.limits)
-            if call.model is not None and call.model != self.settings.model_name:
-                raise ApiError(
-                    404,
-                    f"the model {call.model!r} does not exist; this server serves "
-                    f"{self.settings.model_name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
-            ids = self._prompt_ids(call)
-            check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
+            raw = await self._body(request)
+            # parsing, the chat template and tokenizing are the request's own work: off the event
+            # loop, on a few preparing threads, so they never hold up other clients' streams
+            loop = asyncio.get_running_loop()
+            call, ids = await loop.run_in_executor(self.preparing, self._prepare, kind, raw)
             if self.engine.queue_depth >= self.settings.max_waiting:
                 raise ApiError(
                     429,
@@ -204,6 +205,26 @@ class _Server:
                 handle.cancel()
 
     # ---- checks --------------------------------------------------------------------------------
+    def _prepare(self, kind: str, raw: bytes) -> tuple[Call, list[int]]:
+        """The request read from its body and its prompt's token ids (on a preparing thread)."""
+        try:
+            body = json.loads(raw)
+        except ValueError as error:
+            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body's JSON is nested too deeply") from None
+        call = read_call(kind, body, self.limits)
+        if call.model is not None and call.model != self.settings.model_name:
+            raise ApiError(
+                404,
+                f"the model {call.model!r} does not exist; this server serves {self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        ids = self._prompt_ids(call)
+        check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
+        return call, ids
+
     def _prompt_ids(self, call: Call) -> list[int]:
         try:
             return prompt_ids(call.prompt, self.tokenizer, self.vocab)
@@ -234,7 +255,7 @@ class _Server:
             return self._error(error)
         return None
 
-    async def _body(self, request: Request) -> object:
+    async def _body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -252,10 +273,7 @@ class _Server:
                     f"the request body is more than this server's limit of {limit} bytes (--max-body-bytes)",
                 )
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        return b"".join(chunks)
 
     def _error(self, error: ApiError) -> Response:
         self.metrics.rejected(error.status)

@@ -266,6 +266,9 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 1 << 64:
+        raise ApiError(400, f"{name} must be a number in range, got an integer of {len(str(value))} digits",
+                       param=name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ApiError(400, f"{name} must be a number, got {value!r}", param=name)
     if (value <= low if open_low else value < low) or value > high:
