@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The main job: the bundled default model generates, streamed, with and without the cache.
 demo: $(STAMP)
-	$(VENV)/bin/kvcache generate --prompt "The with statement" --max-new-tokens 64 --compare-nocache
+	$(VENV)/bin/kvcache generate --prompt "The with statement" --max-tokens 64 --compare-nocache
 
 lab: $(STAMP)
 	$(VENV)/bin/kvcache lab

@@ -106,3 +106,12 @@ def test_top_p_alone_implies_sampling(capsys):
     assert main(_generate(DEFAULT_MODEL_DIR, "--json", "--top-p", "0.8")) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["do_sample"] is True and report["top_p"] == 0.8
+
+
+def test_an_unknown_flag_prints_the_commands_own_usage(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["memory", "--tokens", "10", "--no-such-flag"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvcache memory") and "unrecognized arguments: --no-such-flag" in err
+

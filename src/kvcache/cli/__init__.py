@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one sub-parser per command."""
+    """The top-level parser with one sub-parser per command (`.commands`: name -> sub-parser)."""
     parser = argparse.ArgumentParser(
         prog="kvcache",
         description="Key-value caching for transformer inference.",
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         module.add_parser(sub)
+    parser.commands = subparsers.choices  # command name -> its parser
     return parser
 
 
@@ -57,10 +58,12 @@ def _command_module(module_name: str):
 def main(argv: list[str] | None = None) -> int:
     """Run the `kvcache` command with `argv` (default: sys.argv[1:]); returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if unknown:  # the command's own usage and error (exit status 2), not the top level's
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     module = _command_module(COMMANDS[args.command][0])
     try:
         with warnings.catch_warnings():  # a warning is one line naming the command, no source line

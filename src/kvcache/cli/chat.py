@@ -24,7 +24,7 @@ HELP = "commands: /reset (new conversation), /system TEXT (set the system messag
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
+        "-m", "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
     )
     parser.add_argument("--system", help="a system message that opens the conversation")
     parser.add_argument(

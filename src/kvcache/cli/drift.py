@@ -33,7 +33,7 @@ def bits_list(text: str) -> list[int | str]:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder (default: kvcache's trained default model)")
+    parser.add_argument("-m", "--model", help="checkpoint folder (default: kvcache's trained default model)")
     parser.add_argument("--bits", type=bits_list, default=[8, 4, "fp8"],
                         help="settings to measure: 8, 4, fp8, comma-separated (default 8,4,fp8)")
     parser.add_argument("--tokens", type=positive_int, default=128,

@@ -21,6 +21,7 @@ from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "-m",
         "--model",
         help="local checkpoint folder (config.json, safetensors) or GGUF file; default: the bundled "
         "default model",
@@ -28,7 +29,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="plain text to continue ('-' reads it from standard input)")
     text.add_argument("--chat", help="a user message, wrapped in the checkpoint's chat template")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
+    parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=positive_int,
+                        default=64, help="new tokens at most (default 64; --max-new-tokens is the same)")
     parser.add_argument("--cache", choices=CACHE_KINDS, default="dynamic", help="default dynamic")
     parser.add_argument(
         "--compare-nocache",
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     )
     stream = None if args.json else _TextStream(tokenizer, sys.stdout)
     try:
+        _warm_up(generate, model, input_ids, args, options)
         result = generate(
             model,
             input_ids,
@@ -190,6 +193,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     return status
+
+
+def _warm_up(generate, model, input_ids, args: argparse.Namespace, options: dict) -> None:
+    """Two greedy tokens on each road the timed runs take, untimed, said on stderr: on the first
+    run of an install the decode kernels are compiled here (seconds), not inside the figures.
+    The options are checked first: a bad one is the command's one error line."""
+    from kvcache.generation.settings import GenerationSettings
+
+    GenerationSettings(**{k: v for k, v in options.items() if k != "tokenizer"})
+    print("kvcache generate: warming up (the first run of an install compiles the decode kernels)…",
+          file=sys.stderr, flush=True)
+    short = {**options, "max_new_tokens": 2, "do_sample": False, "stop_strings": None}
+    ids = input_ids[:, :8]
+    generate(model, ids, cache=args.cache, backend=args.backend, **short)
+    if args.compare_nocache:
+        generate(model, ids, cache="none", **short)
 
 
 def _timing_line(result) -> str:

@@ -26,7 +26,7 @@ def _size(text: str) -> int:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder (default: kvcache's bundled default model)")
+    parser.add_argument("-m", "--model", help="checkpoint folder (default: kvcache's bundled default model)")
     parser.add_argument("--out", default="report", help="folder to write into (default ./report)")
     parser.add_argument("--quick", action="store_true",
                         help="smaller ranges and fewer repeats: well under a minute")

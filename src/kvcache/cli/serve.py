@@ -53,7 +53,7 @@ def _size(text: str) -> int:
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
+        "-m", "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
     )
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"

@@ -52,11 +52,13 @@ def checkpoint_folder(path: str | Path) -> Path:
     """The folder as a Path, or a CheckpointError saying why it is not a usable local folder."""
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise CheckpointError(
-            f"{str(path)!r} is not a local folder. kvcache loads checkpoints from disk only "
-            "(no hub downloads): download it first, e.g. `huggingface-cli download "
-            f"{path} --local-dir DIR`, and pass DIR"
+        looks_like_hub_id = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
+        hint = (
+            f"; {path} looks like a Hugging Face hub id: kvcache reads from disk only, so download "
+            "it first (e.g. with the huggingface_hub package's snapshot_download) and pass that folder"
+            if looks_like_hub_id else ""
         )
+        raise CheckpointError(f"no such file or folder: {str(path)!r}{hint}")
     if not folder.is_dir():
         raise CheckpointError(
             f"{folder} is a file but not a GGUF file (it does not start with the GGUF magic); "
