@@ -111,21 +111,22 @@ class RedisBlockStore:
                     log.warning("KV store %s is back", self.url)
 
     # ---- reads ------------------------------------------------------------------------------------
-    def fetch_run(self, keys: list[str], value_bytes: int) -> list[bytes]:
+    def fetch_run(self, keys: list[str], value_bytes: int) -> list[bytes] | None:
         """The values of the longest run of `keys`, from the first, that the store holds with
         `value_bytes` bytes each (a value of another size ends the run, counted invalid, unread);
-        [] when none does, or the store fails or takes more than timeout_s in all."""
+        [] when none does; None when the store did not answer (down, failing, past timeout_s in
+        all, or a read still stuck on the reader thread: not queued behind)."""
         if not keys or not self.available() or (self._reading is not None and not self._reading.done()):
-            return []  # (a read still stuck on the reader thread: not queued behind)
+            return None
         self._reading = self._reader.submit(self._read_run, keys, value_bytes)
         try:
             values = self._reading.result(timeout=self.timeout_s)
         except FutureTimeout:
             self._failed(TimeoutError(f"no answer within {self.timeout_s} s"), "reading blocks")
-            return []
+            return None
         except self._errors as error:
             self._failed(error, "reading blocks")
-            return []
+            return None
         self._worked()
         found = []
         for value in values:  # a key evicted between the two calls ends the run

@@ -72,6 +72,8 @@ class StoreTier:
         self.store.counters.lookups += 1
         keys_wanted = [block_key(self.space, digest) for digest in wanted]
         values = self.store.fetch_run(keys_wanted, self.layout.value_bytes)
+        if values is None:  # no answer: nothing learned about what it holds
+            return 0
         for digest in wanted[len(values) :]:  # not there (evicted, flushed): offered again
             self._known.pop(digest, None)
         keys, vals = [], []
