@@ -131,3 +131,15 @@ def test_phi3s_fused_projections_are_split_in_their_stored_order(checkpoints):
     mlp = model.model.layers[0].mlp
     fused = hf.model.layers[0].mlp.gate_up_proj.weight
     assert torch.equal(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), fused)
+
+
+def test_loading_a_model_does_not_import_torchs_compiler():
+    """nn.Embedding's own initialisation (init.normal_) imports torch._dynamo, about a second of
+    start-up for every command, for a tensor the checkpoint overwrites."""
+    import subprocess
+    import sys
+
+    script = "import sys, kvcache; kvcache.load_model(); print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

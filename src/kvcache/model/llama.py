@@ -185,7 +185,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # N(0, 1) as nn.Embedding's own initialisation, drawn here: its init.normal_ imports torch's
+        # compiler (about a second of start-up) for a tensor a checkpoint overwrites
+        initial = torch.randn(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=initial)
         self.layers = nn.ModuleList(
             DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)
         )
