@@ -30,3 +30,18 @@ def test_a_terminal_is_redrawn_in_place_and_ends_with_a_newline():
     bar(2.0, "past the end")  # clamped to 100%
     text = screen.getvalue()
     assert text.count("\r") == 2 and text.endswith("\n") and "[####] 100%" in text
+
+
+def test_work_done_before_after_s_draws_nothing_and_longer_work_draws(monkeypatch):
+    from kvcache import progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    quick, slow = io.StringIO(), io.StringIO()
+    for stream, took in ((quick, 0.2), (slow, 2.0)):
+        bar = ProgressBar("kvcache test", stream=stream, after_s=0.5)
+        bar(0.0, "reading")
+        clock[0] += took
+        bar(1.0, "done")
+    assert quick.getvalue() == ""
+    assert slow.getvalue().splitlines()[-1].split()[-1] == "done"

@@ -8,15 +8,19 @@ import time
 
 class ProgressBar:
     """Call with (fraction done in [0, 1], a label): redrawn in place on a terminal, one line per
-    new label otherwise (logs stay readable). `title` starts every line."""
+    new label otherwise (logs stay readable). `title` starts every line. Work that ends within
+    `after_s` seconds of the bar's creation draws nothing (a quick phase needs no bar)."""
 
-    def __init__(self, title: str, stream=None, width: int = 28) -> None:
+    def __init__(self, title: str, stream=None, width: int = 28, after_s: float = 0.0) -> None:
         self.title, self.stream, self.width = title, stream or sys.stderr, width
         self.live = self.stream.isatty()
         self.started = time.perf_counter()
+        self.after_s = after_s
         self.last_label: str | None = None
 
     def __call__(self, fraction: float, label: str) -> None:
+        if self.last_label is None and time.perf_counter() - self.started < self.after_s:
+            return  # nothing drawn yet, and the work is still young
         fraction = min(max(fraction, 0.0), 1.0)
         filled = int(round(fraction * self.width))
         line = (

@@ -94,3 +94,22 @@ def test_a_contiguous_half_precision_weight_is_viewed_as_its_bits():
         assert bits.shape == (4, 5) and bits.dtype == bits_dtype
         assert bits.ctypes.data == weight.data_ptr()  # a view of the parameter's memory
         assert numba_products.half_bits(weight.T) is None
+
+
+def test_compiling_reports_each_kvcache_kernel_once_and_not_what_it_compiles_inside():
+    source = (
+        "def inner(x):\n    return x + 1\n"
+        "def outer(x):\n    return inner(x) * 2\n"
+    )
+    space = {"__name__": "kvcache.made_for_a_test"}  # a kernel of kvcache's, as numba sees it
+    exec(source, space)
+    space["inner"] = numba.njit(space["inner"])
+    outer = numba.njit(space["outer"])
+    other = numba.njit(lambda x: x - 1)  # not kvcache's: not reported
+    reported = []
+    with numba_products.compiling_reported(reported.append):
+        assert outer(3) == 8 and other(3) == 2
+        assert outer(4) == 10  # compiled already: nothing new
+    assert reported == ["outer"]
+    outer(5.5)  # a new signature outside: not reported
+    assert reported == ["outer"]

@@ -135,3 +135,19 @@ def test_the_prompt_can_come_from_standard_input(llama_dir):
     import json
 
     assert json.loads(done.stdout)["prompt_tokens"] > 1
+
+
+def test_ctx_size_lowers_max_tokens_and_says_so_and_refuses_what_cannot_fit(llama_dir, capsys):
+    import json
+
+    args = ["generate", "-m", str(llama_dir), "--prompt", "one two three", "--json"]
+    assert main([*args, "--max-tokens", "50", "--ctx-size", "20"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    prompt = report["prompt_tokens"]
+    assert len(report["tokens"]) <= 20 - prompt
+    assert f"at most {20 - prompt} new tokens fit a context of 20 (--ctx-size)" in captured.err
+    assert main([*args, "-c", str(prompt)]) == 2  # no room for one new token
+    assert "leaves no room" in capsys.readouterr().err
+    assert main([*args, "-c", "1000000"]) == 2
+    assert "past the model's context" in capsys.readouterr().err

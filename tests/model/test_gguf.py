@@ -157,3 +157,15 @@ def test_kvcache_memory_reads_a_gguf_files_shape(checkpoints, tmp_path, capsys):
     assert main(["memory", "--config", str(path), "--tokens", "10", "--dtype", "float32"]) == 0
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
     assert f"per token (all layers growing): {per_token:,} B" in capsys.readouterr().out
+
+
+def test_loading_reports_progress_over_the_tensors_of_a_file_and_a_folder(checkpoints, tmp_path):
+    folder, _ = checkpoints["llama"]
+    for source in (write_gguf(folder, tmp_path / "llama.gguf"), folder):
+        calls: list[tuple[float, str]] = []
+        load_model(source, progress=lambda fraction, label, calls=calls: calls.append((fraction, label)))
+        fractions = [fraction for fraction, _ in calls]
+        assert calls[0] == (0.0, "reading tensors") and calls[-1] == (1.0, "done")
+        assert fractions == sorted(fractions) and all(0 <= f <= 1 for f in fractions)
+        if source != folder:  # a file: a call per tensor
+            assert len(calls) > 10

@@ -20,7 +20,9 @@ OpenBLAS's) make each other wait, so a step on these kernels runs torch on one t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +61,38 @@ def available() -> bool:
     import numba
 
     return numba.threading_layer() in FAST_LAYERS
+
+
+@contextlib.contextmanager
+def compiling_reported(report: Callable[[str], None]) -> Iterator[None]:
+    """While inside, report(kernel name) as each of kvcache's compiled kernels starts compiling
+    (on an install's first run; a kernel loaded from numba's disk cache is not reported, nor a
+    function compiled inside a kernel's own compilation). Does nothing without numba."""
+    if kernels() is None:
+        yield
+        return
+    from numba.core import event
+
+    class KernelListener(event.Listener):
+        depth = 0  # kvcache kernels being compiled now, one inside another
+
+        def on_start(self, compiling: event.Event) -> None:
+            function = compiling.data["dispatcher"].py_func
+            if function.__module__.startswith("kvcache."):
+                if self.depth == 0:
+                    report(function.__name__)
+                self.depth += 1
+
+        def on_end(self, compiling: event.Event) -> None:
+            if compiling.data["dispatcher"].py_func.__module__.startswith("kvcache."):
+                self.depth -= 1
+
+    listener = KernelListener()
+    event.register("numba:compile", listener)
+    try:
+        yield
+    finally:
+        event.unregister("numba:compile", listener)
 
 
 def set_threads(threads: int) -> None:

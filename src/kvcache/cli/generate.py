@@ -15,8 +15,12 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import positive_int
+from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
+
+LOADING = "kvcache generate: loading the model"
+WARMING = "kvcache generate: warming up (untimed; an install's first run compiles the decode kernels here)"
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +35,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     text.add_argument("--chat", help="a user message, wrapped in the checkpoint's chat template")
     parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=positive_int,
                         default=64, help="new tokens at most (default 64; --max-new-tokens is the same)")
+    parser.add_argument("-c", "--ctx-size", type=positive_int,
+                        help="tokens of context, prompt and new ones (default: the model's); "
+                             "--max-tokens is lowered to fit it, said on stderr")
     parser.add_argument("--cache", choices=CACHE_KINDS, default="dynamic", help="default dynamic")
     parser.add_argument(
         "--compare-nocache",
@@ -107,108 +114,158 @@ def _sampling(args: argparse.Namespace, folder: Path) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcache.engine.prompts import tokenizer_eos
-    from kvcache.generation import generate
-    from kvcache.model import load_model
-    from kvcache.tokenizer import load_tokenizer
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = Path(resolve_model_dir(args.model))
     try:
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        sampling = _sampling(args, folder)
-        model = load_model(folder, dtype=args.dtype)
-        tokenizer = load_tokenizer(folder)
-        if args.chat is not None:
-            messages = [{"role": "user", "content": args.chat}]
-            input_ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, return_tensors="pt"
-            )
-        else:
-            input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        model, tokenizer, input_ids, sampling = _load(args)
     except (ValueError, OSError) as error:
         print(f"kvcache generate: error: {error}", file=sys.stderr)
         return 2
     # an unseeded sampled run differs every time; the seed is printed so it can be repeated
     seed = args.seed if args.seed is not None else (secrets.randbits(31) if sampling["do_sample"] else 0)
-    options = dict(
-        max_new_tokens=args.max_new_tokens,
-        **sampling,
-        eos_token_id=(*model.config.eos_token_id, *tokenizer_eos(tokenizer)),
-        stop_strings=args.stop or None,
-        tokenizer=tokenizer,
-        prefill_chunk_size=args.prefill_chunk,
-    )
     stream = None if args.json else _TextStream(tokenizer, sys.stdout)
+    runs = _Runs(model, tokenizer, input_ids, sampling, seed, args)
     try:
-        _warm_up(generate, model, input_ids, args, options)
-        result = generate(
-            model,
-            input_ids,
-            cache=args.cache,
-            backend=args.backend,
-            streamer=stream,
-            generator=torch.Generator().manual_seed(seed),
-            **options,
-        )
+        with compiling_said("generate"):
+            runs.warm_up()
+        result = runs.generate(args.cache, streamer=stream)
     except ValueError as error:  # BackendError and CacheError are ValueErrors too
         if stream is not None and stream.written:
             print(flush=True)  # end the text printed so far
         print(f"kvcache generate: error: {error}", file=sys.stderr)
         return 2
-    new = result.new_tokens[0]
-    how = f"sampled, seed {seed}" if sampling["do_sample"] else "greedy"
-    summary = (
-        f"[{len(new)} new tokens after a {input_ids.shape[1]}-token prompt; stopped by "
-        f"{result.stop_reasons[0]}; cache {args.cache}; {model.dtype}; decode step {result.backend}; {how}]"
-    )
-    report = {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
-              "prompt_tokens": int(input_ids.shape[1]), "stop_reason": result.stop_reasons[0],
-              "cache": args.cache, "dtype": str(model.dtype).removeprefix("torch."),
-              "decode_step": result.backend, "seed": seed, **sampling,
-              "time_to_first_token_s": result.time_to_first_token_s,
-              "decode_tokens_per_s": result.decode_tokens_per_s}
+    report = runs.report(result)
     if stream is not None:
         stream.finish()
         print(flush=True)
-        print(summary, file=sys.stderr)
+        print(runs.summary(result), file=sys.stderr)
         print(_timing_line(result), file=sys.stderr, flush=True)
     status = 0
     if args.compare_nocache:
-        plain = generate(
-            model, input_ids, cache="none", generator=torch.Generator().manual_seed(seed), **options
-        )
-        same = plain.new_tokens[0] == new
-        report["identical_to_nocache"] = same
-        lines = [f"no cache: {_timing_line(plain)}",
-                 f"tokens identical to the no-cache run: {'yes' if same else 'NO'}"]
-        if plain.decode_tokens_per_s > 0 and result.decode_tokens_per_s > 0:
-            ratio = result.decode_tokens_per_s / plain.decode_tokens_per_s
-            lines.append(f"decode speed, cache {args.cache} / no cache: {ratio:.2f}x")
-            report["decode_speedup_vs_nocache"] = ratio
+        lines = runs.compare_nocache(result, report)
         if stream is not None:
             print("\n".join(lines), file=sys.stderr)
-        status = 0 if same else 1
+        status = 0 if report["identical_to_nocache"] else 1
     if args.json:
         print(json.dumps(report))
     return status
 
 
-def _warm_up(generate, model, input_ids, args: argparse.Namespace, options: dict) -> None:
-    """Two greedy tokens on each road the timed runs take, untimed, said on stderr: on the first
-    run of an install the decode kernels are compiled here (seconds), not inside the figures.
-    The options are checked first: a bad one is the command's one error line."""
-    from kvcache.generation.settings import GenerationSettings
+def _load(args: argparse.Namespace):
+    """(model, tokenizer, prompt ids (1, T), sampling options) as the arguments say, loading with
+    a progress bar on stderr; ValueError or OSError naming what is wrong."""
+    from kvcache.model import load_model
+    from kvcache.progress import ProgressBar
+    from kvcache.tokenizer import load_tokenizer
 
-    GenerationSettings(**{k: v for k, v in options.items() if k != "tokenizer"})
-    print("kvcache generate: warming up (the first run of an install compiles the decode kernels)…",
-          file=sys.stderr, flush=True)
-    short = {**options, "max_new_tokens": 2, "do_sample": False, "stop_strings": None}
-    ids = input_ids[:, :8]
-    generate(model, ids, cache=args.cache, backend=args.backend, **short)
-    if args.compare_nocache:
-        generate(model, ids, cache="none", **short)
+    folder = Path(resolve_model_dir(args.model))
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = _sampling(args, folder)
+    model = load_model(folder, dtype=args.dtype, progress=ProgressBar(LOADING, after_s=BAR_AFTER_S))
+    tokenizer = load_tokenizer(folder)
+    if args.chat is not None:
+        messages = [{"role": "user", "content": args.chat}]
+        input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    else:
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    args.max_new_tokens = _fitted_max_tokens(args, model.config.max_position_embeddings, input_ids.shape[1])
+    return model, tokenizer, input_ids, sampling
+
+
+def _fitted_max_tokens(args: argparse.Namespace, context: int, prompt_tokens: int) -> int:
+    """--max-tokens, lowered (and said on stderr) where the prompt and it pass --ctx-size (default:
+    the model's context); ValueError for a context past the model's or a prompt that fills it."""
+    ctx = args.ctx_size or context
+    if ctx > context:
+        raise ValueError(f"--ctx-size {ctx} is past the model's context of {context} tokens "
+                         "(max_position_embeddings)")
+    if prompt_tokens >= ctx:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens, which leaves no room for a new one "
+                         f"in a context of {ctx} (--ctx-size)")
+    if prompt_tokens + args.max_new_tokens <= ctx:
+        return args.max_new_tokens
+    room = ctx - prompt_tokens
+    print(f"kvcache generate: at most {room} new tokens fit a context of {ctx} (--ctx-size) after the "
+          f"{prompt_tokens}-token prompt, not --max-tokens {args.max_new_tokens}", file=sys.stderr)
+    return room
+
+
+class _Runs:
+    """The generations one command makes from one loaded model: warm-up, the timed run, and the
+    no-cache run it is compared with, on the same options."""
+
+    def __init__(self, model, tokenizer, input_ids, sampling: dict, seed: int, args) -> None:
+        from kvcache.engine.prompts import tokenizer_eos
+
+        self.model, self.tokenizer, self.input_ids = model, tokenizer, input_ids
+        self.sampling, self.seed, self.args = sampling, seed, args
+        self.options = dict(
+            max_new_tokens=args.max_new_tokens,
+            **sampling,
+            eos_token_id=(*model.config.eos_token_id, *tokenizer_eos(tokenizer)),
+            stop_strings=args.stop or None,
+            tokenizer=tokenizer,
+            prefill_chunk_size=args.prefill_chunk,
+        )
+
+    def generate(self, cache: str, streamer=None, input_ids=None, **changes):
+        """One generation with `cache` (the timed one when no changes), seeded."""
+        import torch
+
+        from kvcache.generation import generate
+
+        backend = self.args.backend if cache != "none" else "auto"
+        return generate(
+            self.model, self.input_ids if input_ids is None else input_ids, cache=cache, backend=backend,
+            streamer=streamer, generator=torch.Generator().manual_seed(self.seed),
+            **{**self.options, **changes},
+        )
+
+    def warm_up(self) -> None:
+        """Two greedy tokens on each road the timed runs take, untimed, said on stderr: on the
+        first run of an install the decode kernels are compiled here (seconds), not inside the
+        figures. The options are checked first: a bad one is the command's one error line."""
+        from kvcache.generation.settings import GenerationSettings
+
+        GenerationSettings(**{k: v for k, v in self.options.items() if k != "tokenizer"})
+        print(f"{WARMING}…", file=sys.stderr, flush=True)
+        short = dict(input_ids=self.input_ids[:, :8], max_new_tokens=2, do_sample=False, stop_strings=None)
+        self.generate(self.args.cache, **short)
+        if self.args.compare_nocache:
+            self.generate("none", **short)
+
+    def summary(self, result) -> str:
+        """The bracketed line after the text: what ran."""
+        how = f"sampled, seed {self.seed}" if self.sampling["do_sample"] else "greedy"
+        return (
+            f"[{len(result.new_tokens[0])} new tokens after a {self.input_ids.shape[1]}-token prompt; "
+            f"stopped by {result.stop_reasons[0]}; cache {self.args.cache}; {self.model.dtype}; "
+            f"decode step {result.backend}; {how}]"
+        )
+
+    def report(self, result) -> dict:
+        """The --json object of the timed run."""
+        new = result.new_tokens[0]
+        return {"text": self.tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
+                "prompt_tokens": int(self.input_ids.shape[1]), "stop_reason": result.stop_reasons[0],
+                "cache": self.args.cache, "dtype": str(self.model.dtype).removeprefix("torch."),
+                "decode_step": result.backend, "seed": self.seed, **self.sampling,
+                "time_to_first_token_s": result.time_to_first_token_s,
+                "decode_tokens_per_s": result.decode_tokens_per_s}
+
+    def compare_nocache(self, result, report: dict) -> list[str]:
+        """Generate again without a cache; record in `report` whether the tokens are the same and
+        the speed ratio, and return the lines that say so."""
+        plain = self.generate("none")
+        same = plain.new_tokens[0] == result.new_tokens[0]
+        report["identical_to_nocache"] = same
+        lines = [f"no cache: {_timing_line(plain)}",
+                 f"tokens identical to the no-cache run: {'yes' if same else 'NO'}"]
+        if plain.decode_tokens_per_s > 0 and result.decode_tokens_per_s > 0:
+            ratio = result.decode_tokens_per_s / plain.decode_tokens_per_s
+            lines.append(f"decode speed, cache {self.args.cache} / no cache: {ratio:.2f}x")
+            report["decode_speedup_vs_nocache"] = ratio
+        return lines
 
 
 def _timing_line(result) -> str:

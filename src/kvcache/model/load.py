@@ -9,6 +9,7 @@ through `kvcache.model.gguf_file` with the same checks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -237,6 +238,7 @@ def load_model(
     path: str | Path | None = None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
+    progress: Callable[[float, str], None] | None = None,
 ) -> LlamaForCausalLM:
     """Load a local checkpoint folder (a family of SUPPORTED_MODEL_TYPES), or a llama.cpp
     GGUF file of a llama, qwen2 or qwen3 model, strictly, in eval mode.
@@ -244,26 +246,37 @@ def load_model(
     path: the folder or .gguf file; None loads kvcache's bundled default model (`kvcache.defaults`).
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype; a GGUF's
     tensors, quantized or not, are dequantized to float32); otherwise every tensor is converted to it.
+    progress: called as progress(fraction of the tensors read, label) while reading, and with
+    (1.0, "done") at the end (a `kvcache.progress.ProgressBar` draws it).
     """
     resolved = resolve_model_dir(path)
     dtype = resolve_dtype(dtype)
+    say = progress or (lambda fraction, label: None)
+    say(0.0, "reading tensors")
     if is_gguf(resolved):
-        config, state = read_gguf_model(Path(resolved).expanduser())
-        return _build(config, state, dtype or torch.float32, device)
-    folder = checkpoint_folder(resolved)
-    config = ModelConfig.from_file(folder)
-    wanted = _check_names_and_shapes(config, tensor_files(folder))
+        config, state = read_gguf_model(Path(resolved).expanduser(), say)
+        model = _build(config, state, dtype or torch.float32, device)
+    else:
+        folder = checkpoint_folder(resolved)
+        config = ModelConfig.from_file(folder)
+        wanted = _check_names_and_shapes(config, tensor_files(folder))
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(set(wanted.values())):
+            names = {name for name, where in wanted.items() if where == file}
+            state.update(read_tensors(file, names))
+            say(len(state) / len(wanted), "reading tensors")
+        stored = state["model.embed_tokens.weight"].dtype
+        model = _build(config, unfuse(config, state), dtype or stored, device)
+    say(1.0, "done")
+    return model
 
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(set(wanted.values())):
-        names = {name for name, where in wanted.items() if where == file}
-        state.update(read_tensors(file, names))
-    return _build(config, unfuse(config, state), dtype or state["model.embed_tokens.weight"].dtype, device)
 
-
-def read_gguf_model(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf_model(
+    path: Path, progress: Callable[[float, str], None] | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and float32 tensors (Hugging Face names) of a GGUF file; every tensor's name,
-    type and shape is checked against the config before any is dequantized."""
+    type and shape is checked against the config before any is dequantized. progress(fraction of
+    the tensors read, label) after each."""
     source = str(path)
     reader = open_gguf(path)
     meta = gguf_file.metadata(reader)
@@ -273,18 +286,13 @@ def read_gguf_model(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     found = {name: (gguf_file.tensor_shape(t), f"{t.name} in {path.name}") for name, t in located.items()}
     located = {name: located[name] for name in _check_tensors(expected, found, source, "the file's metadata")}
     permuted = gguf_file.permutes(meta)
-    state = {
-        name: torch.from_numpy(
-            gguf_file.read_tensor(
-                tensor,
-                expected[name],
-                gguf_file.permutation_heads(
-                    name, permuted, config.num_attention_heads, config.num_key_value_heads
-                ),
-            )
-        )
-        for name, tensor in located.items()
-    }
+    heads = config.num_attention_heads, config.num_key_value_heads
+    state = {}
+    for name, tensor in located.items():
+        rows_permuted = gguf_file.permutation_heads(name, permuted, *heads)
+        state[name] = torch.from_numpy(gguf_file.read_tensor(tensor, expected[name], rows_permuted))
+        if progress is not None:
+            progress(len(state) / len(located), "reading tensors")
     return config, state
 
 
