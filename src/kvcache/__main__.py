@@ -1,5 +1,5 @@
 """`python -m kvcache` is the `kvcache` command."""
 
-from kvcache.cli import main
+from kvcache.cli import console_main
 
-raise SystemExit(main())
+console_main()

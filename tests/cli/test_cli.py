@@ -195,3 +195,21 @@ def test_memory_from_a_config_dict_of_each_window_rule_is_the_allocation(tmp_pat
         with torch.no_grad():
             cache = model(torch.randint(0, 64, (1, 20))).past_key_values
         assert printed["bytes"] == cache.nbytes_used, extra
+
+
+def test_the_command_ends_without_the_interpreters_teardown_and_keeps_its_output():
+    """The console script exits at once after the command (the teardown of torch and the kernels'
+    thread pools took about a second after serve's "stopped"), its output flushed, its status kept."""
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
+        "sys.argv = ['kvcache', 'count', '--lengths', '4', '--json']\n"
+        "from kvcache.cli import console_main\n"
+        "console_main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "teardown ran" not in done.stderr
+    assert json.loads(done.stdout)  # printed, and flushed before the end
+    script = script.replace("'--lengths', '4'", "'--lengths', '-4'")
+    failed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 2 and "teardown ran" not in failed.stderr

@@ -46,6 +46,14 @@ def test_three_turns_through_a_pipe(expected):
     assert len(stats) == 3 and "/reset" in done.stderr  # the help line
     assert stats[0][0] == 0 and all(reused > 0 for reused, _, _ in stats[1:])
     assert all(prefilled < reused for reused, prefilled, _ in stats[1:])  # only the new turn ran
+    assert done.stderr.index("warming up (untimed)") < done.stderr.index("[reused")  # none timed in it
+
+
+def test_a_ctx_size_past_the_models_context_is_refused_by_name(capsys):
+    from kvcache.cli import main
+
+    assert main(["chat", "--ctx-size", "1000000"]) == 2
+    assert "past the model's context" in capsys.readouterr().err
 
 
 def test_reset_and_exit_through_a_pipe(expected):

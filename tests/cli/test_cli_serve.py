@@ -59,6 +59,8 @@ def test_serve_answers_then_drains_on_sigterm_and_exits_zero():
             refused = error
         assert refused is not None  # no longer accepting
         assert "stopped" in process.stdout.read()
+        log = process.stderr.read()  # the access log: a line for the request
+        assert "127.0.0.1 POST /v1/completions 200 stream; prompt" in log and "tokens, length" in log
     finally:
         if process.poll() is None:
             process.kill()
@@ -67,3 +69,23 @@ def test_serve_answers_then_drains_on_sigterm_and_exits_zero():
 def test_serve_refuses_bad_arguments(capsys, tmp_path):
     assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 2
     assert "kvcache serve: error:" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(capsys, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        # a model path that does not exist: had it been loaded first, that would be the error
+        assert main(["serve", "-m", str(tmp_path / "absent"), "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_ctx_size_past_the_model_or_the_pool_is_refused_by_name(capsys):
+    assert main(["serve", "--port", "0", "--ctx-size", "1000000"]) == 2
+    assert "past the model's context" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--kv-budget", "1MiB", "--ctx-size", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "the KV pool holds" in err and "raise --kv-budget or lower --ctx-size" in err

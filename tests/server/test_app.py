@@ -252,3 +252,30 @@ def test_metrics_parse_and_count(server, client):
     generated = [s.value for s in families["kvcache_generated_tokens"].samples if s.name.endswith("_total")]
     assert generated and generated[0] >= 3
     assert json.loads(json.dumps(server.engine.stats()))  # the gauges' source is plain data
+
+
+def test_a_ctx_size_caps_a_request_and_each_request_gets_one_access_log_line(model, tokenizer, caplog):
+    import logging
+
+    running = start_server(model, tokenizer, ServerSettings(model_name="m", context=64))
+    try:
+        url = f"{running.url}/completions"
+        ids = list(range(5, 25))  # 20 prompt tokens
+        with caplog.at_level(logging.INFO, logger="kvcache.access"):
+            too_long = httpx.post(url, json={"prompt": ids, "max_tokens": 50}, timeout=TIMEOUT)
+            error = _error(too_long, 400)
+            assert error["code"] == "context_length_exceeded" and "64" in error["message"]
+            four = {"prompt": ids, "max_tokens": 4, "ignore_eos": True}
+            whole = httpx.post(url, json=four, timeout=TIMEOUT)
+            assert whole.status_code == 200
+            body = {"prompt": ids, "max_tokens": 3, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as stream:
+                assert stream.status_code == 200 and stream.read()
+            wait_for(lambda: len(caplog.records) >= 3, timeout=30)
+        lines = [record.getMessage() for record in caplog.records]
+        assert "POST /v1/completions 400" in lines[0] and "maximum context length is 64" in lines[0]
+        assert "POST /v1/completions 200;" in lines[1]
+        assert "prompt 20 (cached 0) + 4 tokens, length" in lines[1]
+        assert "200 stream;" in lines[2] and "+ 3 tokens, length" in lines[2]
+    finally:
+        running.stop()

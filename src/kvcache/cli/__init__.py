@@ -8,6 +8,7 @@ Each command lives in its own module here with two functions: `add_parser(subpar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -77,6 +78,27 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a program the pipe killed reports
+
+
+def console_main() -> None:
+    """The `kvcache` command (console script and `python -m kvcache`): `main()`, then the process
+    ends at once, its output flushed. The interpreter's own teardown (torch's modules, the compiled
+    kernels' thread pools) took about a second after a command was done, after serve's "stopped";
+    every file a command writes is closed before it returns, and the KV store's writer is a daemon
+    thread whose queued blocks are dropped at exit either way."""
+    import logging
+
+    try:
+        code = main()
+    except SystemExit as leaving:  # argparse's usage errors and --help
+        code = leaving.code if isinstance(leaving.code, int) else 0 if leaving.code is None else 1
+        if isinstance(leaving.code, str):
+            print(leaving.code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to keep
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _warning_line(command: str):

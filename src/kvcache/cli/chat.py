@@ -17,8 +17,11 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import positive_int
+from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import resolve_model_dir
 
+DEFAULT_CTX = 8192
+BLOCK = 16
 HELP = "commands: /reset (new conversation), /system TEXT (set the system message, reset), /help, /exit"
 
 
@@ -36,7 +39,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, help="nucleus sampling (with --temperature > 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument(
-        "--kv-blocks", type=positive_int, default=512, help="KV blocks of 16 tokens (default 512)"
+        "-c", "--ctx-size", type=positive_int,
+        help="tokens the conversation may hold, in KV blocks of 16 (default: the model's context, "
+        f"at most {DEFAULT_CTX})",
     )
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
@@ -68,8 +73,15 @@ class _Chat:
         if self.session is not None:
             self.session.close()
         self.session = ChatSession(
-            self.model, self.tokenizer, num_blocks=self.args.kv_blocks, system=self.system
+            self.model, self.tokenizer, num_blocks=-(-self.args.ctx_size // BLOCK), block_size=BLOCK,
+            system=self.system,
         )
+
+    def warm_up(self) -> None:
+        """A two-token turn, untimed and forgotten: an install's first run compiles the kernels
+        here, not inside the first reply's tokens/s."""
+        self.session.send("Hello", generator=self.generator, **{**self.options, "max_new_tokens": 2})
+        self.reset()
 
     def turn(self, text: str) -> None:
         from kvcache.generation.text import ReplyText
@@ -115,10 +127,21 @@ class _Chat:
         return True
 
 
+def _context(ctx_size: int | None, model_context: int) -> int:
+    """--ctx-size, or the model's context (at most DEFAULT_CTX); ValueError past the model's."""
+    if ctx_size is None:
+        return min(model_context, DEFAULT_CTX)
+    if ctx_size > model_context:
+        raise ValueError(f"--ctx-size {ctx_size} is past the model's context of {model_context} tokens "
+                         "(max_position_embeddings)")
+    return ctx_size
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvcache.model import load_model
+    from kvcache.progress import ProgressBar
     from kvcache.tokenizer import load_tokenizer
 
     if args.threads:
@@ -128,10 +151,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     folder = Path(resolve_model_dir(args.model))
     try:
-        model = load_model(folder)
+        bar = ProgressBar("kvcache chat: loading the model", after_s=BAR_AFTER_S)
+        model = load_model(folder, progress=bar)
         tokenizer = load_tokenizer(folder)
+        args.ctx_size = _context(args.ctx_size, model.config.max_position_embeddings)
         chat = _Chat(model, tokenizer, args, sys.stdout, sys.stderr)
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)
+        print("kvcache chat: warming up (untimed)…", file=sys.stderr, flush=True)
+        with compiling_said("chat"):
+            chat.warm_up()
     except (ValueError, OSError) as error:
         print(f"kvcache chat: error: {error}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import nonnegative_int, positive_int
+from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES
 from kvcache.memory import format_bytes, parse_size
@@ -124,6 +125,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=_size, default=1 << 20, help="request body limit (default 1MiB)"
     )
     limits.add_argument(
+        "-c", "--ctx-size", type=positive_int,
+        help="tokens of one request, prompt and max_tokens (default: the model's context or what "
+        "--kv-budget holds, whichever is less)",
+    )
+    limits.add_argument(
         "--max-prompt-tokens", type=nonnegative_int, default=0, help="prompt limit (default 0: the context)"
     )
     limits.add_argument(
@@ -145,94 +151,133 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long running requests may finish (default 30)",
     )
     parser.add_argument(
-        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (default warning)",
+    )
+    parser.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=True,
+        help="a line per request on stderr: client, route, status, tokens, time (default on)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcache.engine import Engine, RequestError
-    from kvcache.engine.store_tier import open_store
-    from kvcache.model import load_model
-    from kvcache.server.app import ServerSettings, build_app
+    from kvcache.engine import RequestError
+    from kvcache.server.app import build_app
     from kvcache.server.run import bind, serve
-    from kvcache.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = Path(resolve_model_dir(args.model))
-    try:
-        model = load_model(folder, dtype=args.dtype)
-        tokenizer = load_tokenizer(folder)
-        store = None
-        if args.kv_store:  # refused by name unless a redis:// URL
-            store = open_store(args.kv_store, ttl_s=args.kv_store_ttl)
-        engine = Engine(
-            model,
-            tokenizer,
-            backend=args.backend,
-            kv_budget=args.kv_budget,
-            block_size=args.block_size,
-            max_running=args.max_running,
-            token_budget=args.token_budget,
-            prefill_slowdown=args.prefill_slowdown or None,
-            kv_store=store,
-        )
-    except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
-        print(f"kvcache serve: error: {error}", file=sys.stderr)
-        return 2
-    default_name = folder.stem if folder.is_file() else folder.name  # a GGUF file: its name less .gguf
-    name = args.served_model_name or ("kvcache-default" if folder == DEFAULT_MODEL_DIR else default_name)
-    settings = ServerSettings(
-        model_name=name,
-        api_key=args.api_key or None,
-        max_body_bytes=args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens=args.max_tokens,
-        default_max_tokens=args.default_max_tokens,
-        max_waiting=args.max_waiting,
-    )
-    try:
+    try:  # the port first: a port in use is said before the model's seconds of loading
         sock = bind(args.host, args.port)
     except OSError as error:
         print(f"kvcache serve: error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
-    host, port = sock.getsockname()[:2]
+    try:
+        engine, tokenizer, context = _engine(args)
+    except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
+        sock.close()
+        print(f"kvcache serve: error: {error}", file=sys.stderr)
+        return 2
     if args.host not in LOOPBACK and not args.api_key:
         print(
             f"kvcache serve: warning: listening on {args.host} without --api-key: anyone who reaches "
             "this address can use the model",
             file=sys.stderr,
         )
-    print("kvcache serve: warming the engine up (on a first run, compiling its kernels)…", file=sys.stderr,
-          flush=True)
-    engine.warm_up()
-    context = model.config.max_position_embeddings
-    print(
-        f"kvcache serve: {name} ({model.dtype}, decode step {engine.backend.name}) on "
-        f"http://{host}:{port}/v1",
-        flush=True,
-    )
-    print(
-        f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
-        f"({format_bytes(engine.pool.cache.nbytes)}): {engine.capacity(context)} sequences of {context} "
-        f"tokens, "
-        f"{args.max_running} running at once",
-        flush=True,
-    )
-    if args.kv_store:
-        print(f"  KV store: {args.kv_store} (blocks live {args.kv_store_ttl} s)", flush=True)
+    print("kvcache serve: warming the engine up (untimed)…", file=sys.stderr, flush=True)
+    with compiling_said("serve"):
+        engine.warm_up()
+    settings = _settings(args, context)
+    _say_started(args, engine, settings, sock.getsockname()[:2])
+    _log_requests(args.access_log)
     try:
-        serve(
-            build_app(engine, tokenizer, settings),
-            engine,
-            drain_s=args.drain_seconds,
-            sock=sock,
-            log_level=args.log_level,
-        )
+        serve(build_app(engine, tokenizer, settings), engine, drain_s=args.drain_seconds, sock=sock,
+              log_level=args.log_level)
     except RequestError as error:
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
     print("kvcache serve: stopped", flush=True)
     return 0
+
+
+def _engine(args: argparse.Namespace):
+    """(engine, tokenizer, context in tokens) as the arguments say, the model loaded with a bar on
+    stderr; ValueError or OSError naming what is wrong (a --ctx-size the pool cannot hold, too)."""
+    from kvcache.engine import Engine
+    from kvcache.engine.store_tier import open_store
+    from kvcache.model import load_model
+    from kvcache.progress import ProgressBar
+    from kvcache.tokenizer import load_tokenizer
+
+    folder = Path(resolve_model_dir(args.model))
+    model = load_model(folder, dtype=args.dtype,
+                       progress=ProgressBar("kvcache serve: loading the model", after_s=BAR_AFTER_S))
+    tokenizer = load_tokenizer(folder)
+    store = open_store(args.kv_store, ttl_s=args.kv_store_ttl) if args.kv_store else None
+    print(f"kvcache serve: building the engine (the weights laid out for its kernels, a KV pool of "
+          f"{format_bytes(args.kv_budget)})…", file=sys.stderr, flush=True)
+    engine = Engine(model, tokenizer, backend=args.backend, kv_budget=args.kv_budget,
+                    block_size=args.block_size, max_running=args.max_running,
+                    token_budget=args.token_budget, prefill_slowdown=args.prefill_slowdown or None,
+                    kv_store=store)
+    return engine, tokenizer, _context(args, engine)
+
+
+def _context(args: argparse.Namespace, engine) -> int:
+    """Tokens of one request, prompt and new ones: --ctx-size, else the model's context or what
+    the KV pool holds, whichever is less. ValueError when --ctx-size passes either."""
+    model_context = engine.model.config.max_position_embeddings
+    # (a pool of sliding layers only holds sequences of any length)
+    pool_tokens = engine.num_blocks * args.block_size if engine.num_blocks else model_context
+    if args.ctx_size is None:
+        return min(model_context, pool_tokens)
+    if args.ctx_size > model_context:
+        raise ValueError(f"--ctx-size {args.ctx_size} is past the model's context of {model_context} "
+                         "tokens (max_position_embeddings)")
+    if args.ctx_size > pool_tokens:
+        raise ValueError(f"--ctx-size {args.ctx_size}: the KV pool holds {pool_tokens} tokens (--kv-budget "
+                         f"{format_bytes(args.kv_budget)}); raise --kv-budget or lower --ctx-size")
+    return args.ctx_size
+
+
+def _settings(args: argparse.Namespace, context: int):
+    from kvcache.server.app import ServerSettings
+
+    folder = Path(resolve_model_dir(args.model))
+    default_name = folder.stem if folder.is_file() else folder.name  # a GGUF file: its name less .gguf
+    name = args.served_model_name or ("kvcache-default" if folder == DEFAULT_MODEL_DIR else default_name)
+    return ServerSettings(
+        model_name=name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+        default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting, context=context,
+    )
+
+
+def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
+    """The start-up lines on stdout: where, what, and how many sequences the pool holds."""
+    host, port = address
+    model = engine.model
+    print(f"kvcache serve: {settings.model_name} ({model.dtype}, decode step {engine.backend.name}) on "
+          f"http://{host}:{port}/v1", flush=True)
+    context = settings.context
+    print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
+          f"({format_bytes(engine.pool.cache.nbytes)}): {engine.capacity(context)} sequences of {context} "
+          f"tokens (--ctx-size), {args.max_running} running at once", flush=True)
+    if args.kv_store:
+        print(f"  KV store: {args.kv_store} (blocks live {args.kv_store_ttl} s)", flush=True)
+
+
+def _log_requests(enabled: bool) -> None:
+    """An access-log line per request on stderr (`kvcache.server.access_log`), unless turned off."""
+    import logging
+
+    from kvcache.server.access_log import LOGGER
+
+    if enabled and not LOGGER.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        LOGGER.addHandler(handler)
+    LOGGER.setLevel(logging.INFO if enabled else logging.WARNING)
+    LOGGER.propagate = False

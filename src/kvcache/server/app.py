@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from kvcache.engine import Completion, RequestError
 from kvcache.engine.prompts import prompt_ids
+from kvcache.server.access_log import log_request, peer_of
 from kvcache.server.metrics import ServerMetrics
 from kvcache.server.openai_api import (
     ApiError,
@@ -47,8 +48,9 @@ PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepa
 @dataclass
 class ServerSettings:
     """model_name: the id clients ask for. api_key: None = no auth. max_body_bytes, max_prompt_tokens,
-    max_tokens: per-request limits (0 for the last two: the model's context). default_max_tokens:
-    when a request gives none. max_waiting: requests queued before new ones get 429."""
+    max_tokens: per-request limits (0 for the last two: the context). default_max_tokens:
+    when a request gives none. max_waiting: requests queued before new ones get 429. context:
+    tokens of one request, prompt and new ones (0: the model's context)."""
 
     model_name: str = "kvcache"
     api_key: str | None = None
@@ -57,6 +59,7 @@ class ServerSettings:
     max_tokens: int = 0
     default_max_tokens: int = 256
     max_waiting: int = 256
+    context: int = 0
 
 
 def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
@@ -90,7 +93,7 @@ class _Server:
     def __init__(self, engine, tokenizer, settings: ServerSettings) -> None:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         config = engine.model.config
-        self.context = config.max_position_embeddings
+        self.context = settings.context or config.max_position_embeddings
         self.vocab = config.vocab_size
         self.limits = Limits(
             max_prompt_tokens=settings.max_prompt_tokens or self.context - 1,
@@ -133,6 +136,7 @@ class _Server:
 
     # ---- one completion ------------------------------------------------------------------------
     async def _complete(self, request: Request, kind: str) -> Response:
+        started = time.perf_counter()
         try:
             self._authorize(request)
             raw = await self._body(request)
@@ -150,17 +154,20 @@ class _Server:
                     headers={"Retry-After": "1"},
                 )
             handle = self.engine.submit(ids, call.params)
-        except ApiError as error:
-            return self._error(error)
-        except RequestError as error:
-            return self._error(ApiError(400, str(error)))
+        except (ApiError, RequestError) as error:
+            refused = error if isinstance(error, ApiError) else ApiError(400, str(error))
+            log_request(peer_of(request), request.url.path, refused.status, started, note=refused.message)
+            return self._error(refused)
         if call.stream:
             return StreamingResponse(
-                self._events(call, handle),
+                self._events(call, handle, _stream_logger(request, started)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await self._whole(request, call, handle)
+        response = await self._whole(request, call, handle)
+        path, status = request.url.path, response.status_code
+        log_request(peer_of(request), path, status, started, completion=handle.result())
+        return response
 
     async def _whole(self, request: Request, call: Call, handle) -> Response:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
@@ -185,7 +192,9 @@ class _Server:
             )
         )
 
-    async def _events(self, call: Call, handle):
+    async def _events(self, call: Call, handle, finished):
+        """The stream's events; finished(completion or None) when it ends (None: the client left
+        before the engine finished)."""
         rid, model = new_id(call.kind), self.settings.model_name
         try:
             if call.kind == "chat":
@@ -203,6 +212,7 @@ class _Server:
         finally:  # the client went away (the response task is cancelled) or the stream ended
             if not handle.done:
                 handle.cancel()
+            finished(handle.result() if handle.done else None)
 
     # ---- checks --------------------------------------------------------------------------------
     def _prepare(self, kind: str, raw: bytes) -> tuple[Call, list[int]]:
@@ -288,6 +298,17 @@ def _failure(completion: Completion) -> ApiError:
     if completion.finish_reason == "cancelled":
         return ApiError(503, "the request was cancelled (the server is shutting down)", kind="server_error")
     return ApiError(500, f"the request failed inside the engine: {completion.error}", kind="server_error")
+
+
+def _stream_logger(request: Request, started: float):
+    """What a stream calls when it ends: its access-log line."""
+
+    def finished(completion: Completion | None) -> None:
+        note = "" if completion is not None else "the client went away"
+        log_request(peer_of(request), request.url.path, 200, started, stream=True, completion=completion,
+                    note=note)
+
+    return finished
 
 
 def _usage(completion: Completion) -> dict:
