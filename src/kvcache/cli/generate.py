@@ -20,7 +20,7 @@ from kvcache.defaults import resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
 
 LOADING = "kvcache generate: loading the model"
-WARMING = "kvcache generate: warming up (untimed; an install's first run compiles the decode kernels here)"
+WARMING = "kvcache generate: warming up (untimed)"
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
