@@ -213,3 +213,10 @@ def test_the_command_ends_without_the_interpreters_teardown_and_keeps_its_output
     script = script.replace("'--lengths', '4'", "'--lengths', '-4'")
     failed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert failed.returncode == 2 and "teardown ran" not in failed.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "chat"])
+def test_the_help_of_a_command_that_runs_a_model_says_why_weights_are_held_twice(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "held twice" in " ".join(capsys.readouterr().out.split())

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+#: the epilog of the commands that run a model: why resident memory is about twice the weights
+WEIGHTS_HELD_TWICE = (
+    "Memory: a float32 or bfloat16 model's projection weights are held twice, once row by row for "
+    "the one-row decode kernels and once in oneDNN's blocked layout for prompts and steps of "
+    "several rows (about twice as fast there as the row layout), so resident memory is about twice "
+    "the weights plus the KV cache; a GGUF file's weights are dequantized to float32 first."
+)
+
 
 def _int_at_least(text: str, minimum: int, expected: str) -> int:
     try:

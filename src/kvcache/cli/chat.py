@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import positive_int
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import resolve_model_dir
 
@@ -26,6 +26,7 @@ HELP = "commands: /reset (new conversation), /system TEXT (set the system messag
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = WEIGHTS_HELD_TWICE
     parser.add_argument(
         "-m", "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
     )

@@ -14,7 +14,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import positive_int
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
@@ -24,6 +24,7 @@ WARMING = "kvcache generate: warming up (untimed)"
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = WEIGHTS_HELD_TWICE
     parser.add_argument(
         "-m",
         "--model",

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import nonnegative_int, positive_int
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, nonnegative_int, positive_int
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES
@@ -53,6 +53,7 @@ def _size(text: str) -> int:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = WEIGHTS_HELD_TWICE
     parser.add_argument(
         "-m", "--model", help="local checkpoint folder or GGUF file; default: the bundled default model"
     )
