@@ -206,6 +206,28 @@ def test_a_store_that_trickles_its_answers_is_skipped_and_the_answer_does_not_ch
         trickling.stop()
 
 
+def test_a_store_read_on_its_way_never_holds_up_the_steps_of_running_rows(model):
+    """A request whose blocks are being read from a store that never finishes answering waits
+    in the queue; the running rows' steps go on without waiting for that read."""
+    trickling = TricklingServer()
+    store = RedisBlockStore(trickling.url, timeout_s=60, retry_s=3600)
+    replica, cold = engine(model, store), engine(model)
+    try:
+        short = ids(5, seed=3)  # no full block: nothing to read, admitted at once
+        waiting = replica.submit(ids(30, seed=4), max_tokens=NEW, temperature=0.0)
+        running = replica.submit(short, max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        done = running.result(timeout=120)  # steps driven here, the read still on its way
+        assert done.tokens == answer_for(cold, short, NEW)
+        assert replica.store_tier.reads_on_their_way() == 1 and not waiting.done
+        assert store.counters.errors == 0  # no step waited out the read's time
+        waiting.cancel()
+        replica.step()
+        assert waiting.result().finish_reason == "cancelled"
+    finally:
+        replica.close()
+        trickling.stop()
+
+
 def test_blocks_found_missing_are_written_again_after_the_store_was_flushed(model, redis_server):
     client = redis_server.client()
     client.flushdb()
@@ -239,9 +261,12 @@ def test_a_store_hit_never_takes_blocks_the_plan_gave_to_decoding_rows(model, re
     tight = Engine(model, num_blocks=9, block_size=BLOCK, max_running=4, token_budget=64,
                    prefill_slowdown=None, kv_store=redis_server.url)  # (blocks, not time, bound it)
     decoders = [tight.submit(ids(15, seed=9 + index), max_tokens=12, ignore_eos=True) for index in range(2)]
+    read = lambda: tight.store_tier.reads_on_their_way() == 0  # noqa: E731 (the store answered)
+    wait_for(read, timeout=30)  # (a request waits for its store read: none is admitted before)
     tight.step()  # both prompts prefilled: 2 blocks each, their first token chosen
     tight.step()  # their 16th position: still 2 blocks each, 5 free
     late = tight.submit(prompt, max_tokens=NEW, ignore_eos=True)
+    wait_for(read, timeout=30)  # its blocks read, off the step
     tight.step()  # the decoders' 17th positions need a block each; the prompt gets the other 3
     counters = tight.stats()["kv_store"]
     assert counters["hit_blocks"] == 3  # the chunk the plan gave it, not the 5 the store holds

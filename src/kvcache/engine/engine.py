@@ -158,7 +158,9 @@ class Engine:
             request_id = self._ids
             self._ids += 1
             handle = RequestHandle(request_id, self)
-            self._incoming.append(Request(request_id, ids, params, rule, handle, arrival=request_id))
+            request = Request(request_id, ids, params, rule, handle, arrival=request_id)
+            self.pool.prefetch([request], self.wake)  # its blocks in the KV store, read off the step
+            self._incoming.append(request)
         self.metrics.submitted += 1
         self.wake()
         return handle
@@ -214,13 +216,15 @@ class Engine:
     def step(self) -> bool:
         """Run one step (schedule -> apply -> run -> retire); False when there was nothing to do."""
         with self._step_lock:
-            with self._lock:
-                self.waiting.extend(self._incoming)
-                self._incoming.clear()
+            self._take_incoming()
             self._retire([r for r in (*self.running, *self.waiting) if r.cancelled], "cancelled")
             if not self.running and not self.waiting:
                 return False
-            running, waiting, free = self.pool.snapshot(self.waiting, self.limits.max_running)
+            admissible = [request for request in self.waiting if self.pool.admissible(request, self.wake)]
+            if not self.running and not admissible:  # only store reads on their way: wait for one
+                self.waiting[0].store_read.pending.wait(0.05)
+                return True
+            running, waiting, free = self.pool.snapshot(admissible, self.limits.max_running)
             cap = None
             if self.step_costs is not None:  # held to the cost of the batch being formed
                 decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
@@ -233,7 +237,7 @@ class Engine:
             for request in admitted:
                 self.waiting.remove(request)
             work = self.pool.apply(plan, admitted)
-            self._count_cached(admitted, work)
+            self.metrics.count_cached(admitted, self.running, work.attached, work.loaded)
             if work.requests:
                 self._run(work)
             if self.store_tier is not None:
@@ -244,26 +248,12 @@ class Engine:
 
     def _preempt(self, victims: list[Request]) -> None:
         self.pool.release(victims)
+        self.pool.prefetch(victims, self.wake)  # the store may hold what their rows held
         for request in victims:
             request.first_pass = False
         for request in sorted(victims, key=lambda r: r.arrival, reverse=True):
             self.waiting.appendleft(request)  # recomputed first, in arrival order
         self.metrics.preemptions += len(victims)
-
-    def _count_cached(self, admitted: list[Request], work: StepWork) -> None:
-        """Prompt tokens served without a forward (attached from the pool, loaded from the store)
-        in usage and counters, while a request is on its first pass: a recomputation after a
-        preemption is not counted again."""
-        for request in admitted:
-            if not request.admitted:
-                request.admitted = True
-                self.metrics.prompt_tokens += len(request.prompt)
-                request.usage.cached_tokens += work.attached[request.id]
-                self.metrics.cached_prompt_tokens += work.attached[request.id]
-        for request in self.running:
-            if request.first_pass and request.id in work.loaded:
-                request.usage.cached_tokens += work.loaded[request.id]
-                self.metrics.cached_prompt_tokens += work.loaded[request.id]
 
     def _run(self, work: StepWork) -> None:
         """The step's forward on the runner, what it wrote committed, the sampling rows' tokens
@@ -297,7 +287,7 @@ class Engine:
         """Finish these requests (reason and error, or each one's own) and free their rows."""
         if not requests:
             return
-        self.pool.release([r for r in requests if r in self.running])
+        self.pool.release(requests)
         completions = []
         for request in requests:
             if request in self.waiting:
@@ -389,10 +379,15 @@ class Engine:
         """End every queued and running request with finish reason "error" and free the pool's
         rows: what an engine fault leaves cannot be trusted."""
         with self._step_lock:
-            with self._lock:
-                self.waiting.extend(self._incoming)
-                self._incoming.clear()
+            self._take_incoming()
             self._retire([*self.running, *self.waiting], "error", message)
+
+    def _take_incoming(self) -> list[Request]:
+        """Move the requests submitted since the last step to `waiting`; returns them."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        self.waiting.extend(incoming)
+        return incoming
 
     def wake(self) -> None:
         """Wake the loop now (a request was submitted or cancelled): it sleeps while idle."""

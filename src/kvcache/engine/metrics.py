@@ -23,6 +23,22 @@ class EngineMetrics:
     decode_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
+    def count_cached(self, admitted: list, running: list, attached: dict, loaded: dict) -> None:
+        """Prompt tokens served without a forward in a step (attached from the pool: `attached`,
+        loaded from the store: `loaded`, by request id) in each request's usage and the counters,
+        while a request is on its first pass: a recomputation after a preemption is not counted
+        again."""
+        for request in admitted:
+            if not request.admitted:
+                request.admitted = True
+                self.prompt_tokens += len(request.prompt)
+                request.usage.cached_tokens += attached[request.id]
+                self.cached_prompt_tokens += attached[request.id]
+        for request in running:
+            if request.first_pass and request.id in loaded:
+                request.usage.cached_tokens += loaded[request.id]
+                self.cached_prompt_tokens += loaded[request.id]
+
     @staticmethod
     def now() -> float:
         return time.perf_counter()

@@ -92,9 +92,39 @@ class KVPool:
         free = full.num_allocatable if full is not None else 1 << 40
         return running, seen, free
 
+    # ---- reads from the KV store, off the step ----------------------------------------------------
+    def prefetch(self, requests: list[Request], wake) -> None:
+        """Start reading from the KV store the prompt blocks of `requests` (being submitted, or
+        preempted) that the pool does not hold (on the store's reader thread; wake() when an
+        answer comes). Called from any thread: what the pool holds is read, not changed, and a
+        count made stale by a step meanwhile only makes the read longer or its blocks unused."""
+        if self.store_tier is None or not self.prefix_caching:
+            return
+        for request in requests:
+            request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens))
+            held = self.full_allocator.attachable(request.digests[1])
+            request.store_read = self.store_tier.prefetch(request.digests[1], held, wake)
+
+    def admissible(self, request: Request, wake) -> bool:
+        """Whether `request` may be admitted now: no store read of its blocks is on its way, and
+        the one that came still follows what the pool holds (after blocks it started from were
+        evicted, a new read starts, and the request waits for it)."""
+        read = request.store_read
+        if read is None:
+            return True
+        if not read.ready():
+            return False
+        if read.pending.values() is None or read.start <= self.full_allocator.attachable(request.digests[1]):
+            return True  # (no answer: admitted without the store)
+        self.prefetch([request], wake)
+        return request.store_read is None
+
     # ---- applying a plan ------------------------------------------------------------------------
     def release(self, requests: list[Request]) -> None:
-        """Free these requests' rows (their blocks go back; hashed full blocks stay cached)."""
+        """Free these requests' rows (their blocks go back; hashed full blocks stay cached); a
+        request not running lets go of its store read."""
+        for request in requests:
+            request.store_read = None
         gone = {request.id for request in requests}
         keep = [row for row, request in enumerate(self.running) if request.id not in gone]
         if len(keep) == len(self.running):
@@ -102,7 +132,7 @@ class KVPool:
         self.cache.select(keep)
         self.running = [self.running[row] for row in keep]
         for request in requests:
-            request.cached, request.store_missed = 0, False
+            request.cached = 0
 
     def apply(self, plan: Plan, admitted: list[Request]) -> StepWork:
         """Attach the `admitted` requests' prefixes (each takes a row), load prompt blocks from the
@@ -139,22 +169,18 @@ class KVPool:
         return StepWork(batch, [self.running[row] for row in batch_rows], attached, loaded)
 
     def _load_from_store(self, request: Request, row: int, end: int) -> int:
-        """Load row `row`'s next prompt blocks from the KV store, up to position `end` (its
-        chunk this step); the tokens loaded. Only where the row ends on a block boundary (a store
-        block starts at one): a chunk after a store hit stops at a boundary for the next one."""
-        if (
-            self.store_tier is None
-            or not self.prefix_caching
-            or request.store_missed
-            or request.cached % self.block_size
-        ):
+        """Load into row `row` the blocks its store read brought, up to position `end` (its chunk
+        this step); the tokens loaded. Only where the row ends on a block boundary (a store block
+        starts at one): a chunk after a store hit stops at a boundary for the next one."""
+        read = request.store_read
+        if read is None or self.store_tier is None or request.cached % self.block_size:
             return 0
-        loaded = self.store_tier.load(self.cache, row, request.tokens, request.cached, end)
+        loaded = self.store_tier.load(self.cache, row, request.cached, end, read)
         request.cached += loaded
-        # the store holds runs of blocks from a prompt's start: once a run ends short of the
-        # chunk, later chunks are not asked for
+        # the read's run of blocks used up, or ended short of the chunk: let go of it
         whole = min(end, len(request.tokens) - 1) // self.block_size * self.block_size
-        request.store_missed = request.cached < whole
+        if request.cached < whole or request.cached >= read.end * self.block_size:
+            request.store_read = None
         return loaded
 
     def _reserve(self, rows: list[int], totals: list[int]) -> None:

@@ -1,11 +1,12 @@
 """A second tier of KV blocks in Redis (or a server that speaks its protocol: Valkey, …), shared by
 every replica that points at it.
 
-Reads are bounded as a whole: one pipelined round trip asks the size of each of a prompt's block
-keys (STRLEN: 0 when absent, so a value of the wrong size is never read), a second fetches the
-leading run that holds blocks of the right size (MGET). Both run on a reader thread, and the
-engine waits for them at most `timeout_s` in all (a server that trickles its answer a byte at a
-time keeps a socket read alive forever): past that the store counts as down.
+Reads are bounded as a whole and never block a step: one pipelined round trip asks the size of
+each of a prompt's block keys (STRLEN: 0 when absent, so a value of the wrong size is never read),
+a second fetches the leading run that holds blocks of the right size (MGET). Both run on a reader
+thread, started when a request is queued (`start_read`); its answer counts only if it came within
+`timeout_s` (a server that trickles its answer a byte at a time keeps a socket read alive
+forever): past that the store counts as down.
 Writes never block a request: they go to a bounded queue that a background thread drains in
 batches (pipelined SET with a TTL); when the queue is full, blocks are dropped and counted.
 
@@ -16,6 +17,7 @@ outage is logged once, counted, and the next call after the pause tries again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -26,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 log = logging.getLogger("kvcache.store")
+MAX_READS = 16  # reads started and not done: past it (a stuck store) no more are queued
 
 
 @dataclass
@@ -86,7 +89,7 @@ class RedisBlockStore:
         self._writer.start()
         self.timeout_s = timeout_s
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-store-reader")
-        self._reading: Future | None = None
+        self._reads: list[PendingRead] = []  # started, perhaps not done
 
     # ---- health ------------------------------------------------------------------------------------
     def available(self) -> bool:
@@ -111,30 +114,18 @@ class RedisBlockStore:
                     log.warning("KV store %s is back", self.url)
 
     # ---- reads ------------------------------------------------------------------------------------
-    def fetch_run(self, keys: list[str], value_bytes: int) -> list[bytes] | None:
-        """The values of the longest run of `keys`, from the first, that the store holds with
-        `value_bytes` bytes each (a value of another size ends the run, counted invalid, unread);
-        [] when none does; None when the store did not answer (down, failing, past timeout_s in
-        all, or a read still stuck on the reader thread: not queued behind)."""
-        if not keys or not self.available() or (self._reading is not None and not self._reading.done()):
+    def start_read(self, keys: list[str], value_bytes: int) -> PendingRead | None:
+        """Start reading, on the reader thread, the values of the longest run of `keys` from the
+        first that the store holds with `value_bytes` bytes each (a value of another size ends the
+        run, counted invalid, unread); the read, or None when the store may not be asked now
+        (down, or MAX_READS reads already waiting behind a slow one)."""
+        self._reads = [read for read in self._reads if not read.future.done()]
+        if not keys or not self.available() or len(self._reads) >= MAX_READS:
             return None
-        self._reading = self._reader.submit(self._read_run, keys, value_bytes)
-        try:
-            values = self._reading.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            self._failed(TimeoutError(f"no answer within {self.timeout_s} s"), "reading blocks")
-            return None
-        except self._errors as error:
-            self._failed(error, "reading blocks")
-            return None
-        self._worked()
-        found = []
-        for value in values:  # a key evicted between the two calls ends the run
-            if value is None:
-                break
-            found.append(value)
-            self.counters.read_bytes += len(value)
-        return found
+        read = PendingRead(self, self._reader.submit(self._read_run, keys, value_bytes),
+                           time.monotonic() + self.timeout_s)
+        self._reads.append(read)
+        return read
 
     def _read_run(self, keys: list[str], value_bytes: int) -> list:
         pipe = self._client.pipeline(transaction=False)
@@ -176,6 +167,10 @@ class RedisBlockStore:
                     break
             try:
                 self._write(batch)
+            except Exception as error:  # noqa: BLE001 (the connection closed under it by close())
+                self.counters.dropped_blocks += len(batch)
+                if not self._stop.is_set():
+                    self._failed(error, "writing blocks")
             finally:
                 for _ in batch:
                     self._pending.task_done()
@@ -216,3 +211,50 @@ class RedisBlockStore:
         self._writer.join(timeout=2)
         self._reader.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+
+
+class PendingRead:
+    """A read started by `RedisBlockStore.start_read`: `ready()` once answered or past its
+    deadline; then `values()`."""
+
+    def __init__(self, store: RedisBlockStore, future: Future, deadline: float) -> None:
+        self.store, self.future, self.deadline = store, future, deadline
+        self._values: list[bytes] | None = None
+        self._settled = False
+
+    def ready(self) -> bool:
+        """Whether the answer came, or the deadline passed (then it counts as no answer)."""
+        return self.future.done() or time.monotonic() >= self.deadline
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until ready, or `timeout_s` at most."""
+        with contextlib.suppress(FutureTimeout, Exception):
+            self.future.result(timeout=max(0.0, min(timeout_s, self.deadline - time.monotonic())))
+
+    def values(self) -> list[bytes] | None:
+        """(once ready) the run's values, [] when the store holds none; None when it did not
+        answer by the deadline or failed (the store then counts as down for its retry_s)."""
+        if not self._settled:
+            self._settled = True
+            self._values = self._settle()
+        return self._values
+
+    def _settle(self) -> list[bytes] | None:
+        store = self.store
+        if not self.future.done():
+            store._failed(TimeoutError(f"no answer within {store.timeout_s} s"), "reading blocks")
+            return None
+        error = self.future.exception()
+        if error is not None:
+            if not isinstance(error, store._errors):
+                raise error
+            store._failed(error, "reading blocks")
+            return None
+        store._worked()
+        found = []
+        for value in self.future.result():  # a key evicted between the two calls ends the run
+            if value is None:
+                break
+            found.append(value)
+            store.counters.read_bytes += len(value)
+        return found

@@ -193,7 +193,7 @@ class Request:
         self.finish: tuple[str, str | None] | None = None  # (reason, error) once it stopped
         # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
         self.digests: tuple[int, list[bytes]] | None = None
-        self.store_missed = False  # the KV store ran out of its blocks: not asked again
+        self.store_read = None  # its prompt's blocks read from the KV store (store_tier.StoreRead)
         self.tail = ""  # the text its stop rule held back until it ended
 
     def cancel(self) -> None:

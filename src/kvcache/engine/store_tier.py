@@ -1,9 +1,11 @@
 """The engine's second tier of prefix blocks: a block store shared by replicas (`RedisBlockStore`).
 
-When a prompt's chunk is about to be prefilled, its full blocks that the pool could not attach
-are looked up in the store (the longest run within the chunk, in two round trips), checked, and
-written into the request's row as if a forward had computed them; prefill then runs only the
-rest. After each step, full blocks of the
+When a request is queued, its prompt's full blocks that the pool does not hold are read from the
+store on the store's reader thread (the longest run, in two round trips: `prefetch`), and the
+request is admitted once the answer came or its time is up, so no step waits for the store.
+When a chunk of the prompt is about to be prefilled, the blocks read that fall in it are checked
+and written into the request's row as if a forward had computed them (`load`); prefill then runs
+only the rest. After each step, full blocks of the
 running rows that the store has not seen are copied out and queued for the background writer.
 The pool stays the first tier: what it holds is never fetched.
 """
@@ -11,7 +13,11 @@ The pool stays the first tier: what it holds is never fetched.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +36,26 @@ log = logging.getLogger("kvcache.store")
 _KNOWN = 1 << 16  # digests remembered as stored (written or read back), least recent forgotten first
 
 
+@dataclass(eq=False)
+class StoreRead:
+    """A prompt's blocks being read from the store: `digests` are its blocks from index `start`
+    (the pool held those before), `pending` the store's read."""
+
+    start: int
+    digests: list[bytes]
+    pending: object  # RedisBlockStore's PendingRead: ready(), wait(s), values()
+    missing_forgotten: bool = False
+
+    def ready(self) -> bool:
+        """Whether the request may be admitted: the answer came or its time is up."""
+        return self.pending.ready()
+
+    @property
+    def end(self) -> int:
+        """The block index after the last one asked for."""
+        return self.start + len(self.digests)
+
+
 class StoreTier:
     """Shares `pool`'s full prefix blocks of `model` through `store` (see the module docstring)."""
 
@@ -45,6 +71,9 @@ class StoreTier:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._outages = store.counters.outages
         self._warned_invalid = False
+        self.max_blocks = pool.num_blocks  # more than the pool holds could never be attached
+        self._live: weakref.WeakSet[StoreRead] = weakref.WeakSet()  # reads requests still hold
+        self._reading = threading.Lock()
 
     def _remember(self, digest: bytes) -> None:
         self._known[digest] = None
@@ -58,26 +87,49 @@ class StoreTier:
             self._outages = self.store.counters.outages
             self._known.clear()
 
-    # ---- reads: on admission ----------------------------------------------------------------------
-    def load(self, pool: PagedCache, row: int, tokens: list[int], attached: int, end: int) -> int:
-        """Append to row `row` (holding `attached` tokens of `tokens`) the next full blocks of
-        `tokens` the store holds, up to position `end` (the chunk its step may fill); the tokens
-        added (0 when none, or the store fails)."""
+    # ---- reads: started when a request is queued, used on admission ------------------------------
+    def prefetch(self, digests: list[bytes], held: int, wake: Callable[[], None]) -> StoreRead | None:
+        """Start reading the blocks after the first `held` of a prompt's `digests` (those the pool
+        holds), at most `max_blocks`, off the step; wake() when the answer comes. None when there
+        is nothing to read or the store may not be asked now."""
+        wanted = digests[held : held + self.max_blocks]
+        keys = [block_key(self.space, digest) for digest in wanted]
+        with self._reading:  # (submitting threads, and the engine's for preempted requests)
+            # what reads not yet used hold in memory stays within one pool's worth of blocks
+            if not wanted or sum(len(read.digests) for read in self._live) + len(wanted) > self.max_blocks:
+                return None
+            pending = self.store.start_read(keys, self.layout.value_bytes)
+            if pending is None:
+                return None
+            self.store.counters.lookups += 1
+            read = StoreRead(held, wanted, pending)
+            self._live.add(read)  # until its request lets go of it
+        pending.future.add_done_callback(lambda _: wake())
+        return read
+
+    def reads_on_their_way(self) -> int:
+        """Reads started for requests that still hold them, whose answer has not come yet."""
+        with self._reading:
+            return sum(not read.pending.future.done() for read in self._live)
+
+    def load(self, pool: PagedCache, row: int, attached: int, end: int, read: StoreRead) -> int:
+        """Append to row `row` (holding `attached` tokens) the blocks `read` brought from the
+        store that follow, up to position `end` (the chunk its step may fill); the tokens added (0
+        when none, the store did not answer, or the pool no longer holds what the read followed)."""
         size = pool.block_size
         if attached % size:
             raise ValueError(f"store blocks start on block boundaries; the row holds {attached} tokens")
-        wanted = pool.prefix_digests(tokens)[attached // size : end // size]
-        if not wanted or not self.store.available():
-            return 0
-        self.store.counters.lookups += 1
-        keys_wanted = [block_key(self.space, digest) for digest in wanted]
-        values = self.store.fetch_run(keys_wanted, self.layout.value_bytes)
+        values = read.pending.values()
         if values is None:  # no answer: nothing learned about what it holds
             return 0
-        for digest in wanted[len(values) :]:  # not there (evicted, flushed): offered again
-            self._known.pop(digest, None)
+        if not read.missing_forgotten:
+            read.missing_forgotten = True
+            for digest in read.digests[len(values) :]:  # not there (evicted, flushed): offered again
+                self._known.pop(digest, None)
+        skip = attached // size - read.start  # < 0: the pool lost blocks the read's run follows
+        digests = read.digests[skip : end // size - read.start] if skip >= 0 else []
         keys, vals = [], []
-        for digest, value in zip(wanted, values):
+        for digest, value in zip(digests, values[skip:]):
             try:
                 block_keys, block_values = decode_block(self.layout, self.space, digest, value)
             except InvalidBlock as error:
@@ -90,15 +142,14 @@ class StoreTier:
             vals.append(block_values)
         if not keys:
             return 0
-        device = pool.device
-        stacked_keys = torch.cat(keys, dim=1).to(device)  # (layers, n·S, H_kv, D)
-        stacked_values = torch.cat(vals, dim=1).to(device)  # (layers, n·S, H_kv, D_v)
+        stacked_keys = torch.cat(keys, dim=1).to(pool.device)  # (layers, n·S, H_kv, D)
+        stacked_values = torch.cat(vals, dim=1).to(pool.device)  # (layers, n·S, H_kv, D_v)
         try:
             pool.append_to_row(row, list(stacked_keys), list(stacked_values))
         except OutOfBlocksError:
             return 0  # no room now: the blocks are computed instead
         self.store.counters.hit_blocks += len(keys)
-        for digest in wanted[: len(keys)]:
+        for digest in digests[: len(keys)]:
             self._remember(digest)
         return len(keys) * size
 
