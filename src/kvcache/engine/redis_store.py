@@ -3,8 +3,9 @@ every replica that points at it.
 
 Reads are bounded as a whole and never block a step: one pipelined round trip asks the size of
 each of a prompt's block keys (STRLEN: 0 when absent, so a value of the wrong size is never read),
-a second fetches the leading run that holds blocks of the right size (MGET). Both run on a reader
-thread, started when a request is queued (`start_read`); its answer counts only if it came within
+then MGETs of up to READ_BATCH_BYTES each fetch the leading run that holds blocks of the right
+size (one MGET for a short prompt; a whole long one in one reply re-grew its buffer to the
+prompt's size). They run on a reader thread, started when a request is queued (`start_read`); its answer counts only if it came within
 `timeout_s` (a server that trickles its answer a byte at a time keeps a socket read alive
 forever): past that the store counts as down.
 Writes never block a request: they go to a bounded queue that a background thread drains in
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("kvcache.store")
 MAX_READS = 16  # reads started and not done: past it (a stuck store) no more are queued
+READ_BATCH_BYTES = 16 << 20  # values fetched by one MGET at most
 
 
 @dataclass
@@ -136,8 +138,11 @@ class RedisBlockStore:
         if run < len(keys) and sizes[run]:
             self.counters.invalid_blocks += 1  # present, of another size: never read
         self.counters.read_round_trips += 1
-        values = self._client.mget(keys[:run]) if run else []
-        self.counters.read_round_trips += bool(run)
+        step = max(1, READ_BATCH_BYTES // max(1, value_bytes))
+        values: list = []
+        for start in range(0, run, step):  # (one reply of a whole long prompt: its buffer re-grown)
+            values += self._client.mget(keys[start : min(run, start + step)])
+            self.counters.read_round_trips += 1
         return values
 
     # ---- writes -----------------------------------------------------------------------------------
