@@ -5,9 +5,9 @@ Reads are bounded as a whole and never block a step: one pipelined round trip as
 each of a prompt's block keys (STRLEN: 0 when absent, so a value of the wrong size is never read),
 then MGETs of up to READ_BATCH_BYTES each fetch the leading run that holds blocks of the right
 size (one MGET for a short prompt; a whole long one in one reply re-grew its buffer to the
-prompt's size). They run on a reader thread, started when a request is queued (`start_read`); its answer counts only if it came within
-`timeout_s` (a server that trickles its answer a byte at a time keeps a socket read alive
-forever): past that the store counts as down.
+prompt's size). They run on a reader thread, started when a request is queued (`start_read`);
+its answer counts only if it came within `timeout_s` (a server that trickles its answer a byte
+at a time keeps a socket read alive forever): past that the store counts as down.
 Writes never block a request: they go to a bounded queue that a background thread drains in
 batches (pipelined SET with a TTL); when the queue is full, blocks are dropped and counted.
 
