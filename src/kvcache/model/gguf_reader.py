@@ -110,7 +110,7 @@ def _array(cursor: _Cursor, what: str) -> Any:
                 f"strings; kvcache reads at most {MAX_STRINGS:,}"
             )
         cursor.need(count * 8, f"{what} ({count:,} strings)")  # each string's length alone is 8 bytes
-        return [cursor.string(what) for _ in range(count)]
+        return _strings(cursor, count, what)
     if kind not in _SCALARS:
         raise CheckpointError(
             f"{cursor.source}: {what} is an array of value type "
@@ -125,6 +125,29 @@ def _array(cursor: _Cursor, what: str) -> Any:
             raise CheckpointError(f"{cursor.source}: {what} holds a bool that is neither 0 nor 1")
         return values.astype(bool)
     return values
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+def _strings(cursor: _Cursor, count: int, what: str) -> list[str]:
+    """`count` strings, as `cursor.string` reads each, in a loop of its own (a vocabulary and its
+    merges are ~100k strings: the method calls were most of a model's load)."""
+    view, at, end, out = cursor.view, cursor.at, len(cursor.view), []
+    for _ in range(count):
+        if end - at < 8 or _LENGTH.unpack_from(view, at)[0] > min(end - at - 8, MAX_STRING_BYTES):
+            cursor.at = at
+            out.append(cursor.string(what))  # says what is wrong, with the offset
+            at = cursor.at
+            continue
+        length = _LENGTH.unpack_from(view, at)[0]
+        try:
+            out.append(str(view[at + 8 : at + 8 + length], "utf-8"))
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{cursor.source}: {what} is not UTF-8 text") from None
+        at += 8 + length
+    cursor.at = at
+    return out
 
 
 def _fields(cursor: _Cursor, count: int) -> dict[str, Any]:
