@@ -45,50 +45,13 @@ def plan_forward(
     the pool is short, `CacheShapeError` for a mask that does not describe the rows. reserve=False:
     the blocks were reserved before (the engine's pool, `kvcache.engine.pool`); the block tables
     are only read, and a row without its blocks raises `CacheError`."""
-    batch = len(rows)
     lengths = [allocator.sequence(seq).num_tokens for seq in rows]
-    real = None  # (B, T_new) bool: which new columns are tokens; None = all of them
-    counts = [new_tokens] * batch
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, columns + new_tokens):
-            raise CacheShapeError(
-                f"attention_mask must be (batch, columns + new_tokens) = "
-                f"({batch}, {columns + new_tokens}), got shape {tuple(attention_mask.shape)}"
-            )
-        given = attention_mask.to(device=device, dtype=torch.bool)
-        held = given[:, :columns].sum(1).tolist()
-        if held != lengths:
-            raise CacheShapeError(
-                f"attention_mask counts {held} earlier tokens per row; the cache holds "
-                f"{lengths}: the mask must describe the tokens the cache holds"
-            )
-        real = given[:, columns:]  # (B, T_new)
-        counts = real.sum(1).tolist()
-        if all(count == new_tokens for count in counts):
-            real = None
+    real, counts = _new_columns(lengths, columns, new_tokens, attention_mask, device)
     totals = [held + new for held, new in zip(lengths, counts)]
     copies = allocator.reserve(rows, totals) if reserve else _check_reserved(allocator, rows, totals)
-    size, window = allocator.block_size, allocator.window
-    if window is None:  # every row reads its blocks from the first
-        firsts = [0] * batch
-        visible = max(1, *totals)  # at least one key (masked) even if every row is padding so far
-        width = -(-visible // size)  # blocks per row in the gather
-    else:  # each row reads from the first block its earliest query's window reaches
-        firsts = [max(0, held - window + 1) // size for held in lengths]
-        visible = max(max(1, total - first * size) for total, first in zip(totals, firsts))
-        width = -(-visible // size)
-    tables = [allocator.sequence(seq).table[first : first + width] for seq, first in zip(rows, firsts)]
-    first_block = None
-    read_blocks = None
-    if (
-        batch == 1
-        and len(tables[0]) == width
-        and tables[0] == list(range(tables[0][0], tables[0][0] + width))
-    ):
-        first_block = tables[0][0]  # one row on consecutive blocks: read in place
-    else:  # rows shorter than the longest repeat a block of theirs, or block 0 (masked)
-        padded = [block for table in tables for block in table + (table or [0])[:1] * (width - len(table))]
-        read_blocks = torch.tensor(padded, dtype=torch.long, device=device)  # (B·n,)
+    firsts, visible = _read_span(allocator, lengths, totals)
+    width = -(-visible // allocator.block_size)  # blocks per row in the gather
+    first_block, read_blocks = _read_blocks(allocator, rows, firsts, width, device)
     write = [
         slot for seq, held, total in zip(rows, lengths, totals) for slot in allocator.slots(seq, held, total)
     ]
@@ -101,31 +64,89 @@ def plan_forward(
         source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,) row-major, as write
         query = (past + real.long().cumsum(1) - 1).masked_fill(~real, -1)  # (B, T_new)
     step = Step(
-        step_id, new_tokens, batch, totals, write_slots, source_rows, read_blocks, first_block, visible
+        step_id, new_tokens, len(rows), totals, write_slots, source_rows, read_blocks, first_block, visible
     )
-    equal = len(set(lengths)) == 1
+    uniform = real is None and len(set(lengths)) == 1  # every row holds the same keys, all its columns real
+    mask = _mask(allocator, firsts, visible, query, uniform, device)
+    return ForwardLayout(step, copies, query.clamp(min=0), mask)
+
+
+def _new_columns(
+    lengths: list[int], columns: int, new_tokens: int, attention_mask: torch.Tensor | None, device
+) -> tuple[torch.Tensor | None, list[int]]:
+    """(which new columns are tokens (B, T_new) bool, None when all are; new tokens per row),
+    from the attention mask, checked against the rows' `lengths`."""
+    batch = len(lengths)
+    if attention_mask is None:
+        return None, [new_tokens] * batch
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, columns + new_tokens):
+        raise CacheShapeError(
+            f"attention_mask must be (batch, columns + new_tokens) = "
+            f"({batch}, {columns + new_tokens}), got shape {tuple(attention_mask.shape)}"
+        )
+    given = attention_mask.to(device=device, dtype=torch.bool)
+    held = given[:, :columns].sum(1).tolist()
+    if held != lengths:
+        raise CacheShapeError(
+            f"attention_mask counts {held} earlier tokens per row; the cache holds "
+            f"{lengths}: the mask must describe the tokens the cache holds"
+        )
+    real = given[:, columns:]  # (B, T_new)
+    counts = real.sum(1).tolist()
+    return (None if all(count == new_tokens for count in counts) else real), counts
+
+
+def _read_span(allocator: BlockAllocator, lengths: list[int], totals: list[int]) -> tuple[list[int], int]:
+    """(each row's first block read, keys gathered per row): from the first block without a
+    window, else from the first block its earliest query's window reaches; at least one key
+    (masked) even if every row is padding so far."""
+    size, window = allocator.block_size, allocator.window
+    if window is None:
+        return [0] * len(lengths), max(1, *totals)
+    firsts = [max(0, held - window + 1) // size for held in lengths]
+    return firsts, max(max(1, total - first * size) for total, first in zip(totals, firsts))
+
+
+def _read_blocks(
+    allocator: BlockAllocator, rows: list[int], firsts: list[int], width: int, device
+) -> tuple[int | None, torch.Tensor | None]:
+    """(first block, None) for one row on `width` consecutive blocks, read in place; else (None,
+    the blocks each row reads (B·width,)): a row shorter than the longest repeats a block of its
+    own, or block 0 (masked)."""
+    tables = [allocator.sequence(seq).table[first : first + width] for seq, first in zip(rows, firsts)]
+    table = tables[0]
+    if len(rows) == 1 and len(table) == width and table == list(range(table[0], table[0] + width)):
+        return table[0], None
+    padded = [block for table in tables for block in table + (table or [0])[:1] * (width - len(table))]
+    return None, torch.tensor(padded, dtype=torch.long, device=device)
+
+
+def _mask(
+    allocator: BlockAllocator, firsts: list[int], visible: int, query: torch.Tensor, uniform: bool, device
+) -> torch.Tensor | None:
+    """The mask (B or 1, 1, T_new, T_kv) of queries at `query` (B, T_new) (-1: padding) over the
+    gathered keys; None when every key is visible to every query. uniform: every row holds the
+    same keys and every new column is a token."""
+    window = allocator.window
     if window is not None:
-        key_positions = torch.tensor(firsts, device=device)[:, None] * size + torch.arange(
+        key_positions = torch.tensor(firsts, device=device)[:, None] * allocator.block_size + torch.arange(
             visible, device=device
         )
         keys, queries = key_positions[:, None, :], query[:, :, None]  # (B, 1, T_kv), (B, T_new, 1)
         allowed = (keys <= queries) & (keys > queries - window)  # (B, T_new, T_kv)
         allowed |= (queries < 0) & (torch.arange(visible, device=device) == 0)  # padding: its first key
-        mask = allowed[:, None]  # (B, 1, T_new, T_kv)
-    elif real is None and equal and new_tokens == 1:
-        mask = None  # every row holds the same keys, all visible to its one new token
-    else:
-        key_positions = torch.arange(visible, device=device)  # (T_kv,)
-        if real is None and equal:
-            mask = (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
-        else:
-            # a key past the row's own length (right padding of a shorter row) lies past its
-            # queries, so causality hides it
-            allowed = key_positions[None, None, :] <= query[:, :, None]  # (B, T_new, T_kv)
-            # a padding query sees key 0 of its row, so no row of the mask is empty (no NaN)
-            allowed |= (query[:, :, None] < 0) & (key_positions == 0)
-            mask = allowed[:, None]  # (B, 1, T_new, T_kv)
-    return ForwardLayout(step, copies, query.clamp(min=0), mask)
+        return allowed[:, None]  # (B, 1, T_new, T_kv)
+    if uniform and query.shape[1] == 1:
+        return None  # every row holds the same keys, all visible to its one new token
+    key_positions = torch.arange(visible, device=device)  # (T_kv,)
+    if uniform:
+        return (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
+    # a key past the row's own length (right padding of a shorter row) lies past its queries, so
+    # causality hides it
+    allowed = key_positions[None, None, :] <= query[:, :, None]  # (B, T_new, T_kv)
+    # a padding query sees key 0 of its row, so no row of the mask is empty (no NaN)
+    allowed |= (query[:, :, None] < 0) & (key_positions == 0)
+    return allowed[:, None]  # (B, 1, T_new, T_kv)
 
 
 def _check_reserved(allocator: BlockAllocator, rows: list[int], totals: list[int]) -> list:
