@@ -71,28 +71,11 @@ def make_cache(
     if kind == "static":
         if max_cache_len is None:
             raise CacheConfigError("make_cache('static') needs max_cache_len")
-        return StaticCache(
-            max_batch_size,
-            max_cache_len,
-            config=config,
-            num_layers=num_layers,
-            window=window,
-            max_rollback=max_rollback,
-            dtype=dtype,
-            device=device,
-            compiled=compiled,
-        )
+        return StaticCache(max_batch_size, max_cache_len, config=config, num_layers=num_layers, window=window,
+                           max_rollback=max_rollback, dtype=dtype, device=device, compiled=compiled)
     if kind == "sliding":
-        return SlidingWindowCache(
-            window,
-            max_batch_size,
-            config=config,
-            num_layers=num_layers,
-            max_rollback=max_rollback,
-            dtype=dtype,
-            device=device,
-            compiled=compiled,
-        )
+        return SlidingWindowCache(window, max_batch_size, config=config, num_layers=num_layers,
+                                  max_rollback=max_rollback, dtype=dtype, device=device, compiled=compiled)
     if kind == "paged":
         if num_blocks is None:
             if max_cache_len is None:

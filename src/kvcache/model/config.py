@@ -174,21 +174,11 @@ class ModelConfig:
         """Read a parsed config.json; unsupported settings raise ConfigError."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
-            )
-        require_fields(
-            raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"
-        )
+            raise ConfigError(f"model_type {model_type!r} is not supported; expected one of "
+                              f"{SUPPORTED_MODEL_TYPES}")
         gemma = model_type in GEMMA_FAMILIES
         raw = {**_GEMMA_DEFAULTS.get(model_type, {}), **raw}
-        hidden_act = _activation(raw, model_type)
-        if hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ConfigError(
-                f"hidden_act {hidden_act!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}"
-            )
-        if raw.get("use_bidirectional_attention"):
-            raise ConfigError("use_bidirectional_attention is not supported (kvcache runs causal decoders)")
+        hidden_act = _checked_supported(raw, model_type)
         try:
             geometry = read_geometry(raw, source="config.json")
         except GeometryError as error:
@@ -197,26 +187,13 @@ class ModelConfig:
             rope_theta, rope_scaling, local_rope_theta = gemma3_rope_settings(raw)
         else:
             (rope_theta, rope_scaling), local_rope_theta = rope_settings(raw), None
-        rope_parameters = raw.get("rope_parameters") or {}
+        rope_parameters = raw.get("rope_parameters") or {}  # (a JSON object: checked by rope_settings)
         partial = raw.get("partial_rotary_factor", rope_parameters.get("partial_rotary_factor"))
         if float(1.0 if partial is None else partial) != 1.0:
             raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        elif model_type in ("llama", "qwen3", "olmo2", *GEMMA_FAMILIES):
-            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
-        else:
-            qkv_bias = o_bias = False
+        qkv_bias, o_bias = _attention_biases(raw, model_type)
         scaled = model_type in ("gemma2", "gemma3_text")  # query scale and soft-caps of their own
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        vocab = raw["vocab_size"]
-        # (pad_token_id is left as given: old configs write -1, and the model never reads it)
-        for name, ids in (("eos_token_id", eos_ids), ("bos_token_id", (raw.get("bos_token_id"),))):
-            for token in ids:
-                if token is not None and (isinstance(token, bool) or not isinstance(token, int)
-                                          or not isinstance(vocab, int) or not 0 <= token < vocab):
-                    raise ConfigError(f"{name} must be token ids in [0, vocab_size={vocab}), got {token!r}")
+        eos_ids = _checked_special_ids(raw)
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -275,6 +252,47 @@ class ModelConfig:
 def _read_json(path: Path) -> dict[str, Any]:
     return read_json_object(path, "config file", ConfigError)
 
+
+
+def _checked_supported(raw: dict[str, Any], model_type) -> str:
+    """The config's activation, after refusing (ConfigError) a missing size, or an activation
+    or attention kvcache does not run."""
+    require_fields(
+        raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"
+    )
+    hidden_act = _activation(raw, model_type)
+    if hidden_act not in SUPPORTED_ACTIVATIONS:
+        raise ConfigError(
+            f"hidden_act {hidden_act!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}"
+        )
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention is not supported (kvcache runs causal decoders)")
+    return hidden_act
+
+
+def _attention_biases(raw: dict[str, Any], model_type: str) -> tuple[bool, bool]:
+    """(q/k/v projections biased, output projection biased), as each family's config says."""
+    if model_type == "qwen2":
+        return True, False
+    if model_type in ("llama", "qwen3", "olmo2", *GEMMA_FAMILIES):
+        biased = bool(raw.get("attention_bias", False))
+        return biased, biased
+    return False, False
+
+
+def _checked_special_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """The EOS ids (one or a list), after checking they and the BOS id are token ids of the
+    vocabulary (pad_token_id is left as given: old configs write -1, and the model never reads
+    it)."""
+    eos = raw.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    vocab = raw["vocab_size"]
+    for name, ids in (("eos_token_id", eos_ids), ("bos_token_id", (raw.get("bos_token_id"),))):
+        for token in ids:
+            if token is not None and (isinstance(token, bool) or not isinstance(token, int)
+                                      or not isinstance(vocab, int) or not 0 <= token < vocab):
+                raise ConfigError(f"{name} must be token ids in [0, vocab_size={vocab}), got {token!r}")
+    return eos_ids
 
 def _activation(raw: dict[str, Any], model_type: str) -> str:
     """The MLP's activation as transformers reads it: gemma2 and gemma3 name it
