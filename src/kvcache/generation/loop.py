@@ -180,15 +180,7 @@ def _steps(
 ):
     started = time.perf_counter()
     input_ids, attention_mask = _check_inputs(model, input_ids, attention_mask)
-    if options.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to read the generated text")
-    eos_ids = resolve_eos(model, options.eos_token_id, tokenizer)
-    pad_token_id = options.pad_token_id
-    if pad_token_id is None:
-        pad_token_id = eos_ids[0] if eos_ids else getattr(tokenizer, "pad_token_id", None) or 0
-    vocab = model.config.vocab_size
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab:
-        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {pad_token_id!r}")
+    eos_ids, pad_token_id = _stop_ids(model, options, tokenizer)
     batch, prompt_length = input_ids.shape
     cache = _cache_for(model, cache, batch, prompt_length + options.max_new_tokens)
     past = cache.get_seq_length()  # what a supplied cache holds already
@@ -242,6 +234,21 @@ def _steps(
         backend=ran,
         cache=cache,
     )
+
+
+def _stop_ids(model, options: GenerationSettings, tokenizer) -> tuple[tuple[int, ...], int]:
+    """(the EOS ids a row stops at, the id a stopped row is padded with), checked; ValueError for
+    stop strings without a tokenizer to read them, or a pad id outside the vocabulary."""
+    if options.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to read the generated text")
+    eos_ids = resolve_eos(model, options.eos_token_id, tokenizer)
+    pad_token_id = options.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = eos_ids[0] if eos_ids else getattr(tokenizer, "pad_token_id", None) or 0
+    vocab = model.config.vocab_size
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab:
+        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {pad_token_id!r}")
+    return eos_ids, pad_token_id
 
 
 def _check_inputs(model, input_ids, attention_mask):

@@ -221,24 +221,10 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        use_cache: bool | None = None,
-        position_ids: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
-    ) -> CausalLMOutput:
-        """Run T_new new tokens (B, T_new) on top of what `past_key_values` holds.
-
-        attention_mask: (B, past + T_new), 1 = token, 0 = left padding. use_cache=None means
-        "cache unless training": a new DynamicCache is made when none is given. With
-        use_cache=False nothing is kept (NoCache). Positions, unless given, come from the cache
-        (`begin`): counted from the mask (so left padding does not shift them), else from the
-        cache length (each row's own, in a paged cache).
-        logits_to_keep=n > 0 scores only the last n positions (0 = all).
-        """
+    def _cache_for(self, input_ids: torch.Tensor, past_key_values, use_cache: bool | None):
+        """(the cache a forward runs on, whether it is returned): `past_key_values`, else a new
+        one that grows (use_cache, the default unless training) or keeps nothing. ValueError or
+        TypeError for inputs a forward cannot take; a cache while training is refused."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, new_tokens), got shape {tuple(input_ids.shape)}")
         if input_ids.dtype not in (torch.long, torch.int32):
@@ -262,6 +248,27 @@ class LlamaForCausalLM(nn.Module):
             kind = "dynamic" if use_cache else "none"
             cache = make_cache(kind, config=self.config, dtype=self.dtype, device=self.device)
 
+        return cache, use_cache
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = None,
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutput:
+        """Run T_new new tokens (B, T_new) on top of what `past_key_values` holds.
+
+        attention_mask: (B, past + T_new), 1 = token, 0 = left padding. use_cache=None means
+        "cache unless training": a new DynamicCache is made when none is given. With
+        use_cache=False nothing is kept (NoCache). Positions, unless given, come from the cache
+        (`begin`): counted from the mask (so left padding does not shift them), else from the
+        cache length (each row's own, in a paged cache).
+        logits_to_keep=n > 0 scores only the last n positions (0 = all).
+        """
+        cache, use_cache = self._cache_for(input_ids, past_key_values, use_cache)
         batch, new_tokens = input_ids.shape
         past = cache.get_seq_length()
         if attention_mask is not None:
