@@ -166,8 +166,7 @@ def measure_drift(
     tokens: N, greedy tokens generated per prompt. progress: called with a short line before
     each run (the CLI prints it on stderr).
     """
-    from kvcache.cache import QuantizedLayer, make_cache
-    from kvcache.memory import kv_cache_bytes, quantized_kv_cache_bytes
+    from kvcache.cache import make_cache
 
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
@@ -184,62 +183,70 @@ def measure_drift(
         cache = make_cache("dynamic", config=config, device=device)
         references.append(_greedy_run(model, prompt, cache, tokens))
 
+    return [
+        _setting_drift(model, setting, prompt_ids, references, tokens, tolerance, say) for setting in settings
+    ]
+
+
+def _setting_drift(model, setting: DriftSetting, prompt_ids, references, tokens: int, tolerance: Tolerance,
+                   say: Callable[[str], None]) -> DriftResult:
+    """One setting's runs on every prompt (free-running, and teacher-forced where it diverged
+    from its reference run), summarised."""
+    from kvcache.cache import QuantizedLayer
+
+    config, device = model.config, model.device
+    diffs, kls, forced_agree, free_agree, divergence = [], [], [], [], []
+    cache_bytes = reference_bytes = quantized = held = 0
+    for index, (prompt, reference) in enumerate(zip(prompt_ids, references)):
+        say(f"{setting.kind}{setting.bits if setting.kind == 'int' else ''} "
+            f"prompt {index + 1}/{len(prompt_ids)}: free-running")
+        free = _greedy_run(model, prompt, setting.make_cache(config, device), tokens)
+        same = [a == b for a, b in zip(free.tokens, reference.tokens)]
+        first = None if all(same) else same.index(False)
+        forced = free
+        if first is not None:
+            say(f"  diverged at token {first}: teacher-forced run")
+            forced = _greedy_run(model, prompt, setting.make_cache(config, device), tokens, reference.tokens)
+        diffs.append(float((forced.logits - reference.logits).abs().max()))
+        kls.append(_kl(reference.logits, forced.logits))
+        forced_agree.append(forced.logits.argmax(-1).cpu() == torch.tensor(reference.tokens))
+        free_agree.append(sum(same) / tokens)
+        divergence.append(first)
+        cache_bytes += free.cache.nbytes_used
+        reference_bytes += reference.cache.nbytes_used
+        layers = [layer for layer in free.cache.layers if isinstance(layer, QuantizedLayer)]
+        quantized += sum(layer.quantized_tokens for layer in layers)
+        held += sum(layer.get_seq_length() for layer in layers)
+    per_token, reference_per_token = _bytes_per_token(model, setting, free.cache)
+    kl = torch.cat(kls)
+    return DriftResult(
+        setting=setting, tokens=tokens, prompts=len(prompt_ids), max_abs_logit_diff=max(diffs),
+        mean_kl=float(kl.mean()), max_kl=float(kl.max()),
+        teacher_forced_agreement=float(torch.cat(forced_agree).double().mean()),
+        greedy_agreement=sum(free_agree) / len(free_agree), first_divergence=divergence,
+        bytes_per_token=per_token, reference_bytes_per_token=reference_per_token,
+        cache_bytes=cache_bytes, reference_cache_bytes=reference_bytes,
+        quantized_fraction=quantized / held if held else 0.0, tolerance=tolerance,
+    )
+
+
+def _bytes_per_token(model, setting: DriftSetting, cache) -> tuple[float, float]:
+    """(bytes a token costs in `cache`'s layers at `setting`, packed as one whole group with no
+    residual, the other layers unquantized; bytes it costs unquantized)."""
+    from kvcache.cache import QuantizedLayer
+    from kvcache.memory import kv_cache_bytes, quantized_kv_cache_bytes
+
     dtype_name = str(model.dtype).removeprefix("torch.")
-    heads, dim = config.num_key_value_heads, config.head_dim
-    results = []
-    for setting in settings:
-        diffs, kls, forced_agree, free_agree, divergence = [], [], [], [], []
-        cache_bytes = reference_bytes = quantized = held = 0
-        for index, (prompt, reference) in enumerate(zip(prompt_ids, references)):
-            say(f"{setting.kind}{setting.bits if setting.kind == 'int' else ''} "
-                f"prompt {index + 1}/{len(prompt_ids)}: free-running")
-            free = _greedy_run(model, prompt, setting.make_cache(config, device), tokens)
-            same = [a == b for a, b in zip(free.tokens, reference.tokens)]
-            first = None if all(same) else same.index(False)
-            forced = free
-            if first is not None:
-                say(f"  diverged at token {first}: teacher-forced run")
-                cache = setting.make_cache(config, device)
-                forced = _greedy_run(model, prompt, cache, tokens, reference.tokens)
-            diffs.append(float((forced.logits - reference.logits).abs().max()))
-            kls.append(_kl(reference.logits, forced.logits))
-            forced_agree.append(forced.logits.argmax(-1).cpu() == torch.tensor(reference.tokens))
-            free_agree.append(sum(same) / tokens)
-            divergence.append(first)
-            cache_bytes += free.cache.nbytes_used
-            reference_bytes += reference.cache.nbytes_used
-            layers = [layer for layer in free.cache.layers if isinstance(layer, QuantizedLayer)]
-            quantized += sum(layer.quantized_tokens for layer in layers)
-            held += sum(layer.get_seq_length() for layer in layers)
-        quantized_layers = sum(isinstance(layer, QuantizedLayer) for layer in free.cache.layers)
-        group = setting.group_size  # one whole group with no residual: the packed cost per token
-        packed = quantized_kv_cache_bytes(
-            quantized_layers, heads, group, dim, bits=setting.bits, group_size=group,
-            residual_length=0, dtype=dtype_name, key_axis=setting.key_axis, value_axis=setting.value_axis,
-        ) / group
-        all_layers = len(free.cache.layers)
-        other_layers = all_layers - quantized_layers
-        kl = torch.cat(kls)
-        results.append(
-            DriftResult(
-                setting=setting,
-                tokens=tokens,
-                prompts=len(prompt_ids),
-                max_abs_logit_diff=max(diffs),
-                mean_kl=float(kl.mean()),
-                max_kl=float(kl.max()),
-                teacher_forced_agreement=float(torch.cat(forced_agree).double().mean()),
-                greedy_agreement=sum(free_agree) / len(free_agree),
-                first_divergence=divergence,
-                bytes_per_token=packed + kv_cache_bytes(other_layers, heads, 1, dim, 1, dtype_name),
-                reference_bytes_per_token=kv_cache_bytes(all_layers, heads, 1, dim, 1, dtype_name),
-                cache_bytes=cache_bytes,
-                reference_cache_bytes=reference_bytes,
-                quantized_fraction=quantized / held if held else 0.0,
-                tolerance=tolerance,
-            )
-        )
-    return results
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    quantized_layers = sum(isinstance(layer, QuantizedLayer) for layer in cache.layers)
+    group = setting.group_size
+    packed = quantized_kv_cache_bytes(
+        quantized_layers, heads, group, dim, bits=setting.bits, group_size=group,
+        residual_length=0, dtype=dtype_name, key_axis=setting.key_axis, value_axis=setting.value_axis,
+    ) / group
+    all_layers = len(cache.layers)
+    other = kv_cache_bytes(all_layers - quantized_layers, heads, 1, dim, 1, dtype_name)
+    return packed + other, kv_cache_bytes(all_layers, heads, 1, dim, 1, dtype_name)
 
 
 def drift_table(results: Sequence[DriftResult]) -> str:
