@@ -152,8 +152,21 @@ def plot_equality(equality: dict, folder: Path) -> str:
 
 
 def plot_drift(drift: dict, folder: Path) -> str:
+    """drift.png: the reference's error against bits kept, the engine's KL and token agreement
+    per quantized cache setting, each against its tolerance."""
     ref, engine = drift["reference"], drift["engine"]
     figure, (bits_ax, kl_ax, agree_ax) = _figure(3)
+    _drift_vs_bits(bits_ax, ref)
+    settings = sorted(engine["rows"], key=lambda r: (r["bits"], r["kind"]))
+    names = [f"{r['name']}\n({r['bits']} bits)" for r in settings]
+    _drift_kl(kl_ax, engine, settings, names)
+    _drift_agreement(agree_ax, engine["tolerance"], settings, names)
+    figure.suptitle("Low precision: drift vs bits, against tolerance", fontsize=11)
+    return _save(figure, folder, "drift.png")
+
+
+def _drift_vs_bits(bits_ax, ref: dict) -> None:
+    """The reference head's max |Δoutput| against significant bits kept, formats marked."""
     rows = ref["rows"]
     bits = [r["bits"] for r in rows]
     diffs = [r["max_abs_diff"] for r in rows]
@@ -178,8 +191,9 @@ def plot_drift(drift: dict, folder: Path) -> str:
     bits_ax.legend(fontsize=8, loc="upper right")
     bits_ax.grid(True, alpha=0.3)
 
-    settings = sorted(engine["rows"], key=lambda r: (r["bits"], r["kind"]))
-    names = [f"{r['name']}\n({r['bits']} bits)" for r in settings]
+
+def _drift_kl(kl_ax, engine: dict, settings: list[dict], names: list[str]) -> None:
+    """The engine's mean KL per setting against its tolerance."""
     tol = engine["tolerance"]
     kl = [r["mean_kl"] for r in settings]
     bars = kl_ax.bar(names, _floor(kl, tol["mean_kl"] / 1e6),
@@ -201,6 +215,9 @@ def plot_drift(drift: dict, folder: Path) -> str:
                     fontsize=10)
     kl_ax.set_xlabel("cache setting (bits per stored k, v element)")
 
+
+def _drift_agreement(agree_ax, tol: dict, settings: list[dict], names: list[str]) -> None:
+    """Greedy free-running and teacher-forced argmax agreement per setting."""
     width = 0.38
     positions = range(len(settings))
     agree_ax.bar([p - width / 2 for p in positions], [r["greedy_agreement"] for r in settings], width,
@@ -215,8 +232,6 @@ def plot_drift(drift: dict, folder: Path) -> str:
     agree_ax.set_xlabel("cache setting (bits per stored k, v element)")
     agree_ax.set_title("token agreement", fontsize=10)
     agree_ax.legend(fontsize=8, loc="lower right")
-    figure.suptitle("Low precision: drift vs bits, against tolerance", fontsize=11)
-    return _save(figure, folder, "drift.png")
 
 
 def _short(count: float) -> str:
