@@ -80,3 +80,11 @@ def test_shell_blocks_run_and_print_what_is_shown():
 def test_the_demo_prints_what_is_shown():
     shown = next(code for language, code in blocks() if language == "text")
     _same_output(_run("make -s demo"), shown)
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert links and not missing, missing
