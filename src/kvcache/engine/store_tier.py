@@ -30,6 +30,7 @@ from kvcache.engine.block_codec import (
     layout_of,
     namespace,
 )
+from kvcache.engine.block_store import PendingRead
 from kvcache.generation.params import RequestError
 
 log = logging.getLogger("kvcache.store")
@@ -43,7 +44,7 @@ class StoreRead:
 
     start: int
     digests: list[bytes]
-    pending: object  # RedisBlockStore's PendingRead: ready(), wait(s), values()
+    pending: PendingRead
     missing_forgotten: bool = False
 
     def ready(self) -> bool:
