@@ -74,6 +74,17 @@ class BlockStore:
         """(on the writer thread) store every (key, value); the bytes written."""
         raise NotImplementedError
 
+    def discard(self, key: str) -> None:
+        """Forget the block of `key`, which failed its check (a tier that can delete it does)."""
+
+    def stats(self) -> dict:
+        """The counters as a dict (`Engine.stats()["kv_store"]`)."""
+        return vars(self.counters).copy()
+
+    def outage_count(self) -> int:
+        """Times the tier became unavailable (after one, blocks are offered to it again)."""
+        return self.counters.outages
+
     # ---- health ------------------------------------------------------------------------------------
     def available(self) -> bool:
         """Whether the tier may be asked now (not inside an outage's pause)."""

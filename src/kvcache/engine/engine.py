@@ -192,7 +192,7 @@ class Engine:
             "submitted": m.submitted,
             "finished": dict(m.finished),
             "generated_tokens": m.generated_tokens,
-            "kv_store": None if self.store_tier is None else vars(self.store_tier.store.counters).copy(),
+            "kv_store": None if self.store_tier is None else self.store_tier.store.stats(),
         }
 
     def cancel(self, handle: RequestHandle) -> None:

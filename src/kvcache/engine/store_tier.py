@@ -70,7 +70,7 @@ class StoreTier:
         self.layout = layout_of(model, pool.block_size)
         self.space = namespace(model, self.layout)
         self._known: OrderedDict[bytes, None] = OrderedDict()
-        self._outages = store.counters.outages
+        self._outages = store.outage_count()
         self._warned_invalid = False
         self.max_blocks = pool.num_blocks  # more than the pool holds could never be attached
         self._live: weakref.WeakSet[StoreRead] = weakref.WeakSet()  # reads requests still hold
@@ -84,8 +84,8 @@ class StoreTier:
 
     def _check_restart(self) -> None:
         """After an outage the store may have restarted empty: offer every block again."""
-        if self.store.counters.outages != self._outages:
-            self._outages = self.store.counters.outages
+        if self.store.outage_count() != self._outages:
+            self._outages = self.store.outage_count()
             self._known.clear()
 
     # ---- reads: started when a request is queued, used on admission ------------------------------
@@ -135,6 +135,8 @@ class StoreTier:
                 block_keys, block_values = decode_block(self.layout, self.space, digest, value)
             except InvalidBlock as error:
                 self.store.counters.invalid_blocks += 1
+                self.store.discard(block_key(self.space, digest))  # (a tier that can, deletes it)
+                self._known.pop(digest, None)  # recomputed, then written again
                 if not self._warned_invalid:
                     self._warned_invalid = True
                     log.warning("KV store block %s refused (%s); it is recomputed", digest.hex(), error)
@@ -182,6 +184,21 @@ class StoreTier:
 
                 self.store.put(block_key(self.space, digest), make)
                 self._remember(digest)
+
+
+def open_tiers(disk=None, *, disk_bytes: int = 8 << 30, url: str | None = None, ttl_s: int = 3600):
+    """The store below the pool for `kvcache serve --kv-disk DIR --kv-store URL`: a
+    `DiskBlockStore` of `disk_bytes` in folder `disk`, Redis at `url`, both as one `TieredStore`
+    (disk first), or None for neither. ValueError for a folder another process holds."""
+    from kvcache.engine.disk_store import DiskBlockStore
+    from kvcache.engine.tiered_store import TieredStore
+
+    tiers = []
+    if disk is not None:
+        tiers.append(DiskBlockStore(disk, max_bytes=disk_bytes))
+    if url is not None:
+        tiers.append(open_store(url, ttl_s=ttl_s))
+    return None if not tiers else tiers[0] if len(tiers) == 1 else TieredStore(tiers)
 
 
 def open_store(store, **options):

@@ -1,0 +1,157 @@
+"""A tier of KV blocks in a folder on disk, below the pool and above Redis: a prefix cache that
+survives a restart.
+
+One file per block, `<folder>/<namespace>/<digest>.kvb`, holding the block's value exactly as
+`block_codec` encodes it (header with the model's namespace, digest and checksum, then the raw
+keys and values), so a block is verified, byte for byte, when it is read, and never serves
+another model. Files are written to a temporary name and renamed into place, so a process killed
+mid-write leaves whole blocks or none (temporary files left behind are removed at the next start;
+the data is not fsync'ed: a power cut may lose recent blocks, which then fail their check).
+
+At start the folder is indexed from its file names and sizes alone (no payload is read), oldest
+first by modification time; the folder holds at most `max_bytes`, the least recently used blocks
+evicted first (a read refreshes a block). One process at a time: the folder is locked (an
+advisory lock on `<folder>/.lock`), and a second store on it is refused by name.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from kvcache.engine.block_store import BlockStore
+
+_KEY = re.compile(r"kvcache:([0-9a-f]{32}):([0-9a-f]{32})")
+SUFFIX = ".kvb"
+
+
+class DiskBlockStore(BlockStore):
+    """Blocks as files under `folder` (see the module docstring).
+
+    Args:
+        folder: made if absent; locked while this store is open.
+        max_bytes: the most the blocks may take on disk; past it the least recently used go.
+        timeout_s: the most a read may take to count. retry_s: how long an error (a full or
+            unwritable disk) keeps the tier out of use. max_pending: blocks queued for writing.
+    """
+
+    def __init__(self, folder: str | Path, *, max_bytes: int = 8 << 30, timeout_s: float = 2.0,
+                 retry_s: float = 30.0, max_pending: int = 512) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.folder, self.max_bytes = Path(folder).expanduser(), max_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.folder / ".lock", "a+b")  # noqa: SIM115 (held while open)
+        try:
+            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise ValueError(f"another kvcache process uses the KV disk folder {self.folder}") from None
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
+        self._index_lock = threading.Lock()
+        self.bytes = 0
+        self._scan()
+        super().__init__(str(self.folder), (OSError,), timeout_s=timeout_s, retry_s=retry_s,
+                         max_pending=max_pending)
+
+    def _scan(self) -> None:
+        """Index the blocks on disk by name and size, oldest first; remove temporary files a
+        killed writer left."""
+        found = []
+        for space in self.folder.iterdir():
+            if not (space.is_dir() and re.fullmatch(r"[0-9a-f]{32}", space.name)):
+                continue
+            for entry in os.scandir(space):
+                digest = entry.name.removesuffix(SUFFIX)
+                if entry.name.endswith(".tmp"):
+                    Path(entry.path).unlink(missing_ok=True)
+                elif entry.name.endswith(SUFFIX) and re.fullmatch(r"[0-9a-f]{32}", digest):
+                    stat = entry.stat()
+                    found.append((stat.st_mtime, f"kvcache:{space.name}:{digest}", stat.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self.bytes += size
+        self._evict()
+
+    def path(self, key: str) -> Path | None:
+        """Where the block of `key` (`block_codec.block_key`) lives; None for a key of another form."""
+        match = _KEY.fullmatch(key)
+        return None if match is None else self.folder / match.group(1) / (match.group(2) + SUFFIX)
+
+    def blocks(self) -> int:
+        """Blocks indexed now."""
+        with self._index_lock:
+            return len(self._index)
+
+    def _read_run(self, keys: list[str], value_bytes: int) -> list:
+        values = []
+        for key in keys:
+            with self._index_lock:
+                size = self._index.get(key)
+            path = self.path(key)
+            if size is None or path is None:
+                break
+            try:
+                data = path.read_bytes() if size == value_bytes else b""
+            except FileNotFoundError:  # gone since it was indexed
+                data = None
+            if data is None or len(data) != value_bytes:  # gone, or truncated: never used
+                self.counters.invalid_blocks += data is not None
+                self.discard(key)
+                break
+            with self._index_lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+            os.utime(path)  # most recently used, across restarts too
+            values.append(data)
+        self.counters.read_round_trips += 1
+        return values
+
+    def _write(self, batch: list[tuple[str, bytes]]) -> int:
+        written = 0
+        for key, value in batch:
+            path = self.path(key)
+            if path is None:
+                continue
+            path.parent.mkdir(exist_ok=True)
+            temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            try:
+                temporary.write_bytes(value)
+                os.replace(temporary, path)  # whole or not at all
+            finally:
+                temporary.unlink(missing_ok=True)
+            with self._index_lock:
+                self.bytes += len(value) - self._index.pop(key, 0)
+                self._index[key] = len(value)
+            written += len(value)
+        self._evict()
+        return written
+
+    def _evict(self) -> None:
+        """Remove the least recently used blocks until the folder is within max_bytes."""
+        while True:
+            with self._index_lock:
+                if self.bytes <= self.max_bytes or not self._index:
+                    return
+                key, size = self._index.popitem(last=False)
+                self.bytes -= size
+            path = self.path(key)
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    def discard(self, key: str) -> None:
+        """Forget and delete the block of `key` (it failed its check, or is truncated)."""
+        with self._index_lock:
+            self.bytes -= self._index.pop(key, 0)
+        path = self.path(key)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Stop the threads (queued blocks are dropped) and unlock the folder."""
+        super().close()
+        self._lock_file.close()

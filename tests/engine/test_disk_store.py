@@ -1,0 +1,145 @@
+"""The disk tier: a prefix cache that survives a restart. Blocks written by one engine are read
+by a new one on the same folder, with tokens equal to a run without any cache; a damaged,
+truncated or foreign file is refused and recomputed; a writer killed mid-write leaves whole
+files only; a second process on the folder is refused; disk then Redis as one tiered store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from redis_server import RedisServer
+from test_kv_store import BLOCK, NEW, answer, engine, flushed, ids
+from waiting import wait_for
+
+import kvcache
+from kvcache.engine.disk_store import DiskBlockStore
+from kvcache.engine.redis_store import RedisBlockStore
+from kvcache.engine.tiered_store import TieredStore
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvcache.load_model()
+
+
+def _files(folder) -> list:
+    return sorted(path for path in folder.rglob("*.kvb"))
+
+
+def test_blocks_survive_a_restart_and_answer_as_a_run_without_cache(model, tmp_path):
+    prompt = ids(40, seed=1)
+    first = engine(model, DiskBlockStore(tmp_path))
+    cold = answer(first, prompt)
+    flushed(first).close()
+    assert len(_files(tmp_path)) == 5  # the 40 prompt tokens and 5 of the reply: 5 full blocks
+    restarted = engine(model, DiskBlockStore(tmp_path))  # a new process's view: indexed from names
+    warm = answer(restarted, prompt)
+    assert warm.tokens == cold.tokens and warm.usage.cached_tokens == 4 * BLOCK  # all but the last token's
+    assert restarted.stats()["kv_store"]["hit_blocks"] == 4
+    restarted.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_damaged_or_foreign_file_is_refused_deleted_and_recomputed(model, tmp_path, damage, caplog):
+    prompt = ids(40, seed=2)
+    writer = engine(model, DiskBlockStore(tmp_path))
+    cold = answer(writer, prompt)
+    flushed(writer).close()
+    files = _files(tmp_path)
+    if damage == "flip":
+        raw = bytearray(files[0].read_bytes())
+        raw[-3] ^= 0x10
+        files[0].write_bytes(bytes(raw))
+    elif damage == "truncate":
+        files[0].write_bytes(files[0].read_bytes()[:-100])
+    else:  # the same tokens' block written for another model, copied under this model's name
+        other = kvcache.load_model()
+        other.model.layers[0].self_attn.k_proj.weight.data *= 1.5  # other weights: another namespace
+        elsewhere = engine(other, DiskBlockStore(tmp_path / "other"))
+        answer(elsewhere, prompt)
+        flushed(elsewhere).close()
+        foreign = _files(tmp_path / "other")
+        files[0].write_bytes(next(f for f in foreign if f.name == files[0].name).read_bytes())
+    reader = engine(model, DiskBlockStore(tmp_path))
+    with caplog.at_level("WARNING", logger="kvcache.store"):
+        warm = answer(reader, prompt)
+    assert warm.tokens == cold.tokens
+    assert reader.stats()["kv_store"]["invalid_blocks"] >= 1
+    flushed(reader)
+    assert files[0].exists() and files[0].read_bytes() != b""  # deleted, then written again whole
+    reader.close()
+
+
+def test_a_second_store_on_a_folder_in_use_is_refused_by_name(tmp_path):
+    first = DiskBlockStore(tmp_path)
+    with pytest.raises(ValueError, match="another kvcache process uses the KV disk folder"):
+        DiskBlockStore(tmp_path)
+    first.close()
+    DiskBlockStore(tmp_path).close()  # free again once closed
+
+
+def test_the_folder_stays_within_its_size_least_recently_used_first(model, tmp_path):
+    store = DiskBlockStore(tmp_path)
+    replica = engine(model, store)
+    answer(replica, ids(40, seed=3))
+    flushed(replica)
+    block_bytes = _files(tmp_path)[0].stat().st_size
+    replica.close()
+    small = DiskBlockStore(tmp_path, max_bytes=3 * block_bytes)  # indexed: the oldest go at once
+    assert small.blocks() == 3 and small.bytes <= 3 * block_bytes and len(_files(tmp_path)) == 3
+    small.close()
+
+
+def test_a_writer_killed_mid_write_leaves_whole_blocks_only(tmp_path):
+    size = 1 << 20
+    script = textwrap.dedent(f"""
+        import os
+        from kvcache.engine.disk_store import DiskBlockStore
+        store = DiskBlockStore({str(tmp_path)!r})
+        index = 0
+        while True:
+            key = "kvcache:" + "ab" * 16 + ":" + format(index, "032x")
+            store.put(key, lambda: os.urandom({size}))
+            index += 1
+            if index % 64 == 0:
+                store.flush(60)
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        wait_for(lambda: len(_files(tmp_path)) >= 20, timeout=120)
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(30)
+    store = DiskBlockStore(tmp_path)  # the lock died with the process
+    assert not list(tmp_path.rglob("*.tmp"))  # a killed write's temporary file is cleaned up
+    assert all(path.stat().st_size == size for path in _files(tmp_path))
+    assert store.blocks() == len(_files(tmp_path)) >= 20
+    store.close()
+
+
+def test_disk_then_redis_read_as_one_store_and_a_redis_hit_is_promoted_to_disk(model, tmp_path):
+    redis_server = RedisServer().start()
+    try:
+        prompt = ids(40, seed=4)
+        writer = engine(model, redis_server.url)
+        cold = answer(writer, prompt)
+        flushed(writer).close()
+        tiered = TieredStore([DiskBlockStore(tmp_path), RedisBlockStore(redis_server.url)])
+        second = engine(model, tiered)
+        assert answer(second, prompt).tokens == cold.tokens  # from Redis
+        stats = second.stats()["kv_store"]
+        assert stats["hit_blocks"] == 4 and stats["tiers"][redis_server.url]["read_bytes"] > 0
+        flushed(second).close()
+        assert len(_files(tmp_path)) >= 4  # promoted (and the reply's own block written)
+        disk_only = engine(model, DiskBlockStore(tmp_path))
+        warm = answer(disk_only, prompt)
+        assert warm.tokens == cold.tokens and warm.usage.cached_tokens == 4 * BLOCK
+        disk_only.close()
+    finally:
+        redis_server.stop()
+    assert NEW > 0
