@@ -108,6 +108,16 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "(redis://HOST:PORT/DB; default: none). The server keeps serving if the store fails",
     )
     engine.add_argument(
+        "--kv-disk",
+        metavar="DIR",
+        help="keep prefix KV blocks in files under DIR, so they survive a restart (read before "
+        "--kv-store's Redis; one process per folder; default: none)",
+    )
+    engine.add_argument(
+        "--kv-disk-size", type=_size, default=parse_size("8GiB"),
+        help="the most --kv-disk's blocks take, least recently used evicted first (default 8GiB)",
+    )
+    engine.add_argument(
         "--kv-store-ttl",
         type=positive_int,
         default=3600,
@@ -199,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
     except RequestError as error:
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
+    if engine.store_tier is not None:  # blocks still queued for the disk or Redis: written, within a bound
+        engine.store_tier.store.flush(10.0)
+        engine.close()
     print("kvcache serve: stopped", flush=True)
     return 0
 
@@ -207,7 +220,7 @@ def _engine(args: argparse.Namespace):
     """(engine, tokenizer, context in tokens) as the arguments say, the model loaded with a bar on
     stderr; ValueError or OSError naming what is wrong (a --ctx-size the pool cannot hold, too)."""
     from kvcache.engine import Engine
-    from kvcache.engine.store_tier import open_store
+    from kvcache.engine.store_tier import open_tiers
     from kvcache.model import load_model
     from kvcache.progress import ProgressBar
     from kvcache.tokenizer import load_tokenizer
@@ -216,7 +229,7 @@ def _engine(args: argparse.Namespace):
     model = load_model(folder, dtype=args.dtype,
                        progress=ProgressBar("kvcache serve: loading the model", after_s=BAR_AFTER_S))
     tokenizer = load_tokenizer(folder)
-    store = open_store(args.kv_store, ttl_s=args.kv_store_ttl) if args.kv_store else None
+    store = open_tiers(args.kv_disk, disk_bytes=args.kv_disk_size, url=args.kv_store, ttl_s=args.kv_store_ttl)
     print(f"kvcache serve: building the engine (the weights laid out for its kernels, a KV pool of "
           f"{format_bytes(args.kv_budget)})…", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, backend=args.backend, kv_budget=args.kv_budget,
@@ -266,6 +279,10 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
     print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
           f"({format_bytes(engine.pool.cache.nbytes)}): {engine.capacity(context)} sequences of {context} "
           f"tokens (--ctx-size), {args.max_running} running at once", flush=True)
+    if args.kv_disk:
+        disk = engine.store_tier.store.tiers[0] if args.kv_store else engine.store_tier.store
+        print(f"  KV disk: {args.kv_disk} ({disk.blocks()} blocks kept from before, "
+              f"{format_bytes(disk.bytes)} of {format_bytes(args.kv_disk_size)})", flush=True)
     if args.kv_store:
         print(f"  KV store: {args.kv_store} (blocks live {args.kv_store_ttl} s)", flush=True)
 
