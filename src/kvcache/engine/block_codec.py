@@ -23,7 +23,9 @@ count and head geometry, and this format's version. Two models never share a nam
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -113,8 +115,8 @@ def decode_block(
     """(keys, values) of a value read back, each (layers, block_size, H_kv, D): raises
     `InvalidBlock` for a value of another size, format, layout, namespace or digest, a bad
     checksum, or non-finite numbers."""
-    if not isinstance(value, bytes | bytearray) or len(value) != layout.value_bytes:
-        size = len(value) if isinstance(value, bytes | bytearray) else type(value).__name__
+    if not isinstance(value, bytes | bytearray | memoryview) or len(value) != layout.value_bytes:
+        size = len(value) if isinstance(value, bytes | bytearray | memoryview) else type(value).__name__
         raise InvalidBlock(f"a block of this layout has {layout.value_bytes} bytes, got {size}")
     (magic, version, dtype, _, layers, heads, head_dim, value_dim, block_size, stored_space,
      stored_digest, checksum) = _HEADER.unpack_from(value)
@@ -132,10 +134,14 @@ def decode_block(
     payload = memoryview(value)[_HEADER.size :]
     if _checksum(header, payload) != checksum:
         raise InvalidBlock("block checksum does not match its bytes")
-    flat = torch.frombuffer(bytearray(payload), dtype=_BY_CODE[dtype])
+    with warnings.catch_warnings():  # a view of the bytes read back, only ever read (never written)
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(payload, dtype=_BY_CODE[dtype])
+    # one pass, nothing allocated: a float64 sum of float32 or half values cannot overflow, and
+    # is finite exactly when every element is
+    if not math.isfinite(float(flat.sum(dtype=torch.float64))):
+        raise InvalidBlock("block holds non-finite keys or values")
     rows = layers * block_size * heads
     keys = flat[: rows * head_dim].view(layers, block_size, heads, head_dim)
     values = flat[rows * head_dim :].view(layers, block_size, heads, value_dim)
-    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-        raise InvalidBlock("block holds non-finite keys or values")
     return keys, values

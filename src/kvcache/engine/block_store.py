@@ -189,6 +189,12 @@ class BlockStore:
         self._reader.shutdown(wait=False, cancel_futures=True)
 
 
+def block_bytes(value):
+    """The bytes of a value a read returned: the value itself, or what a tier that reads a
+    block's bytes only when it is loaded (`disk_store.DiskBlock`) reads then (None: gone bad)."""
+    return value if isinstance(value, bytes | bytearray | memoryview) else value.read()
+
+
 class PendingRead:
     """A read started by `BlockStore.start_read`: `ready()` once answered or past its deadline;
     then `values()`."""

@@ -9,9 +9,14 @@ mid-write leaves whole blocks or none (temporary files left behind are removed a
 the data is not fsync'ed: a power cut may lose recent blocks, which then fail their check).
 
 At start the folder is indexed from its file names and sizes alone (no payload is read), oldest
-first by modification time; the folder holds at most `max_bytes`, the least recently used blocks
-evicted first (a read refreshes a block). One process at a time: the folder is locked (an
-advisory lock on `<folder>/.lock`), and a second store on it is refused by name.
+first by modification time. A read, on the reader thread when a request is queued, finds the
+prompt's run of blocks in the index and asks the kernel to read their files ahead; each block's
+bytes are read when a step loads it, into a buffer reused block after block, then checked and
+copied into the pool (reading a long prompt's blocks into fresh memory took longer than all the
+rest of its load, since every new page costs a fault). The folder holds at most `max_bytes`, the
+least recently used blocks evicted first (a read refreshes a block). One process at a time: the
+folder is locked (an advisory lock on `<folder>/.lock`), and a second store on it is refused by
+name.
 """
 
 from __future__ import annotations
@@ -27,6 +32,33 @@ from kvcache.engine.block_store import BlockStore
 
 _KEY = re.compile(r"kvcache:([0-9a-f]{32}):([0-9a-f]{32})")
 SUFFIX = ".kvb"
+
+
+def _read_file(path: Path, target) -> int | None:
+    """Read `path` into `target` (a writable buffer of the block's size): the bytes read, one
+    more than the target holds when the file is longer, None when it is gone."""
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            read = 0
+            while read < len(target) and (count := handle.readinto(target[read:])):
+                read += count
+            return read + len(handle.read(1))
+    except FileNotFoundError:
+        return None
+
+
+class DiskBlock:
+    """A block found on disk by a read, its bytes read when a step loads it (`bytes_of`)."""
+
+    def __init__(self, store: DiskBlockStore, key: str, path: Path, size: int) -> None:
+        self.store, self.key, self.path, self.size = store, key, path, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self) -> memoryview | None:
+        """The block's bytes (see `DiskBlockStore.read_block`), None when the file went bad."""
+        return self.store.read_block(self)
 
 
 class DiskBlockStore(BlockStore):
@@ -53,6 +85,7 @@ class DiskBlockStore(BlockStore):
             raise ValueError(f"another kvcache process uses the KV disk folder {self.folder}") from None
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._index_lock = threading.Lock()
+        self._buffers = threading.local()  # one block's bytes per thread, reused by each read_block
         self.bytes = 0
         self._scan()
         super().__init__(str(self.folder), (OSError,), timeout_s=timeout_s, retry_s=retry_s,
@@ -88,28 +121,48 @@ class DiskBlockStore(BlockStore):
             return len(self._index)
 
     def _read_run(self, keys: list[str], value_bytes: int) -> list:
-        values = []
+        # the run's files are found and the kernel asked to read them ahead; their bytes are read
+        # when a step loads them (`DiskBlock.read`), into memory this process already holds: a
+        # long prompt's bytes read into fresh memory here took longer than the rest of its load
+        blocks = []
         for key in keys:
             with self._index_lock:
                 size = self._index.get(key)
             path = self.path(key)
-            if size is None or path is None:
+            if size != value_bytes or path is None:
+                if size is not None:  # another size (truncated, or not a block): never read
+                    self.counters.invalid_blocks += 1
+                    self.discard(key)
                 break
             try:
-                data = path.read_bytes() if size == value_bytes else b""
+                descriptor = os.open(path, os.O_RDONLY)
             except FileNotFoundError:  # gone since it was indexed
-                data = None
-            if data is None or len(data) != value_bytes:  # gone, or truncated: never used
-                self.counters.invalid_blocks += data is not None
                 self.discard(key)
                 break
+            try:
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(descriptor)
             with self._index_lock:
                 if key in self._index:
                     self._index.move_to_end(key)
             os.utime(path)  # most recently used, across restarts too
-            values.append(data)
+            blocks.append(DiskBlock(self, key, path, value_bytes))
         self.counters.read_round_trips += 1
-        return values
+        return blocks
+
+    def read_block(self, block: DiskBlock) -> memoryview | None:
+        """The bytes of `block`, read into a buffer of the calling thread's (valid until its next
+        call: the engine's step decodes a block and copies it into the pool before the next);
+        None when the file is gone or not its size (then forgotten and deleted)."""
+        buffer = getattr(self._buffers, "block", None)
+        if buffer is None or len(buffer) != block.size:
+            buffer = self._buffers.block = bytearray(block.size)
+        target = memoryview(buffer)
+        if _read_file(block.path, target) != block.size:
+            self.discard(block.key)
+            return None
+        return target
 
     def _write(self, batch: list[tuple[str, bytes]]) -> int:
         written = 0

@@ -30,7 +30,7 @@ from kvcache.engine.block_codec import (
     layout_of,
     namespace,
 )
-from kvcache.engine.block_store import PendingRead
+from kvcache.engine.block_store import PendingRead, block_bytes
 from kvcache.generation.params import RequestError
 
 log = logging.getLogger("kvcache.store")
@@ -129,32 +129,36 @@ class StoreTier:
                 self._known.pop(digest, None)
         skip = attached // size - read.start  # < 0: the pool lost blocks the read's run follows
         digests = read.digests[skip : end // size - read.start] if skip >= 0 else []
-        keys, vals = [], []
+        loaded = 0
         for digest, value in zip(digests, values[skip:]):
-            try:
-                block_keys, block_values = decode_block(self.layout, self.space, digest, value)
-            except InvalidBlock as error:
-                self.store.counters.invalid_blocks += 1
-                self.store.discard(block_key(self.space, digest))  # (a tier that can, deletes it)
-                self._known.pop(digest, None)  # recomputed, then written again
-                if not self._warned_invalid:
-                    self._warned_invalid = True
-                    log.warning("KV store block %s refused (%s); it is recomputed", digest.hex(), error)
+            block = self._decoded(digest, value)
+            if block is None:
                 break
-            keys.append(block_keys)
-            vals.append(block_values)
-        if not keys:
-            return 0
-        stacked_keys = torch.cat(keys, dim=1).to(pool.device)  # (layers, n·S, H_kv, D)
-        stacked_values = torch.cat(vals, dim=1).to(pool.device)  # (layers, n·S, H_kv, D_v)
-        try:
-            pool.append_to_row(row, list(stacked_keys), list(stacked_values))
-        except OutOfBlocksError:
-            return 0  # no room now: the blocks are computed instead
-        self.store.counters.hit_blocks += len(keys)
-        for digest in digests[: len(keys)]:
+            try:  # block by block, from the bytes read straight into the pool (no stacked copy)
+                pool.append_to_row(row, list(block[0].to(pool.device)), list(block[1].to(pool.device)))
+            except OutOfBlocksError:
+                break  # no room now: the rest are computed instead
             self._remember(digest)
-        return len(keys) * size
+            loaded += 1
+        self.store.counters.hit_blocks += loaded
+        return loaded * size
+
+    def _decoded(self, digest: bytes, value) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys, values) (layers, block_size, H_kv, D) of a block read back, or None when it
+        fails a check: counted, deleted where the tier can, logged once, recomputed."""
+        try:
+            data = block_bytes(value)
+            if data is None:
+                raise InvalidBlock("its file went missing or changed size since it was found")
+            return decode_block(self.layout, self.space, digest, data)
+        except InvalidBlock as error:
+            self.store.counters.invalid_blocks += 1
+            self.store.discard(block_key(self.space, digest))  # (a tier that can, deletes it)
+            self._known.pop(digest, None)  # recomputed, then written again
+            if not self._warned_invalid:
+                self._warned_invalid = True
+                log.warning("KV store block %s refused (%s); it is recomputed", digest.hex(), error)
+            return None
 
     # ---- writes: after each step ------------------------------------------------------------------
     def offer(self, pool: PagedCache) -> None:

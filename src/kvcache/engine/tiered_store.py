@@ -7,7 +7,7 @@ down is skipped, and the run goes on in the next.
 
 from __future__ import annotations
 
-from kvcache.engine.block_store import BlockStore
+from kvcache.engine.block_store import BlockStore, block_bytes
 
 
 class TieredStore(BlockStore):
@@ -39,7 +39,7 @@ class TieredStore(BlockStore):
             found = read.values() or []
             for key, value in zip(rest, found):
                 for upper in self.tiers[:index]:  # promoted into the tiers above
-                    upper.put(key, lambda value=value: value)
+                    upper.put(key, lambda value=value: bytes(block_bytes(value) or b""))
             values += found
         return values
 
