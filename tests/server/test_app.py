@@ -279,3 +279,21 @@ def test_a_ctx_size_caps_a_request_and_each_request_gets_one_access_log_line(mod
         assert "200 stream;" in lines[2] and "+ 3 tokens, length" in lines[2]
     finally:
         running.stop()
+
+
+def test_cache_salt_keeps_requests_of_other_salts_from_sharing_cached_tokens(server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{server.url}/completions"
+    prompt = list(range(7, 60))
+
+    def cached(salt) -> int:
+        body = {"prompt": prompt, "max_tokens": 2, "cache_salt": salt, "temperature": 0}
+        response = httpx.post(url, headers=auth, json=body, timeout=TIMEOUT)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("salt-one-for-this-test") == 0
+    assert cached("salt-two-for-this-test") == 0
+    assert cached("salt-one-for-this-test") > 0
+    bad = httpx.post(url, headers=auth, json={"prompt": prompt, "cache_salt": 7}, timeout=TIMEOUT)
+    assert "cache_salt" in _error(bad, 400)["message"]

@@ -45,6 +45,16 @@ class SequenceBlocks:
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    root: bytes = ROOT_HASH  # the parent hash of its first block (`salt_root`)
+
+
+def salt_root(salt: str | None) -> bytes:
+    """The parent hash of a sequence's first block under `salt` (None: ROOT_HASH): sequences of
+    different salts never share a block, in the pool or any store (every hash of their chain
+    differs)."""
+    if salt is None:
+        return ROOT_HASH
+    return hashlib.blake2b(b"kvcache cache_salt\0" + salt.encode("utf-8"), digest_size=16).digest()
 
 
 class BlockAllocator:
@@ -111,6 +121,7 @@ class BlockAllocator:
         *,
         reuse_prefix: bool = True,
         attach: int | None = None,
+        root: bytes = ROOT_HASH,
     ) -> int:
         """Start `seq_id`, declaring its first `token_ids`; return the tokens attached from cache.
 
@@ -118,13 +129,14 @@ class BlockAllocator:
         (shared, nothing copied): the longest run this allocator can attach (`attachable`), or
         exactly `attach` tokens (a multiple of block_size it can attach, as a cache with several
         allocators agrees on), leaving at least the last token to compute (its logits are what the
-        caller wants). The caller then writes positions from the returned count on.
+        caller wants). The caller then writes positions from the returned count on. root: the
+        parent hash of its first block (`salt_root`).
         """
         if seq_id in self.sequences:
             raise UnknownSequenceError(f"sequence {seq_id!r} is already in the allocator")
-        state = SequenceBlocks(token_ids=[int(t) for t in token_ids])
+        state = SequenceBlocks(token_ids=[int(t) for t in token_ids], root=root)
         if reuse_prefix:
-            digests = self.prefix_digests(state.token_ids)
+            digests = self.prefix_digests(state.token_ids, root)
             count = self.attachable(digests) if attach is None else attach // self.block_size
             if not self.can_attach(digests, count):
                 raise CacheError(f"sequence {seq_id!r}: {count} blocks of its prefix are not all cached")
@@ -132,13 +144,13 @@ class BlockAllocator:
         self.sequences[seq_id] = state
         return state.num_tokens
 
-    def prefix_digests(self, token_ids: Sequence[int]) -> list[bytes]:
+    def prefix_digests(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> list[bytes]:
         """The chained hashes of the full blocks of `token_ids` a prefix hit may cover (keeping at
         least the last token to compute)."""
         size = self.block_size
         ids = [int(t) for t in token_ids]
         digests: list[bytes] = []
-        parent = ROOT_HASH
+        parent = root
         for index in range((len(ids) - 1) // size if ids else 0):
             parent = block_hash(parent, ids[index * size : (index + 1) * size])
             digests.append(parent)
@@ -204,7 +216,7 @@ class BlockAllocator:
             if block != HOLE:
                 self.ref_counts[block] += 1
         self.sequences[child_id] = SequenceBlocks(
-            list(shared), parent.num_tokens, list(parent.token_ids), list(parent.hashes)
+            list(shared), parent.num_tokens, list(parent.token_ids), list(parent.hashes), parent.root
         )
 
     def free_sequence(self, seq_id: Hashable) -> None:
@@ -358,7 +370,7 @@ class BlockAllocator:
         known = min(state.num_tokens, len(state.token_ids)) // size
         while len(state.hashes) < known:
             index = len(state.hashes)
-            parent = state.hashes[-1] if state.hashes else ROOT_HASH
+            parent = state.hashes[-1] if state.hashes else state.root
             digest = block_hash(parent, state.token_ids[index * size : (index + 1) * size])
             state.hashes.append(digest)
             block = state.table[index]

@@ -24,7 +24,7 @@ from itertools import count
 import torch
 
 from .base import Cache, ForwardPlan, LayerMasks
-from .blocks import BlockAllocator
+from .blocks import ROOT_HASH, BlockAllocator
 from .blocks_window import WindowedBlockAllocator
 from .checks import check_batch_index, check_crop, check_new_tokens, where
 from .config import read_cache_geometry
@@ -138,16 +138,17 @@ class PagedCache(Cache):
         return self._storage_device()
 
     # ---- rows ----------------------------------------------------------------------------------
-    def add_sequence(self, token_ids: Sequence[int] = (), *, reuse_prefix: bool = True) -> int:
-        """Add a row, declaring its first `token_ids`; return how many were attached from cache.
-
-        The attached tokens (whole cached blocks matching the start of token_ids, at most
-        len(token_ids) - 1) need no forward: run token_ids[attached:] through the model.
-        """
+    def add_sequence(self, token_ids: Sequence[int] = (), *, reuse_prefix: bool = True,
+                     root: bytes = ROOT_HASH) -> int:
+        """Add a row, declaring its first `token_ids`; return how many were attached from cache
+        (whole cached blocks matching their start, at most len(token_ids) - 1: run the rest through
+        the model). root: its first block's parent hash (`blocks.salt_root`: roots share nothing)."""
         seq = next(self._seq_ids)
-        attach = self.prefix_cost(token_ids)[0] if reuse_prefix else None
+        digests = self.prefix_digests(token_ids, root)
+        attach = self.prefix_cost(token_ids, digests)[0] if reuse_prefix else None
         for allocator in self.allocators:
-            attached = allocator.add_sequence(seq, token_ids, reuse_prefix=reuse_prefix, attach=attach)
+            attached = allocator.add_sequence(seq, token_ids, reuse_prefix=reuse_prefix, attach=attach,
+                                              root=root)
         self.rows.append(seq)
         self._set_columns(max(self.get_seq_length(), attached))
         return attached

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .blocks import ROOT_HASH
 from .errors import CacheShapeError, OutOfBlocksError
 
 
@@ -174,6 +175,7 @@ def prefix_cost(cache, token_ids: Sequence[int], digests: Sequence[bytes] | None
     return count * cache.block_size, 0 if full is None else full.idle_blocks(digests, count)
 
 
-def prefix_digests(cache, token_ids: Sequence[int]) -> list[bytes]:
-    """The chained hashes of the whole blocks of `token_ids` a prefix hit may cover."""
-    return cache.allocators[0].prefix_digests(token_ids)
+def prefix_digests(cache, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> list[bytes]:
+    """The chained hashes of the whole blocks of `token_ids` a prefix hit may cover, chained from
+    `root` (`blocks.salt_root`)."""
+    return cache.allocators[0].prefix_digests(token_ids, root)

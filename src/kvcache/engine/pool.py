@@ -86,7 +86,8 @@ class KVPool:
             prefix, idle = (0, 0)
             if self.prefix_caching:
                 if request.digests is None or request.digests[0] != len(request.tokens):
-                    request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens))
+                    digests = self.cache.prefix_digests(request.tokens, request.root)
+                    request.digests = (len(request.tokens), digests)
                 prefix, idle = self.cache.prefix_cost(request.tokens, request.digests[1])
             seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
         free = full.num_allocatable if full is not None else 1 << 40
@@ -101,7 +102,7 @@ class KVPool:
         if self.store_tier is None or not self.prefix_caching:
             return
         for request in requests:
-            request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens))
+            request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens, request.root))
             held = self.full_allocator.attachable(request.digests[1])
             request.store_read = self.store_tier.prefetch(request.digests[1], held, wake)
 
@@ -141,7 +142,8 @@ class KVPool:
         chunk came from the store run nothing this step."""
         attached, loaded = {}, {}
         for request in admitted:
-            request.cached = self.cache.add_sequence(request.tokens, reuse_prefix=self.prefix_caching)
+            request.cached = self.cache.add_sequence(request.tokens, reuse_prefix=self.prefix_caching,
+                                                    root=request.root)
             attached[request.id] = request.cached
             self.running.append(request)
         rows = {request.id: row for row, request in enumerate(self.running)}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.cache.blocks import salt_root
 from kvcache.generation.params import SamplingParams
 from kvcache.generation.stops import StopRule
 
@@ -194,6 +195,7 @@ class Request:
         # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
         self.digests: tuple[int, list[bytes]] | None = None
         self.store_read = None  # its prompt's blocks read from the KV store (store_tier.StoreRead)
+        self.root = salt_root(params.cache_salt)  # its blocks' hash chain starts here
         self.tail = ""  # the text its stop rule held back until it ended
 
     def cancel(self) -> None:

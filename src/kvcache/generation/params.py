@@ -22,7 +22,9 @@ class SamplingParams:
     softmax(logits / temperature) after top_k and top_p (in that order, as transformers does).
     seed: the request's own generator, < 2**64 (None: the sampler's shared one). stop: strings that end the
     request once its new text contains one (the string is not returned). stop_token_ids: ids that
-    end it, besides the model's EOS ids (ignore_eos=True drops those).
+    end it, besides the model's EOS ids (ignore_eos=True drops those). cache_salt: requests of
+    different salts never share cached blocks (vLLM's field: a prefix hit shows in timing, so a
+    tenant may opt out of sharing); None shares with every request without one.
     Raises RequestError naming the first field out of range.
     """
 
@@ -34,6 +36,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +66,9 @@ class SamplingParams:
                 raise RequestError(f"stop strings must be non-empty strings, got {text!r}")
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, minimum=0)
+        salt = self.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256):
+            raise RequestError(f"cache_salt must be a string of 1 to 256 characters, got {salt!r:.80}")
 
     @property
     def greedy(self) -> bool:

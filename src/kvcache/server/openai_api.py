@@ -3,7 +3,8 @@ field checked, a bad one named in a 400), and the response, chunk and error obje
 
 Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
 type "text"), no tools, no logprobs. An unknown field is ignored, as OpenAI's own server does.
-Two of vLLM's extensions are read: `top_k` and `ignore_eos` (generate to max_tokens).
+Three of vLLM's extensions are read: `top_k`, `ignore_eos` (generate to max_tokens) and
+`cache_salt` (requests of other salts share no cached blocks).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         seed=_seed(body.get("seed")),
         stop=_stop(body.get("stop")),
         ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: run to max_tokens
+        cache_salt=body.get("cache_salt"),  # vLLM's: requests of other salts share no cached blocks
     )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
