@@ -5,12 +5,12 @@ the store does."""
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
 from redis_server import RedisServer
 from test_cli_serve import _start
+from waiting import wait_for
 
 BLOCK = 8
 FIRST = [{"role": "user", "content": "What is a class in Python? Say it in a few words."}]
@@ -37,7 +37,7 @@ def chat(base: str, messages: list[dict]) -> dict:
 
 def metric(base: str, name: str) -> float:
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
@@ -46,15 +46,15 @@ def test_the_second_turn_on_the_other_replica_reuses_the_first_replicas_blocks(r
     first_replica, second_replica, cold = replicas
     turn = chat(first_replica, FIRST)
     reply = turn["choices"][0]["message"]["content"]
-    deadline = time.monotonic() + 10  # writes are in the background
-    while metric(first_replica, "kvcache_kv_store_written_blocks") == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(first_replica, "kvcache_kv_store_written_blocks") > 0
+    written = 'kvcache_kv_tier_written_blocks_total{tier="redis"}'
+    wait_for(lambda: metric(first_replica, written) > 0, timeout=60)  # writes are in the background
     second = [*FIRST, {"role": "assistant", "content": reply}, {"role": "user", "content": "And an object?"}]
     warm = chat(second_replica, second)
     shared = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert shared >= turn["usage"]["prompt_tokens"] // BLOCK * BLOCK > 0
     assert warm["choices"][0]["message"]["content"] == chat(cold, second)["choices"][0]["message"]["content"]
-    assert metric(second_replica, "kvcache_kv_store_hit_blocks") == shared // BLOCK
-    assert metric(second_replica, "kvcache_kv_store_up") == 1
-    assert metric(second_replica, "kvcache_kv_store_invalid_blocks") == 0
+    assert metric(second_replica, "kvcache_kv_store_hit_blocks_total") == shared // BLOCK
+    assert metric(second_replica, 'kvcache_kv_tier_up{tier="redis"}') == 1
+    assert metric(second_replica, 'kvcache_kv_tier_invalid_blocks_total{tier="redis"}') == 0
+    assert metric(second_replica, "kvcache_kv_store_tokens_served_total") == shared
+    assert metric(second_replica, "kvcache_kv_store_prefill_seconds_saved_total") > 0

@@ -30,6 +30,7 @@ class StoreCounters:
     """What a tier did since start (blocks, bytes, errors)."""
 
     lookups: int = 0  # requests that asked the tier
+    found_blocks: int = 0  # blocks the tier returned to a read
     hit_blocks: int = 0  # blocks read back and used
     invalid_blocks: int = 0  # read back but refused (checksum, layout, size): recomputed
     written_blocks: int = 0
@@ -77,9 +78,11 @@ class BlockStore:
     def discard(self, key: str) -> None:
         """Forget the block of `key`, which failed its check (a tier that can delete it does)."""
 
+    kind = "store"  # what /metrics calls the tier
+
     def stats(self) -> dict:
-        """The counters as a dict (`Engine.stats()["kv_store"]`)."""
-        return vars(self.counters).copy()
+        """The counters as a dict, with the tier's `kind` (`Engine.stats()["kv_store"]`)."""
+        return {**vars(self.counters), "kind": self.kind}
 
     def outage_count(self) -> int:
         """Times the tier became unavailable (after one, blocks are offered to it again)."""
@@ -121,6 +124,7 @@ class BlockStore:
         read = PendingRead(self, self._reader.submit(self._read_run, keys, value_bytes),
                            time.monotonic() + self.timeout_s)
         self._reads.append(read)
+        self.counters.lookups += 1
         return read
 
     # ---- writes -----------------------------------------------------------------------------------
@@ -233,10 +237,11 @@ class PendingRead:
             store.failed(error, "reading blocks")
             return None
         store.worked()
-        found = []
+        found: list = []
         for value in self.future.result():  # a block gone between the two looks ends the run
             if value is None:
                 break
             found.append(value)
             store.counters.read_bytes += len(value)
+        store.counters.found_blocks += len(found)
         return found

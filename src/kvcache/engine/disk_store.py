@@ -71,6 +71,8 @@ class DiskBlockStore(BlockStore):
             unwritable disk) keeps the tier out of use. max_pending: blocks queued for writing.
     """
 
+    kind = "disk"
+
     def __init__(self, folder: str | Path, *, max_bytes: int = 8 << 30, timeout_s: float = 2.0,
                  retry_s: float = 30.0, max_pending: int = 512) -> None:
         if max_bytes < 1:

@@ -35,6 +35,8 @@ class RedisBlockStore(BlockStore):
         max_pending: blocks queued for writing before new ones are dropped.
     """
 
+    kind = "redis"
+
     def __init__(self, url: str, *, ttl_s: int = 3600, timeout_s: float = 0.5, retry_s: float = 2.0,
                  max_pending: int = 512) -> None:
         try:

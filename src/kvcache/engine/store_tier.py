@@ -102,7 +102,6 @@ class StoreTier:
             pending = self.store.start_read(keys, self.layout.value_bytes)
             if pending is None:
                 return None
-            self.store.counters.lookups += 1
             read = StoreRead(held, wanted, pending)
             self._live.add(read)  # until its request lets go of it
         pending.future.add_done_callback(lambda _: wake())

@@ -13,6 +13,8 @@ from kvcache.engine.block_store import BlockStore, block_bytes
 class TieredStore(BlockStore):
     """`tiers`, highest first (each a `BlockStore`), read and written as one store."""
 
+    kind = "tiered"
+
     def __init__(self, tiers: list[BlockStore]) -> None:
         if len(tiers) < 2:
             raise ValueError(f"a tiered store needs two tiers or more, got {len(tiers)}")
@@ -64,8 +66,8 @@ class TieredStore(BlockStore):
         `up` while all tiers are, and each tier's counters under "tiers"."""
         own = vars(self.counters).copy()
         tiers = {tier.name: tier.stats() for tier in self.tiers}
-        for name in ("written_blocks", "written_bytes", "read_bytes", "dropped_blocks", "errors",
-                     "read_round_trips", "write_batches", "outages"):
+        for name in ("found_blocks", "written_blocks", "written_bytes", "read_bytes", "dropped_blocks",
+                     "errors", "read_round_trips", "write_batches", "outages"):
             own[name] = sum(counts[name] for counts in tiers.values())
         own["invalid_blocks"] += sum(counts["invalid_blocks"] for counts in tiers.values())
         own["up"] = all(counts["up"] for counts in tiers.values())

@@ -12,6 +12,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvcache.engine import Completion
 
@@ -67,24 +68,8 @@ class ServerMetrics:
             ),
         )
 
-        self.store_gauges = {}
-        if engine.store_tier is not None:  # the shared block store's counts since start
-            self.store_gauges = _gauges(
-                registry,
-                "kvcache_kv_store_",
-                (
-                    ("up", "1 while the KV store answers, 0 during an outage"),
-                    ("lookups", "Requests that looked up blocks in the store"),
-                    ("hit_blocks", "Blocks read from the store and used"),
-                    ("invalid_blocks", "Blocks read from the store and refused (recomputed)"),
-                    ("written_blocks", "Blocks written to the store"),
-                    ("dropped_blocks", "Blocks not written (queue full or store down)"),
-                    ("errors", "Failed store calls"),
-                    ("outages", "Times the store became unavailable"),
-                    ("read_bytes", "Bytes read from the store"),
-                    ("written_bytes", "Bytes written to the store"),
-                ),
-            )
+        if engine.store_tier is not None:  # the tiers below the pool, counted since start
+            registry.register(_TierCollector(engine))
 
     def rejected(self, status: int) -> None:
         self.requests.labels(outcome=f"http_{status}").inc()
@@ -105,9 +90,52 @@ class ServerMetrics:
         stats = self.engine.stats()
         for name, gauge in self.gauges.items():
             gauge.set(stats[name])
-        for name, gauge in self.store_gauges.items():
-            gauge.set(float(stats["kv_store"][name]))
         return generate_latest(self.registry)
+
+
+_TIER_COUNTS = (
+    ("lookups", "Requests whose prompt blocks were looked up in the tier"),
+    ("found_blocks", "Blocks the tier returned to a lookup"),
+    ("invalid_blocks", "Blocks read back and refused (size, checksum, namespace): recomputed"),
+    ("read_bytes", "Bytes read from the tier"),
+    ("written_blocks", "Blocks written to the tier"),
+    ("written_bytes", "Bytes written to the tier"),
+    ("dropped_blocks", "Blocks not written (queue full, tier down or failing)"),
+    ("errors", "Failed calls"),
+    ("outages", "Times the tier became unavailable"),
+)
+
+
+class _TierCollector:
+    """The KV tiers' counts, read from the engine when scraped: per tier (label `tier`: disk,
+    redis) and, for what the engine used, in all."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        store = stats["kv_store"]
+        tiers = store.get("tiers") or {"": store}
+        for name, help_text in _TIER_COUNTS:
+            family = CounterMetricFamily(f"kvcache_kv_tier_{name}", help_text, labels=["tier"])
+            for counts in tiers.values():
+                family.add_metric([counts["kind"]], float(counts[name]))
+            yield family
+        up = GaugeMetricFamily("kvcache_kv_tier_up", "1 while the tier answers, 0 during an outage",
+                               labels=["tier"])
+        for counts in tiers.values():
+            up.add_metric([counts["kind"]], float(counts["up"]))
+        yield up
+        tokens = store["hit_blocks"] * self.engine.limits.block_size
+        per_token = 1 / stats["prefill_tokens_per_s"] if stats["prefill_tokens_per_s"] else 0.0
+        for name, help_text, value in (
+            ("hit_blocks", "Blocks from the tiers written into the pool, not computed", store["hit_blocks"]),
+            ("tokens_served", "Prompt tokens served from the tiers", tokens),
+            ("prefill_seconds_saved", "Prefill those tokens would have taken, at the engine's measured "
+             "prefill seconds per token", tokens * per_token),
+        ):
+            yield CounterMetricFamily(f"kvcache_kv_store_{name}", help_text, value=float(value))
 
 
 def _gauges(registry, prefix: str, described) -> dict:
