@@ -80,9 +80,9 @@ def test_full_blocks_are_hashed_from_the_prefix_and_found_again():
     assert pool.sequence("a").hashes == [first, block_hash(first, tokens[4:8])]
     # the same 4 tokens after a different block hash differently: hashes chain the prefix
     assert block_hash(block_hash(b"", [9, 9, 9, 9]), tokens[4:8]) != pool.sequence("a").hashes[1]
-    assert pool.match_prefix(tokens + [99]) == 8
-    assert pool.match_prefix(tokens[:8]) == 4  # at least one token is left to compute
-    assert pool.match_prefix([0, 1, 2, 5, 4, 5, 6, 7, 8]) == 0
+    assert attached_tokens(pool, tokens + [99]) == 8
+    assert attached_tokens(pool, tokens[:8]) == 4  # at least one token is left to compute
+    assert attached_tokens(pool, [0, 1, 2, 5, 4, 5, 6, 7, 8]) == 0
     pool.free_sequence("a")
     assert (pool.num_cached, pool.num_in_use) == (2, 0)  # the partial block is simply free
     attached = pool.add_sequence("b", tokens + [99])
@@ -154,7 +154,7 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
     pool.add_sequence("c")
     write(pool, "c", 6)  # 3 blocks: both free ones, then evicts a's (freed first)
     assert a_block in pool.sequence("c").table
-    assert pool.match_prefix([1, 2, 3]) == 0 and pool.match_prefix([4, 5, 6]) == 2
+    assert attached_tokens(pool, [1, 2, 3]) == 0 and attached_tokens(pool, [4, 5, 6]) == 2
     assert pool.ref_counts[b_block] == 0
     pool.check_invariants()
 
@@ -167,7 +167,7 @@ def test_truncate_releases_blocks_and_unhashes_a_block_about_to_be_rewritten():
     state = pool.sequence("a")
     assert len(state.table) == 2 and state.num_tokens == 6 and len(state.hashes) == 1
     assert pool.block_hashes[state.table[1]] is None
-    assert pool.match_prefix(list(range(12))) == 4
+    assert attached_tokens(pool, list(range(12))) == 4
     pool.check_invariants()
 
 
@@ -269,3 +269,8 @@ def test_random_operations_keep_counts_consistent_and_hashes_true(operations, nu
             for index in range(len(state.hashes)):
                 expected = true_tokens(seq, (index + 1) * block_size)[index * block_size :]
                 assert content[state.table[index]] == expected
+
+
+def attached_tokens(pool: BlockAllocator, tokens: list[int]) -> int:
+    """Tokens at the start of `tokens` a new sequence would attach (what add_sequence takes)."""
+    return pool.attachable(pool.prefix_digests(tokens)) * pool.block_size

@@ -91,4 +91,6 @@ def test_a_prefix_hit_takes_only_the_windows_blocks():
     assert attached == 28
     table = pool.sequence("b").table
     assert table[: max(0, 28 - 6 + 1) // SIZE] == [HOLE] * 5 and HOLE not in table[5:]
-    assert pool.prefix_cost(prompt + [99]) == (28, 0)  # its window's blocks are held now
+    digests = pool.prefix_digests(prompt + [99])
+    count = pool.attachable(digests)
+    assert (count * pool.block_size, pool.idle_blocks(digests, count)) == (28, 0)  # its window is held

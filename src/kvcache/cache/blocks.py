@@ -182,17 +182,6 @@ class BlockAllocator:
             state.hashes.append(digest)
         state.num_tokens = len(digests) * self.block_size
 
-    def match_prefix(self, token_ids: Sequence[int]) -> int:
-        """Tokens at the start of `token_ids` that `add_sequence` would attach (changes nothing)."""
-        return self.attachable(self.prefix_digests(token_ids)) * self.block_size
-
-    def prefix_cost(self, token_ids: Sequence[int]) -> tuple[int, int]:
-        """(tokens `add_sequence` would attach, how many of those blocks no sequence uses now:
-        attaching takes them out of the blocks a new allocation may evict). Changes nothing."""
-        digests = self.prefix_digests(token_ids)
-        count = self.attachable(digests)
-        return count * self.block_size, self.idle_blocks(digests, count)
-
     def idle_blocks(self, digests: Sequence[bytes], count: int) -> int:
         """Of the blocks attaching the first `count` of `digests` takes, the ones no sequence uses."""
         return sum(
