@@ -274,3 +274,22 @@ def test_random_operations_keep_counts_consistent_and_hashes_true(operations, nu
 def attached_tokens(pool: BlockAllocator, tokens: list[int]) -> int:
     """Tokens at the start of `tokens` a new sequence would attach (what add_sequence takes)."""
     return pool.attachable(pool.prefix_digests(tokens)) * pool.block_size
+
+
+def test_pinned_blocks_are_evicted_only_after_every_other_unused_block():
+    pool = BlockAllocator(num_blocks=6, block_size=2)
+    pinned, other = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    for name, tokens in (("pinned", pinned), ("other", other)):
+        pool.add_sequence(name, tokens)
+        pool.reserve([name], [len(tokens)])
+        pool.commit(name, len(tokens))
+        pool.free_sequence(name)  # both cached now, "pinned" the least recently freed
+    pool.pin(pool.prefix_digests(pinned + [0]))
+    pool.add_sequence("new", [20, 21])
+    pool.reserve(["new"], [2 + 3 * 2])  # 4 blocks: the 2 free ones, then the 2 unpinned cached ones
+    assert attached_tokens(pool, pinned) == 4 and attached_tokens(pool, other) == 0
+    pool.check_invariants()
+    pool.add_sequence("more", [30])
+    pool.reserve(["more"], [2 * 2])  # 2 more: only the pinned ones are left to evict
+    assert attached_tokens(pool, pinned) == 0
+    pool.check_invariants()

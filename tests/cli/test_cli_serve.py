@@ -89,3 +89,24 @@ def test_a_ctx_size_past_the_model_or_the_pool_is_refused_by_name(capsys):
     assert main(["serve", "--port", "0", "--kv-budget", "1MiB", "--ctx-size", "1000"]) == 2
     err = capsys.readouterr().err
     assert "the KV pool holds" in err and "raise --kv-budget or lower --ctx-size" in err
+
+
+def test_kv_pin_prefills_its_prompts_at_start_and_a_bad_file_is_named_before_loading(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"a fine prompt"\n{"not": "a prompt"}\n')
+    assert main(["serve", "--port", "0", "--kv-pin", str(bad), "-m", str(tmp_path / "absent")]) == 2
+    assert "line 2: expected a text or a list of chat messages" in capsys.readouterr().err
+    pins = tmp_path / "pins.jsonl"
+    system = "You are a terse assistant. " * 6
+    pins.write_text(json.dumps(system) + "\n")
+    process, base = _start("--kv-pin", str(pins), "--block-size", "8")
+    try:
+        body = {"prompt": system + "Hello", "max_tokens": 2, "temperature": 0}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # prefilled at start
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert "pinned 1 prompts" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()

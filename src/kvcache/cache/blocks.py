@@ -78,6 +78,8 @@ class BlockAllocator:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self._cached_pinned: OrderedDict[int, None] = OrderedDict()  # the same, evicted last
+        self.pinned: set[bytes] = set()  # digests of pinned prefixes' blocks (`pin`)
         self._by_hash: dict[bytes, int] = {}
         self.sequences: dict[Hashable, SequenceBlocks] = {}
 
@@ -90,7 +92,7 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         """Unused blocks that still hold a registered full block (evicted when space runs out)."""
-        return len(self._cached)
+        return len(self._cached) + len(self._cached_pinned)
 
     @property
     def num_in_use(self) -> int:
@@ -155,6 +157,13 @@ class BlockAllocator:
             parent = block_hash(parent, ids[index * size : (index + 1) * size])
             digests.append(parent)
         return digests
+
+    def pin(self, digests: Sequence[bytes]) -> None:
+        """Keep the blocks of `digests` (a pinned prefix's, `prefix_digests`) when nothing uses
+        them, evicted only after every other unused block."""
+        self.pinned.update(digests)
+        for block in [self._by_hash[d] for d in digests if self._by_hash.get(d) in self._cached]:
+            self._cached_pinned[block] = self._cached.pop(block)
 
     def attachable(self, digests: Sequence[bytes]) -> int:
         """The most leading blocks of `digests` this allocator can attach: here, the longest run
@@ -324,8 +333,8 @@ class BlockAllocator:
     def _allocate(self) -> int:
         if self._free:
             block = self._free.pop()
-        elif self._cached:
-            block, _ = self._cached.popitem(last=False)  # least recently freed
+        elif self._cached or self._cached_pinned:  # least recently freed, pinned ones last
+            block, _ = (self._cached or self._cached_pinned).popitem(last=False)
             self._unregister(block)
         else:  # reserve() checked the count first
             raise OutOfBlocksError(1, 0, self.num_blocks)
@@ -335,15 +344,15 @@ class BlockAllocator:
     def _take(self, block: int) -> None:
         """One more reference to a block found by its hash (in use, or cached)."""
         if self.ref_counts[block] == 0:
-            del self._cached[block]
+            (self._cached_pinned if block in self._cached_pinned else self._cached).pop(block)
         self.ref_counts[block] += 1
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] > 0:
             return
-        if self.block_hashes[block] is not None:
-            self._cached[block] = None  # keeps its content for a later prefix hit
+        if self.block_hashes[block] is not None:  # keeps its content for a later prefix hit
+            (self._cached_pinned if self.block_hashes[block] in self.pinned else self._cached)[block] = None
         else:
             self._free.append(block)
 
@@ -376,7 +385,7 @@ class BlockAllocator:
                 if block != HOLE:
                     in_tables[block] += 1
         assert in_tables == self.ref_counts, "reference counts differ from the block tables"
-        free, cached = set(self._free), set(self._cached)
+        free, cached = set(self._free), set(self._cached) | set(self._cached_pinned)
         assert len(free) == len(self._free) and not free & cached, "a block listed twice"
         for block in range(self.num_blocks):
             used = self.ref_counts[block] > 0

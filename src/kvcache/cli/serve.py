@@ -23,6 +23,7 @@ from kvcache.kinds import BACKEND_NAMES
 from kvcache.memory import format_bytes, parse_size
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+PIN_FILE_BYTES = 4 << 20  # a --kv-pin file's size at most
 
 
 def _port(text: str) -> int:
@@ -118,6 +119,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="the most --kv-disk's blocks take, least recently used evicted first (default 8GiB)",
     )
     engine.add_argument(
+        "--kv-pin",
+        metavar="FILE",
+        help="prompts whose cached blocks are evicted last, in the pool and on --kv-disk: one JSON "
+        "value a line, a text or a list of chat messages (e.g. a shared system prompt); each is "
+        "prefilled at start",
+    )
+    engine.add_argument(
         "--kv-store-ttl",
         type=positive_int,
         default=3600,
@@ -186,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache serve: error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
     try:
+        pinned = _pinned_prompts(args.kv_pin) if args.kv_pin else []  # (a bad file said before loading)
         engine, tokenizer, context = _engine(args)
     except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
         sock.close()
@@ -200,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
     print("kvcache serve: warming the engine up (untimed)…", file=sys.stderr, flush=True)
     with compiling_said("serve"):
         engine.warm_up()
+    try:
+        _pin(engine, pinned)
+    except ValueError as error:  # a chat template that refuses a pinned prompt's messages
+        print(f"kvcache serve: error: --kv-pin: {error}", file=sys.stderr)
+        return 2
     settings = _settings(args, context)
     _say_started(args, engine, settings, sock.getsockname()[:2])
     _log_requests(args.access_log)
@@ -237,6 +251,42 @@ def _engine(args: argparse.Namespace):
                     token_budget=args.token_budget, prefill_slowdown=args.prefill_slowdown or None,
                     kv_store=store)
     return engine, tokenizer, _context(args, engine)
+
+
+def _pinned_prompts(path: str) -> list:
+    """The prompts of a --kv-pin file (a JSON text or list of chat messages a line); ValueError
+    naming the line of anything else, OSError for a file that cannot be read."""
+    import json
+
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read(PIN_FILE_BYTES + 1)
+    if len(lines) > PIN_FILE_BYTES:
+        raise ValueError(f"--kv-pin {path}: more than {PIN_FILE_BYTES} bytes")
+    prompts = []
+    for number, line in enumerate(lines.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line)
+        except ValueError as error:
+            raise ValueError(f"--kv-pin {path}, line {number}: not JSON ({error})") from None
+        messages = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+        if not (isinstance(prompt, str) or messages):
+            raise ValueError(f"--kv-pin {path}, line {number}: expected a text or a list of chat messages")
+        prompts.append(prompt)
+    return prompts
+
+
+def _pin(engine, prompts: list) -> None:
+    """Pin and prefill the prompts of a --kv-pin file, said on stderr."""
+    from kvcache.generation.params import SamplingParams
+
+    if not prompts:
+        return
+    tokens = sum(engine.pin(prompt) for prompt in prompts)
+    engine.generate(prompts, SamplingParams(max_tokens=1))
+    print(f"kvcache serve: pinned {len(prompts)} prompts ({tokens} tokens in whole blocks), prefilled",
+          file=sys.stderr, flush=True)
 
 
 def _context(args: argparse.Namespace, engine) -> int:

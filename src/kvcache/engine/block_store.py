@@ -78,6 +78,9 @@ class BlockStore:
     def discard(self, key: str) -> None:
         """Forget the block of `key`, which failed its check (a tier that can delete it does)."""
 
+    def pin(self, keys: list[str]) -> None:
+        """Evict these blocks last (a tier that evicts by its own rule, as Redis does, ignores it)."""
+
     kind = "store"  # what /metrics calls the tier
 
     def stats(self) -> dict:

@@ -87,6 +87,7 @@ class DiskBlockStore(BlockStore):
             raise ValueError(f"another kvcache process uses the KV disk folder {self.folder}") from None
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._index_lock = threading.Lock()
+        self._pinned: set[str] = set()  # keys evicted last (`pin`)
         self._buffers = threading.local()  # one block's bytes per thread, reused by each read_block
         self.bytes = 0
         self._scan()
@@ -186,13 +187,20 @@ class DiskBlockStore(BlockStore):
         self._evict()
         return written
 
+    def pin(self, keys: list[str]) -> None:
+        """Evict the blocks of `keys` only after every other block (a pinned prefix's)."""
+        with self._index_lock:
+            self._pinned.update(keys)
+
     def _evict(self) -> None:
-        """Remove the least recently used blocks until the folder is within max_bytes."""
+        """Remove the least recently used blocks until the folder is within max_bytes, pinned
+        ones last."""
         while True:
             with self._index_lock:
                 if self.bytes <= self.max_bytes or not self._index:
                     return
-                key, size = self._index.popitem(last=False)
+                key = next((k for k in self._index if k not in self._pinned), next(iter(self._index)))
+                size = self._index.pop(key)
                 self.bytes -= size
             path = self.path(key)
             if path is not None:

@@ -165,6 +165,11 @@ class Engine:
         self.wake()
         return handle
 
+    def pin(self, prompt) -> int:
+        """Keep `prompt`'s cached blocks (token ids, a text or chat messages) when unused, evicted
+        last in the pool and in the disk tier; the tokens of its whole blocks."""
+        return self.pool.pin(prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size))
+
     def warm_up(self) -> None:
         """Run a few short requests before serving, so every road a step takes has run once: a
         prompt chunk beside single tokens, several decoding rows, one row alone. Kernels are

@@ -106,6 +106,16 @@ class KVPool:
             held = self.full_allocator.attachable(request.digests[1])
             request.store_read = self.store_tier.prefetch(request.digests[1], held, wake)
 
+    def pin(self, tokens: list[int]) -> int:
+        """Pin the whole blocks of `tokens` (`BlockAllocator.pin`; the store tier's too); the tokens
+        they hold."""
+        digests = self.cache.prefix_digests(list(tokens) + [0])  # (every whole block of the tokens)
+        for allocator in self.cache.allocators:
+            allocator.pin(digests)
+        if self.store_tier is not None:
+            self.store_tier.pin(digests)
+        return len(digests) * self.block_size
+
     def admissible(self, request: Request, wake) -> bool:
         """Whether `request` may be admitted now: no store read of its blocks is on its way, and
         the one that came still follows what the pool holds (after blocks it started from were

@@ -107,6 +107,10 @@ class StoreTier:
         pending.future.add_done_callback(lambda _: wake())
         return read
 
+    def pin(self, digests: list[bytes]) -> None:
+        """Keep these blocks last when a tier evicts (the disk's; others keep what they keep)."""
+        self.store.pin([block_key(self.space, digest) for digest in digests])
+
     def reads_on_their_way(self) -> int:
         """Reads started for requests that still hold them, whose answer has not come yet."""
         with self._reading:

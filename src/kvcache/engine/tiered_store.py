@@ -57,6 +57,10 @@ class TieredStore(BlockStore):
 
         return any([tier.put(key, value) for tier in self.tiers])
 
+    def pin(self, keys: list[str]) -> None:
+        for tier in self.tiers:
+            tier.pin(keys)
+
     def discard(self, key: str) -> None:
         for tier in self.tiers:
             tier.discard(key)
