@@ -143,3 +143,29 @@ def test_disk_then_redis_read_as_one_store_and_a_redis_hit_is_promoted_to_disk(m
     finally:
         redis_server.stop()
     assert NEW > 0
+
+
+@pytest.mark.parametrize("fault", ["disk full", "unwritable folder"])
+def test_a_disk_that_cannot_take_writes_is_skipped_with_one_log_line(model, tmp_path, fault, monkeypatch,
+                                                                    caplog):
+    import errno
+    from pathlib import Path
+
+    store = DiskBlockStore(tmp_path, retry_s=3600)
+    if fault == "disk full":
+        def full(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(Path, "write_bytes", full)
+    replica, cold = engine(model, store), engine(model)
+    if fault == "unwritable folder":  # every namespace folder is a file: nothing can go under it
+        (tmp_path / replica.store_tier.space).write_bytes(b"")
+    with caplog.at_level("WARNING", logger="kvcache.store"):
+        for seed in (9, 10):
+            prompt = ids(40, seed=seed)
+            assert answer(replica, prompt).tokens == answer(cold, prompt).tokens
+            store.flush()
+    assert store.counters.errors >= 1 and not store.counters.up and store.counters.written_blocks == 0
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    assert not list(tmp_path.rglob("*.tmp"))
+    replica.close()
