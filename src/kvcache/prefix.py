@@ -112,17 +112,25 @@ class ChatSession:
         model: a kvcache `LlamaForCausalLM`; tokenizer: a kvcache Tokenizer (for `send`).
         cache: a PagedCache (a row is added for this session), or None to make one.
         system: an optional system message for `send`.
+        kv_store: a tier below the cache (`kvcache.engine.disk_store.DiskBlockStore`, …): a turn's
+            prefix blocks the cache lacks are read from it, and the conversation's blocks written
+            to it, so a conversation that starts the same way in a later process reuses them.
         options: defaults for `kvcache.generate` (max_new_tokens, eos_token_id, …).
     """
 
     def __init__(self, model, tokenizer=None, *, cache: PagedCache | None = None, num_blocks: int = 256,
-                 block_size: int = 16, system: str | None = None, **options: Any) -> None:
+                 block_size: int = 16, system: str | None = None, kv_store=None, **options: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache if cache is not None else new_cache(model, num_blocks, block_size)
         if self.cache.rows:
             raise ValueError("ChatSession needs a cache with no rows (it owns row 0)")
         self.cache.add_sequence()
+        self.store_tier = None
+        if kv_store is not None:
+            from kvcache.engine.store_tier import StoreTier
+
+            self.store_tier = StoreTier(kv_store, model, self.cache)
         self.options = options
         self.messages: list[dict[str, str]] = []
         if system is not None:
@@ -152,17 +160,33 @@ class ChatSession:
             common -= 1
         if common < held:
             self.cache.crop(common)
-        new = conversation_ids[common:]
-        self.cache.declare_tokens(0, new, start=common)
+        self.cache.declare_tokens(0, conversation_ids[common:], start=common)
+        loaded = self._load_from_store(conversation_ids, common)
+        new = conversation_ids[common + loaded :]
         ids = torch.tensor([new], dtype=torch.long, device=self.model.device)
         result = generate(self.model, ids, cache=self.cache, **{**self.options, **options})
         reply = result.new_tokens[0]
         self.cache.declare_tokens(0, reply)
+        if self.store_tier is not None:
+            self.store_tier.offer(self.cache)  # the conversation's new full blocks, written behind
         self.token_ids = conversation_ids + reply
         self.prefilled_tokens += len(new)
-        self.last_turn = (common, len(new))
+        self.last_turn = (common + loaded, len(new))
         self.last_result = result
         return reply
+
+    def _load_from_store(self, conversation_ids: list[int], held: int) -> int:
+        """Append to the row (holding `held` tokens, all declared) the blocks of the conversation
+        the store holds after them, read now (a turn waits for its own prefix); the tokens added."""
+        size = self.cache.block_size
+        if self.store_tier is None or held % size:
+            return 0
+        digests = self.cache.prefix_digests(conversation_ids)
+        read = self.store_tier.prefetch(digests, held // size, lambda: None)
+        if read is None:
+            return 0
+        read.pending.wait(read.pending.store.timeout_s)
+        return self.store_tier.load(self.cache, 0, held, len(digests) * size, read)
 
     def send(self, text: str, **options: Any) -> str:
         """Add a user message, generate the reply, return its text (special tokens skipped).
@@ -182,7 +206,10 @@ class ChatSession:
         return text_out
 
     def close(self) -> None:
-        """Release the session's row (its full blocks stay cached for later prompts)."""
+        """Release the session's row (its full blocks stay cached for later prompts); blocks
+        queued for the store are written first (within a bound)."""
+        if self.store_tier is not None:
+            self.store_tier.store.flush(10.0)
         self.cache.free_rows()
 
 

@@ -98,3 +98,14 @@ def test_three_turns_in_a_pseudo_terminal(expected):
     for reply in expected:
         assert reply in text
     assert len(STATS.findall(text)) == 3
+
+
+def test_a_chat_with_kv_disk_starts_from_the_blocks_an_earlier_chat_left(tmp_path):
+    system = "You answer questions about Python. " * 8  # several whole blocks before the first turn
+    command = _command("--kv-disk", str(tmp_path), "--system", system)
+    runs = [subprocess.run(command, input=f"{TURNS[0]}\n", capture_output=True, text=True, timeout=180,
+                           check=False) for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr
+    first, second = (tuple(map(int, STATS.findall(run.stderr)[0])) for run in runs)
+    assert first[0] == 0 and second[0] > 0 and second[1] < first[1]  # read from disk, less prefilled
+    assert runs[0].stdout == runs[1].stdout  # the same answer

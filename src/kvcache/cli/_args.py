@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvcache.memory import parse_size
+
 #: the epilog of the commands that run a model: why resident memory is about twice the weights
 WEIGHTS_HELD_TWICE = (
     "Memory: a float32 or bfloat16 model's projection weights are held twice, once row by row for "
@@ -21,6 +23,14 @@ def _int_at_least(text: str, minimum: int, expected: str) -> int:
     if value < minimum:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def size_argument(text: str) -> int:
+    """A size in bytes: "8GiB", "512MB", "1048576" (`kvcache.memory.parse_size`)."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def positive_int(text: str) -> int:

@@ -16,9 +16,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int, size_argument
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import resolve_model_dir
+from kvcache.memory import parse_size
 
 DEFAULT_CTX = 8192
 BLOCK = 16
@@ -44,6 +45,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="tokens the conversation may hold, in KV blocks of 16 (default: the model's context, "
         f"at most {DEFAULT_CTX})",
     )
+    parser.add_argument(
+        "--kv-disk", metavar="DIR",
+        help="keep the conversation's KV blocks in files under DIR: a later chat that starts the same "
+        "way (a long system message) reads them instead of computing them (default: none)",
+    )
+    parser.add_argument("--kv-disk-size", type=size_argument, default=parse_size("8GiB"),
+                        help="the most --kv-disk's blocks take (default 8GiB)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
 
@@ -66,7 +74,18 @@ class _Chat:
             top_p=args.top_p,
         )
         self.session = None
+        self.store = None
+        if args.kv_disk:
+            from kvcache.engine.disk_store import DiskBlockStore
+
+            self.store = DiskBlockStore(args.kv_disk, max_bytes=args.kv_disk_size)
         self.reset()
+
+    def close(self) -> None:
+        """End the conversation; blocks queued for --kv-disk are written first."""
+        self.session.close()
+        if self.store is not None:
+            self.store.close()
 
     def reset(self) -> None:
         from kvcache.prefix import ChatSession
@@ -75,12 +94,13 @@ class _Chat:
             self.session.close()
         self.session = ChatSession(
             self.model, self.tokenizer, num_blocks=-(-self.args.ctx_size // BLOCK), block_size=BLOCK,
-            system=self.system,
+            system=self.system, kv_store=self.store,
         )
 
     def warm_up(self) -> None:
         """A two-token turn, untimed and forgotten: an install's first run compiles the kernels
         here, not inside the first reply's tokens/s."""
+        self.session.store_tier = None  # (nothing read from --kv-disk, nothing written there)
         self.session.send("Hello", generator=self.generator, **{**self.options, "max_new_tokens": 2})
         self.reset()
 
@@ -191,4 +211,5 @@ def run(args: argparse.Namespace) -> int:
             if not interactive:
                 return 1
             print("[the turn is dropped; /reset starts a new conversation]", file=sys.stderr)
+    chat.close()
     return 0

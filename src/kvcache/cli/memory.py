@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import positive_int
+from kvcache.cli._args import positive_int, size_argument
 from kvcache.defaults import is_gguf
 from kvcache.geometry import SIZE_LIMITS, read_geometry
 from kvcache.memory import (
@@ -19,16 +19,8 @@ from kvcache.memory import (
     max_tokens,
     paged_blocks_in_budget,
     paged_kv_cache_bytes,
-    parse_size,
     quantized_kv_cache_bytes,
 )
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +36,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BITS),
                         help="element type of the cache (default bfloat16)")
-    parser.add_argument("--budget", type=_size,
+    parser.add_argument("--budget", type=size_argument,
                         help="memory budget such as 24GiB: report the longest context for --batch "
                              "and the most sequences of --tokens that fit")
     parser.add_argument("--block-size", type=positive_int,

@@ -13,16 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import positive_int
-from kvcache.memory import format_bytes, parse_size
+from kvcache.cli._args import positive_int, size_argument
+from kvcache.memory import format_bytes
 from kvcache.progress import ProgressBar
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +26,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch CPU threads while measuring (default 1: a decode step of a small model "
                              "is small work, and one thread gives the steadiest figures on a shared machine)")
-    parser.add_argument("--budget", type=_size, default=24 * 2**30,
+    parser.add_argument("--budget", type=size_argument, default=24 * 2**30,
                         help="KV memory budget for the capacity figures (default 24GiB)")
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, nonnegative_int, positive_int
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, nonnegative_int, positive_int, size_argument
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES
@@ -46,13 +46,6 @@ def _slowdown(text: str) -> float:
     return value
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.epilog = WEIGHTS_HELD_TWICE
     parser.add_argument(
@@ -76,7 +69,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--kv-budget",
-        type=_size,
+        type=size_argument,
         default=parse_size("256MiB"),
         help="bytes for keys and values, e.g. 2GiB (default 256MiB)",
     )
@@ -115,7 +108,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--kv-store's Redis; one process per folder; default: none)",
     )
     engine.add_argument(
-        "--kv-disk-size", type=_size, default=parse_size("8GiB"),
+        "--kv-disk-size", type=size_argument, default=parse_size("8GiB"),
         help="the most --kv-disk's blocks take, least recently used evicted first (default 8GiB)",
     )
     engine.add_argument(
@@ -141,7 +134,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="requests queued before new ones get 429 (default 256)",
     )
     limits.add_argument(
-        "--max-body-bytes", type=_size, default=1 << 20, help="request body limit (default 1MiB)"
+        "--max-body-bytes", type=size_argument, default=1 << 20, help="request body limit (default 1MiB)"
     )
     limits.add_argument(
         "-c", "--ctx-size", type=positive_int,
