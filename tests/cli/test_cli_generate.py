@@ -151,3 +151,18 @@ def test_ctx_size_lowers_max_tokens_and_says_so_and_refuses_what_cannot_fit(llam
     assert "leaves no room" in capsys.readouterr().err
     assert main([*args, "-c", "1000000"]) == 2
     assert "past the model's context" in capsys.readouterr().err
+
+
+def test_kv_disk_reads_the_blocks_an_earlier_run_wrote_and_answers_the_same(llama_dir, tmp_path, capsys):
+    import json
+
+    args = ["generate", "-m", str(llama_dir), "--prompt", "one two three four five six " * 4, "--json",
+            "--max-tokens", "6", "--kv-disk", str(tmp_path)]
+    reports = []
+    for _ in range(2):
+        assert main(args) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0]["tokens_from_disk"] == 0 < reports[1]["tokens_from_disk"]
+    assert reports[0]["tokens"] == reports[1]["tokens"] and reports[1]["cache"] == "paged"
+    assert main([*args, "--cache", "static"]) == 2
+    assert "--kv-disk keeps a paged cache's blocks" in capsys.readouterr().err

@@ -14,10 +14,11 @@ import secrets
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int, size_argument
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
 from kvcache.defaults import resolve_model_dir
 from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
+from kvcache.memory import parse_size
 
 LOADING = "kvcache generate: loading the model"
 WARMING = "kvcache generate: warming up (untimed)"
@@ -39,7 +40,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--ctx-size", type=positive_int,
                         help="tokens of context, prompt and new ones (default: the model's); "
                              "--max-tokens is lowered to fit it, said on stderr")
-    parser.add_argument("--cache", choices=CACHE_KINDS, default="dynamic", help="default dynamic")
+    parser.add_argument("--cache", choices=CACHE_KINDS, help="default dynamic (paged with --kv-disk)")
+    parser.add_argument(
+        "--kv-disk", metavar="DIR",
+        help="read the prompt's KV blocks that files under DIR hold instead of computing them, and "
+        "write its blocks there for later runs (a paged cache; the read is inside the time to first "
+        "token)",
+    )
+    parser.add_argument("--kv-disk-size", type=size_argument, default=parse_size("8GiB"),
+                        help="the most --kv-disk's blocks take (default 8GiB)")
     parser.add_argument(
         "--compare-nocache",
         action="store_true",
@@ -129,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with compiling_said("generate"):
             runs.warm_up()
-        result = runs.generate(args.cache, streamer=stream)
+        result = runs.timed(stream)
     except ValueError as error:  # BackendError and CacheError are ValueErrors too
         if stream is not None and stream.written:
             print(flush=True)  # end the text printed so far
@@ -159,6 +168,10 @@ def _load(args: argparse.Namespace):
     from kvcache.progress import ProgressBar
     from kvcache.tokenizer import load_tokenizer
 
+    args.cache = args.cache or ("paged" if args.kv_disk else "dynamic")
+    if args.kv_disk and args.cache != "paged":
+        raise ValueError(f"--kv-disk keeps a paged cache's blocks: give --cache paged (or none), not "
+                         f"{args.cache}")
     folder = Path(resolve_model_dir(args.model))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = _sampling(args, folder)
@@ -200,6 +213,7 @@ class _Runs:
 
         self.model, self.tokenizer, self.input_ids = model, tokenizer, input_ids
         self.sampling, self.seed, self.args = sampling, seed, args
+        self.tokens_from_disk = 0
         self.options = dict(
             max_new_tokens=args.max_new_tokens,
             **sampling,
@@ -222,6 +236,37 @@ class _Runs:
             **{**self.options, **changes},
         )
 
+    def timed(self, streamer):
+        """The timed generation: with `--cache`, or with --kv-disk in a paged row that first reads
+        the prompt's blocks the folder holds (that read inside the time to first token, and the
+        tokens read in the report as `tokens_from_disk`)."""
+        if not self.args.kv_disk:
+            return self.generate(self.args.cache, streamer=streamer)
+        import dataclasses
+        import time
+
+        import torch
+
+        from kvcache.engine.disk_store import DiskBlockStore
+        from kvcache.prefix import ChatSession
+
+        store = DiskBlockStore(self.args.kv_disk, max_bytes=self.args.kv_disk_size)
+        total = self.input_ids.shape[1] + self.args.max_new_tokens
+        options = {name: value for name, value in self.options.items() if name != "tokenizer"}
+        session = ChatSession(self.model, self.tokenizer, kv_store=store, num_blocks=-(-total // 16) + 1,
+                              **options)
+        started = time.perf_counter()
+        try:
+            session.send_ids(self.input_ids[0].tolist(), streamer=streamer, backend=self.args.backend,
+                             tokenizer=self.tokenizer, generator=torch.Generator().manual_seed(self.seed))
+        finally:
+            session.close()
+            store.close()
+        result = session.last_result
+        outside = time.perf_counter() - started - result.time_to_first_token_s - result.decode_time_s
+        self.tokens_from_disk = session.last_turn[0]
+        return dataclasses.replace(result, time_to_first_token_s=result.time_to_first_token_s + outside)
+
     def warm_up(self) -> None:
         """Two greedy tokens on each road the timed runs take, untimed, said on stderr: on the
         first run of an install the decode kernels are compiled here (seconds), not inside the
@@ -241,7 +286,8 @@ class _Runs:
         return (
             f"[{len(result.new_tokens[0])} new tokens after a {self.input_ids.shape[1]}-token prompt; "
             f"stopped by {result.stop_reasons[0]}; cache {self.args.cache}; {self.model.dtype}; "
-            f"decode step {result.backend}; {how}]"
+            f"decode step {result.backend}; {how}"
+            + (f"; {self.tokens_from_disk} prompt tokens read from --kv-disk]" if self.args.kv_disk else "]")
         )
 
     def report(self, result) -> dict:
@@ -252,7 +298,8 @@ class _Runs:
                 "cache": self.args.cache, "dtype": str(self.model.dtype).removeprefix("torch."),
                 "decode_step": result.backend, "seed": self.seed, **self.sampling,
                 "time_to_first_token_s": result.time_to_first_token_s,
-                "decode_tokens_per_s": result.decode_tokens_per_s}
+                "decode_tokens_per_s": result.decode_tokens_per_s,
+                **({"tokens_from_disk": self.tokens_from_disk} if self.args.kv_disk else {})}
 
     def compare_nocache(self, result, report: dict) -> list[str]:
         """Generate again without a cache; record in `report` whether the tokens are the same and
