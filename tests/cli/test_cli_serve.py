@@ -35,6 +35,14 @@ def _start(*extra: str) -> tuple[subprocess.Popen, str]:
     return process, match.group(1)
 
 
+def _stopped(process: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM, a clean exit (status 0), and what the server printed since it started listening:
+    (stdout, stderr)."""
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
+    return process.stdout.read(), process.stderr.read()
+
+
 def test_serve_answers_then_drains_on_sigterm_and_exits_zero():
     process, base = _start("--drain-seconds", "60")
     try:
@@ -104,9 +112,7 @@ def test_kv_pin_prefills_its_prompts_at_start_and_a_bad_file_is_named_before_loa
         body = {"prompt": system + "Hello", "max_tokens": 2, "temperature": 0}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # prefilled at start
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0
-        assert "pinned 1 prompts" in process.stderr.read()
+        assert "pinned 1 prompts" in _stopped(process)[1]
     finally:
         if process.poll() is None:
             process.kill()

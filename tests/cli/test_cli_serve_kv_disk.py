@@ -4,10 +4,8 @@ answers as the first server did."""
 
 from __future__ import annotations
 
-import signal
-
 import httpx
-from test_cli_serve import _start
+from test_cli_serve import _start, _stopped
 
 FIRST = [{"role": "user", "content": "What is a class in Python? Say it in a few words."}]
 
@@ -25,8 +23,7 @@ def test_a_restarted_server_answers_from_the_blocks_it_kept_on_disk(tmp_path):
     try:
         first = _chat(base)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0  # stopped after writing what it had queued
+        _stopped(process)  # after writing what it had queued
     finally:
         if process.poll() is None:
             process.kill()
@@ -36,9 +33,7 @@ def test_a_restarted_server_answers_from_the_blocks_it_kept_on_disk(tmp_path):
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= (first["usage"]["prompt_tokens"] - 1) // 8 * 8 > 0
         assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0
-        assert "blocks kept from before" in process.stdout.read()
+        assert "blocks kept from before" in _stopped(process)[0]
     finally:
         if process.poll() is None:
             process.kill()
