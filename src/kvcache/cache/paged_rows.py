@@ -80,16 +80,16 @@ def append_to_row(cache, row: int, keys: Sequence[torch.Tensor], values: Sequenc
     one of each per layer, as a forward would have (keys and values computed elsewhere: a block
     store shared by replicas); the row's declared token ids for those positions make its full
     blocks findable. Returns the row's length after. Shapes, dtype and free blocks are checked
-    first (CacheShapeError, CacheDtypeError, OutOfBlocksError): a refusal changes nothing."""
-    _whole_rows_only(cache)
+    first (CacheShapeError, CacheDtypeError, OutOfBlocksError): a refusal changes nothing. A
+    sliding-window layer's positions the window has passed are written, then given back."""
     tokens = keys[0].shape[0] if keys and keys[0].dim() == 3 else 0
     _check_rows(cache, keys, values, tokens)
     seq = cache._row_seq(row)
-    allocator = cache.allocator
-    held = allocator.sequence(seq).num_tokens
-    needed = allocator.blocks_for(held + tokens) - allocator.blocks_for(held)
-    if needed > allocator.num_allocatable:
-        raise OutOfBlocksError(needed, allocator.num_allocatable, cache.num_blocks)
+    held = cache.allocators[0].sequence(seq).num_tokens
+    for allocator in cache.allocators:
+        needed = allocator.blocks_for(held + tokens) - allocator.blocks_for(held)
+        if needed > allocator.num_allocatable:
+            raise OutOfBlocksError(needed, allocator.num_allocatable, allocator.num_blocks)
     _append(cache, row, keys, values)
     return held + tokens
 
@@ -123,17 +123,18 @@ def _check_rows(cache, keys: Sequence[torch.Tensor], values: Sequence[torch.Tens
 def _append(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
     """append_to_row after its checks (write_row checked its state itself)."""
     seq = cache.rows[row]
-    allocator = cache.allocator
-    held = allocator.sequence(seq).num_tokens
+    held = cache.allocators[0].sequence(seq).num_tokens
     total = held + keys[0].shape[0]
-    copies = allocator.reserve([seq], [total])  # a shared partial last block is copied on write
-    for layer in cache.layers:
-        for source, target in copies:
-            layer.copy_block(source, target)
-    slots = torch.tensor(allocator.slots(seq, held, total), dtype=torch.long, device=cache.device)
-    for layer, k, v in zip(cache.layers, keys, values):
-        layer.write_slots(slots, k, v)
-    allocator.commit(seq, total)
+    for group, allocator in enumerate(cache.allocators):  # (full layers, then each window's)
+        copies = allocator.reserve([seq], [total])  # a shared partial last block is copied on write
+        slots = torch.tensor(allocator.slots(seq, held, total), dtype=torch.long, device=cache.device)
+        for layer, k, v in zip(cache.layers, keys, values):
+            if layer.group == group:
+                for source, target in copies:
+                    layer.copy_block(source, target)
+                layer.write_slots(slots, k, v)
+    for allocator in cache.allocators:
+        allocator.commit(seq, total)
     cache._set_columns(max(cache.get_seq_length(), total))
 
 

@@ -103,7 +103,7 @@ class KVPool:
             return
         for request in requests:
             request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens, request.root))
-            held = self.full_allocator.attachable(request.digests[1])
+            held = self.cache.prefix_cost(request.tokens, request.digests[1])[0] // self.block_size
             request.store_read = self.store_tier.prefetch(request.digests[1], held, wake)
 
     def pin(self, tokens: list[int]) -> int:
@@ -125,7 +125,8 @@ class KVPool:
             return True
         if not read.ready():
             return False
-        if read.pending.values() is None or read.start <= self.full_allocator.attachable(request.digests[1]):
+        attachable = self.cache.prefix_cost(request.tokens, request.digests[1])[0] // self.block_size
+        if read.pending.values() is None or read.start <= attachable:
             return True  # (no answer: admitted without the store)
         self.prefetch([request], wake)
         return request.store_read is None

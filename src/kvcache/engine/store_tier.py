@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.cache import OutOfBlocksError, PagedCache
+from kvcache.cache.blocks import HOLE
 from kvcache.engine.block_codec import (
     InvalidBlock,
     block_key,
@@ -61,11 +62,6 @@ class StoreTier:
     """Shares `pool`'s full prefix blocks of `model` through `store` (see the module docstring)."""
 
     def __init__(self, store, model, pool: PagedCache) -> None:
-        if len(pool.allocators) != 1 or pool.full_allocator is None:
-            raise RequestError(
-                "a KV store shares the blocks of full-attention models; this model has sliding-window "
-                "layers, whose rows hold only their window"
-            )
         self.store = store
         self.layout = layout_of(model, pool.block_size)
         self.space = namespace(model, self.layout)
@@ -170,15 +166,19 @@ class StoreTier:
         self._check_restart()
         if not self.store.available():
             return  # not remembered: offered again once the store is back
-        allocator, size = pool.allocator, pool.block_size
+        size = pool.block_size
         for seq in pool.rows:
-            state = allocator.sequence(seq)
-            new = [index for index, digest in enumerate(state.hashes) if digest not in self._known]
+            state = pool.allocators[0].sequence(seq)
+            new = [index for index, digest in enumerate(state.hashes)
+                   if digest not in self._known and _held_by_every_group(pool, seq, index)]
             if not new:
                 continue
-            slots = [slot for index in new for slot in allocator.slots(seq, index * size, (index + 1) * size)]
-            where = torch.tensor(slots, dtype=torch.long, device=pool.device)
-            read = [layer.read_slots(where) for layer in pool.layers]  # per layer (n·S, H_kv, D)
+            where = [  # per group (full layers, each window's): the new blocks' slots
+                torch.tensor([slot for i in new for slot in allocator.slots(seq, i * size, (i + 1) * size)],
+                             dtype=torch.long, device=pool.device)
+                for allocator in pool.allocators
+            ]
+            read = [layer.read_slots(where[layer.group]) for layer in pool.layers]  # per layer (n·S, H_kv, D)
             keys = torch.stack([k for k, _ in read]).to("cpu")  # (layers, n·S, H_kv, D)
             values = torch.stack([v for _, v in read]).to("cpu")
             for position, index in enumerate(new):
@@ -191,6 +191,13 @@ class StoreTier:
 
                 self.store.put(block_key(self.space, digest), make)
                 self._remember(digest)
+
+
+def _held_by_every_group(pool: PagedCache, seq, index: int) -> bool:
+    """Whether block `index` of `seq` still holds every layer's keys (a sliding-window group gives
+    back the blocks its window has passed: those are never offered, since a value holds all
+    layers)."""
+    return all(allocator.sequence(seq).table[index] != HOLE for allocator in pool.allocators)
 
 
 def open_tiers(disk=None, *, disk_bytes: int = 8 << 30, url: str | None = None, ttl_s: int = 3600):
