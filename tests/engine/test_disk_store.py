@@ -169,3 +169,17 @@ def test_a_disk_that_cannot_take_writes_is_skipped_with_one_log_line(model, tmp_
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     assert not list(tmp_path.rglob("*.tmp"))
     replica.close()
+
+
+def test_writes_keep_to_the_write_rate(tmp_path):
+    import time
+
+    store = DiskBlockStore(tmp_path, write_bytes_per_s=4 << 20)
+    block = os.urandom(1 << 20)
+    started = time.monotonic()
+    for index in range(6):
+        assert store.put("kvcache:" + "cd" * 16 + ":" + format(index, "032x"), lambda: block)
+    assert store.flush(60)
+    assert time.monotonic() - started >= 1.0  # 6 MiB at 4 MiB/s (a lower bound: load only adds)
+    assert store.blocks() == 6
+    store.close()

@@ -25,6 +25,7 @@ import fcntl
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -69,14 +70,18 @@ class DiskBlockStore(BlockStore):
         max_bytes: the most the blocks may take on disk; past it the least recently used go.
         timeout_s: the most a read may take to count. retry_s: how long an error (a full or
             unwritable disk) keeps the tier out of use. max_pending: blocks queued for writing.
+        write_bytes_per_s: the most the writer thread writes a second.
     """
 
     kind = "disk"
 
     def __init__(self, folder: str | Path, *, max_bytes: int = 8 << 30, timeout_s: float = 2.0,
-                 retry_s: float = 30.0, max_pending: int = 512) -> None:
-        if max_bytes < 1:
-            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+                 retry_s: float = 30.0, max_pending: int = 512, write_bytes_per_s: int = 256 << 20) -> None:
+        if max_bytes < 1 or write_bytes_per_s < 1:
+            raise ValueError(f"max_bytes and write_bytes_per_s must be >= 1, got {max_bytes} and "
+                             f"{write_bytes_per_s}")
+        self.write_bytes_per_s = write_bytes_per_s
+        self._write_clock = 0.0  # when the bytes written so far may all have been written, at the rate
         self.folder, self.max_bytes = Path(folder).expanduser(), max_bytes
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.folder / ".lock", "a+b")  # noqa: SIM115 (held while open)
@@ -184,8 +189,17 @@ class DiskBlockStore(BlockStore):
                 self.bytes += len(value) - self._index.pop(key, 0)
                 self._index[key] = len(value)
             written += len(value)
+            self._pace(len(value))
         self._evict()
         return written
+
+    def _pace(self, size: int) -> None:
+        """Sleep (on the writer thread) so writes stay within write_bytes_per_s: a long prompt's
+        blocks do not take the disk's whole bandwidth from reads."""
+        now = time.monotonic()
+        self._write_clock = max(self._write_clock, now) + size / self.write_bytes_per_s
+        if self._write_clock - now > 0.01:
+            time.sleep(self._write_clock - now)
 
     def pin(self, keys: list[str]) -> None:
         """Evict the blocks of `keys` only after every other block (a pinned prefix's)."""
