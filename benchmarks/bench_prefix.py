@@ -43,7 +43,7 @@ from kvcache.cache import DynamicCache, OutOfBlocksError, PagedCache
 from kvcache.defaults import default_model_dir
 from kvcache.generation import generate
 from kvcache.memory import KVShape, max_paged_sequences, max_sequences, paged_block_bytes, parse_size
-from kvcache.prefix import ChatSession, PrefixCache
+from kvcache.reuse.prefix import ChatSession, PrefixCache
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_MODEL = default_model_dir()
@@ -82,7 +82,7 @@ def load(args):
     if path is None:
         return random_model(), None, "random ~3M Llama (hidden 256, 4 layers, 8 heads, 4 kv heads), fp32"
     from kvcache.model import load_model
-    from kvcache.tokenizer import load_tokenizer
+    from kvcache.text.tokenizer import load_tokenizer
 
     model = load_model(path, dtype="float32")
     tokenizer = None

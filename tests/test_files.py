@@ -12,7 +12,7 @@ import kvcache
 from kvcache.cli import main
 from kvcache.defaults import default_model_dir
 from kvcache.files import FileTooLargeError
-from kvcache.tokenizer import TokenizerError
+from kvcache.text.tokenizer import TokenizerError
 
 
 @pytest.fixture

@@ -136,10 +136,10 @@ def test_the_cycle_finder_finds_a_planted_loop():
 FORBIDDEN = {
     "kvcache.cache": ("kvcache.model", "kvcache.backends", "kvcache.generation", "kvcache.cli",
                       "kvcache.hf"),
-    "kvcache.model": ("kvcache.backends", "kvcache.generation", "kvcache.cli", "kvcache.prefix",
+    "kvcache.model": ("kvcache.backends", "kvcache.generation", "kvcache.cli", "kvcache.reuse.prefix",
                       "kvcache.hf"),
-    "kvcache.backends": ("kvcache.generation", "kvcache.cli", "kvcache.prefix", "kvcache.hf"),
-    "kvcache.generation": ("kvcache.cli", "kvcache.prefix", "kvcache.hf"),
+    "kvcache.backends": ("kvcache.generation", "kvcache.cli", "kvcache.reuse.prefix", "kvcache.hf"),
+    "kvcache.generation": ("kvcache.cli", "kvcache.reuse.prefix", "kvcache.hf"),
     "kvcache.hf": ("kvcache.model", "kvcache.backends", "kvcache.generation", "kvcache.cli"),
     "kvcache.geometry": ("kvcache.cache", "kvcache.model", "kvcache.memory"),
     "kvcache.memory": ("kvcache.cache", "kvcache.model"),

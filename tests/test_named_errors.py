@@ -11,7 +11,7 @@ import torch
 import kvcache
 from kvcache.defaults import default_model_dir
 from kvcache.model import CheckpointError
-from kvcache.tokenizer import TokenizerError
+from kvcache.text.tokenizer import TokenizerError
 
 
 @pytest.fixture(scope="module")

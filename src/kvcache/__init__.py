@@ -34,7 +34,7 @@ _LAZY = {
     "QuantizedCache": "kvcache.cache",
     "make_cache": "kvcache.cache",
     "load_model": "kvcache.model",
-    "load_tokenizer": "kvcache.tokenizer",
+    "load_tokenizer": "kvcache.text.tokenizer",
     "generate": "kvcache.generation",
     "stream_generate": "kvcache.generation",
     "choose_backend": "kvcache.backends",

@@ -15,7 +15,7 @@ import pytest
 
 import kvcache
 from kvcache.engine.prompts import tokenizer_eos
-from kvcache.prefix import ChatSession
+from kvcache.reuse.prefix import ChatSession
 
 TURNS = ["What is a class?", "And a function?", "Thanks."]
 STATS = re.compile(r"\[reused (\d+) tokens from the cache, prefilled (\d+); (\d+) new tokens")

@@ -13,8 +13,8 @@ from tiny_models import WINDOW, checkpoint_pair
 
 import kvcache
 import kvcache.hf as kh
-from kvcache.drift import DriftSetting, measure_drift
 from kvcache.hf.version import check_transformers_version
+from kvcache.report.drift import DriftSetting, measure_drift
 
 ARCHS = ("llama", "mistral", "qwen2_mixed", "gemma2")  # full, every-layer window, mixed, mixed
 STEPS = 8

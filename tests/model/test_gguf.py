@@ -13,7 +13,7 @@ from gguf_files import write_gguf
 from kvcache import load_model, load_tokenizer
 from kvcache.defaults import default_model_dir
 from kvcache.model import CheckpointError
-from kvcache.tokenizer import TokenizerError
+from kvcache.text.tokenizer import TokenizerError
 
 TEXTS = ["Hello, what's your name?", "The quick brown fox 1234 jumps.\n\n  over  the lazy dog", "ünïcödé 😀"]
 IDS = torch.tensor([[1, 5, 77, 200, 3, 9, 140, 33, 250, 12, 18]])

@@ -16,7 +16,7 @@ from gguf_files import write_gguf
 from kvcache import load_model, load_tokenizer
 from kvcache.model import CheckpointError
 from kvcache.model.gguf_reader import MAX_FIELDS, MAX_STRINGS, read_gguf
-from kvcache.tokenizer import TokenizerError
+from kvcache.text.tokenizer import TokenizerError
 
 V = gguf.GGUFValueType
 

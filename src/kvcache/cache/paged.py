@@ -42,7 +42,7 @@ class PagedCache(Cache):
 
     Plugs into the model like any cache: an empty PagedCache given to `generate` makes one row
     per batch row. To reuse cached prompt prefixes, add rows yourself with `add_sequence`
-    (see `kvcache.prefix`), then run only the tokens that were not attached.
+    (see `kvcache.reuse.prefix`), then run only the tokens that were not attached.
 
     Sliding-window layers (a config with a window in force) form their own group with its own
     block tables (`WindowedBlockAllocator`): a row there holds only the blocks its window still

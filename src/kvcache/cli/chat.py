@@ -88,7 +88,7 @@ class _Chat:
             self.store.close()
 
     def reset(self) -> None:
-        from kvcache.prefix import ChatSession
+        from kvcache.reuse.prefix import ChatSession
 
         if self.session is not None:
             self.session.close()
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvcache.model import load_model
     from kvcache.progress import ProgressBar
-    from kvcache.tokenizer import load_tokenizer
+    from kvcache.text.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

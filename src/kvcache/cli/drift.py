@@ -62,8 +62,8 @@ def _prompts(folder: Path, texts: list[str], vocab_size: int):
     import torch
 
     if (folder / "tokenizer.json").is_file():
-        from kvcache.drift import DEFAULT_PROMPTS
-        from kvcache.tokenizer import load_tokenizer
+        from kvcache.report.drift import DEFAULT_PROMPTS
+        from kvcache.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(folder)
         return [torch.tensor(tokenizer.encode(text)) for text in (texts or DEFAULT_PROMPTS)], "text"
@@ -76,8 +76,8 @@ def _prompts(folder: Path, texts: list[str], vocab_size: int):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcache.drift import DriftSetting, Tolerance, default_model_dir, drift_table, measure_drift
     from kvcache.model import load_model
+    from kvcache.report.drift import DriftSetting, Tolerance, default_model_dir, drift_table, measure_drift
 
     if args.threads:
         torch.set_num_threads(args.threads)

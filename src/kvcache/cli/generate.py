@@ -166,7 +166,7 @@ def _load(args: argparse.Namespace):
     a progress bar on stderr; ValueError or OSError naming what is wrong."""
     from kvcache.model import load_model
     from kvcache.progress import ProgressBar
-    from kvcache.tokenizer import load_tokenizer
+    from kvcache.text.tokenizer import load_tokenizer
 
     args.cache = args.cache or ("paged" if args.kv_disk else "dynamic")
     if args.kv_disk and args.cache != "paged":
@@ -248,7 +248,7 @@ class _Runs:
         import torch
 
         from kvcache.engine.disk_store import DiskBlockStore
-        from kvcache.prefix import ChatSession
+        from kvcache.reuse.prefix import ChatSession
 
         store = DiskBlockStore(self.args.kv_disk, max_bytes=self.args.kv_disk_size)
         total = self.input_ids.shape[1] + self.args.max_new_tokens

@@ -230,7 +230,7 @@ def _engine(args: argparse.Namespace):
     from kvcache.engine.store_tier import open_tiers
     from kvcache.model import load_model
     from kvcache.progress import ProgressBar
-    from kvcache.tokenizer import load_tokenizer
+    from kvcache.text.tokenizer import load_tokenizer
 
     folder = Path(resolve_model_dir(args.model))
     model = load_model(folder, dtype=args.dtype,

@@ -43,7 +43,7 @@ def _prompts(folder: Path, vocab_size: int, count: int, seed: int) -> tuple[list
     from kvcache.report.measured import PROMPTS
 
     if (folder / "tokenizer.json").is_file():
-        from kvcache.tokenizer import load_tokenizer
+        from kvcache.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(folder)
         return [tokenizer.encode(text) for text in PROMPTS[:count]], "text"

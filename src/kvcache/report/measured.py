@@ -183,9 +183,9 @@ def equality_figures(model, prompt_ids: Sequence[int], new_tokens: int, window: 
 
 def drift_figures(model, prompts: Sequence[Sequence[int]], bits: Sequence[int | str], tokens: int,
                   group_size: int, residual: int, progress: Progress | None = None) -> dict:
-    """`kvcache.drift.measure_drift` for each setting: rows of `DriftResult.to_dict()`
+    """`kvcache.report.drift.measure_drift` for each setting: rows of `DriftResult.to_dict()`
     (setting, max |Δlogit|, mean KL, greedy agreement, bytes per token, within_tolerance)."""
-    from kvcache.drift import DriftSetting, Tolerance, measure_drift
+    from kvcache.report.drift import DriftSetting, Tolerance, measure_drift
 
     say = progress or (lambda fraction, label: None)
     settings = [DriftSetting(b, group_size, residual) for b in bits]

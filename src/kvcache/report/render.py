@@ -116,7 +116,8 @@ def _drift(report: dict, plots: dict) -> list[str]:
             "as below."]
     etol = engine["tolerance"]
     prompt_tokens = ", ".join(map(str, engine["prompt_tokens"]))
-    out += ["", f"**Engine.** `kvcache.drift.measure_drift` on the model: {engine['prompts']} prompt(s) "
+    out += ["", f"**Engine.** `kvcache.report.drift.measure_drift` on the model: {engine['prompts']} "
+            f"prompt(s) "
             f"({prompt_tokens} tokens), {engine['tokens']} greedy tokens each, quantized cache against "
             f"the unquantized one. Within tolerance = greedy agreement ≥ {etol['greedy_agreement']:g} "
             f"(free-running and teacher-forced) and mean KL ≤ {etol['mean_kl']:g} nats.", "",

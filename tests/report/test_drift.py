@@ -1,4 +1,4 @@
-"""kvcache.drift and `kvcache drift`: drift of quantized caches against the unquantized cache."""
+"""kvcache.report.drift and `kvcache drift`: drift of quantized caches against the unquantized cache."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tiny_models import llama_checkpoint
 
 from kvcache.cli import main
 from kvcache.cli.drift import bits_list
-from kvcache.drift import DriftSetting, Tolerance, default_model_dir, drift_table, measure_drift
 from kvcache.model import load_model
+from kvcache.report.drift import DriftSetting, Tolerance, default_model_dir, drift_table, measure_drift
 
 JSON_KEYS = {"bits", "kind", "max_abs_logit_diff", "mean_kl", "greedy_agreement", "bytes_per_token",
              "within_tolerance", "teacher_forced_agreement", "first_divergence", "quantized_fraction"}
@@ -112,9 +112,9 @@ def test_the_cli_exits_1_when_a_row_is_out_of_tolerance(tiny_dir, capsys):
 
 
 def test_the_cli_without_the_default_model_asks_for_one(monkeypatch, tmp_path, capsys):
-    import kvcache.drift
+    import kvcache.report.drift
 
-    monkeypatch.setattr(kvcache.drift, "default_model_dir", lambda: tmp_path / "absent")
+    monkeypatch.setattr(kvcache.report.drift, "default_model_dir", lambda: tmp_path / "absent")
     assert main(["drift"]) == 2
     assert "pass --model DIR" in capsys.readouterr().err
 
@@ -126,8 +126,8 @@ def test_bits_list_reads_8_4_and_fp8():
 
 
 def test_int8_on_the_default_model_agrees_on_at_least_99_percent_of_128_greedy_tokens(one_thread):
-    from kvcache.drift import DEFAULT_PROMPTS
-    from kvcache.tokenizer import load_tokenizer
+    from kvcache.report.drift import DEFAULT_PROMPTS
+    from kvcache.text.tokenizer import load_tokenizer
 
     folder = default_model_dir()
     model = load_model(folder)

@@ -10,7 +10,7 @@ from tiny_models import VOCAB, tiny_model
 from kvcache.cache import PagedCache, make_cache
 from kvcache.cache.paged_rows import prefill_inputs
 from kvcache.generation import generate
-from kvcache.prefix import ChatSession, PrefixCache
+from kvcache.reuse.prefix import ChatSession, PrefixCache
 
 BLOCK = 4
 
@@ -184,7 +184,7 @@ def test_chat_session_with_a_real_chat_template_matches_re_sending_the_history(t
     from tiny_models import HF_VOCAB as TOKENIZER_VOCAB
     from tiny_models import write_tokenizer
 
-    from kvcache.tokenizer import load_tokenizer
+    from kvcache.text.tokenizer import load_tokenizer
 
     write_tokenizer(tmp_path)  # byte-level BPE, BOS, a Llama-2 chat template
     tokenizer = load_tokenizer(tmp_path)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvcache.chat_template import (
+from kvcache.text.chat_template import (
     MAX_OUTPUT_CHARS,
     MAX_TEMPLATE_BYTES,
     TemplateLimitError,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcache import load_tokenizer
-from kvcache.tokenizer import TokenizerError
+from kvcache.text.tokenizer import TokenizerError
 
 MESSAGES = [{"role": "user", "content": "Hello, what's your name."}]
 CONVERSATION = [

@@ -24,7 +24,7 @@ import torch
 from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
 from kvcache.model.fingerprint import model_fingerprint
 
-FORMAT = "kvcache.prompt_cache"
+FORMAT = "kvcache.reuse.prompt_cache"
 VERSION = "2"  # 2: the fingerprint hashes every weight byte; a checksum covers ids and tensors
 MAX_BLOCK_SIZE = 4096
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvcache.chat_template import MAX_TEMPLATE_BYTES, compile_chat_template, render_chat_template
 from kvcache.defaults import is_gguf, resolve_model_dir
 from kvcache.files import MAX_TOKENIZER_BYTES, check_size, read_json_object, read_text
-from kvcache.tokenizer_error import TokenizerError
+from kvcache.text.chat_template import MAX_TEMPLATE_BYTES, compile_chat_template, render_chat_template
+from kvcache.text.tokenizer_error import TokenizerError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -222,7 +222,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
     path = resolve_model_dir(path)
     if is_gguf(path):
-        from kvcache.tokenizer_gguf import read_gguf_tokenizer
+        from kvcache.text.tokenizer_gguf import read_gguf_tokenizer
 
         return Tokenizer(*read_gguf_tokenizer(Path(path).expanduser()))
     folder = Path(path).expanduser()

@@ -1,7 +1,7 @@
 """The tokenizer a GGUF file carries in its metadata, rebuilt as a `tokenizers` byte-level BPE:
 the vocabulary (`tokenizer.ggml.tokens`), the merges, control tokens as special tokens, BOS/EOS/
 padding ids, whether a BOS is added, and the chat template (rendered, like every template, in
-jinja2's sandbox by `kvcache.tokenizer.Tokenizer`, which `load_tokenizer` builds from these parts).
+jinja2's sandbox by `kvcache.text.tokenizer.Tokenizer`, which `load_tokenizer` builds from these parts).
 
 How text is split before BPE depends on the model (`tokenizer.ggml.pre`); the splits known here
 are written out below, and a file that names another is refused by name rather than tokenized
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcache.tokenizer_error import TokenizerError
+from kvcache.text.tokenizer_error import TokenizerError
 
 # token_type values in GGUF (llama.cpp's: undefined, normal, unknown, control, user-defined, unused, byte)
 _CONTROL, _USER_DEFINED, _TOKEN_TYPES = 3, 4, range(7)
@@ -91,7 +91,7 @@ def _bpe(tokens: list[str], merges: list[tuple[str, str]], source: str):
 
 
 def read_gguf_tokenizer(path: str | Path) -> tuple:
-    """The tokenizer stored in the GGUF file at `path`, as `kvcache.tokenizer.Tokenizer`'s
+    """The tokenizer stored in the GGUF file at `path`, as `kvcache.text.tokenizer.Tokenizer`'s
     arguments: (a tokenizers.Tokenizer, special tokens, chat template, add_bos_token)."""
     from tokenizers import AddedToken, decoders
 

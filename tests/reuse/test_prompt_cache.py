@@ -11,8 +11,8 @@ from tiny_models import VOCAB, tiny_model
 
 from kvcache.cache import OutOfBlocksError, PagedCache
 from kvcache.generation import generate
-from kvcache.prefix import PrefixCache
-from kvcache.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
+from kvcache.reuse.prefix import PrefixCache
+from kvcache.reuse.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
 BLOCK = 4
 
@@ -137,7 +137,7 @@ def _recheck(path) -> None:
 
     from safetensors import safe_open
 
-    from kvcache.prompt_cache import _checksum
+    from kvcache.reuse.prompt_cache import _checksum
 
     with safe_open(str(path), "pt") as handle:
         kept = dict(handle.metadata())
