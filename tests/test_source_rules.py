@@ -69,6 +69,25 @@ def test_functions_stay_short():
     assert not long, long
 
 
+# words of a measurement or a machine, which belong in docs/ and benchmarks/results, not the code
+MACHINE_WORDS = re.compile(r"\bmeasured\b|times faster|\b(EPYC|Xeon|Ryzen|AMD|Intel)\b")
+
+
+def test_backend_modules_say_what_they_are_in_ten_lines_and_leave_measurements_to_the_docs():
+    found = {}
+    for path in sorted((SOURCE / "backends").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module = ast.get_docstring(tree) or ""
+        if len(module.splitlines()) > 10:
+            found[path.name] = f"{len(module.splitlines())} lines"
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                words = MACHINE_WORDS.findall(ast.get_docstring(node) or "")
+                if words:
+                    found[f"{path.name}:{getattr(node, 'name', 'module')}"] = words
+    assert not found, found
+
+
 def test_nothing_points_outside_the_repository():
     root = SOURCE.parents[1]
     texts = [*FILES, root / "README.md", *(root / "docs").glob("*.md")]

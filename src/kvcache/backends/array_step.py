@@ -1,30 +1,7 @@
 """ArrayStep: a decode step whose per-token arithmetic runs on numpy float32 rows.
 
-Why: a decode step is one new token per row. Its weights are read once each, so on CPU the step
-is memory bandwidth (the products) plus per-operation overhead (everything between them). A
-numpy operation on a few hundred floats costs a fraction of a torch one (`docs/backends.md`), so
-everything between the products runs as numpy calls on float32 rows, and each backend says only
-how a product is computed (`products`/`_linear`: oneDNN's packed product; numpy's OpenBLAS or
-torch's F.linear where that does not apply), where it runs (`_on_torch_threads`), how token ids
-become rows (`embed_rows`) and how keys and values reach the cache (`_store`, through the seam
-`cache.update`/`update_arrays`; the plan comes from `cache.begin(1, attention_mask)`).
-
-One row, where numba runs (`numba_products.available`), takes another road to the same forward:
-a backend that sets `row_layers` runs it on numba's kernels (`numba_kernels`), each layer two
-kernel calls around the cache's update (`_store_rows`) instead of a dozen numpy operations and
-torch's attention, the products, the attention's heads and its chunks of keys split between
-numba's threads.
-
-It computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3), RoPE
-(pairs i, i + D/2), the cache update, grouped-query attention under the plan's masks (torch's
-fused attention on the stored keys and values, each kv head's group of queries as the rows: one
-call per layer), o_proj, RMSNorm, SwiGLU, residuals, the final norm, lm_head; for B rows of one
-new token each, every row at its own position (left padding, or a paged cache's rows of
-different lengths). The residual stream stays float32 whatever the weights' dtype.
-
-It calls no module: a model whose modules would do more than their forwards is refused when a
-backend is built (`support.unsupported_structure`), and a model changed afterwards needs a new
-backend (`matches`).
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+array_step.py.
 """
 
 from __future__ import annotations

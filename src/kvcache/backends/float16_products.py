@@ -1,17 +1,7 @@
 """Float16 models' products and attention computed in float32 on CPU, for prompts.
 
-Why: CPUs without float16 arithmetic (no AVX512-FP16 or AMX-FP16, like the ones measured) run
-torch's float16 matrix products and attention on a slow path; a float16 model's prefill took
-about ten times its bfloat16 twin's (`docs/backends.md`). Upcasting each weight for the call
-(2 bytes read, 4 written per weight) and running float32's fast kernels is several times faster
-for a prompt of many rows, and the result is rounded back to float16, so every op still returns
-what the float16 op returns up to its summation order (float16 products accumulate in float32
-as well). For a few rows the upcast costs more than it saves (one-row products read float16
-weights at full speed), so calls with fewer than `ROWS` rows (decode steps, the last position's
-lm_head) run as they are.
-
-`float32_products(model, tokens)` is the context `torch_step.last_logits` runs a float16 CPU model's
-forward in; everything else passes through unchanged.
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+float16_products.py.
 """
 
 from __future__ import annotations

@@ -1,33 +1,7 @@
 """HalfBackend: the decode step of a bfloat16 or float16 CPU Llama-family model.
 
-Why: a decode step reads every weight once, so on CPU it is bound by memory bandwidth, and
-half-precision weights halve the bytes a token costs. torch's own half-precision products at one
-row are slow to read their weights on the CPUs measured (bfloat16 `F.linear` re-lays its weight
-out for oneDNN on every call), so the step keeps its own copy of the weights laid out once:
-bfloat16 matrices in oneDNN's packed layout (`onednn`: its products read each weight once
-whatever the number of rows and accumulate in float32), float16 ones as plain matrices for
-`F.linear`. q/k/v and gate/up are fused into one matrix each, so a layer is four products. A
-bfloat16 model's prompt forward runs its products on the same copy (`prompt_products`). One row
-runs on numba's kernels instead (`numba_products`: faster in the step than oneDNN's or
-F.linear's products and torch's attention on the CPU measured), its products on the model's own
-parameters read in place as their bits (q, k, v and gate, up one after another; the parameters
-moved onto 2 MB pages first, `huge_pages.move_parameters`), each product's input and output
-rounded to the weights' dtype as oneDNN's and torch's are, the cache's keys and values read in
-place; where numba has no fast pool oneDNN's (float16: F.linear's) runs every step.
-
-The step computes the model's forward: RMSNorm, fused q/k/v, the per-head q/k norms (qwen3),
-RoPE, the cache update, grouped-query attention under the plan's masks, o_proj, RMSNorm, SwiGLU,
-residuals, the final norm and lm_head: the arithmetic between products is `array_step.ArrayStep`'s,
-on numpy float32 rows, so what the torch forward does in the weights' dtype it does in float32
-(the residual stream, the norms, RoPE, SiLU); each product's input is rounded to the weights'
-dtype and its output read back in float32; keys and values are stored in the cache's dtype and
-attention runs there. So its logits are as close to a float32 forward of the same weights as the
-torch forward's in that dtype (the tests pin a mean error within 1.25× and a worst within 2× of
-the torch forward's).
-
-Like the numpy step it calls no module (`support.unsupported_structure`), and its copy of the
-weights is the model's at build time: `matches` says whether every parameter is still the same
-tensor, unchanged (its version counter), so a model written to since gets a new backend.
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+half_step.py.
 """
 
 from __future__ import annotations

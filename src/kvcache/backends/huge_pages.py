@@ -1,13 +1,7 @@
 """Memory on 2 MB pages for the weights a CPU decode step streams.
 
-Why: a decode step reads every weight once, and with 4 KB pages that is one TLB entry per 4 KB.
-Cycling matrix-vector products over weights past the reach of the second-level TLB (8 MB of
-4 KB pages) slows them several-fold, while the same bytes on 2 MB pages keep their speed
-(`docs/backends.md` has the measurements). So the numpy backend packs a model's weights
-into one anonymous mapping aligned to 2 MB and advised MADV_HUGEPAGE (Linux transparent huge
-pages in "always" or "madvise" mode), and the half step moves a half-precision model's
-parameters into one (`move_parameters`), since its one-row kernels read them in place. Models
-over MOVE_LIMIT bytes keep ordinary allocations (not measured there; their copy takes seconds).
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+huge_pages.py.
 """
 
 from __future__ import annotations

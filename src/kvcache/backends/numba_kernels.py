@@ -1,33 +1,10 @@
 """The numba kernels of a decode step of N rows (tokens): its products, a layer in two calls, and
-attention that reads stored keys and values in place through a block table.
+attention that reads stored keys and values in place through a block table: token t of table row
+r, kv head h, sits at row (tables[r, t // S]·S + t % S)·token_stride + h·head_stride of the
+stored keys. Weights are tuples of row-major parts, float32 or half precision read as its bits.
 
-Imported only through `numba_products` (which imports it on first use), so importing kvcache
-never loads numba. Every kernel works on N rows of float32 values (N = 1: one decode row); a
-weight is a tuple of parts stacked along its output, each (out_i, in) row-major: float32, or a
-half-precision matrix viewed as its bits (`numba_products.half_bits`; numba has no bfloat16 or
-float16 values): bfloat16 as uint16 (widened by a shift: a bfloat16 is a float32's upper half),
-float16 as int16 (widened by the CPU's half-precision conversion); numba compiles one version per
-kind. Stored keys and values come the same three ways.
-
-Stored keys are rows (R, D) found through a block table (`attend`): token t of table row r, kv
-head h, sits at row (tables[r, t // S]·S + t % S)·token_stride + h·head_stride. A paged cache's
-storage (blocks, S, H_kv, D) is that with its block size S, token_stride H_kv, head_stride 1; a
-cache buffer's rows (H_kv, capacity, D) are one "block" of any size, token_stride 1,
-head_stride capacity. `rounding` (NONE, BFLOAT16, FLOAT16) says what a product rounds its input
-and its output (its bias added) to, as oneDNN's and torch's half-precision products do; the
-arithmetic between products stays float32. An absent bias or norm is an empty array.
-
-Floating point: reassociation and contraction are allowed (the dot products' sums are
-vectorised in any order, as a BLAS sums them); infinities and NaNs keep their meaning (a masked
-key's score is -inf; exp(-g) of a very negative gate is inf, making silu -0).
-
-Each layer is two calls around the cache's update (`attention_inputs`: norm, q/k/v, the per-head
-norms, RoPE, the queries' scale; `layer_output`: attention over the stored keys and values, o,
-residual, norm, gate/up, SiLU, down, residual), so what a step costs between its products is two
-calls a layer rather than a dozen numpy operations. A product reads each weight row once for all
-N rows; the products' rows and the attention's (token, kv head, chunk of keys) tasks are split
-between numba's threads. Where another library's product is faster (many rows), the steps
-between products are kernels of their own (`rope`, `store`, `attention`).
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+numba_kernels.py.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """A one-row decode step on numba's compiled kernels: what a backend hands them, and checks.
 
-Why: a one-row decode step is a chain of matrix-vector products, each reading its weight once,
-with a little arithmetic between them, so on CPU it is bound by memory bandwidth plus what each
-operation costs to start. On the CPU measured (`docs/backends.md`) a plain loop over a weight's
-rows (each row one dot product, the rows split between the threads), compiled by numba with
-fast-math vectorisation, read float32 weights faster in the step than numpy's OpenBLAS product
-and half-precision ones (read as their bits and widened: a bfloat16 by a shift, a float16 by
-the CPU's conversion) faster than oneDNN's packed product and torch's; and a layer's arithmetic
-between products, a dozen numpy and torch calls, is two kernel calls (`numba_kernels`: the
-kernels themselves).
-
-numba's pool must be OpenMP (or TBB): on its fallback `workqueue` pool the same loop ran at
-about half OpenBLAS's speed, so `available()` is False there and the steps keep their numpy and
-oneDNN paths. The kernels are compiled on first use (a few seconds) and cached on disk beside
-`numba_kernels.py` (numba's `cache=True`); numba is imported only then, so importing kvcache
-does not load it. Two OpenMP pools spinning at once (numba's and torch's, or numba's beside
-OpenBLAS's) make each other wait, so a step on these kernels runs torch on one thread.
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+numba_products.py.
 """
 
 from __future__ import annotations

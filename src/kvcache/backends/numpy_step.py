@@ -1,26 +1,7 @@
 """NumpyBackend: the decode step of a float32 CPU Llama-family model, one row on numba's kernels.
 
-Why: a decode step reads every weight once, so on CPU its products are bound by memory
-bandwidth and by what each operation costs to start. A one-row step runs on numba's compiled
-kernels on OpenMP threads (`numba_products`: matrix-vector loops that read float32 weights
-faster in the step than numpy's OpenBLAS product on the machines measured, `docs/backends.md`,
-and each layer's arithmetic in two calls), on weights packed once when the backend is built
-(`packing`: fused q/k/v and gate/up, row-major). Where numba has no OpenMP (or TBB) pool its
-loops are slow, and the step runs `array_step.ArrayStep`'s numpy operations with numpy's products
-(`x @ W`: OpenBLAS, tall matrices stored column-major for it). The step talks to the cache
-through its numpy form, `K, V = cache.update_arrays(k, v, layer_idx)`. torch runs on one thread
-during a one-row step (the cache's calls), so no second OpenMP pool spins beside the products'
-threads.
-
-A step of two rows or more is a matrix-matrix product, for which OpenBLAS packs its weight on
-every call (about twice the one-row cost); those steps run their products on oneDNN's packed
-float32 layout instead (`onednn`, on torch's threads), and so does the model's forward of a
-prompt (`prompt_products`: torch's float32 `F.linear` ran a prompt's products at under half
-oneDNN's speed on the CPU measured). That layout is a second copy of the projections' weights,
-made with the backend and again after an in-place write to a parameter (its version counter),
-which the packed arrays see but the copy does not.
-
-A model changed after the backend was built needs a new backend (`PackedWeights.matches`).
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+numpy_step.py.
 """
 
 from __future__ import annotations

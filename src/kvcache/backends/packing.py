@@ -1,18 +1,7 @@
 """The weights of a float32 CPU model, packed once for the numpy decode step.
 
-What measured well on CPU (`docs/backends.md`): fewer, larger products (q/k/v as one matrix,
-gate/up as one), every matrix row-major for the step's numba products (each output a dot product
-of one contiguous row), or, when the step runs numpy's products instead, tall matrices stored
-column-major (OpenBLAS's column-major matrix-vector kernel streams them faster), and the weights
-on 2 MB pages (`huge_pages`, up to its MOVE_LIMIT).
-
-One copy serves both paths: every parameter whose memory was re-laid out (fused, transposed, moved
-onto huge pages) is pointed at its slice of the packed arrays, with the same values, names and
-shapes, so the model's own forward (prefill) reads the same memory and no weight is stored twice.
-Parameters whose layout already fits are viewed, not copied. An in-place write to a parameter
-(`load_state_dict`, an optimizer step) is therefore seen by both; a parameter replaced by another
-tensor, or moved or cast, is not: build a new backend (`PackedWeights.matches` says whether the
-model still reads these arrays).
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+packing.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The engine's step on numba's kernels: every row of a `PagedBatch` (decode rows and prompt chunks
 alike) in one pass over the weights, attention reading the paged blocks in place.
 
-The batch's new tokens become the kernels' N rows, each with its position, its row's block table
-and its slot in every group of layers; each token's keys and values are written straight into
-their slots (`numba_kernels.store`) and attention reads every row's keys and values through its
-block table (`numba_kernels.attend`): no gather of any row's context. Up to the step's
-`kernel_rows` tokens every product is the kernels' (a layer in two calls, as one decode row of
-`generate`, reading each weight once for all rows); a step of more tokens (a prompt chunk) runs
-its products on the backend's products for many rows (`ArrayStep.products`: oneDNN's), with the
-kernels between them. Only the rows that sample get logits (the final norm and lm_head).
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+paged_step.py.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """A prompt's products on a decode backend's laid-out weights (oneDNN's packed layout).
 
-Why: a prompt is many rows, so its products are compute-bound, and on the CPUs measured torch's
-`F.linear` left most of that compute unused: its float32 product (MKL, on an AMD EPYC) ran a
-128-token prompt's products at well under half the speed of oneDNN's packed product of the same
-weights, and its bfloat16 one re-lays its weight out for oneDNN on every call
-(`docs/backends.md`). The numpy and half steps keep such a copy of the model's projections
-(`onednn.LaidOutLayer`: q/k/v and gate/up fused), so the model's forward of a prompt (every
-prefill and prefill chunk, generate's and the engine's: `torch_step.last_logits`) runs in a torch
-function mode that sends each `F.linear` whose weight is one of those projections to the copy.
-
-A fused matrix stands for several modules: the first member's call computes the fused product
-and returns its own columns; a later member's call on that very input tensor (the same object,
-and outside inference mode not written to since: inference tensors keep no version counter) gets
-its columns of that product, and a call on any other input computes afresh. The backends enter
-the mode only around the forward of a model they checked module by module
-(`support.unsupported_structure`), whose forward writes no projection's input in place. A call
-whose bias, dtype, device or autograd state differ from what the copy was made for runs as it
-is, so the mode changes how a product is computed, never what it is (up to float summation
-order).
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+prompt_products.py.
 """
 
 from __future__ import annotations
