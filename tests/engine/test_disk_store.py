@@ -183,3 +183,24 @@ def test_writes_keep_to_the_write_rate(tmp_path):
     assert time.monotonic() - started >= 1.0  # 6 MiB at 4 MiB/s (a lower bound: load only adds)
     assert store.blocks() == 6
     store.close()
+
+
+def test_a_read_error_on_a_block_fails_the_tier_not_the_request(model, tmp_path, monkeypatch):
+    import errno
+
+    from kvcache.engine import disk_store
+
+    prompt = ids(40, seed=11)
+    writer = engine(model, DiskBlockStore(tmp_path))
+    cold = answer(writer, prompt)
+    flushed(writer).close()
+
+    def broken(path, target):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_store, "_read_file", broken)
+    reader = engine(model, DiskBlockStore(tmp_path))
+    warm = answer(reader, prompt)
+    assert warm.finish_reason == "length" and warm.tokens == cold.tokens  # computed instead
+    assert reader.stats()["kv_store"]["errors"] >= 1
+    reader.close()

@@ -297,3 +297,16 @@ def test_cache_salt_keeps_requests_of_other_salts_from_sharing_cached_tokens(ser
     assert cached("salt-one-for-this-test") > 0
     bad = httpx.post(url, headers=auth, json={"prompt": prompt, "cache_salt": 7}, timeout=TIMEOUT)
     assert "cache_salt" in _error(bad, 400)["message"]
+
+
+def test_a_bound_socket_takes_no_connection_before_the_server_serves():
+    import socket
+
+    from kvcache.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConnectionRefusedError):  # nothing queues up while a model loads
+            socket.create_connection(sock.getsockname()[:2], timeout=5).close()
+    finally:
+        sock.close()

@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:  # a conversation past the cache or the context, a template refusal
             print(f"kvcache chat: error: {error}", file=sys.stderr)
             if not interactive:
+                chat.close()
                 return 1
             print("[the turn is dropped; /reset starts a new conversation]", file=sys.stderr)
     chat.close()

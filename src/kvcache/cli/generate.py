@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         with compiling_said("generate"):
             runs.warm_up()
         result = runs.timed(stream)
-    except ValueError as error:  # BackendError and CacheError are ValueErrors too
+    except (ValueError, OSError) as error:  # BackendError, CacheError; a --kv-disk folder refused
         if stream is not None and stream.written:
             print(flush=True)  # end the text printed so far
         print(f"kvcache generate: error: {error}", file=sys.stderr)
@@ -259,11 +259,12 @@ class _Runs:
         try:
             session.send_ids(self.input_ids[0].tolist(), streamer=streamer, backend=self.args.backend,
                              tokenizer=self.tokenizer, generator=torch.Generator().manual_seed(self.seed))
+            elapsed = time.perf_counter() - started  # (the blocks' writing, after, is not the answer's)
         finally:
             session.close()
             store.close()
         result = session.last_result
-        outside = time.perf_counter() - started - result.time_to_first_token_s - result.decode_time_s
+        outside = elapsed - result.time_to_first_token_s - result.decode_time_s
         self.tokens_from_disk = session.last_turn[0]
         return dataclasses.replace(result, time_to_first_token_s=result.time_to_first_token_s + outside)
 

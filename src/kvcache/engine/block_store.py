@@ -124,8 +124,13 @@ class BlockStore:
         self._reads = [read for read in self._reads if not read.future.done()]
         if not keys or not self.available() or len(self._reads) >= MAX_READS:
             return None
-        read = PendingRead(self, self._reader.submit(self._read_run, keys, value_bytes),
-                           time.monotonic() + self.timeout_s)
+        started = threading.Event()  # set when the reader thread takes the read up
+
+        def run() -> list:
+            started.set()
+            return self._read_run(keys, value_bytes)
+
+        read = PendingRead(self, self._reader.submit(run), time.monotonic() + self.timeout_s, started)
         self._reads.append(read)
         self.counters.lookups += 1
         return read
@@ -206,8 +211,8 @@ class PendingRead:
     """A read started by `BlockStore.start_read`: `ready()` once answered or past its deadline;
     then `values()`."""
 
-    def __init__(self, store: BlockStore, future: Future, deadline: float) -> None:
-        self.store, self.future, self.deadline = store, future, deadline
+    def __init__(self, store: BlockStore, future: Future, deadline: float, started: threading.Event) -> None:
+        self.store, self.future, self.deadline, self.started = store, future, deadline, started
         self._values: list[bytes] | None = None
         self._settled = False
 
@@ -230,8 +235,9 @@ class PendingRead:
 
     def _settle(self) -> list[bytes] | None:
         store = self.store
-        if not self.future.done():
-            store.failed(TimeoutError(f"no answer within {store.timeout_s} s"), "reading blocks")
+        if not self.future.done():  # past the deadline: a read taken up and not answered is the
+            if self.started.is_set():  # tier's failure; one still queued behind another is not
+                store.failed(TimeoutError(f"no answer within {store.timeout_s} s"), "reading blocks")
             return None
         error = self.future.exception()
         if error is not None:

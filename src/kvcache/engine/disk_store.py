@@ -154,7 +154,11 @@ class DiskBlockStore(BlockStore):
             with self._index_lock:
                 if key in self._index:
                     self._index.move_to_end(key)
-            os.utime(path)  # most recently used, across restarts too
+            try:
+                os.utime(path)  # most recently used, across restarts too
+            except FileNotFoundError:  # evicted or discarded since it was opened
+                self.discard(key)
+                break
             blocks.append(DiskBlock(self, key, path, value_bytes))
         self.counters.read_round_trips += 1
         return blocks
@@ -167,12 +171,23 @@ class DiskBlockStore(BlockStore):
         if buffer is None or len(buffer) != block.size:
             buffer = self._buffers.block = bytearray(block.size)
         target = memoryview(buffer)
-        if _read_file(block.path, target) != block.size:
+        try:
+            read = _read_file(block.path, target)
+        except OSError as error:  # (EIO, a stale handle): the tier, not the request, failed
+            self.failed(error, "reading a block")
+            read = None
+        if read != block.size:
             self.discard(block.key)
             return None
         return target
 
     def _write(self, batch: list[tuple[str, bytes]]) -> int:
+        try:
+            return self._write_files(batch)
+        finally:
+            self._evict()  # (a batch cut short by a full disk still leaves the folder in its size)
+
+    def _write_files(self, batch: list[tuple[str, bytes]]) -> int:
         written = 0
         for key, value in batch:
             path = self.path(key)
@@ -190,7 +205,6 @@ class DiskBlockStore(BlockStore):
                 self._index[key] = len(value)
             written += len(value)
             self._pace(len(value))
-        self._evict()
         return written
 
     def _pace(self, size: int) -> None:
@@ -229,6 +243,8 @@ class DiskBlockStore(BlockStore):
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Stop the threads (queued blocks are dropped) and unlock the folder."""
+        """Stop the threads (queued blocks are dropped) and unlock the folder once the writer has
+        ended (a batch it is writing is finished first)."""
         super().close()
+        self._writer.join(timeout=30)
         self._lock_file.close()

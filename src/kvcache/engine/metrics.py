@@ -22,6 +22,8 @@ class EngineMetrics:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    prefill_seconds_saved: float = 0.0  # their prefill, at the measured seconds per token then
+    unpriced_tokens: int = 0  # loaded before any prefill was measured: priced at the first one
 
     def count_cached(self, admitted: list, running: list, attached: dict, loaded: dict) -> None:
         """Prompt tokens served without a forward in a step (attached from the pool: `attached`,
@@ -38,6 +40,10 @@ class EngineMetrics:
             if request.first_pass and request.id in loaded:
                 request.usage.cached_tokens += loaded[request.id]
                 self.cached_prompt_tokens += loaded[request.id]
+                self.unpriced_tokens += loaded[request.id]
+        if self.unpriced_tokens and self.prefill_tokens:  # at the prefill seconds per token so far
+            self.prefill_seconds_saved += self.unpriced_tokens * self.prefill_seconds / self.prefill_tokens
+            self.unpriced_tokens = 0
 
     @staticmethod
     def now() -> float:

@@ -103,8 +103,18 @@ class KVPool:
             return
         for request in requests:
             request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens, request.root))
-            held = self.cache.prefix_cost(request.tokens, request.digests[1])[0] // self.block_size
+            held = self._attachable_blocks(request.digests[1])
             request.store_read = self.store_tier.prefetch(request.digests[1], held, wake)
+
+    def _attachable_blocks(self, digests: list[bytes]) -> int:
+        """Leading blocks of `digests` every group of the pool could attach now: membership tests
+        only, safe beside a step on another thread (`prefix_cost` also reads blocks a step may
+        evict meanwhile)."""
+        full = self.cache.full_allocator
+        count = len(digests) if full is None else full.attachable(digests)
+        while count and not all(allocator.can_attach(digests, count) for allocator in self.cache.allocators):
+            count -= 1
+        return count
 
     def pin(self, tokens: list[int]) -> int:
         """Pin the whole blocks of `tokens` (`BlockAllocator.pin`; the store tier's too); the tokens
@@ -125,8 +135,7 @@ class KVPool:
             return True
         if not read.ready():
             return False
-        attachable = self.cache.prefix_cost(request.tokens, request.digests[1])[0] // self.block_size
-        if read.pending.values() is None or read.start <= attachable:
+        if read.pending.values() is None or read.start <= self._attachable_blocks(request.digests[1]):
             return True  # (no answer: admitted without the store)
         self.prefetch([request], wake)
         return request.store_read is None

@@ -127,13 +127,12 @@ class _TierCollector:
         for counts in tiers.values():
             up.add_metric([counts["kind"]], float(counts["up"]))
         yield up
-        tokens = store["hit_blocks"] * self.engine.limits.block_size
-        per_token = 1 / stats["prefill_tokens_per_s"] if stats["prefill_tokens_per_s"] else 0.0
+        counts, tokens = self.engine.metrics, store["hit_blocks"] * self.engine.limits.block_size
         for name, help_text, value in (
             ("hit_blocks", "Blocks from the tiers written into the pool, not computed", store["hit_blocks"]),
             ("tokens_served", "Prompt tokens served from the tiers", tokens),
-            ("prefill_seconds_saved", "Prefill those tokens would have taken, at the engine's measured "
-             "prefill seconds per token", tokens * per_token),
+            ("prefill_seconds_saved", "Prefill those tokens would have taken, each at the engine's prefill "
+             "seconds per token measured when it was loaded", counts.prefill_seconds_saved),
         ):
             yield CounterMetricFamily(f"kvcache_kv_store_{name}", help_text, value=float(value))
 

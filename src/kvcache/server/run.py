@@ -83,10 +83,10 @@ def _shutdown_on_signals(server: uvicorn.Server):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); port 0 picks a free one (`sock.getsockname()`)."""
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it when it starts
+    serving); port 0 picks a free one (`sock.getsockname()`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    sock.bind((host, port))  # not listening: nothing connects while the model loads
     return sock
