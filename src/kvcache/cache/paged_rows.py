@@ -169,11 +169,19 @@ def prefix_cost(cache, token_ids: Sequence[int], digests: Sequence[bytes] | None
     caller keeps them (they depend on the tokens only). Changes nothing."""
     if digests is None:
         digests = cache.prefix_digests(token_ids)
+    count = attachable_blocks(cache, digests)
+    full = cache.full_allocator
+    return count * cache.block_size, 0 if full is None else full.idle_blocks(digests, count)
+
+
+def attachable_blocks(cache, digests: Sequence[bytes]) -> int:
+    """Leading blocks of `digests` every group of `cache` could attach now. Membership tests only,
+    so safe to call beside a step on another thread (a stale count at worst)."""
     full = cache.full_allocator
     count = len(digests) if full is None else full.attachable(digests)
     while count and not all(allocator.can_attach(digests, count) for allocator in cache.allocators):
         count -= 1
-    return count * cache.block_size, 0 if full is None else full.idle_blocks(digests, count)
+    return count
 
 
 def prefix_digests(cache, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> list[bytes]:

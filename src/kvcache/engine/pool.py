@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache.cache import OutOfBlocksError, PagedBatch, PagedCache
+from kvcache.cache.paged_rows import attachable_blocks
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq
 from kvcache.engine.store_tier import StoreTier
@@ -103,18 +104,8 @@ class KVPool:
             return
         for request in requests:
             request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens, request.root))
-            held = self._attachable_blocks(request.digests[1])
+            held = attachable_blocks(self.cache, request.digests[1])
             request.store_read = self.store_tier.prefetch(request.digests[1], held, wake)
-
-    def _attachable_blocks(self, digests: list[bytes]) -> int:
-        """Leading blocks of `digests` every group of the pool could attach now: membership tests
-        only, safe beside a step on another thread (`prefix_cost` also reads blocks a step may
-        evict meanwhile)."""
-        full = self.cache.full_allocator
-        count = len(digests) if full is None else full.attachable(digests)
-        while count and not all(allocator.can_attach(digests, count) for allocator in self.cache.allocators):
-            count -= 1
-        return count
 
     def pin(self, tokens: list[int]) -> int:
         """Pin the whole blocks of `tokens` (`BlockAllocator.pin`; the store tier's too); the tokens
@@ -135,7 +126,7 @@ class KVPool:
             return True
         if not read.ready():
             return False
-        if read.pending.values() is None or read.start <= self._attachable_blocks(request.digests[1]):
+        if read.pending.values() is None or read.start <= attachable_blocks(self.cache, request.digests[1]):
             return True  # (no answer: admitted without the store)
         self.prefetch([request], wake)
         return request.store_read is None
