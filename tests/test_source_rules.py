@@ -35,6 +35,16 @@ def test_docstrings_carry_no_measured_figures():
     assert not found, found
 
 
+# the package root: the public API, the command's entry and a few stdlib modules; the rest is
+# grouped by concept in subpackages
+ROOT_MODULES = 6
+
+
+def test_the_package_root_holds_a_few_modules():
+    root = sorted(path.name for path in SOURCE.glob("*.py"))
+    assert len(root) <= ROOT_MODULES, root
+
+
 def test_source_files_stay_small():
     large = {str(path.relative_to(SOURCE)): n for path in FILES
              if (n := len(path.read_text(encoding="utf-8").splitlines())) > 400}

@@ -1,5 +1,7 @@
-"""Where kvcache's bundled default model lives, and what kind of path a model path is
-(standard library only, so that telling a GGUF file from a folder imports nothing heavy).
+"""The defaults and names a user picks from: where kvcache's bundled default model lives, the
+models named by a short name, the cache kinds and decode backends, and what kind of path a model
+path is (standard library only, so the command line offers its choices and tells a GGUF file from
+a folder without importing torch).
 
 The default model is a ~3M-parameter Llama trained by `scripts/train_default_model.py` on text
 shipped with Python; it is a standard Hugging Face checkpoint folder inside the package, used
@@ -39,6 +41,12 @@ def resolve_model_dir(path: str | Path | None) -> Path | str:
         return Path(found.submodule_search_locations[0]) / file
     return path
 
+
+#: `kvcache.make_cache` kinds ("quantized": int8 with its defaults; "none": keeps nothing)
+CACHE_KINDS = ("dynamic", "static", "sliding", "quantized", "paged", "none")
+#: `kvcache.backends.choose_backend` names ("auto": numpy for float32 CPU models, half for
+#: bfloat16/float16 ones, where they apply, else torch)
+BACKEND_NAMES = ("auto", "numpy", "half", "torch")
 
 GGUF_MAGIC = b"GGUF"
 

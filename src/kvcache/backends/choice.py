@@ -18,7 +18,7 @@ from kvcache.backends.base import BackendError, DecodeBackend
 from kvcache.backends.half_step import HalfBackend
 from kvcache.backends.numpy_step import NumpyBackend
 from kvcache.backends.torch_step import TorchBackend
-from kvcache.kinds import BACKEND_NAMES
+from kvcache.defaults import BACKEND_NAMES
 
 BACKENDS = BACKEND_NAMES
 

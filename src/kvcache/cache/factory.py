@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kvcache.kinds import CACHE_KINDS
+from kvcache.defaults import CACHE_KINDS
 
 from .base import Cache
 from .dynamic import DynamicCache

@@ -1,5 +1,5 @@
 """What a command says on stderr while it pauses: a line per kernel compiled on an install's first
-run (the load bar is `kvcache.progress.ProgressBar`, drawn after BAR_AFTER_S)."""
+run (the load bar is `kvcache.report.progress.ProgressBar`, drawn after BAR_AFTER_S)."""
 
 from __future__ import annotations
 

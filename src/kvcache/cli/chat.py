@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvcache.model import load_model
-    from kvcache.progress import ProgressBar
+    from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
 
     if args.threads:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int, size_argument
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
-from kvcache.defaults import resolve_model_dir
-from kvcache.kinds import BACKEND_NAMES, CACHE_KINDS
+from kvcache.defaults import BACKEND_NAMES, CACHE_KINDS, resolve_model_dir
 from kvcache.memory import parse_size
 
 LOADING = "kvcache generate: loading the model"
@@ -165,7 +164,7 @@ def _load(args: argparse.Namespace):
     """(model, tokenizer, prompt ids (1, T), sampling options) as the arguments say, loading with
     a progress bar on stderr; ValueError or OSError naming what is wrong."""
     from kvcache.model import load_model
-    from kvcache.progress import ProgressBar
+    from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
 
     args.cache = args.cache or ("paged" if args.kv_disk else "dynamic")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvcache.cli._args import positive_int, size_argument
 from kvcache.memory import format_bytes
-from kvcache.progress import ProgressBar
+from kvcache.report.progress import ProgressBar
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:

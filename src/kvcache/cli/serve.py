@@ -18,8 +18,7 @@ from pathlib import Path
 
 from kvcache.cli._args import WEIGHTS_HELD_TWICE, nonnegative_int, positive_int, size_argument
 from kvcache.cli._status import BAR_AFTER_S, compiling_said
-from kvcache.defaults import DEFAULT_MODEL_DIR, resolve_model_dir
-from kvcache.kinds import BACKEND_NAMES
+from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -229,7 +228,7 @@ def _engine(args: argparse.Namespace):
     from kvcache.engine import Engine
     from kvcache.engine.store_tier import open_tiers
     from kvcache.model import load_model
-    from kvcache.progress import ProgressBar
+    from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
 
     folder = Path(resolve_model_dir(args.model))

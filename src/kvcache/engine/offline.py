@@ -9,7 +9,7 @@ from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.prompts import prompt_ids
 from kvcache.engine.step_costs import StepCosts
 from kvcache.generation.params import SamplingParams
-from kvcache.progress import ProgressBar
+from kvcache.report.progress import ProgressBar
 
 
 def run_to_completion(

@@ -247,7 +247,7 @@ def load_model(
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype; a GGUF's
     tensors, quantized or not, are dequantized to float32); otherwise every tensor is converted to it.
     progress: called as progress(fraction of the tensors read, label) while reading, and with
-    (1.0, "done") at the end (a `kvcache.progress.ProgressBar` draws it).
+    (1.0, "done") at the end (a `kvcache.report.progress.ProgressBar` draws it).
     """
     resolved = resolve_model_dir(path)
     dtype = resolve_dtype(dtype)

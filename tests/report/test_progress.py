@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kvcache.progress import ProgressBar
+from kvcache.report.progress import ProgressBar
 
 
 class _Terminal(io.StringIO):
@@ -33,7 +33,7 @@ def test_a_terminal_is_redrawn_in_place_and_ends_with_a_newline():
 
 
 def test_work_done_before_after_s_draws_nothing_and_longer_work_draws(monkeypatch):
-    from kvcache import progress
+    from kvcache.report import progress
 
     clock = [100.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])

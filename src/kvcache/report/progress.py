@@ -1,4 +1,4 @@
-"""A progress bar on stderr for long work (the report, offline generation). Standard library only."""
+"""A progress bar on stderr for long work (loading, the report, offline generation). Standard library only."""
 
 from __future__ import annotations
 
