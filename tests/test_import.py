@@ -141,10 +141,21 @@ FORBIDDEN = {
     "kvcache.backends": ("kvcache.generation", "kvcache.cli", "kvcache.reuse.prefix", "kvcache.hf"),
     "kvcache.generation": ("kvcache.cli", "kvcache.reuse.prefix", "kvcache.hf"),
     "kvcache.hf": ("kvcache.model", "kvcache.backends", "kvcache.generation", "kvcache.cli"),
+    "kvcache.blocks": ("kvcache.cache.paged", "kvcache.model", "kvcache.backends", "kvcache.engine",
+                       "kvcache.generation", "kvcache.cli", "kvcache.hf"),
     "kvcache.geometry": ("kvcache.cache", "kvcache.model", "kvcache.memory"),
     "kvcache.memory": ("kvcache.cache", "kvcache.model"),
     "kvcache.reference": ("kvcache.cache", "kvcache.model", "kvcache.backends"),
 }
+
+
+def test_the_block_bookkeeping_uses_no_torch():
+    found = [f"{path.name}: {ast.unparse(node)}" for path in sorted((SOURCE / "blocks").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, (ast.Import, ast.ImportFrom))
+             and any("torch" in name for name in [getattr(node, "module", None) or ""]
+                     + [alias.name for alias in node.names])]
+    assert not found, found
 
 
 def test_data_flows_one_way():

@@ -7,7 +7,7 @@ import pytest
 from test_kv_store import BLOCK, NEW, engine, flushed, ids
 
 import kvcache
-from kvcache.cache.blocks import ROOT_HASH, salt_root
+from kvcache.blocks import ROOT_HASH, salt_root
 from kvcache.engine.disk_store import DiskBlockStore
 from kvcache.generation.params import RequestError, SamplingParams
 

@@ -8,7 +8,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 from kvcache.cache import PagedCache, make_cache
-from kvcache.cache.paged_rows import prefill_inputs
+from kvcache.cache.paged.rows import prefill_inputs
 from kvcache.generation import generate
 from kvcache.reuse.prefix import ChatSession, PrefixCache
 

@@ -78,7 +78,7 @@ class PromptProducts(TorchFunctionMode):
     def _output(self, product: LaidOutProduct, member: Member, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) through `member`'s columns of `product` -> (..., stop - start)."""
         pending = self._pending.pop(id(member.weight), None)
-        if pending is not None and pending[0] is x and pending[1] == _version(x):
+        if pending is not None and pending[0] is x and pending[1] == _version_of(x):
             return pending[2]
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
         fused = torch.ops.mkldnn._linear_pointwise(rows, product.weight, product.bias, "none", [], "")
@@ -88,11 +88,11 @@ class PromptProducts(TorchFunctionMode):
             if other is member:
                 mine = out
             else:
-                self._pending[id(other.weight)] = (x, _version(x), out)
+                self._pending[id(other.weight)] = (x, _version_of(x), out)
         assert mine is not None
         return mine
 
 
-def _version(x: torch.Tensor) -> int:
+def _version_of(x: torch.Tensor) -> int:
     """x's version counter (in-place writes count up); an inference tensor keeps none: -1."""
     return -1 if x.is_inference() else x._version

@@ -8,7 +8,7 @@ import torch
 
 from kvcache.backends.base import DecodeBackend
 from kvcache.backends.float16_products import float32_products
-from kvcache.cache.paged_rows import prefill_inputs
+from kvcache.cache.paged.rows import prefill_inputs
 
 
 def last_logits(model, input_ids: torch.Tensor, attention_mask, cache, backend=None) -> torch.Tensor:

@@ -27,9 +27,7 @@ from .errors import (
 from .factory import make_cache
 from .masks import build_mask
 from .nocache import NoCache
-from .paged import OutOfBlocksError, PagedCache, RowState
-from .paged_batch import PagedBatch
-from .paged_layer import PagedLayer
+from .paged import OutOfBlocksError, PagedBatch, PagedCache, PagedLayer, RowState
 from .quantized import QuantizedCache, QuantizedLayer
 from .sliding import CompiledSlidingWindowLayer, SlidingWindowCache, SlidingWindowLayer
 from .static import CompiledStaticLayer, StaticCache, StaticLayer

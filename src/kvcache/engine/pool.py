@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache.cache import OutOfBlocksError, PagedBatch, PagedCache
-from kvcache.cache.paged_rows import attachable_blocks
+from kvcache.cache.paged.rows import attachable_blocks
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq
 from kvcache.engine.store_tier import StoreTier

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.cache.blocks import salt_root
+from kvcache.blocks import salt_root
 from kvcache.generation.params import SamplingParams
 from kvcache.generation.stops import StopRule
 

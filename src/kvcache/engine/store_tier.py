@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.blocks import HOLE
 from kvcache.cache import OutOfBlocksError, PagedCache
-from kvcache.cache.blocks import HOLE
 from kvcache.engine.block_codec import (
     InvalidBlock,
     block_key,

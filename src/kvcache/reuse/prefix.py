@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvcache.cache.paged import PagedCache
-from kvcache.cache.paged_rows import prefill_inputs
+from kvcache.cache.paged.rows import prefill_inputs
 from kvcache.generation import GenerationResult, generate
 
 

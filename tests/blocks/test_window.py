@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.cache.blocks import HOLE
-from kvcache.cache.blocks_window import WindowedBlockAllocator
+from kvcache.blocks import HOLE
+from kvcache.blocks.window import WindowedBlockAllocator
 from kvcache.cache.errors import CacheCropError, OutOfBlocksError
 from kvcache.memory import window_blocks_per_sequence
 

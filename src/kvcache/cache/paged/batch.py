@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import CacheShapeError
+from ..errors import CacheShapeError
 
 
 @dataclass

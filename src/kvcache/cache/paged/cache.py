@@ -1,20 +1,6 @@
-"""PagedCache: keys and values in fixed-size blocks of one pool, shared between sequences.
-
-Each layer stores (num_blocks, block_size, H_kv, D); a `BlockAllocator` (plain Python) says
-which blocks each sequence (batch row) owns. Token p of a row lives in slot
-`table[p // block_size] * block_size + p % block_size`. `begin` reserves a forward's blocks
-(`paged_plan`); `update` writes the new rows to their slots and gathers each row's visible keys
-and values (whole blocks, right-padded to the longest row), with a mask that hides the padding.
-Rows may hold different numbers of tokens: without an attention_mask each row appends at its own
-length; padding columns of an HF-style attention_mask are not stored at all, so a row's token p
-always sits at position p, and a prompt prefix cached in full blocks can be attached to a new row
-instead of recomputed. `row_state` / `load_row_state` read a row out and put one back (prompt
-cache files).
-
-The gather copies every visible block once per layer and step (what a paged attention kernel
-avoids by reading the blocks in place); a single row whose blocks are consecutive in the pool
-(a fresh pool hands them out in order) is returned as a view, without a copy.
-"""
+"""PagedCache: the cache object of the paged package (rows, the seam `begin` / `update`, views
+for batched forwards, whole-cache operations); its layers, forward layouts, rows and storage
+helpers live in the sibling modules."""
 
 from __future__ import annotations
 
@@ -23,18 +9,19 @@ from itertools import count
 
 import torch
 
-from .base import Cache, ForwardPlan, LayerMasks
-from .blocks import ROOT_HASH, BlockAllocator
-from .blocks_window import WindowedBlockAllocator
-from .checks import check_batch_index, check_crop, check_new_tokens, where
-from .config import read_cache_geometry
-from .errors import CacheConfigError, CacheShapeError, OutOfBlocksError
-from .paged_layer import PagedLayer
-from .paged_plan import check_windows, first_forward_plan, group_mask, plan_forward
-from .paged_rows import RowState, append_to_row, prefix_cost, prefix_digests, read_row, write_row
-from .paged_storage import ScratchBuffer, Step
+from kvcache.blocks.allocator import ROOT_HASH, BlockAllocator
+from kvcache.blocks.window import WindowedBlockAllocator
 
-__all__ = ["OutOfBlocksError", "PagedCache", "PagedLayer", "RowState"]
+from ..base import Cache, ForwardPlan, LayerMasks
+from ..checks import check_batch_index, check_crop, check_new_tokens, where
+from ..config import read_cache_geometry
+from ..errors import CacheConfigError, CacheShapeError
+from .forward import check_windows, first_forward_plan, group_mask, plan_forward
+from .layer import PagedLayer
+from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
+from .storage import ScratchBuffer, Step
+
+__all__ = ["PagedCache"]
 
 
 class PagedCache(Cache):
@@ -127,9 +114,8 @@ class PagedCache(Cache):
         return [self.allocator.sequence(seq).num_tokens for seq in self.rows]
 
     def _storage_device(self, fallback: torch.device | None = None) -> torch.device:
-        keys = self.layers[0]._keys
-        if keys is not None:
-            return keys.device
+        if self.layers[0].allocated:
+            return self.layers[0].device
         return fallback or self._device or torch.device("cpu")
 
     @property
@@ -153,38 +139,48 @@ class PagedCache(Cache):
         self._set_columns(max(self.get_seq_length(), attached))
         return attached
 
-    prefix_cost = prefix_cost
-    prefix_digests = prefix_digests
+    def prefix_cost(
+        self, token_ids: Sequence[int], digests: Sequence[bytes] | None = None
+    ) -> tuple[int, int]:
+        """`rows.prefix_cost`: (tokens `add_sequence` would attach, the full-attention blocks of
+        those no row uses now). Changes nothing."""
+        return prefix_cost(self, token_ids, digests)
+
+    def prefix_digests(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> list[bytes]:
+        """The chained hashes of the whole blocks of `token_ids` a prefix hit may cover, from
+        `root` (`kvcache.blocks.salt_root`)."""
+        return self.allocators[0].prefix_digests(token_ids, root)
 
     def declare_tokens(self, row: int, token_ids: Sequence[int], start: int | None = None) -> None:
         """Tell the cache the token ids of row `row`'s positions start, start+1, … (default:
         after those already declared), e.g. generated tokens, so its full blocks become
         findable by later prompts that start the same way. Declare only the tokens actually
         run (or to be run) through the model at those positions."""
-        seq = self._row_seq(row)
+        seq = self.sequence_id(row)
         for allocator in self.allocators:
             allocator.declare_tokens(seq, token_ids, start)
 
     def token_ids(self, row: int) -> list[int]:
         """The token ids declared for row `row` (may run ahead of the positions stored)."""
-        return list(self.allocator.sequence(self._row_seq(row)).token_ids)
+        return list(self.allocator.sequence(self.sequence_id(row)).token_ids)
 
     def fork(self, row: int) -> int:
         """Add a row that shares row `row`'s blocks (copied on write); return its index."""
         seq = next(self._seq_ids)
         for allocator in self.allocators:
-            allocator.fork(self._row_seq(row), seq)
+            allocator.fork(self.sequence_id(row), seq)
         self.rows.append(seq)
         return len(self.rows) - 1
 
-    def _row_seq(self, row: int) -> int:
+    def sequence_id(self, row: int) -> int:
+        """The block tables' sequence id of row `row` (CacheShapeError when there is no such row)."""
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self.rows):
             raise CacheShapeError(f"row must be in [0, {len(self.rows)}), got {row!r}")
         return self.rows[row]
 
     def _set_columns(self, columns: int) -> None:
         for layer in self.layers:
-            layer._columns = columns
+            layer.columns = columns
 
     def _equal_length(self, what: str) -> int:
         lengths = set(self.row_lengths)
@@ -269,9 +265,12 @@ class PagedCache(Cache):
         self._steps = [layout.step for layout in layouts]
         return layouts
 
-    def _update_layer(
+    def update_layer(
         self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor, scratch: tuple | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The seam's update of `layer` (its `update` calls it): check k, v (B, H_kv, T_new, D), plan
+        the forward at layer 0 when `begin` did not, write the rows and return every row's visible
+        K, V (B, H_kv, T_kv, D) (gathered into `scratch`'s buffers when given)."""
         layer.check(k, v)
         batch, _, new_tokens, _ = k.shape
         steps = self._steps
@@ -291,7 +290,7 @@ class PagedCache(Cache):
             if not self._reserved:  # (a reserved view's owner commits after the forward)
                 for seq, total in zip(self.rows, step.totals):
                     self.allocators[layer.group].commit(seq, total)
-        elif step is None or step.pending or layer._last_step == step.step_id:
+        elif step is None or step.pending or layer.last_step == step.step_id:
             raise CacheShapeError(
                 f"layer {layer.layer_idx} updated before layer 0 in this forward: update the layers "
                 f"in order 0, 1, …, once each"
@@ -304,9 +303,25 @@ class PagedCache(Cache):
         return layer.write_and_gather(k, v, step, scratch)
 
     # ---- a row out and back in (prompt-cache files), and views for batched forwards -------------
-    row_state = read_row
-    load_row_state = write_row
-    append_to_row = append_to_row
+    def row_state(self, row: int) -> RowState:
+        """Row `row`'s token ids and its keys (T, H_kv, D) and values (T, H_kv, D_v) per layer,
+        copies in position order (`rows.read_row`)."""
+        return read_row(self, row)
+
+    def load_row_state(self, state: RowState) -> int:
+        """Add a row holding `state`, its full blocks findable by prefix; return its index. A
+        refused state (shape, dtype, free blocks) leaves the cache as it was (`rows.write_row`)."""
+        row = write_row(self, state)
+        self._set_columns(max(self.get_seq_length(), self.row_lengths[row]))
+        return row
+
+    def append_to_row(self, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+        """Write row `row`'s next T positions from keys (T, H_kv, D) and values (T, H_kv, D_v), one
+        of each per layer, computed elsewhere (a block store); return the row's length after
+        (`rows.append_to_row`: checked first, a refusal changes nothing)."""
+        total = append_to_row(self, row, keys, values)
+        self._set_columns(max(self.get_seq_length(), total))
+        return total
 
     def view(self, rows: Sequence[int]) -> PagedCache:
         """A cache of rows `rows` (indices, in that order) over the same blocks, for a forward
@@ -314,16 +329,16 @@ class PagedCache(Cache):
         for a whole step): the forward only reads the block tables and writes the reserved slots,
         each row at its own length, and the caller commits what it wrote. Rows are added,
         dropped and declared on this cache."""
-        if self.layers and self.layers[0]._keys is None:
+        if self.layers and not self.layers[0].allocated:
             raise CacheShapeError("a view needs the blocks allocated: build the PagedCache with its dtype")
         view = PagedCache.__new__(PagedCache)
         view.allocators, view._groups, view._seq_ids = self.allocators, self._groups, self._seq_ids
-        view.rows = [self._row_seq(row) for row in rows]
+        view.rows = [self.sequence_id(row) for row in rows]
         view._steps, view._step_counter, view._reserved = None, 0, True
         view.gather_scratch = self.gather_scratch  # every view's forwards reuse the same memory
         Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):
-            mine._keys, mine._values = theirs._keys, theirs._values
+            mine.share_storage(theirs)
         view._set_columns(max(view.row_lengths, default=0))
         return view
 

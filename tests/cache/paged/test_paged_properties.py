@@ -9,7 +9,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvcache.cache import OutOfBlocksError, PagedCache
-from kvcache.cache.paged_rows import prefill_inputs
+from kvcache.cache.paged.rows import prefill_inputs
 
 LAYERS, BLOCK = 2, 3
 OPERATIONS = ["add", "add", "forward", "forward", "fork", "drop", "crop", "free"]

@@ -8,12 +8,13 @@ from collections.abc import Hashable
 
 import torch
 
-from .arrays import array_of, tensor_of
-from .blocks import HOLE
-from .checks import check_kv_pair, where
-from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
-from .layer import CacheLayer, normal_tensors
-from .paged_storage import Step, gather_rows, write_and_gather
+from kvcache.blocks.allocator import HOLE
+
+from ..arrays import array_of, tensor_of
+from ..checks import check_kv_pair, where
+from ..errors import CacheDeviceError, CacheDtypeError, CacheShapeError
+from ..layer import CacheLayer, normal_tensors
+from .storage import Step, gather_rows, write_and_gather
 
 
 class PagedLayer(CacheLayer):
@@ -23,30 +24,30 @@ class PagedLayer(CacheLayer):
         super().__init__()
         self._cache = cache
         self.group = group  # which of the cache's block tables (full or windowed) it follows
-        self._columns = 0  # columns of the batch timeline this layer has seen
-        self._last_step = -1
+        self.columns = 0  # columns of the batch timeline this layer has seen (the cache sets it)
+        self.last_step = -1  # the id of the forward step that wrote this layer last
 
     # ---- the seam --------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, H_kv, T_new, D); return K, V (B, H_kv, T_kv, D), rows right-padded."""
-        return self._cache._update_layer(self, k, v)
+        return self._cache.update_layer(self, k, v)
 
     def update_arrays(self, k, v):
         """`update` on numpy arrays (see CacheLayer.update_arrays). Gathered rows land in the
         cache's scratch buffers, shared by its layers: the returned arrays are valid until the
         next update_arrays on this cache (the numpy step attends with them before that)."""
-        keys, values = self._cache._update_layer(
+        keys, values = self._cache.update_layer(
             self, tensor_of(k), tensor_of(v), scratch=self._cache.gather_scratch
         )
         return array_of(keys), array_of(values)
 
     def get_seq_length(self) -> int:
         """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
-        return self._columns
+        return self.columns
 
     def mask_key(self, new_tokens: int) -> Hashable:
         """The group's window, the rows' lengths and the chunk length determine the layout."""
-        return ("paged", self.window, tuple(self._cache.row_lengths), self._columns, new_tokens)
+        return ("paged", self.window, tuple(self._cache.row_lengths), self.columns, new_tokens)
 
     def mask_positions(
         self, new_tokens: int, device: torch.device | str | None
@@ -56,7 +57,7 @@ class PagedLayer(CacheLayer):
         keys at each row's gathered positions, from 0 (full attention) or from the first block
         the earliest query's window reaches (T_kv,). Raises `CacheShapeError` for rows of
         different lengths (they have no common positions)."""
-        past = self._columns
+        past = self.columns
         lengths = [self.allocator.sequence(seq).num_tokens for seq in self._cache.rows]
         # the group's first layer commits the forward's tokens: before it, past; after, past + T_new
         if len(set(lengths)) > 1 or not set(lengths) <= {past, past + new_tokens}:
@@ -71,6 +72,15 @@ class PagedLayer(CacheLayer):
         return key_positions[past - first :], key_positions
 
     # ---- storage ---------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        """Whether the block storage exists (built with a dtype, or after the first update)."""
+        return self._keys is not None
+
+    def share_storage(self, other: PagedLayer) -> None:
+        """Use `other`'s block storage (a view of the same pool: `PagedCache.view`)."""
+        self._keys, self._values = other._keys, other._values
+
     def allocate(self, key_shape: tuple, value_shape: tuple, dtype: torch.dtype, device) -> None:
         """Zeroed storage of (num_blocks, block_size, H_kv, D) keys and (…, D_v) values. Zeros,
         not empty: gathered padding slots are masked, but a masked NaN still poisons SDPA
@@ -131,8 +141,8 @@ class PagedLayer(CacheLayer):
         """Write this forward's k, v to their slots; return every row's visible K, V (gathered
         into scratch's (keys, values) ScratchBuffers when given)."""
         assert self._keys is not None and self._values is not None
-        self._last_step = step.step_id
-        self._columns += k.shape[2]
+        self.last_step = step.step_id
+        self.columns += k.shape[2]
         key_scratch, value_scratch = scratch or (None, None)
         return (
             write_and_gather(self._keys, k, step, key_scratch),

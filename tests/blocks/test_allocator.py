@@ -12,15 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcache
-from kvcache.cache.blocks import BlockAllocator, block_hash
+from kvcache.blocks import BlockAllocator, block_hash
 from kvcache.cache.errors import OutOfBlocksError, UnknownSequenceError
 
 SOURCE = Path(kvcache.__file__).resolve().parent / "cache"  # kvcache itself imports no torch
 
 
 def test_allocator_runs_where_torch_cannot_be_imported():
-    # kvcache/cache/__init__.py imports torch, so stand in for the package and load only
-    # blocks.py and errors.py, with every torch import failing
+    # the blocks raise the cache's errors, and kvcache/cache/__init__.py imports torch: stand in
+    # for that package so only errors.py loads from it, with every torch import failing
     script = f"""
 import sys, types
 sys.modules["torch"] = None
@@ -28,8 +28,7 @@ import kvcache
 package = types.ModuleType("kvcache.cache")
 package.__path__ = [{str(SOURCE)!r}]
 sys.modules["kvcache.cache"] = package
-import kvcache
-from kvcache.cache.blocks import BlockAllocator
+from kvcache.blocks import BlockAllocator
 pool = BlockAllocator(4, 2)
 pool.add_sequence("a", [1, 2, 3])
 pool.reserve(["a"], [3])

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import ROOT_HASH
-from .errors import CacheShapeError, OutOfBlocksError
+from ..errors import CacheShapeError, OutOfBlocksError
 
 
 @dataclass
@@ -36,7 +35,7 @@ def read_row(cache, row: int) -> RowState:
     """Row `row`'s token ids and keys and values (copies, in position order). Every position
     it holds needs its token id declared (`add_sequence`, `declare_tokens`)."""
     _whole_rows_only(cache)
-    seq = cache._row_seq(row)
+    seq = cache.sequence_id(row)
     state = cache.allocator.sequence(seq)
     tokens = state.num_tokens
     if tokens == 0:
@@ -66,7 +65,7 @@ def write_row(cache, state: RowState) -> int:
     device = cache.device
     pool = (cache.num_blocks, cache.block_size)
     for layer in cache.layers:
-        if layer._keys is None:  # a cache built without dtype: storage from the state
+        if not layer.allocated:  # a cache built without dtype: storage from the state
             layer.allocate(
                 (*pool, *first_keys.shape[1:]), (*pool, *first_values.shape[1:]), first_keys.dtype, device
             )
@@ -84,7 +83,7 @@ def append_to_row(cache, row: int, keys: Sequence[torch.Tensor], values: Sequenc
     sliding-window layer's positions the window has passed are written, then given back."""
     tokens = keys[0].shape[0] if keys and keys[0].dim() == 3 else 0
     _check_rows(cache, keys, values, tokens)
-    seq = cache._row_seq(row)
+    seq = cache.sequence_id(row)
     held = cache.allocators[0].sequence(seq).num_tokens
     for allocator in cache.allocators:
         needed = allocator.blocks_for(held + tokens) - allocator.blocks_for(held)
@@ -135,7 +134,6 @@ def _append(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torc
                 layer.write_slots(slots, k, v)
     for allocator in cache.allocators:
         allocator.commit(seq, total)
-    cache._set_columns(max(cache.get_seq_length(), total))
 
 
 def prefill_inputs(cache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,9 +180,3 @@ def attachable_blocks(cache, digests: Sequence[bytes]) -> int:
     while count and not all(allocator.can_attach(digests, count) for allocator in cache.allocators):
         count -= 1
     return count
-
-
-def prefix_digests(cache, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> list[bytes]:
-    """The chained hashes of the whole blocks of `token_ids` a prefix hit may cover, chained from
-    `root` (`blocks.salt_root`)."""
-    return cache.allocators[0].prefix_digests(token_ids, root)

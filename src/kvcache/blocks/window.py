@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from .blocks import HOLE, BlockAllocator, SequenceBlocks
-from .errors import CacheConfigError, CacheCropError
+from kvcache.cache.errors import CacheConfigError, CacheCropError
+
+from .allocator import HOLE, BlockAllocator, SequenceBlocks
 
 
 class WindowedBlockAllocator(BlockAllocator):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layer import normal_tensors
+from ..layer import normal_tensors
 
 
 @dataclass

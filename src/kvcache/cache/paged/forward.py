@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ForwardPlan, LayerMasks
-from .blocks import BlockAllocator
-from .errors import CacheConfigError, CacheError, CacheShapeError
-from .paged_storage import Step
+from kvcache.blocks.allocator import BlockAllocator
+
+from ..base import ForwardPlan, LayerMasks
+from ..errors import CacheConfigError, CacheError, CacheShapeError
+from .storage import Step
 
 
 @dataclass

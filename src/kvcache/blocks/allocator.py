@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import CacheConfigError, CacheError, OutOfBlocksError, UnknownSequenceError
+from kvcache.cache.errors import CacheConfigError, CacheError, OutOfBlocksError, UnknownSequenceError
 
 ROOT_HASH = b""  # the parent hash of a sequence's first block
 HOLE = -1  # a table entry whose block was given back (a windowed allocator's, out of the window)
@@ -65,7 +65,7 @@ class BlockAllocator:
     `num_free + num_cached + num_in_use == num_blocks` at all times.
     """
 
-    #: a query at q sees positions in (q - window, q]; None: every position (see blocks_window.py)
+    #: a query at q sees positions in (q - window, q]; None: every position (see window.py)
     window: int | None = None
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
