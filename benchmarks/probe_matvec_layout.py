@@ -6,7 +6,7 @@
 For each projection shape of the ~100M and ~3M benchmark models (fused q/k/v, o, fused gate/up,
 down) it cycles through enough copies of the matrix to exceed the CPU caches (`--megabytes`),
 computing `x @ W.T` for one row x, with W stored row-major (as loaded) and column-major (what
-`kvcache.backends.packing` makes of the tall ones), and reports GB/s of weights
+`kvcache.backends.cpu.packing` makes of the tall ones), and reports GB/s of weights
 read, median over the passes. Rounds alternate the layouts, so a busy spell hits both.
 Results: benchmarks/results/matvec_layout.md. Not a test: nothing is asserted.
 """

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/profile_decode_step.py --model DIR --steps 300 --dtype bfloat16
 
 A profiler's per-call hooks cost more than most lines of the step, so this takes the source of
-`ArrayStep._run` (kvcache.backends.array_step: the numpy step's for float32, the half step's for
+`ArrayStep._run` (kvcache.backends.cpu.array_step: the numpy step's for float32, the half step's for
 bfloat16 or float16, as `choose_backend` picks; `_run_one_row` where that step runs one row on
 numba's kernels), puts a `time.perf_counter()` stamp after
 every simple statement, runs that copy on the loaded model (each step right after the previous
@@ -28,7 +28,7 @@ def instrumented_run(namespace: dict, stamps: collections.defaultdict, clock: li
     """A copy of ArrayStep's `method` (`_run`, or `_run_one_row`: one row on numba's kernels)
     with a stamp after every simple statement; returns (function, source lines) where stamps[i]
     accumulates the seconds spent up to source line i."""
-    from kvcache.backends import array_step
+    from kvcache.backends.cpu import array_step
 
     lines = textwrap.dedent(inspect.getsource(getattr(array_step.ArrayStep, method))).splitlines()
     skip = ("#", "if ", "for ", "with ", "def ", '"""', "return", "raise", 'f"', "else", "elif")
@@ -75,8 +75,9 @@ def main() -> None:
     import torch
 
     from kvcache import load_model
-    from kvcache.backends import array_step, choose_backend
-    from kvcache.backends.threads import torch_threads
+    from kvcache.backends import choose_backend
+    from kvcache.backends.cpu import array_step
+    from kvcache.backends.cpu.threads import torch_threads
     from kvcache.cache import make_cache
 
     torch.set_num_threads(args.threads)

@@ -59,7 +59,7 @@ def products(backend):
     import numpy as np
     import torch
 
-    from kvcache.backends import numba_products
+    from kvcache.backends.cpu import numba_products
 
     config = backend.config
     dtype = getattr(backend, "dtype", torch.float32)
@@ -93,7 +93,7 @@ def kernel_times(backend, decode, steps: int = 10) -> tuple[float, float, float]
     import types
     from unittest import mock
 
-    from kvcache.backends import numba_products
+    from kvcache.backends.cpu import numba_products
 
     kernels = numba_products.kernels()
     spent = {"kernels": 0.0, "store": 0.0}
@@ -124,7 +124,7 @@ def measure(model, dtype, context: int) -> str:
     import torch.nn.functional as F
 
     from kvcache.backends import choose_backend
-    from kvcache.backends.threads import torch_threads
+    from kvcache.backends.cpu.threads import torch_threads
     from kvcache.cache import make_cache
 
     model = model.to(dtype)

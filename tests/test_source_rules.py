@@ -191,7 +191,7 @@ MACHINE_WORDS = re.compile(r"\bmeasured\b|times faster|\b(EPYC|Xeon|Ryzen|AMD|In
 
 def test_backend_modules_say_what_they_are_in_ten_lines_and_leave_measurements_to_the_docs():
     found = {}
-    for path in sorted((SOURCE / "backends").glob("*.py")):
+    for path in sorted((SOURCE / "backends").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         module = ast.get_docstring(tree) or ""
         if len(module.splitlines()) > 10:

@@ -12,9 +12,9 @@ for oneDNN's half-precision products. The model knows none of them.
 
 from kvcache.backends.base import BackendError, DecodeBackend
 from kvcache.backends.choice import BACKENDS, choose_backend
-from kvcache.backends.half_step import HalfBackend
-from kvcache.backends.numpy_step import NumpyBackend
-from kvcache.backends.threads import torch_threads
+from kvcache.backends.cpu.half_step import HalfBackend
+from kvcache.backends.cpu.numpy_step import NumpyBackend
+from kvcache.backends.cpu.threads import torch_threads
 from kvcache.backends.torch_step import TorchBackend
 
 __all__ = [

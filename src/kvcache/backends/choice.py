@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import weakref
 
-from kvcache.backends import half_step, numpy_step
 from kvcache.backends.base import BackendError, DecodeBackend
-from kvcache.backends.half_step import HalfBackend
-from kvcache.backends.numpy_step import NumpyBackend
+from kvcache.backends.cpu import half_step, numpy_step
+from kvcache.backends.cpu.half_step import HalfBackend
+from kvcache.backends.cpu.numpy_step import NumpyBackend
 from kvcache.backends.torch_step import TorchBackend
 from kvcache.defaults import BACKEND_NAMES
 

@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from kvcache.backends.base import DecodeBackend
-from kvcache.backends.float16_products import float32_products
+from kvcache.backends.cpu.float16_products import float32_products
 from kvcache.cache.paged.rows import prefill_inputs
 
 

@@ -16,7 +16,7 @@ BAR_AFTER_S = 0.5
 def compiling_said(command: str, stream=None) -> Iterator[None]:
     """While inside, a line on stderr as each of kvcache's compiled kernels starts compiling (numba
     caches them on disk, so only an install's first run compiles), and one when they are done."""
-    from kvcache.backends import numba_products
+    from kvcache.backends.cpu import numba_products
 
     stream = stream or sys.stderr
     started = time.perf_counter()

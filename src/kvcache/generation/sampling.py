@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvcache.backends.threads import torch_threads
+from kvcache.backends.cpu.threads import torch_threads
 from kvcache.generation.params import SamplingParams
 
 

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcache.backends import numba_products, paged_step
 from kvcache.backends.base import BackendError, DecodeBackend
-from kvcache.backends.rows import rms_norm, swiglu
-from kvcache.backends.threads import torch_threads
+from kvcache.backends.cpu import numba_products, paged_step
+from kvcache.backends.cpu.rows import rms_norm, swiglu
+from kvcache.backends.cpu.threads import torch_threads
 from kvcache.backends.torch_step import forward_rows
 
 _ALL_VISIBLE = np.empty(0, np.bool_)  # the kernels' "no mask"

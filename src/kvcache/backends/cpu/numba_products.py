@@ -26,7 +26,7 @@ _EMPTY = np.empty(0, np.float32)
 def kernels():
     """The `numba_kernels` module, imported (numba with it) on first use; None without numba."""
     try:
-        from kvcache.backends import numba_kernels
+        from kvcache.backends.cpu import numba_kernels
     except ImportError:
         return None
     return numba_kernels

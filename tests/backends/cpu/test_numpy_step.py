@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import random_model, tiny_config
 
-from kvcache.backends import BackendError, NumpyBackend, TorchBackend, numba_products
+from kvcache.backends import BackendError, NumpyBackend, TorchBackend
+from kvcache.backends.cpu import numba_products
 from kvcache.cache import QuantizedCache, make_cache
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcache.model import ConfigError, ModelConfig, RopeScaling

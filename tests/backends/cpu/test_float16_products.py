@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import OwnErrors, left_padded_batch, random_model, tiny_config
 
-from kvcache.backends.float16_products import ROWS, float32_products
+from kvcache.backends.cpu.float16_products import ROWS, float32_products
 from kvcache.backends.torch_step import last_logits
 from kvcache.cache import make_cache
 

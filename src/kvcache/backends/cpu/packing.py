@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvcache.backends.huge_pages import MOVE_LIMIT, Arena, aligned, huge_pages_available
+from kvcache.backends.cpu.huge_pages import MOVE_LIMIT, Arena, aligned, huge_pages_available
 from kvcache.model.heap import release_freed_memory
 
 #: out/in ratio from which a product's weight is stored column-major

@@ -11,7 +11,8 @@ import pytest
 import torch
 from tiny_models import OwnErrors, random_model, step_families, tiny_config
 
-from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend, numba_kernels, numba_products
+from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend
+from kvcache.backends.cpu import numba_kernels, numba_products
 from kvcache.cache import make_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

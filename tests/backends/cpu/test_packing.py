@@ -12,8 +12,9 @@ import torch
 from tiny_models import random_model, tiny_config
 
 from kvcache import generate
-from kvcache.backends import NumpyBackend, TorchBackend, huge_pages, packing
-from kvcache.backends.packing import pack_weights
+from kvcache.backends import NumpyBackend, TorchBackend
+from kvcache.backends.cpu import huge_pages, packing
+from kvcache.backends.cpu.packing import pack_weights
 from kvcache.cache import make_cache
 
 

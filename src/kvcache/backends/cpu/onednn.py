@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcache.backends.prompt_products import LaidOutProduct, Member
+from kvcache.backends.cpu.prompt_products import LaidOutProduct, Member
 
 #: weight dtypes oneDNN's packed product takes on the CPUs measured
 PACKED_DTYPES = (torch.float32, torch.bfloat16)

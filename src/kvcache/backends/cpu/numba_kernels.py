@@ -13,7 +13,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from kvcache.backends.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)
+from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)
     BFLOAT16,
     FLAGS,
     FLOAT16,

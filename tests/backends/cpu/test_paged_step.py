@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import OwnErrors, random_model, step_families, tiny_config
 
-from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend, numba_products
+from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend
+from kvcache.backends.cpu import numba_products
 from kvcache.cache import PagedBatch, PagedCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.backends import numba_products
+from kvcache.backends.cpu import numba_products
 
 
 def test_numba_runs_on_a_fast_pool_here():

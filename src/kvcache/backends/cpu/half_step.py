@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.backends import huge_pages, numba_products, onednn
-from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
-from kvcache.backends.onednn import LaidOutLayer, laid_out_product, product
-from kvcache.backends.prompt_products import LaidOutProduct, PromptProducts
-from kvcache.backends.support import unsupported_parameters, unsupported_structure
+from kvcache.backends.cpu import huge_pages, numba_products, onednn
+from kvcache.backends.cpu.array_step import ArrayStep
+from kvcache.backends.cpu.onednn import LaidOutLayer, laid_out_product, product
+from kvcache.backends.cpu.prompt_products import LaidOutProduct, PromptProducts
+from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcache.backends import numba_products
-from kvcache.backends.rows import rms_norm, swiglu
-from kvcache.backends.threads import torch_threads
+from kvcache.backends.cpu import numba_products
+from kvcache.backends.cpu.rows import rms_norm, swiglu
+from kvcache.backends.cpu.threads import torch_threads
 from kvcache.cache.arrays import tensor_of
 
 _NO_MASK = np.empty(0, np.bool_)  # the kernels' "every key the layout allows"

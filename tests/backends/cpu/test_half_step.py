@@ -16,9 +16,8 @@ from kvcache.backends import (
     HalfBackend,
     TorchBackend,
     choose_backend,
-    huge_pages,
-    numba_products,
 )
+from kvcache.backends.cpu import huge_pages, numba_products
 from kvcache.cache import make_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.backends import numba_products, onednn
-from kvcache.backends.array_step import ArrayStep
 from kvcache.backends.base import BackendError
-from kvcache.backends.packing import pack_weights
-from kvcache.backends.prompt_products import PromptProducts
-from kvcache.backends.support import unsupported_parameters, unsupported_structure
+from kvcache.backends.cpu import numba_products, onednn
+from kvcache.backends.cpu.array_step import ArrayStep
+from kvcache.backends.cpu.packing import pack_weights
+from kvcache.backends.cpu.prompt_products import PromptProducts
+from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
 
 
 def unsupported(model) -> str | None:
