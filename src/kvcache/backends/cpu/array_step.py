@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvcache.backends.base import BackendError, DecodeBackend
 from kvcache.backends.cpu import numba_products, paged_step
-from kvcache.backends.cpu.rows import rms_norm, swiglu
+from kvcache.backends.cpu.rows import rms_norm, rotate, swiglu
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.backends.torch_step import forward_rows
 
@@ -42,11 +42,6 @@ class ArrayStep(DecodeBackend):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.vocab = model.model.embed_tokens.weight.shape[0]  # the ids an embedding row exists for
         self.rotary = model.model.rotary_emb  # its table is built from the model's own frequencies
-        diagonal = np.arange(self.head_dim)
-        partner = (diagonal + self.head_dim // 2) % self.head_dim
-        # where cos and signed sin go in a flattened (D, D) rotation: (i, i) and (partner(i), i)
-        self._cos_at = diagonal * self.head_dim + diagonal
-        self._sin_at = partner * self.head_dim + diagonal
         empty = np.zeros((0, self.head_dim), np.float32)
         self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
         self._buffers = [(buffer, buffer.data_ptr()) for buffer in model.buffers()]
@@ -112,22 +107,6 @@ class ArrayStep(DecodeBackend):
         raise NotImplementedError
 
     # ---- RoPE --------------------------------------------------------------------------------
-    def rotations(self, positions: np.ndarray | int) -> np.ndarray:
-        """RoPE as matrices (B, D, D) for positions (B,), or (1, D, D) for one int position of
-        every row: row vector x @ R is x turned to its position. x_i' = x_i·cos_i +
-        x_{(i + D/2) mod D}·signed_sin_i, the model's `apply_rope`; one small product per layer
-        (queries and keys together) replaces a roll, two products and a sum."""
-        if isinstance(positions, int):  # the usual case: scalar indexing, no index array
-            needed, rows = positions + 1, 1
-        else:
-            needed, rows = int(positions.max()) + 1, len(positions)
-        if needed > len(self._cos):
-            self._extend_rope_table(needed)
-        rotation = np.zeros((rows, self.head_dim * self.head_dim), np.float32)  # filled as (D, D)
-        rotation[:, self._cos_at] = self._cos[positions]
-        rotation[:, self._sin_at] = self._signed_sin[positions]
-        return rotation.reshape(rows, self.head_dim, self.head_dim)
-
     def _extend_rope_table(self, needed: int) -> None:
         """cos and signed sin (N, D) of positions 0..N-1 for N >= needed (doubling), from the
         model's own RotaryEmbedding. Its range check (dynamic scaling stops at
@@ -186,7 +165,8 @@ class ArrayStep(DecodeBackend):
         rotated = heads + kv_heads
         start = plan.start  # one int position for every row, or each row's own
         positions = start if isinstance(start, int) else plan.positions.numpy()[:, 0]
-        turn = self.rotations(positions)  # (B or 1, D, D)
+        cos, signed_sin = self.rope_rows(np.atleast_1d(positions))  # (B or 1, D) each
+        cos, signed_sin = cos[:, None], signed_sin[:, None]  # (B or 1, 1, D): every head's
         visible_by_mask: dict[int, torch.Tensor | None] = {}
         layers, lm_head, linear = self.products(batch)
         x = self.embed_rows(token_ids)  # (B, hidden)
@@ -198,7 +178,7 @@ class ArrayStep(DecodeBackend):
                     for lo, hi, weight in ((0, heads, w.q_norm), (heads, rotated, w.k_norm)):
                         rows = qkv[:, lo:hi].reshape(-1, head_dim)
                         qkv[:, lo:hi] = rms_norm(rows, weight, self.eps).reshape(batch, hi - lo, head_dim)
-                turned = qkv[:, :rotated] @ turn  # (B, H + H_kv, D): queries and keys
+                turned = rotate(qkv[:, :rotated], cos, signed_sin)  # (B, H + H_kv, D): queries, keys
                 q = turned[:, :heads]  # (B, H, D)
                 q *= self.scale  # the 1/sqrt(D) of attention, on the queries (fewer than scores)
                 k = turned[:, heads:].reshape(batch, kv_heads, 1, head_dim)
@@ -262,7 +242,9 @@ class ArrayStep(DecodeBackend):
         return logits
 
     def rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(cos, signed_sin), each (N, D) float32, of positions (N,) (see `rotations`)."""
+        """(cos, signed_sin), each (N, D) float32, of positions (N,): the model's RotaryEmbedding
+        table, which every CPU step turns its queries and keys by (`rows.rotate`, the kernels'
+        `turned`)."""
         needed = int(positions.max()) + 1
         if needed > len(self._cos):
             self._extend_rope_table(needed)

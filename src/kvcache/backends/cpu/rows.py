@@ -35,3 +35,15 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
     np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
     act *= up
     return act
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, signed_sin: np.ndarray) -> np.ndarray:
+    """RoPE on numpy rows, the formula of the model's `apply_rope` and the kernels' `turned`:
+    x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, for x (..., D) and cos, signed_sin broadcast
+    to it (each row's position, from `ArrayStep.rope_rows`); a new float32 array."""
+    half = x.shape[-1] // 2
+    swapped = np.concatenate((x[..., half:], x[..., :half]), axis=-1)  # halves exchanged
+    swapped *= signed_sin
+    out = x * cos
+    out += swapped
+    return out
