@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcache
-from kvcache.blocks import BlockAllocator, block_hash
+from kvcache.blocks import ROOT_HASH, BlockAllocator, block_hash
 from kvcache.cache.errors import OutOfBlocksError, UnknownSequenceError
 
 SOURCE = Path(kvcache.__file__).resolve().parent / "cache"  # kvcache itself imports no torch
@@ -192,10 +192,32 @@ operation = st.one_of(
 )
 
 
+class FindableBlocks:
+    """A listener that keeps what a router would: the hashes findable, from the events alone;
+    it checks each stored chain against its tokens and that nothing is stored twice or removed
+    before it was stored."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size, self.findable = block_size, set()
+
+    def stored(self, digests, parent, token_ids):
+        assert len(token_ids) == len(digests) * self.block_size
+        for index, digest in enumerate(digests):
+            chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
+            assert digest == block_hash(ROOT_HASH if parent is None else parent, chunk)
+            assert digest not in self.findable, "stored twice without a removal between"
+            self.findable.add(digest)
+            parent = digest
+
+    def removed(self, digest):
+        self.findable.remove(digest)  # KeyError: removed without being stored
+
+
 @settings(max_examples=120, deadline=None)
 @given(st.lists(operation, max_size=40), st.integers(2, 10), st.integers(1, 4))
 def test_random_operations_keep_counts_consistent_and_hashes_true(operations, num_blocks, block_size):
     pool = BlockAllocator(num_blocks, block_size)
+    pool.listener = listener = FindableBlocks(block_size)  # the events tell the findable blocks
     # each sequence has a true token stream; a write stores the true tokens of its positions,
     # so a registered hash must describe exactly what its block holds
     truth: dict[int, list[int]] = {}
@@ -260,6 +282,7 @@ def test_random_operations_keep_counts_consistent_and_hashes_true(operations, nu
                 content.setdefault(block, [None] * block_size)[slot % block_size] = tokens[position]
             pool.commit(seq, total)
         pool.check_invariants()
+        assert listener.findable == {digest for digest in pool.block_hashes if digest is not None}
         assert pool.num_free + pool.num_in_use + pool.num_cached == num_blocks
         holders = {block for s in live for block in pool.sequence(s).table}
         assert not holders & set(pool._free), "a block in use is on the free list"

@@ -8,8 +8,10 @@ tensors the blocks index live in `kvcache.cache.paged`; the engine's pool and th
 read the hashes.
 """
 
-from .allocator import HOLE, ROOT_HASH, BlockAllocator, SequenceBlocks, block_hash, salt_root
+from .allocator import HOLE, ROOT_HASH, BlockAllocator, BlockListener, SequenceBlocks, block_hash, salt_root
 from .window import WindowedBlockAllocator
 
-__all__ = ["HOLE", "ROOT_HASH", "BlockAllocator", "SequenceBlocks", "WindowedBlockAllocator", "block_hash",
-           "salt_root"]
+__all__ = [
+    "HOLE", "ROOT_HASH", "BlockAllocator", "BlockListener", "SequenceBlocks", "WindowedBlockAllocator",
+    "block_hash", "salt_root",
+]

@@ -18,6 +18,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvcache.cache.errors import CacheConfigError, CacheError, OutOfBlocksError, UnknownSequenceError
 
@@ -30,6 +31,19 @@ def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+class BlockListener(Protocol):
+    """Told when a full block becomes findable by its hash and when it stops being (evicted,
+    rewritten): what a router that scores replicas by the blocks they hold follows
+    (`kvcache.engine.kv_events`). Called inside the allocator's operations: keep it cheap."""
+
+    def stored(self, digests: list[bytes], parent: bytes | None, token_ids: list[int]) -> None:
+        """Blocks `digests`, a chain in position order, now findable; parent: the hash of the
+        block before the first (None for a sequence's first block); token_ids: their tokens."""
+
+    def removed(self, digest: bytes) -> None:
+        """The block of hash `digest` is no longer findable."""
 
 
 @dataclass
@@ -82,6 +96,7 @@ class BlockAllocator:
         self.pinned: set[bytes] = set()  # digests of pinned prefixes' blocks (`pin`)
         self._by_hash: dict[bytes, int] = {}
         self.sequences: dict[Hashable, SequenceBlocks] = {}
+        self.listener: BlockListener | None = None  # told of blocks stored and removed
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -362,10 +377,13 @@ class BlockAllocator:
             self.block_hashes[block] = None
             if self._by_hash.get(digest) == block:
                 del self._by_hash[digest]
+                if self.listener is not None:
+                    self.listener.removed(digest)
 
     def _hash_full_blocks(self, state: SequenceBlocks) -> None:
         size = self.block_size
         known = min(state.num_tokens, len(state.token_ids)) // size
+        run: list[int] = []  # indices of the blocks registered in a row, for the listener
         while len(state.hashes) < known:
             index = len(state.hashes)
             parent = state.hashes[-1] if state.hashes else state.root
@@ -375,6 +393,23 @@ class BlockAllocator:
             if block != HOLE and digest not in self._by_hash and self.block_hashes[block] is None:
                 self._by_hash[digest] = block
                 self.block_hashes[block] = digest
+                run.append(index)
+            elif run:
+                self._tell_stored(state, run)
+                run = []
+        if run:
+            self._tell_stored(state, run)
+
+    def _tell_stored(self, state: SequenceBlocks, run: list[int]) -> None:
+        """The listener's `stored` for the consecutive blocks `run` (indices) of `state`."""
+        if self.listener is None:
+            return
+        first, size = run[0], self.block_size
+        self.listener.stored(
+            state.hashes[first : run[-1] + 1],
+            state.hashes[first - 1] if first else None,
+            list(state.token_ids[first * size : (run[-1] + 1) * size]),
+        )
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping disagrees with itself (used by tests)."""
