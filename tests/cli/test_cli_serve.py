@@ -12,6 +12,7 @@ import sys
 import threading
 
 import httpx
+from waiting import wait_for
 
 from kvcache.cli import main
 
@@ -114,5 +115,45 @@ def test_kv_pin_prefills_its_prompts_at_start_and_a_bad_file_is_named_before_loa
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # prefilled at start
         assert "pinned 1 prompts" in _stopped(process)[1]
     finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_kv_events_reach_a_subscriber_and_a_bad_endpoint_is_named_before_loading(tmp_path, capsys):
+    import socket
+
+    import zmq
+
+    absent = str(tmp_path / "absent")  # had the model been loaded first, that would be the error
+    assert main(["serve", "--port", "0", "-m", absent, "--kv-events", "127.0.0.1:5557"]) == 2
+    assert "--kv-events must be a ZeroMQ endpoint" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        assert main(["serve", "--port", "0", "-m", absent, "--kv-events", endpoint]) == 2
+    assert f"--kv-events: cannot bind {endpoint}" in capsys.readouterr().err
+    process, base = _start("--kv-events", endpoint, "--kv-events-topic", "kv@a@m", "--block-size", "8")
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    try:
+        subscriber.connect(endpoint)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@a@m")
+        heard: list[bytes] = []
+
+        def stored() -> bool:  # requests until a batch with a stored block arrives (PUB drops early ones)
+            httpx.post(f"{base}/v1/completions", json={"prompt": "Once upon a time " * 4, "max_tokens": 2},
+                       timeout=60)
+            while subscriber.poll(200):
+                heard.append(subscriber.recv_multipart()[2])
+            return any(b"BlockStored" in payload for payload in heard)
+
+        wait_for(stored, 60)
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+        assert re.search(r"^kvcache_kv_cache_utilization \d", metrics, re.M)
+        assert "KV events: bound at " + endpoint in _stopped(process)[0]
+    finally:
+        subscriber.close(0)
+        context.term()
         if process.poll() is None:
             process.kill()

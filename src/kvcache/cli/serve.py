@@ -118,6 +118,21 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "prefilled at start",
     )
     engine.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish the pool's block events in vLLM's format on a ZeroMQ PUB socket bound at "
+        "ENDPOINT (tcp://127.0.0.1:5557), for KV-aware routers (llm-d, Dynamo); default: none",
+    )
+    engine.add_argument(
+        "--kv-events-topic", default="", metavar="TOPIC",
+        help="the topic frame of every event message (default empty, as vLLM's)",
+    )
+    engine.add_argument(
+        "--kv-events-connect", action="store_true",
+        help="connect --kv-events' socket to ENDPOINT, where a router's indexer binds (llm-d's), "
+        "instead of binding it",
+    )
+    engine.add_argument(
         "--kv-store-ttl",
         type=positive_int,
         default=3600,
@@ -185,11 +200,15 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"kvcache serve: error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
+    events = None
     try:
         pinned = _pinned_prompts(args.kv_pin) if args.kv_pin else []  # (a bad file said before loading)
-        engine, tokenizer, context = _engine(args)
+        events = _event_publisher(args)  # (a taken endpoint too)
+        engine, tokenizer, context = _engine(args, events)
     except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
         sock.close()
+        if events is not None:
+            events.close()
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
     if args.host not in LOOPBACK and not args.api_key:
@@ -217,14 +236,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if engine.store_tier is not None:  # blocks still queued for the disk or Redis: written, within a bound
         engine.store_tier.store.flush(10.0)
-        engine.close()
+    engine.close()
     print("kvcache serve: stopped", flush=True)
     return 0
 
 
-def _engine(args: argparse.Namespace):
+def _event_publisher(args: argparse.Namespace):
+    """--kv-events' publisher, its socket bound (None without the flag); ValueError or OSError
+    naming the flag."""
+    if args.kv_events is None:
+        return None
+    from kvcache.engine.kv_events import KVEventPublisher, check_endpoint
+
+    check_endpoint(args.kv_events)
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        raise ValueError("--kv-events needs pyzmq and msgpack: pip install 'kvcache[events]'") from None
+    return KVEventPublisher(args.kv_events, topic=args.kv_events_topic, connect=args.kv_events_connect)
+
+
+def _engine(args: argparse.Namespace, events=None):
     """(engine, tokenizer, context in tokens) as the arguments say, the model loaded with a bar on
-    stderr; ValueError or OSError naming what is wrong (a --ctx-size the pool cannot hold, too)."""
+    stderr; ValueError or OSError naming what is wrong (a --ctx-size the pool cannot hold, too).
+    events: the pool's `KVEventPublisher`, or None."""
     from kvcache.engine import Engine
     from kvcache.engine.store_tier import open_tiers
     from kvcache.model import load_model
@@ -241,7 +277,7 @@ def _engine(args: argparse.Namespace):
     engine = Engine(model, tokenizer, backend=args.backend, kv_budget=args.kv_budget,
                     block_size=args.block_size, max_running=args.max_running,
                     token_budget=args.token_budget, prefill_slowdown=args.prefill_slowdown or None,
-                    kv_store=store)
+                    kv_store=store, kv_events=events)
     return engine, tokenizer, _context(args, engine)
 
 
@@ -327,6 +363,10 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
               f"{format_bytes(disk.bytes)} of {format_bytes(args.kv_disk_size)})", flush=True)
     if args.kv_store:
         print(f"  KV store: {args.kv_store} (blocks live {args.kv_store_ttl} s)", flush=True)
+    if args.kv_events:
+        how = "connected to" if args.kv_events_connect else "bound at"
+        print(f"  KV events: {how} {args.kv_events} (topic {args.kv_events_topic!r}, vLLM's format)",
+              flush=True)
 
 
 def _log_requests(enabled: bool) -> None:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvcache.backends import choose_backend
+from kvcache.engine.kv_events import KVEventPublisher
 from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.offline import run_to_completion, warm_up
 from kvcache.engine.pool import KVPool, StepWork
@@ -58,6 +59,8 @@ class Engine:
             every prompt is prefilled whole).
         kv_store: a second tier of prefix blocks shared with other replicas: a URL
             ("redis://127.0.0.1:6379/0") or a store object (`RedisBlockStore`); see store_tier.py.
+        kv_events: publish the pool's block events for KV-aware routers: an endpoint to bind
+            ("tcp://127.0.0.1:5557") or a `KVEventPublisher`; see kv_events.py.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Engine:
         prefill_slowdown: float | None = 2.0,
         prefix_caching: bool = True,
         kv_store=None,
+        kv_events=None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         if max_running < 1 or token_budget < max_running:
@@ -83,6 +87,9 @@ class Engine:
         self.limits = Limits(block_size, max_running, token_budget)
         store = None if kv_store is None else open_store(kv_store)
         self.pool = KVPool(model, self.limits, kv_budget, num_blocks, prefix_caching, store)
+        self.kv_events = KVEventPublisher(kv_events) if isinstance(kv_events, str) else kv_events
+        if self.kv_events is not None:
+            self.kv_events.attach(self.pool.cache.allocator)  # (the full layers', or the window's)
         self.backend = choose_backend(model, backend)
         self.runner = Runner(model, self.backend)
         # bounds what a prompt adds to a step while rows decode (None: nothing but the budget)
@@ -191,6 +198,7 @@ class Engine:
             "blocks_free": allocator.num_free,
             "blocks_cached": allocator.num_cached,
             "blocks_total": allocator.num_blocks,
+            "kv_cache_utilization": allocator.num_in_use / allocator.num_blocks,
             "prefix_hit_rate": m.prefix_hit_rate,
             "prefill_tokens_per_s": m.prefill_tokens_per_s,
             "decode_tokens_per_s": m.decode_tokens_per_s,
@@ -219,37 +227,46 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one step (schedule -> apply -> run -> retire); False when there was nothing to do."""
+        """Run one step (schedule -> apply -> run -> retire); False when there was nothing to do.
+        The blocks it made findable or evicted are then published (`kv_events`), as one batch."""
         with self._step_lock:
-            self._take_incoming()
-            self._retire([r for r in (*self.running, *self.waiting) if r.cancelled], "cancelled")
-            if not self.running and not self.waiting:
-                return False
-            admissible = [request for request in self.waiting if self.pool.admissible(request, self.wake)]
-            if not self.running and not admissible:  # only store reads on their way: wait for one
-                self.waiting[0].store_read.pending.wait(0.05)
-                return True
-            running, waiting, free = self.pool.snapshot(admissible, self.limits.max_running)
-            cap = None
-            if self.step_costs is not None:  # held to the cost of the batch being formed
-                decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
-                batch = min(self.limits.max_running, len(running) + len(waiting))
-                cap = self.step_costs.prefill_cap(decoding, batch)
-            plan = schedule(running, waiting, free, self.limits, cap)
-            by_id = {request.id: request for request in (*self.running, *self.waiting)}
-            self._preempt([by_id[i] for i in plan.preempt])
-            admitted = [by_id[i] for i in plan.admit]
-            for request in admitted:
-                self.waiting.remove(request)
-            work = self.pool.apply(plan, admitted)
-            self.metrics.count_cached(admitted, self.running, work.attached, work.loaded)
-            if work.requests:
-                self._run(work)
-            if self.store_tier is not None:
-                self.store_tier.offer(self.pool.cache)
-            self._retire([r for r in self.running if r.finish is not None], None)
-            self.metrics.steps += 1
+            try:
+                return self._step()
+            finally:
+                if self.kv_events is not None:
+                    self.kv_events.flush()
+
+    def _step(self) -> bool:
+        """`step`'s work, under the step lock."""
+        self._take_incoming()
+        self._retire([r for r in (*self.running, *self.waiting) if r.cancelled], "cancelled")
+        if not self.running and not self.waiting:
+            return False
+        admissible = [request for request in self.waiting if self.pool.admissible(request, self.wake)]
+        if not self.running and not admissible:  # only store reads on their way: wait for one
+            self.waiting[0].store_read.pending.wait(0.05)
             return True
+        running, waiting, free = self.pool.snapshot(admissible, self.limits.max_running)
+        cap = None
+        if self.step_costs is not None:  # held to the cost of the batch being formed
+            decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
+            batch = min(self.limits.max_running, len(running) + len(waiting))
+            cap = self.step_costs.prefill_cap(decoding, batch)
+        plan = schedule(running, waiting, free, self.limits, cap)
+        by_id = {request.id: request for request in (*self.running, *self.waiting)}
+        self._preempt([by_id[i] for i in plan.preempt])
+        admitted = [by_id[i] for i in plan.admit]
+        for request in admitted:
+            self.waiting.remove(request)
+        work = self.pool.apply(plan, admitted)
+        self.metrics.count_cached(admitted, self.running, work.attached, work.loaded)
+        if work.requests:
+            self._run(work)
+        if self.store_tier is not None:
+            self.store_tier.offer(self.pool.cache)
+        self._retire([r for r in self.running if r.finish is not None], None)
+        self.metrics.steps += 1
+        return True
 
     def _preempt(self, victims: list[Request]) -> None:
         self.pool.release(victims)
@@ -355,10 +372,13 @@ class Engine:
             self._thread = None
 
     def close(self) -> None:
-        """Stop, and close the KV store connection (its queued writes are dropped)."""
+        """Stop, close the KV store connection (its queued writes are dropped) and the events'
+        socket (after AllBlocksCleared)."""
         self.stop()
         if self.store_tier is not None:
             self.store_tier.store.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _loop(self, until: Callable[[], bool] | None = None) -> None:
         try:

@@ -64,6 +64,7 @@ class ServerMetrics:
                 ("blocks_free", "KV blocks never used or freed without a hash"),
                 ("blocks_cached", "KV blocks of finished requests kept for prefix reuse"),
                 ("blocks_total", "KV blocks in the pool"),
+                ("kv_cache_utilization", "Share of the pool's KV blocks held by running sequences, 0 to 1"),
                 ("prefix_hit_rate", "Share of admitted prompt tokens served from the prefix cache"),
             ),
         )

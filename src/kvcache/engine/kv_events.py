@@ -1,0 +1,128 @@
+"""The pool's block events for routers that score replicas by the KV blocks they hold (llm-d's
+precise prefix scorer, NVIDIA Dynamo's KV router), in vLLM's format, so they route to kvcache
+replicas unchanged.
+
+Wire: a ZeroMQ PUB socket, bound at the endpoint (subscribers connect to the replica) or
+connected to it (a router's indexer binds one SUB socket that every replica connects to, as
+llm-d's does); each message is three frames, [topic, sequence number (8 bytes,
+big-endian, from 0), payload]; the payload is a msgpack array [timestamp (s), [events]], an event
+an array whose first element names it:
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    ["BlockRemoved", block_hashes, medium]
+    ["AllBlocksCleared"]
+A block hash is the first 8 bytes of kvcache's 16-byte chained digest as an integer below 2**63;
+parent_block_hash is None for a sequence's first block; lora_id is None; medium is "CPU" (the
+pool lives in host memory). One batch per engine step that changed what the pool can find;
+AllBlocksCleared first (a restarted replica holds nothing) and last (one that stops).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+
+#: what --kv-events accepts: a ZeroMQ endpoint to bind or connect to
+ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+)$")
+MEDIUM = "CPU"
+_STOP = object()
+
+
+def external_hash(digest: bytes) -> int:
+    """A block's hash as routers read it: the digest's first 8 bytes, big-endian, below 2**63
+    (a signed 64-bit integer in any decoder)."""
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def check_endpoint(endpoint: str) -> str:
+    """`endpoint` when it is tcp://HOST:PORT or ipc://PATH; ValueError naming what was given."""
+    if not isinstance(endpoint, str) or not ENDPOINT.match(endpoint):
+        raise ValueError(f"--kv-events must be a ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH; "
+                         f"got {endpoint!r}")
+    return endpoint
+
+
+class KVEventPublisher:
+    """Binds a PUB socket at `endpoint` now (a taken port is an OSError here, not later), or with
+    `connect` connects it to a subscriber that binds there, and sends batches from a thread of its
+    own. As the pool's `BlockListener` it only collects (the step
+    calls `stored` and `removed`); `flush` hands the step's events to the sending thread.
+
+    topic: the first frame of every message (vLLM's default is empty; llm-d's scorer subscribes
+    to a topic of its own, e.g. kv@POD@MODEL)."""
+
+    def __init__(self, endpoint: str, topic: str = "", *, connect: bool = False) -> None:
+        import msgpack
+        import zmq
+
+        check_endpoint(endpoint)
+        self.endpoint, self.topic = endpoint, topic.encode()
+        self.block_size = 0  # set by `attach`
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.LINGER, 1000)  # at close, a second to send what is queued
+        try:
+            (self._socket.connect if connect else self._socket.bind)(endpoint)
+        except zmq.ZMQError as error:
+            self._socket.close(0)
+            self._context.term()
+            verb = "connect to" if connect else "bind"
+            raise OSError(f"--kv-events: cannot {verb} {endpoint}: {error}") from None
+        self.batches = 0  # batches flushed: their sequence numbers are 0 .. batches - 1
+        self._pending: list[list] = []
+        self._batches: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send, name="kvcache-kv-events", daemon=True)
+        self._thread.start()
+        self.cleared()
+        self.flush()
+
+    def attach(self, allocator) -> None:
+        """Follow `allocator` (a `kvcache.blocks.BlockAllocator`): its blocks' events are ours."""
+        self.block_size = allocator.block_size
+        allocator.listener = self
+
+    # ---- the allocator's listener ----------------------------------------------------------------
+    def stored(self, digests: list[bytes], parent: bytes | None, token_ids: list[int]) -> None:
+        """BlockStored for the chain `digests` (see `BlockListener.stored`)."""
+        self._pending.append([
+            "BlockStored", [external_hash(d) for d in digests],
+            None if parent is None else external_hash(parent), token_ids, self.block_size, None, MEDIUM,
+        ])
+
+    def removed(self, digest: bytes) -> None:
+        """BlockRemoved for `digest`, merged into the previous event when that removed blocks too."""
+        if self._pending and self._pending[-1][0] == "BlockRemoved":
+            self._pending[-1][1].append(external_hash(digest))
+        else:
+            self._pending.append(["BlockRemoved", [external_hash(digest)], MEDIUM])
+
+    def cleared(self) -> None:
+        """AllBlocksCleared: a router forgets every block of this replica."""
+        self._pending.append(["AllBlocksCleared"])
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Hand the events collected since the last flush to the sending thread, as one batch."""
+        if self._pending:
+            events, self._pending = self._pending, []
+            self._batches.put(self._pack([time.time(), events]))
+            self.batches += 1
+
+    def _send(self) -> None:
+        sequence = 0
+        while (payload := self._batches.get()) is not _STOP:
+            self._socket.send_multipart([self.topic, sequence.to_bytes(8, "big"), payload])
+            sequence += 1
+
+    def close(self) -> None:
+        """Publish AllBlocksCleared (this replica's blocks go away with it), then close."""
+        if not self._thread.is_alive():
+            return
+        self.cleared()
+        self.flush()
+        self._batches.put(_STOP)
+        self._thread.join(5.0)
+        self._socket.close()
+        self._context.term()

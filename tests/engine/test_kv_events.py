@@ -1,0 +1,246 @@
+"""KV events: a ZeroMQ subscriber decodes every batch with vLLM's schema (what llm-d's precise
+prefix scorer and Dynamo decode) and, from the events alone, knows exactly the blocks the pool
+can find: each stored once, chained to its parent, true to its tokens, removed when evicted."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from test_kv_store import BLOCK, answer, ids
+from waiting import wait_for
+
+import kvcache
+from kvcache.blocks import ROOT_HASH, block_hash
+from kvcache.engine import Engine
+from kvcache.engine.kv_events import KVEventPublisher, check_endpoint, external_hash
+
+
+# vLLM's event types (vllm.distributed.kv_events), written out here as its subscribers declare them
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class Router:
+    """What a KV-aware router keeps of one replica, from its events only; it checks each one."""
+
+    def __init__(self, endpoint: str, topic: str = "") -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.SUB)
+        self.socket.connect(endpoint)
+        self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.findable: set[int] = set()
+        self.digests: dict[int, bytes] = {}  # every block hash seen stored -> kvcache's digest
+        self.last_sequence: int | None = None
+        self.last_events: list = []
+        self.batches = 0
+
+    def receive(self, timeout_ms: int = 100) -> bool:
+        """Take one batch if one comes within the timeout; False otherwise."""
+        if not self.socket.poll(timeout_ms):
+            return False
+        topic, sequence, payload = self.socket.recv_multipart()
+        number = int.from_bytes(sequence, "big")
+        assert len(sequence) == 8 and (self.last_sequence is None or number == self.last_sequence + 1)
+        self.last_sequence = number
+        self.last_events = self.decoder.decode(payload).events
+        for event in self.last_events:
+            self.apply(event)
+        self.batches += 1
+        return True
+
+    def apply(self, event) -> None:
+        if isinstance(event, AllBlocksCleared):
+            self.findable.clear()
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_hashes) <= self.findable, "removed a block never stored"
+            self.findable -= set(event.block_hashes)
+        else:
+            assert event.block_size == BLOCK and event.lora_id is None and event.medium == "CPU"
+            assert len(event.token_ids) == len(event.block_hashes) * BLOCK
+            parent = ROOT_HASH
+            if event.parent_block_hash is not None:
+                assert event.parent_block_hash in self.findable, "a block stored before its parent"
+                parent = self.digests[event.parent_block_hash]
+            for index, external in enumerate(event.block_hashes):
+                digest = block_hash(parent, event.token_ids[index * BLOCK : (index + 1) * BLOCK])
+                assert external == external_hash(digest), "a hash its tokens do not chain to"
+                assert external not in self.findable, "stored twice"
+                self.findable.add(external)
+                self.digests[external] = parent = digest
+
+    def drain(self) -> None:
+        while self.receive(20):
+            pass
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()
+
+
+def free_endpoint() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def subscribed(publisher: KVEventPublisher, router: Router) -> None:
+    """Until the router hears the publisher (a PUB socket drops what it sends before a
+    subscription arrives) and has taken every batch sent so far: AllBlocksCleared, true while the
+    pool holds nothing."""
+    def heard() -> bool:
+        publisher.cleared()
+        publisher.flush()
+        return router.receive(100)
+
+    wait_for(heard, 30)
+    last = publisher.batches - 1  # (numbered from 0)
+
+    def taken_all() -> bool:
+        router.receive(50)
+        return router.last_sequence == last
+
+    wait_for(taken_all, 30)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvcache.load_model()
+
+
+def pool_findable(replica: Engine) -> set[int]:
+    return {external_hash(d) for d in replica.pool.cache.allocator.block_hashes if d is not None}
+
+
+def caught_up(router: Router, replica: Engine) -> bool:
+    """Whether, after taking what has come, the router's view is the idle pool's."""
+    router.drain()
+    return router.findable == pool_findable(replica)
+
+
+def test_a_router_knows_from_the_events_alone_what_the_pool_can_find(model):
+    endpoint = free_endpoint()
+    publisher = KVEventPublisher(endpoint)
+    router = Router(endpoint)
+    replica = Engine(model, num_blocks=16, block_size=BLOCK, max_running=2, token_budget=64,
+                     kv_events=publisher)
+    try:
+        subscribed(publisher, router)
+        system = ids(24, seed=1)
+        first = answer(replica, system + ids(9, seed=2))
+        answer(replica, system + ids(12, seed=3))  # shares the system prompt's three blocks
+        wait_for(lambda: caught_up(router, replica), 30)
+        assert router.findable
+        held = {external_hash(d) for d in replica.pool.cache.prefix_digests(system + [0])}
+        assert held <= router.findable  # a router would send the next turn here
+        for seed in range(4):  # more than the pool holds: the oldest blocks are evicted
+            answer(replica, ids(60, seed=10 + seed))
+        wait_for(lambda: caught_up(router, replica), 30)
+        assert not held <= router.findable  # evicted, and the router was told
+        assert first.tokens
+    finally:
+        replica.close()
+    wait_for(lambda: router.receive(50) and not router.findable, 30)  # AllBlocksCleared on close
+    router.close()
+
+
+def test_a_topic_prefixes_every_message_and_removals_in_a_row_are_one_event():
+    endpoint = free_endpoint()
+    publisher = KVEventPublisher(endpoint, topic="kv@pod-a@smollm2")
+    router = Router(endpoint, topic="kv@pod-a@smollm2")
+    other = Router(endpoint, topic="kv@pod-b")
+    try:
+        subscribed(publisher, router)
+        assert not other.receive(200)  # another topic hears nothing
+        digests = [block_hash(ROOT_HASH, list(range(i, i + BLOCK))) for i in (0, 1)]
+        for digest in digests:
+            publisher.removed(digest)
+        publisher.flush()
+        decoder, removals = msgspec.msgpack.Decoder(KVEventBatch), []
+
+        def removal_heard() -> bool:  # (AllBlocksCleared batches of `subscribed` may come first)
+            while router.socket.poll(50):
+                topic, _, payload = router.socket.recv_multipart()
+                assert topic == b"kv@pod-a@smollm2"
+                events = decoder.decode(payload).events
+                removals.extend(e for e in events if isinstance(e, BlockRemoved))
+            return bool(removals)
+
+        wait_for(removal_heard, 30)
+        assert [r.block_hashes for r in removals] == [[external_hash(d) for d in digests]]  # one event
+    finally:
+        publisher.close()
+        router.close()
+        other.close()
+
+
+def test_a_replica_can_connect_to_a_router_that_binds_one_socket_for_every_replica():
+    endpoint = free_endpoint()
+    context = zmq.Context()
+    indexer = context.socket(zmq.SUB)  # the router's side binds, as llm-d's indexer does
+    indexer.bind(endpoint)
+    indexer.setsockopt(zmq.SUBSCRIBE, b"")
+    replicas = [KVEventPublisher(endpoint, topic=f"kv@pod-{name}@m", connect=True) for name in "ab"]
+    topics: set[bytes] = set()
+    try:
+        def heard_both() -> bool:
+            for replica in replicas:
+                replica.cleared()
+                replica.flush()
+            while indexer.poll(100):
+                topics.add(indexer.recv_multipart()[0])
+            return topics == {b"kv@pod-a@m", b"kv@pod-b@m"}
+
+        wait_for(heard_both, 30)
+    finally:
+        for replica in replicas:
+            replica.close()
+        indexer.close(0)
+        context.term()
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:5557", "tcp://127.0.0.1", "http://127.0.0.1:80", "", None])
+def test_an_endpoint_that_is_not_one_is_refused_by_name(endpoint):
+    with pytest.raises(ValueError, match="--kv-events must be a ZeroMQ endpoint"):
+        check_endpoint(endpoint)
+
+
+def test_a_taken_port_is_an_error_naming_the_flag():
+    endpoint = free_endpoint()
+    first = KVEventPublisher(endpoint)
+    try:
+        with pytest.raises(OSError, match=f"--kv-events: cannot bind {endpoint}"):
+            KVEventPublisher(endpoint)
+    finally:
+        first.close()
