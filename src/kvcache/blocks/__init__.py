@@ -8,10 +8,19 @@ tensors the blocks index live in `kvcache.cache.paged`; the engine's pool and th
 read the hashes.
 """
 
-from .allocator import HOLE, ROOT_HASH, BlockAllocator, BlockListener, SequenceBlocks, block_hash, salt_root
+from .allocator import (
+    HOLE,
+    ROOT_HASH,
+    BlockAllocator,
+    BlockListener,
+    SequenceBlocks,
+    block_hash,
+    prefix_digests,
+    salt_root,
+)
 from .window import WindowedBlockAllocator
 
 __all__ = [
     "HOLE", "ROOT_HASH", "BlockAllocator", "BlockListener", "SequenceBlocks", "WindowedBlockAllocator",
-    "block_hash", "salt_root",
+    "block_hash", "prefix_digests", "salt_root",
 ]

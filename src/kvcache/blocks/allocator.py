@@ -62,6 +62,19 @@ class SequenceBlocks:
     root: bytes = ROOT_HASH  # the parent hash of its first block (`salt_root`)
 
 
+def prefix_digests(token_ids: Sequence[int], block_size: int, root: bytes = ROOT_HASH) -> list[bytes]:
+    """The chained hashes of the whole blocks of `block_size` tokens of `token_ids` that a prefix
+    hit may cover: every whole block but one that would hold the last token (which the model must
+    run, for its logits), chained from `root`."""
+    ids = [int(t) for t in token_ids]
+    digests: list[bytes] = []
+    parent = root
+    for index in range((len(ids) - 1) // block_size if ids else 0):
+        parent = block_hash(parent, ids[index * block_size : (index + 1) * block_size])
+        digests.append(parent)
+    return digests
+
+
 def salt_root(salt: str | None) -> bytes:
     """The parent hash of a sequence's first block under `salt` (None: ROOT_HASH): sequences of
     different salts never share a block, in the pool or any store (every hash of their chain
@@ -163,15 +176,8 @@ class BlockAllocator:
 
     def prefix_digests(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> list[bytes]:
         """The chained hashes of the full blocks of `token_ids` a prefix hit may cover (keeping at
-        least the last token to compute)."""
-        size = self.block_size
-        ids = [int(t) for t in token_ids]
-        digests: list[bytes] = []
-        parent = root
-        for index in range((len(ids) - 1) // size if ids else 0):
-            parent = block_hash(parent, ids[index * size : (index + 1) * size])
-            digests.append(parent)
-        return digests
+        least the last token to compute): `prefix_digests` of this pool's block size."""
+        return prefix_digests(token_ids, self.block_size, root)
 
     def pin(self, digests: Sequence[bytes]) -> None:
         """Keep the blocks of `digests` (a pinned prefix's, `prefix_digests`) when nothing uses
