@@ -25,6 +25,14 @@ def test_import_kvcache_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_single_process_server_does_not_import_ray():
+    code = (
+        "import sys, kvcache.cli.serve, kvcache.server.app, kvcache.engine;"
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_kvcache_and_its_caches_work_without_importing_transformers():
     """transformers is imported by kvcache.hf only, on demand."""
     code = (

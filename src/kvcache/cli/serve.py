@@ -138,6 +138,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         default=3600,
         help="seconds a block written to the store lives (default 3600)",
     )
+    engine.add_argument(
+        "--replicas", type=positive_int, default=1, metavar="N",
+        help="run N engine replicas on Ray Serve behind this server, each request routed to the "
+        "replica holding its longest prefix (needs kvcache[ray]; default 1: this process alone)",
+    )
+    engine.add_argument(
+        "--ray-address", metavar="ADDR",
+        help="the Ray cluster for --replicas (default: start a local one)",
+    )
     engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
     engine.add_argument("--threads", type=positive_int, help="torch CPU threads")
     limits = parser.add_argument_group("limits")
@@ -200,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"kvcache serve: error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
+    if args.replicas > 1:
+        return _run_replicas(args, sock)
     events = None
     try:
         pinned = _pinned_prompts(args.kv_pin) if args.kv_pin else []  # (a bad file said before loading)
@@ -239,6 +250,61 @@ def run(args: argparse.Namespace) -> int:
     engine.close()
     print("kvcache serve: stopped", flush=True)
     return 0
+
+
+def _run_replicas(args: argparse.Namespace, sock) -> int:
+    """`run` with --replicas: the engines on Ray Serve, this process the HTTP server."""
+    from kvcache.server.app import build_app
+    from kvcache.server.run import serve
+
+    per_process = [flag for flag, value in (("--kv-events", args.kv_events), ("--kv-disk", args.kv_disk),
+                                            ("--kv-pin", args.kv_pin)) if value]
+    if per_process:
+        sock.close()
+        print(f"kvcache serve: error: {', '.join(per_process)} cannot be used with --replicas yet (one "
+              "process per socket, folder or pin list); share blocks with --kv-store", file=sys.stderr)
+        return 2
+    try:
+        replicas, tokenizer = _replica_set(args)
+        context = _context(args, replicas)
+    except (ImportError, ValueError, OSError, ConnectionError) as error:
+        sock.close()
+        print(f"kvcache serve: error: {error}", file=sys.stderr)
+        return 2
+    settings = _settings(args, context)
+    host, port = sock.getsockname()[:2]
+    print(f"kvcache serve: {settings.model_name} on {args.replicas} replicas (Ray Serve, routed by "
+          f"prefix) on http://{host}:{port}/v1", flush=True)
+    print(f"  KV pool per replica: {replicas.num_blocks} blocks of {args.block_size} tokens", flush=True)
+    _log_requests(args.access_log)
+    try:
+        serve(build_app(replicas, tokenizer, settings), replicas, drain_s=args.drain_seconds, sock=sock,
+              log_level=args.log_level)
+    finally:
+        from kvcache.replicas.replica_set import stop_replicas
+
+        stop_replicas(started_here=args.ray_address is None)
+    print("kvcache serve: stopped", flush=True)
+    return 0
+
+
+def _replica_set(args: argparse.Namespace):
+    """(ReplicaSet, tokenizer) as the arguments say; ImportError naming the extra without Ray."""
+    try:
+        from kvcache.replicas.deployment import ReplicaSettings
+        from kvcache.replicas.replica_set import start_replicas
+    except ImportError:
+        raise ImportError("--replicas needs Ray Serve: pip install 'kvcache[ray]'") from None
+    from kvcache.text.tokenizer import load_tokenizer
+
+    folder = Path(resolve_model_dir(args.model))
+    tokenizer = load_tokenizer(folder)
+    engine = {"kv_budget": args.kv_budget, "block_size": args.block_size, "max_running": args.max_running,
+              "token_budget": args.token_budget, "prefill_slowdown": args.prefill_slowdown or None,
+              "backend": args.backend, "kv_store": args.kv_store}
+    settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine)
+    return start_replicas(settings, args.replicas, address=args.ray_address,
+                          max_ongoing=args.max_running + args.max_waiting), tokenizer
 
 
 def _event_publisher(args: argparse.Namespace):

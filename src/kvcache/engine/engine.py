@@ -40,6 +40,25 @@ from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
 
 
+def check_request(ids: list[int], params: SamplingParams, config, pool_tokens: int | None,
+                  block_size: int) -> None:
+    """Raise RequestError unless a request of prompt `ids` fits: its params in range for the
+    model's vocabulary, the prompt and max_tokens within its context, and their blocks within a
+    pool of `pool_tokens` tokens (None: a pool of sliding layers only, which any length fits)."""
+    params.check(config.vocab_size)
+    total = len(ids) + params.max_tokens
+    if total > config.max_position_embeddings:
+        raise RequestError(
+            f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} make {total}, past the "
+            f"model's context of {config.max_position_embeddings}"
+        )
+    if pool_tokens is not None and blocks_for(total, block_size) * block_size > pool_tokens:
+        raise RequestError(
+            f"the request needs up to {total} tokens; the KV pool holds {pool_tokens // block_size} blocks "
+            f"of {block_size} ({pool_tokens} tokens): raise kv_budget"
+        )
+
+
 class Engine:
     """Continuous batching of many requests over one PagedCache of `kv_budget` bytes (or
     `num_blocks` blocks) of `block_size` tokens.
@@ -139,24 +158,10 @@ class Engine:
         or its fields as keywords (max_tokens=…, temperature=…). Refused with RequestError, and
         nothing queued, when a field is out of range or the request cannot fit even alone."""
         params = params if params is not None else SamplingParams(**fields)
-        config = self.model.config
-        params.check(config.vocab_size)
         ids = prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
-        total = len(ids) + params.max_tokens
-        if total > config.max_position_embeddings:
-            raise RequestError(
-                f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} make {total}, past the "
-                f"model's context of {config.max_position_embeddings}"
-            )
-        if (
-            self.pool.full_allocator is not None
-            and blocks_for(total, self.limits.block_size) > self.num_blocks
-        ):
-            raise RequestError(
-                f"the request needs up to {total} tokens; the KV pool holds {self.num_blocks} blocks "
-                f"of {self.limits.block_size} ({self.num_blocks * self.limits.block_size} tokens): "
-                "raise kv_budget"
-            )
+        pool = None if self.pool.full_allocator is None else self.num_blocks * self.limits.block_size
+        check_request(ids, params, self.model.config, pool, self.limits.block_size)
+        config = self.model.config
         eos = () if params.ignore_eos else (*config.eos_token_id, *tokenizer_eos(self.tokenizer))
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer to read the generated text")

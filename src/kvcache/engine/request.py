@@ -124,18 +124,20 @@ does dropping the last reference to the handle (nobody is left to read what it m
     async def __aiter__(self) -> AsyncIterator[int]:
         """The new token ids, awaited on the running event loop (a server's); needs the engine's
         loop running elsewhere (`Engine.start`, `Engine.run`)."""
-        async for token, _ in self._awaited():
+        async for token, _ in self.updates():
             if token is not None:
                 yield token
 
     async def texts(self) -> AsyncIterator[str]:
         """The reply's text as it becomes final (whole characters, cut before a stop string), in
         pieces whose join is `Completion.text`; awaited as `__aiter__` is."""
-        async for _, piece in self._awaited():
+        async for _, piece in self.updates():
             if piece:
                 yield piece
 
-    async def _awaited(self) -> AsyncIterator[tuple[int | None, str]]:
+    async def updates(self) -> AsyncIterator[tuple[int | None, str]]:
+        """(token id, the text it made final) pairs as they come, then (None, the text left at the
+        end) when there is some; awaited as `__aiter__` is."""
         if not self._engine.running_in_background:
             raise RuntimeError("async iteration needs the engine's loop running: call engine.start()")
         event = asyncio.Event()

@@ -1,0 +1,58 @@
+"""Which replica holds which prompt blocks, as a router sees it: the chained block hashes of
+every prompt it sent to each replica (`kvcache.blocks.prefix_digests`, the hashes the replica's
+pool finds blocks by), least recently used forgotten first. A prompt goes to the replica holding
+its longest run of leading blocks: a conversation's next turn starts with the previous turn's
+prompt, so it returns to the replica that served it. Standard library only."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+
+class PrefixIndex:
+    """Block hashes per replica, at most `capacity` each (the oldest used forgotten first)."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.held: dict[Hashable, OrderedDict[bytes, None]] = {}
+
+    def record(self, replica: Hashable, digests: Sequence[bytes]) -> None:
+        """`replica` was sent a prompt of these leading block hashes: it holds them now."""
+        held = self.held.setdefault(replica, OrderedDict())
+        for digest in digests:
+            held[digest] = None
+            held.move_to_end(digest)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
+    def forget(self, replica: Hashable) -> None:
+        """`replica` is gone (its pool with it)."""
+        self.held.pop(replica, None)
+
+    def matched(self, replica: Hashable, digests: Sequence[bytes]) -> int:
+        """Leading blocks of `digests` that `replica` holds."""
+        held = self.held.get(replica)
+        count = 0
+        while held is not None and count < len(digests) and digests[count] in held:
+            count += 1
+        return count
+
+    def rank(
+        self, replicas: Sequence[Hashable], digests: Sequence[bytes], load: dict, imbalance: int
+    ) -> list[list[Hashable]]:
+        """`replicas` ranked for a prompt of these block hashes, best first: the one holding the
+        most leading blocks (fewest queued requests among equals), unless its load exceeds the
+        least loaded one's by more than `imbalance` requests; then, and for every other rank,
+        fewest queued requests first. load: replica -> requests queued or running there."""
+        if not replicas:
+            return []
+        by_load = sorted(replicas, key=lambda r: load.get(r, 0))
+        lightest = load.get(by_load[0], 0)
+        scored = sorted(by_load, key=lambda r: -self.matched(r, digests))  # stable: load breaks ties
+        best = scored[0]
+        if self.matched(best, digests) == 0 or load.get(best, 0) - lightest > imbalance:
+            return [[r] for r in by_load]
+        return [[best]] + [[r] for r in by_load if r != best]
