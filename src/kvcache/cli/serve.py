@@ -22,6 +22,7 @@ from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SOCKET_BACKLOG = 2048  # (uvicorn's own)
 PIN_FILE_BYTES = 4 << 20  # a --kv-pin file's size at most
 
 
@@ -144,6 +145,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "replica holding its longest prefix (needs kvcache[ray]; default 1: this process alone)",
     )
     engine.add_argument(
+        "--routing", choices=("prefix", "round-robin"), default="prefix",
+        help="how --replicas are chosen: the one holding the prompt's longest prefix (default), or "
+        "in turn (what prefix routing is measured against)",
+    )
+    engine.add_argument(
         "--ray-address", metavar="ADDR",
         help="the Ray cluster for --replicas (default: start a local one)",
     )
@@ -237,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache serve: error: --kv-pin: {error}", file=sys.stderr)
         return 2
     settings = _settings(args, context)
+    sock.listen(SOCKET_BACKLOG)  # connections from now on wait for the server, none is refused
     _say_started(args, engine, settings, sock.getsockname()[:2])
     _log_requests(args.access_log)
     try:
@@ -272,9 +279,10 @@ def _run_replicas(args: argparse.Namespace, sock) -> int:
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
     settings = _settings(args, context)
+    sock.listen(SOCKET_BACKLOG)
     host, port = sock.getsockname()[:2]
     print(f"kvcache serve: {settings.model_name} on {args.replicas} replicas (Ray Serve, routed by "
-          f"prefix) on http://{host}:{port}/v1", flush=True)
+          f"{args.routing}) on http://{host}:{port}/v1", flush=True)
     print(f"  KV pool per replica: {replicas.num_blocks} blocks of {args.block_size} tokens", flush=True)
     _log_requests(args.access_log)
     try:
@@ -304,6 +312,7 @@ def _replica_set(args: argparse.Namespace):
               "backend": args.backend, "kv_store": args.kv_store}
     settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine)
     return start_replicas(settings, args.replicas, address=args.ray_address,
+                          policy=args.routing.replace("-", "_"),
                           max_ongoing=args.max_running + args.max_waiting), tokenizer
 
 

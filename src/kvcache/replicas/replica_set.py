@@ -196,7 +196,8 @@ def start_replicas(settings: ReplicaSettings, replicas: int, *, address: str | N
 
 
 def stop_replicas(started_here: bool = True) -> None:
-    """Delete the replicas' application; shut Ray down when this process started it."""
-    serve.delete(APP)
-    if started_here:
-        ray.shutdown()
+    """Shut down the local Ray cluster this process started (its replicas with it), or delete the
+    replicas' application from a cluster that stays."""
+    if not started_here:
+        serve.delete(APP)
+    ray.shutdown()
