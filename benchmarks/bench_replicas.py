@@ -11,7 +11,10 @@ rate (cached prompt tokens over prompt tokens, from `usage`) and the time to fir
 the client's streamed request to its first content event). Then the routing overhead: the
 latency of a one-token request whose prompt the replica holds, on `--replicas 2` against a
 single-process `kvcache serve` of the same settings (the difference is what the Ray path adds),
-and the router's own decision (block hashes of the prompt and the ranking) timed in process.
+and the router's own decision (block hashes of the prompt and the ranking) timed in process. The
+same conversations on that single process give the ceiling: one engine holds every conversation,
+so its hit rate is the most any routing can reach on this workload (the rest is each turn's new
+question, and answers whose tokens the chat template's rendering does not reproduce).
 
 On one 2-core machine more replicas cannot raise throughput: both replicas share the cores, so
 the figures here are hit rates and latencies, not throughput. Results:
@@ -167,7 +170,8 @@ def main() -> None:
             print(f"round {round_ + 1} {routing}: {by_routing[routing][-1]}", file=sys.stderr, flush=True)
     with Server("--replicas", "2") as server:
         replicated = one_token_latency(server.url)
-    with Server() as server:
+    with Server() as server:  # one engine holds every conversation: the most any routing can find
+        ceiling = summary(conversations_run(server.url))
         single = one_token_latency(server.url)
     decisions = router_decision_s()
     results = {
@@ -181,6 +185,7 @@ def main() -> None:
             "prefix_hit_rate_median": statistics.median(r["prefix_hit_rate"] for r in rows),
             "ttft_ms_median": statistics.median(r["ttft_ms_median"] for r in rows)} for routing, rows in
             by_routing.items()},
+        "single_engine_ceiling": ceiling,
         "ttft_prefix_over_round_robin": statistics.median(
             p["ttft_ms_median"] / r["ttft_ms_median"]
             for p, r in zip(by_routing["prefix"], by_routing["round-robin"])),

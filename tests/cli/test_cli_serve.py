@@ -4,48 +4,18 @@ accepting, lets the running request finish, and exits 0."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 
 import httpx
+from serve_process import start_serve, stop_serve
 from waiting import wait_for
 
 from kvcache.cli import main
 
 
-def _start(*extra: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvcache", "serve", "--port", "0", "--threads", "1", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "KVCACHE_API_KEY": ""},
-    )
-    found: list[str] = []
-    reader = threading.Thread(target=lambda: found.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(120)
-    match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", found[0] if found else "")
-    if match is None:
-        process.kill()
-        raise AssertionError(f"no address printed: {found!r} {process.stderr.read()[-2000:]}")
-    return process, match.group(1)
-
-
-def _stopped(process: subprocess.Popen) -> tuple[str, str]:
-    """SIGTERM, a clean exit (status 0), and what the server printed since it started listening:
-    (stdout, stderr)."""
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(60) == 0
-    return process.stdout.read(), process.stderr.read()
-
-
 def test_serve_answers_then_drains_on_sigterm_and_exits_zero():
-    process, base = _start("--drain-seconds", "60")
+    process, base = start_serve("--drain-seconds", "60")
     try:
         body = {"prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}
         texts, finish = [], []
@@ -108,12 +78,12 @@ def test_kv_pin_prefills_its_prompts_at_start_and_a_bad_file_is_named_before_loa
     pins = tmp_path / "pins.jsonl"
     system = "You are a terse assistant. " * 6
     pins.write_text(json.dumps(system) + "\n")
-    process, base = _start("--kv-pin", str(pins), "--block-size", "8")
+    process, base = start_serve("--kv-pin", str(pins), "--block-size", "8")
     try:
         body = {"prompt": system + "Hello", "max_tokens": 2, "temperature": 0}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # prefilled at start
-        assert "pinned 1 prompts" in _stopped(process)[1]
+        assert "pinned 1 prompts" in stop_serve(process)[1]
     finally:
         if process.poll() is None:
             process.kill()
@@ -133,7 +103,7 @@ def test_kv_events_reach_a_subscriber_and_a_bad_endpoint_is_named_before_loading
         endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
         assert main(["serve", "--port", "0", "-m", absent, "--kv-events", endpoint]) == 2
     assert f"--kv-events: cannot bind {endpoint}" in capsys.readouterr().err
-    process, base = _start("--kv-events", endpoint, "--kv-events-topic", "kv@a@m", "--block-size", "8")
+    process, base = start_serve("--kv-events", endpoint, "--kv-events-topic", "kv@a@m", "--block-size", "8")
     context = zmq.Context()
     subscriber = context.socket(zmq.SUB)
     try:
@@ -151,9 +121,17 @@ def test_kv_events_reach_a_subscriber_and_a_bad_endpoint_is_named_before_loading
         wait_for(stored, 60)
         metrics = httpx.get(f"{base}/metrics", timeout=30).text
         assert re.search(r"^kvcache_kv_cache_utilization \d", metrics, re.M)
-        assert "KV events: bound at " + endpoint in _stopped(process)[0]
+        assert "KV events: bound at " + endpoint in stop_serve(process)[0]
     finally:
         subscriber.close(0)
         context.term()
         if process.poll() is None:
             process.kill()
+
+
+def test_per_process_flags_with_replicas_are_refused_by_name(tmp_path, capsys):
+    code = main(["serve", "--port", "0", "--replicas", "2", "--kv-disk", str(tmp_path),
+                 "--kv-events", "tcp://127.0.0.1:5599"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--kv-events, --kv-disk cannot be used with --replicas" in err and "--kv-store" in err

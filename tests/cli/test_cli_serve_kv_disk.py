@@ -5,7 +5,7 @@ answers as the first server did."""
 from __future__ import annotations
 
 import httpx
-from test_cli_serve import _start, _stopped
+from serve_process import start_serve, stop_serve
 
 FIRST = [{"role": "user", "content": "What is a class in Python? Say it in a few words."}]
 
@@ -19,21 +19,21 @@ def _chat(base: str) -> dict:
 
 def test_a_restarted_server_answers_from_the_blocks_it_kept_on_disk(tmp_path):
     flags = ("--kv-disk", str(tmp_path), "--block-size", "8")
-    process, base = _start(*flags)
+    process, base = start_serve(*flags)
     try:
         first = _chat(base)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        _stopped(process)  # after writing what it had queued
+        stop_serve(process)  # after writing what it had queued
     finally:
         if process.poll() is None:
             process.kill()
-    process, base = _start(*flags)
+    process, base = start_serve(*flags)
     try:
         again = _chat(base)
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= (first["usage"]["prompt_tokens"] - 1) // 8 * 8 > 0
         assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-        assert "blocks kept from before" in _stopped(process)[0]
+        assert "blocks kept from before" in stop_serve(process)[0]
     finally:
         if process.poll() is None:
             process.kill()

@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 from redis_server import RedisServer
-from test_cli_serve import _start
+from serve_process import start_serve
 from waiting import wait_for
 
 BLOCK = 8
@@ -20,7 +20,7 @@ FIRST = [{"role": "user", "content": "What is a class in Python? Say it in a few
 def replicas():
     redis = RedisServer().start()
     store = ("--kv-store", redis.url, "--block-size", str(BLOCK))
-    started = [_start(*store), _start(*store), _start("--block-size", str(BLOCK))]
+    started = [start_serve(*store), start_serve(*store), start_serve("--block-size", str(BLOCK))]
     yield [base for _, base in started]
     for process, _ in started:
         process.terminate()

@@ -4,18 +4,13 @@ answers are a single engine's, and a replica killed mid-run is replaced while no
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 import ray
 from ray import serve
+from serve_process import start_serve, stop_serve
 from waiting import wait_for
 
 import kvcache
@@ -27,25 +22,11 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def server():
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvcache", "serve", "--replicas", "2", "--port", "0", "--threads", "1",
-         "--block-size", str(BLOCK), "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "KVCACHE_API_KEY": "", "RAY_AUTH_MODE": "disabled"},
-    )
-    found: list[str] = []
-    reader = threading.Thread(target=lambda: found.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(240)
-    match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", found[0] if found else "")
-    if match is None:
-        process.kill()
-        raise AssertionError(f"no address printed: {found!r} {process.stderr.read()[-3000:]}")
-    client = openai.OpenAI(base_url=match.group(1) + "/v1", api_key="none", timeout=120, max_retries=0)
-    yield client
-    process.send_signal(signal.SIGTERM)
+    process, base = start_serve("--replicas", "2", "--block-size", str(BLOCK), "--log-level", "warning",
+                                timeout_s=240)
     try:
-        assert process.wait(120) == 0
+        yield openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+        stop_serve(process, timeout_s=120)
     finally:
         if process.poll() is None:
             process.kill()

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvcache.cache.errors import CacheConfigError, CacheError, OutOfBlocksError, UnknownSequenceError
+from .errors import CacheConfigError, CacheError, OutOfBlocksError, UnknownSequenceError
 
 ROOT_HASH = b""  # the parent hash of a sequence's first block
 HOLE = -1  # a table entry whose block was given back (a windowed allocator's, out of the window)

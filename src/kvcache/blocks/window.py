@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from kvcache.cache.errors import CacheConfigError, CacheCropError
-
 from .allocator import HOLE, BlockAllocator, SequenceBlocks
+from .errors import CacheConfigError, CacheCropError
 
 
 class WindowedBlockAllocator(BlockAllocator):

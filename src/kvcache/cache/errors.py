@@ -6,9 +6,19 @@ Every error says what was expected and what was given. All subclass `CacheError`
 
 from __future__ import annotations
 
+from kvcache.blocks.errors import (  # the errors the block pool raises too, defined with it
+    CacheConfigError,
+    CacheCropError,
+    CacheError,
+    OutOfBlocksError,
+    UnknownSequenceError,
+)
 
-class CacheError(ValueError):
-    """Base class of every error raised by `kvcache.cache`."""
+__all__ = [
+    "CacheConfigError", "CacheCropError", "CacheDeviceError", "CacheDtypeError", "CacheError",
+    "CacheOverflowError", "CacheShapeError", "CacheStateError", "LayerIndexError", "OutOfBlocksError",
+    "UnknownSequenceError",
+]
 
 
 class CacheShapeError(CacheError):
@@ -32,10 +42,6 @@ class CacheStateError(CacheError):
     between layers): refused until `crop` or `reset` puts it right."""
 
 
-class CacheCropError(CacheError):
-    """A negative crop, or a crop further back than a sliding window can restore."""
-
-
 class CacheOverflowError(CacheError):
     """More tokens than a fixed-capacity (static) layer can hold."""
 
@@ -49,28 +55,3 @@ class CacheOverflowError(CacheError):
         self.capacity = capacity
         self.requested = requested
         self.layer_idx = layer_idx
-
-
-class CacheConfigError(CacheError):
-    """Contradictory or missing sizes when building a cache (from a config or by hand)."""
-
-
-class OutOfBlocksError(CacheError):
-    """The pool cannot supply the blocks asked for; nothing was changed."""
-
-    def __init__(self, requested: int, available: int, num_blocks: int) -> None:
-        super().__init__(
-            f"paged cache out of blocks: {requested} more block(s) needed, {available} available "
-            f"(free or cached) of {num_blocks}; free finished sequences, or build the cache with "
-            f"more blocks"
-        )
-        self.requested = requested
-        self.available = available
-        self.num_blocks = num_blocks
-
-
-class UnknownSequenceError(CacheError, KeyError):
-    """A sequence id the allocator does not hold (or one that it already holds, when adding)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
