@@ -18,7 +18,7 @@ question, and answers whose tokens the chat template's rendering does not reprod
 
 On one 2-core machine more replicas cannot raise throughput: both replicas share the cores, so
 the figures here are hit rates and latencies, not throughput. Results:
-benchmarks/results/replicas.json and replicas.md. Not a test.
+benchmarks/results/replicas.json. Not a test.
 """
 
 from __future__ import annotations
