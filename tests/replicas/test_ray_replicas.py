@@ -23,7 +23,7 @@ NEW = 12
 @pytest.fixture(scope="module")
 def server():
     process, base = start_serve("--replicas", "2", "--block-size", str(BLOCK), "--log-level", "warning",
-                                timeout_s=240)
+                                timeout_s=600)
     try:
         yield openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
         stop_serve(process, timeout_s=120)
