@@ -18,7 +18,7 @@ question, and answers whose tokens the chat template's rendering does not reprod
 
 On one 2-core machine more replicas cannot raise throughput: both replicas share the cores, so
 the figures here are hit rates and latencies, not throughput. Results:
-benchmarks/results/replicas.json. Not a test.
+benchmarks/results/replicas.json (replicas_system_xN.json with --system-repeat N). Not a test.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def conversations_run(url: str) -> list[dict]:
     """Every later turn's {turn, prompt_tokens, cached_tokens, ttft_s}."""
     import httpx
 
-    histories = [[{"role": "system", "content": SYSTEM}] for _ in range(ARGS.conversations)]
+    system = SYSTEM * ARGS.system_repeat
+    histories = [[{"role": "system", "content": system}] for _ in range(ARGS.conversations)]
     rows: list[dict] = []
     with httpx.Client() as client, ThreadPoolExecutor(ARGS.conversations) as pool:
         for turn in range(ARGS.turns):
@@ -197,7 +198,8 @@ def main() -> None:
                 "throughput here; hit rates and latencies are what this measures",
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "replicas.json").write_text(json.dumps(results, indent=2) + "\n")
+    name = "replicas.json" if ARGS.system_repeat == 1 else f"replicas_system_x{ARGS.system_repeat}.json"
+    (RESULTS / name).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k not in ("by_routing", "settings")}, indent=2))
     for routing, data in results["by_routing"].items():
         print(routing, round(data["prefix_hit_rate_median"], 3), round(data["ttft_ms_median"], 1))
@@ -210,5 +212,7 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--new", type=int, default=24, help="new tokens per answer")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--system-repeat", type=int, default=1,
+                        help="the shared system prompt this many times over (default 1: ~140 tokens)")
     ARGS = parser.parse_args()
     main()
