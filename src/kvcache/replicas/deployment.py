@@ -40,12 +40,18 @@ class EngineReplica:
         self.name = f"{os.uname().nodename}:{os.getpid()}"
 
     async def generate(self, ids: list[int], params: SamplingParams):
-        """Stream ("piece", token, text) for each token, then ("done", Completion, stats)."""
+        """Stream ("pieces", [(token, text), …]) as tokens come, then ("done", [the pieces left],
+        Completion, stats). Pieces that come once the request has finished travel with "done":
+        every item is a round trip through Ray, and a short reply is then one item."""
         handle = self.engine.submit(ids, params)
         try:
+            pending: list[tuple[int | None, str]] = []
             async for token, piece in handle.updates():
-                yield ("piece", token, piece)
-            yield ("done", handle.result(), self.stats())
+                pending.append((token, piece))
+                if not handle.done:  # more will come later: send what is here now
+                    yield ("pieces", pending)
+                    pending = []
+            yield ("done", pending, handle.result(), self.stats())
         finally:  # the server cancelled the call (its client left), or the reply ended
             if not handle.done:
                 handle.cancel()

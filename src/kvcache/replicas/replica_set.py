@@ -41,11 +41,11 @@ class ReplicaHandle:
         """(token id or None, the text it made final) as the replica sends them."""
         try:
             async for item in self._response:
-                if item[0] == "piece":
+                for token, piece in item[1]:
                     self._started()
-                    yield item[1], item[2]
-                else:
-                    self._end(item[1], item[2])
+                    yield token, piece
+                if item[0] == "done":
+                    self._end(item[2], item[3])
         except Exception as error:  # noqa: BLE001 (the replica died, or its engine refused)
             self._end(self._failed(f"the replica failed: {type(error).__name__}: {error}"), None)
         if self._completion is None:
