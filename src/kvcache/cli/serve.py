@@ -321,14 +321,8 @@ def _event_publisher(args: argparse.Namespace):
     naming the flag."""
     if args.kv_events is None:
         return None
-    from kvcache.engine.kv_events import KVEventPublisher, check_endpoint
+    from kvcache.engine.kv_events import KVEventPublisher
 
-    check_endpoint(args.kv_events)
-    try:
-        import msgpack  # noqa: F401
-        import zmq  # noqa: F401
-    except ImportError:
-        raise ValueError("--kv-events needs pyzmq and msgpack: pip install 'kvcache[events]'") from None
     return KVEventPublisher(args.kv_events, topic=args.kv_events_topic, connect=args.kv_events_connect)
 
 

@@ -44,19 +44,22 @@ def check_endpoint(endpoint: str) -> str:
 
 
 class KVEventPublisher:
-    """Binds a PUB socket at `endpoint` now (a taken port is an OSError here, not later), or with
+    """Checks `endpoint` and that pyzmq and msgpack are installed (ValueError naming the flag),
+    then binds a PUB socket at `endpoint` now (a taken port is an OSError here, not later), or with
     `connect` connects it to a subscriber that binds there, and sends batches from a thread of its
-    own. As the pool's `BlockListener` it only collects (the step
-    calls `stored` and `removed`); `flush` hands the step's events to the sending thread.
+    own. As the pool's `BlockListener` it only collects (the step calls `stored` and `removed`);
+    `flush` hands the step's events to the sending thread.
 
     topic: the first frame of every message (vLLM's default is empty; llm-d's scorer subscribes
     to a topic of its own, e.g. kv@POD@MODEL)."""
 
     def __init__(self, endpoint: str, topic: str = "", *, connect: bool = False) -> None:
-        import msgpack
-        import zmq
-
         check_endpoint(endpoint)
+        try:
+            import msgpack
+            import zmq
+        except ImportError:
+            raise ValueError("--kv-events needs pyzmq and msgpack: pip install 'kvcache[events]'") from None
         self.endpoint, self.topic = endpoint, topic.encode()
         self.block_size = 0  # set by `attach`
         self._pack = msgpack.Packer(use_bin_type=True).pack
