@@ -46,7 +46,31 @@ class Completion:
     text: str | None = None  # the reply's text, cut before a stop string (None: no tokenizer)
 
 
-class RequestHandle:
+class ReplyReader:
+    """A reply read as it comes, asynchronously, from its `updates()`: its token ids (async
+    iteration) or its text (`texts()`). What the server reads of a request, on this engine
+    (`RequestHandle`) or on a replica (`kvcache.replicas.replica_set.ReplicaHandle`)."""
+
+    def updates(self) -> AsyncIterator[tuple[int | None, str]]:
+        """(token id, the text it made final) pairs as they come, then (None, the text left at the
+        end) when there is some."""
+        raise NotImplementedError
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        """The new token ids, awaited on the running event loop (a server's)."""
+        async for token, _ in self.updates():
+            if token is not None:
+                yield token
+
+    async def texts(self) -> AsyncIterator[str]:
+        """The reply's text as it becomes final (whole characters, cut before a stop string), in
+        pieces whose join is `Completion.text`."""
+        async for _, piece in self.updates():
+            if piece:
+                yield piece
+
+
+class RequestHandle(ReplyReader):
     """What `Engine.submit` returns. Iterate it for the new token ids as they are made (or
     `texts()`, asynchronously, for the reply's text as it becomes final); `result()` waits for
     the Completion; `cancel()` ends the request at the next step (its blocks freed), and so
@@ -121,23 +145,9 @@ does dropping the last reference to the handle (nobody is left to read what it m
             if event[0] is not None:
                 yield event[0]
 
-    async def __aiter__(self) -> AsyncIterator[int]:
-        """The new token ids, awaited on the running event loop (a server's); needs the engine's
-        loop running elsewhere (`Engine.start`, `Engine.run`)."""
-        async for token, _ in self.updates():
-            if token is not None:
-                yield token
-
-    async def texts(self) -> AsyncIterator[str]:
-        """The reply's text as it becomes final (whole characters, cut before a stop string), in
-        pieces whose join is `Completion.text`; awaited as `__aiter__` is."""
-        async for _, piece in self.updates():
-            if piece:
-                yield piece
-
     async def updates(self) -> AsyncIterator[tuple[int | None, str]]:
-        """(token id, the text it made final) pairs as they come, then (None, the text left at the
-        end) when there is some; awaited as `__aiter__` is."""
+        """`ReplyReader.updates`; needs the engine's loop running elsewhere (`Engine.start`,
+        `Engine.run`), as async iteration and `texts()` do."""
         if not self._engine.running_in_background:
             raise RuntimeError("async iteration needs the engine's loop running: call engine.start()")
         event = asyncio.Event()

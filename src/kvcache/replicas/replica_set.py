@@ -13,7 +13,7 @@ import ray
 from ray import serve
 
 from kvcache.engine.engine import check_request
-from kvcache.engine.request import Completion, Usage
+from kvcache.engine.request import Completion, ReplyReader, Usage
 from kvcache.generation.params import SamplingParams
 from kvcache.replicas.deployment import ReplicaSettings, replica_deployment
 
@@ -22,7 +22,7 @@ APP = "kvcache"
 SUMMED = ("preemptions", "blocks_used", "blocks_free", "blocks_cached", "blocks_total")
 
 
-class ReplicaHandle:
+class ReplicaHandle(ReplyReader):
     """One request's reply from a replica, read as a `RequestHandle` is: `updates()`, async
     iteration of its token ids, `texts()`, then `result()`; `cancel()` ends the call (the
     replica cancels the request). A replica that fails or dies ends it with finish reason
@@ -38,7 +38,7 @@ class ReplicaHandle:
         return self._completion is not None
 
     async def updates(self):
-        """(token id or None, the text it made final) as the replica sends them."""
+        """`ReplyReader.updates`, as the replica sends them."""
         try:
             async for item in self._response:
                 for token, piece in item[1]:
@@ -50,16 +50,6 @@ class ReplicaHandle:
             self._end(self._failed(f"the replica failed: {type(error).__name__}: {error}"), None)
         if self._completion is None:
             self._end(self._failed("the replica ended the reply without finishing it"), None)
-
-    async def __aiter__(self):
-        async for token, _ in self.updates():
-            if token is not None:
-                yield token
-
-    async def texts(self):
-        async for _, piece in self.updates():
-            if piece:
-                yield piece
 
     def result(self, timeout: float | None = None) -> Completion:
         """The Completion (the reply must have been read to its end, or cancelled)."""
