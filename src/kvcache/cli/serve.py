@@ -307,13 +307,18 @@ def _replica_set(args: argparse.Namespace):
 
     folder = Path(resolve_model_dir(args.model))
     tokenizer = load_tokenizer(folder)
-    engine = {"kv_budget": args.kv_budget, "block_size": args.block_size, "max_running": args.max_running,
-              "token_budget": args.token_budget, "prefill_slowdown": args.prefill_slowdown or None,
-              "backend": args.backend, "kv_store": args.kv_store}
+    engine = {**_engine_arguments(args), "kv_store": args.kv_store}
     settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine)
     return start_replicas(settings, args.replicas, address=args.ray_address,
                           policy=args.routing.replace("-", "_"),
                           max_ongoing=args.max_running + args.max_waiting), tokenizer
+
+
+def _engine_arguments(args: argparse.Namespace) -> dict:
+    """The Engine's keyword arguments the flags give, in this process or on each replica."""
+    return {"backend": args.backend, "kv_budget": args.kv_budget, "block_size": args.block_size,
+            "max_running": args.max_running, "token_budget": args.token_budget,
+            "prefill_slowdown": args.prefill_slowdown or None}
 
 
 def _event_publisher(args: argparse.Namespace):
@@ -343,10 +348,7 @@ def _engine(args: argparse.Namespace, events=None):
     store = open_tiers(args.kv_disk, disk_bytes=args.kv_disk_size, url=args.kv_store, ttl_s=args.kv_store_ttl)
     print(f"kvcache serve: building the engine (the weights laid out for its kernels, a KV pool of "
           f"{format_bytes(args.kv_budget)})…", file=sys.stderr, flush=True)
-    engine = Engine(model, tokenizer, backend=args.backend, kv_budget=args.kv_budget,
-                    block_size=args.block_size, max_running=args.max_running,
-                    token_budget=args.token_budget, prefill_slowdown=args.prefill_slowdown or None,
-                    kv_store=store, kv_events=events)
+    engine = Engine(model, tokenizer, **_engine_arguments(args), kv_store=store, kv_events=events)
     return engine, tokenizer, _context(args, engine)
 
 
