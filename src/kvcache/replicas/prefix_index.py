@@ -51,8 +51,8 @@ class PrefixIndex:
             return []
         by_load = sorted(replicas, key=lambda r: load.get(r, 0))
         lightest = load.get(by_load[0], 0)
-        scored = sorted(by_load, key=lambda r: -self.matched(r, digests))  # stable: load breaks ties
-        best = scored[0]
-        if self.matched(best, digests) == 0 or load.get(best, 0) - lightest > imbalance:
+        matched = {r: self.matched(r, digests) for r in by_load}
+        best = max(by_load, key=matched.__getitem__)  # (the first of equals: load breaks ties)
+        if matched[best] == 0 or load.get(best, 0) - lightest > imbalance:
             return [[r] for r in by_load]
         return [[best]] + [[r] for r in by_load if r != best]
