@@ -4,12 +4,12 @@ can find: each stored once, chained to its parent, true to its tokens, removed w
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import msgspec
 import pytest
 import zmq
+from redis_server import free_port
 from test_kv_store import BLOCK, answer, ids
 from waiting import wait_for
 
@@ -110,9 +110,7 @@ class Router:
 
 
 def free_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def subscribed(publisher: KVEventPublisher, router: Router) -> None:
