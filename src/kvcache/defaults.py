@@ -44,9 +44,9 @@ def resolve_model_dir(path: str | Path | None) -> Path | str:
 
 #: `kvcache.make_cache` kinds ("quantized": int8 with its defaults; "none": keeps nothing)
 CACHE_KINDS = ("dynamic", "static", "sliding", "quantized", "paged", "none")
-#: `kvcache.backends.choose_backend` names ("auto": numpy for float32 CPU models, half for
-#: bfloat16/float16 ones, where they apply, else torch)
-BACKEND_NAMES = ("auto", "numpy", "half", "torch")
+#: `kvcache.backends.choose_backend` names ("auto": blocks for a GGUF's kept quantized weights,
+#: numpy for float32 CPU models, half for bfloat16/float16 ones, where they apply, else torch)
+BACKEND_NAMES = ("auto", "numpy", "half", "blocks", "torch")
 
 GGUF_MAGIC = b"GGUF"
 

@@ -1,10 +1,10 @@
 """Choosing a decode backend for a model by a fixed rule, never by timing.
 
-"auto": the numpy step when it can stand in for the model (float32 weights on CPU, every module
-one whose forward it computes and none hooked: `numpy_step.unsupported`), the half step for
-bfloat16 or float16 weights on CPU under the same conditions (`half_step.unsupported`), else the
-model's torch forward. The rule is checked at every call, which costs a walk over the modules; a
-numpy or half backend is built once per model (its weights are laid out) and kept while it still
+"auto": the block step for a model whose weights are a GGUF's kept blocks, the numpy step for
+float32 weights on CPU, the half step for bfloat16 or float16 ones, each where it can stand in
+for the model (every module one whose forward it computes, none hooked: `<step>.unsupported`),
+else the model's torch forward. The rule is checked at every call, which costs a walk over the
+modules; a step is built once per model (its weights are laid out) and kept while it still
 matches the model (`matches`), so a second `generate` pays nothing more and a model whose
 parameters were replaced, moved, cast (or, for the half step, written to) gets a new one.
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 import weakref
 
 from kvcache.backends.base import BackendError, DecodeBackend
-from kvcache.backends.cpu import half_step, numpy_step
+from kvcache.backends.cpu import block_step, half_step, numpy_step
+from kvcache.backends.cpu.block_step import BlockBackend
 from kvcache.backends.cpu.half_step import HalfBackend
 from kvcache.backends.cpu.numpy_step import NumpyBackend
 from kvcache.backends.torch_step import TorchBackend
@@ -24,7 +25,7 @@ BACKENDS = BACKEND_NAMES
 
 # model -> its NumpyBackend / HalfBackend, kept while it matches
 _built: dict[type, weakref.WeakKeyDictionary] = {
-    NumpyBackend: weakref.WeakKeyDictionary(), HalfBackend: weakref.WeakKeyDictionary()}
+    kind: weakref.WeakKeyDictionary() for kind in (NumpyBackend, HalfBackend, BlockBackend)}
 
 
 def _kept(kind: type, model) -> DecodeBackend:
@@ -36,7 +37,8 @@ def _kept(kind: type, model) -> DecodeBackend:
 
 def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> DecodeBackend:
     """The decode backend for `model`: a DecodeBackend as given; "torch" (the model's forward);
-    "numpy" or "half" (raise `BackendError` saying why if the model is not one they can run);
+    "numpy", "half" or "blocks" (raise `BackendError` saying why if the model is not one they can
+    run);
     "auto" or None (the rule in the module docstring)."""
     if isinstance(backend, DecodeBackend):
         if not backend.matches(model):
@@ -57,6 +59,11 @@ def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> Decod
     if backend == "half":
         half_step.require_supported(model)
         return _kept(HalfBackend, model)
+    if backend == "blocks":
+        block_step.require_supported(model)
+        return _kept(BlockBackend, model)
+    if block_step.unsupported(model) is None:
+        return _kept(BlockBackend, model)
     if numpy_step.unsupported(model) is None:
         return _kept(NumpyBackend, model)
     if half_step.unsupported(model) is None:

@@ -1,5 +1,6 @@
 """What a command says on stderr while it pauses: a line per kernel compiled on an install's first
-run (the load bar is `kvcache.report.progress.ProgressBar`, drawn after BAR_AFTER_S)."""
+run, what the loader said of the weights (the load bar is `kvcache.report.progress.ProgressBar`,
+drawn after BAR_AFTER_S)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,10 @@ def compiling_said(command: str, stream=None) -> Iterator[None]:
         stream.write(f"kvcache {command}: compiled {len(compiled)} kernels in "
                      f"{time.perf_counter() - started:.0f} s (kept for later runs)\n")
         stream.flush()
+
+
+def say_weights(program: str, model) -> None:
+    """Say on stderr what the loader said of the model's weights (a GGUF's kept blocks and what
+    it dequantized: `LlamaForCausalLM.weights_note`), when it said anything."""
+    if getattr(model, "weights_note", None):
+        print(f"kvcache {program}: weights: {model.weights_note}", file=sys.stderr, flush=True)

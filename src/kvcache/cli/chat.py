@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int, size_argument
-from kvcache.cli._status import BAR_AFTER_S, compiling_said
+from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import resolve_model_dir
 from kvcache.memory import parse_size
 
@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         folder = Path(resolve_model_dir(args.model))
         bar = ProgressBar("kvcache chat: loading the model", after_s=BAR_AFTER_S)
         model = load_model(folder, progress=bar)
+        say_weights("chat", model)
         tokenizer = load_tokenizer(folder)
         args.ctx_size = _context(args.ctx_size, model.config.max_position_embeddings)
         chat = _Chat(model, tokenizer, args, sys.stdout, sys.stderr)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int, size_argument
-from kvcache.cli._status import BAR_AFTER_S, compiling_said
+from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, CACHE_KINDS, resolve_model_dir
 from kvcache.memory import parse_size
 
@@ -175,6 +175,7 @@ def _load(args: argparse.Namespace):
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = _sampling(args, folder)
     model = load_model(folder, dtype=args.dtype, progress=ProgressBar(LOADING, after_s=BAR_AFTER_S))
+    say_weights("generate", model)
     tokenizer = load_tokenizer(folder)
     if args.chat is not None:
         messages = [{"role": "user", "content": args.chat}]

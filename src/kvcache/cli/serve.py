@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import WEIGHTS_HELD_TWICE, nonnegative_int, positive_int, size_argument
-from kvcache.cli._status import BAR_AFTER_S, compiling_said
+from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
 
@@ -344,6 +344,7 @@ def _engine(args: argparse.Namespace, events=None):
     folder = Path(resolve_model_dir(args.model))
     model = load_model(folder, dtype=args.dtype,
                        progress=ProgressBar("kvcache serve: loading the model", after_s=BAR_AFTER_S))
+    say_weights("serve", model)
     tokenizer = load_tokenizer(folder)
     store = open_tiers(args.kv_disk, disk_bytes=args.kv_disk_size, url=args.kv_store, ttl_s=args.kv_store_ttl)
     print(f"kvcache serve: building the engine (the weights laid out for its kernels, a KV pool of "

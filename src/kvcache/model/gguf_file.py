@@ -24,6 +24,7 @@ from kvcache.model.gguf_reader import GGUFFile, read_gguf
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED = {"llama"}
 # tensor types read: the float ones and the quantized ones the gguf package dequantizes
+FLOAT_TYPES = ("F32", "F16", "BF16")
 READABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
                   "Q5_K", "Q6_K")
 
@@ -184,3 +185,37 @@ def permutation_heads(name: str, arch_permutes: bool, heads: int, kv_heads: int)
 def permutes(meta: dict[str, Any]) -> bool:
     """Whether this file's converter interleaved the query/key rotary pairs."""
     return meta.get("general.architecture") in _PERMUTED
+
+
+def keeps_blocks(name: str, tensor) -> bool:
+    """Whether a tensor (Hugging Face name) stays its stored blocks when a model keeps them: a
+    projection's or the embedding's weight in one of `quantized.STORED_KINDS`."""
+    from kvcache.model.quantized import STORED_KINDS
+
+    weight = name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+    return weight and tensor.tensor_type.name in STORED_KINDS
+
+
+def block_weight(tensor, shape: tuple[int, int], permute_heads: int | None):
+    """The tensor's blocks as a `quantized.BlockWeight` of `shape` (rows, columns): a view of the
+    mapped file, or with permute_heads=H a copy with llama.cpp's rotary-pair interleaving of H
+    heads undone (each row is whole blocks, so rows move as they are)."""
+    from kvcache.model.quantized import BlockWeight
+
+    rows, columns = shape
+    weight = BlockWeight(tensor.tensor_type.name, rows, columns, tensor.data.reshape(rows, -1))
+    if permute_heads:
+        # stored: per head, rows (pair j, coordinate c) at 2j + c; Hugging Face's: c·D/2 + j
+        order = np.arange(rows).reshape(permute_heads, rows // permute_heads // 2, 2).swapaxes(1, 2)
+        weight = weight.permuted_rows(order.reshape(-1))
+    return weight
+
+
+def weights_note(kept: str | None, dequantized: dict[str, int]) -> str | None:
+    """What a start-up line says of a GGUF's weights: those kept as blocks (`kept`) and the
+    quantized tensors dequantized to float32 by kind (None when neither)."""
+    parts = [kept] if kept else []
+    if dequantized:
+        listed = ", ".join(f"{kind} ×{count}" for kind, count in sorted(dequantized.items()))
+        parts.append(f"dequantized to float32: {listed}")
+    return "; ".join(parts) or None

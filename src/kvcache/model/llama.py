@@ -213,13 +213,19 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    #: what the loader says of the weights for a start-up line (a GGUF's kept blocks), or None
+    weights_note: str | None = None
+
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        """Where the model's tensors live (its final norm's device)."""
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The dtype of its float tensors and computations (its final norm's; the embedding's
+        too, unless it is kept as quantized blocks)."""
+        return self.model.norm.weight.dtype
 
     def _cache_for(self, input_ids: torch.Tensor, past_key_values, use_cache: bool | None):
         """(the cache a forward runs on, whether it is returned): `past_key_values`, else a new

@@ -22,6 +22,7 @@ from kvcache.model.errors import CheckpointError
 from kvcache.model.gguf_file import open_gguf
 from kvcache.model.heap import release_freed_memory
 from kvcache.model.llama import LlamaForCausalLM
+from kvcache.model.quantized import BlockWeight, QuantizedEmbedding, QuantizedLinear, stored_summary
 from kvcache.model.safetensors_read import header_entry, read_header, read_tensors
 
 SINGLE_FILE = "model.safetensors"
@@ -245,7 +246,8 @@ def load_model(
 
     path: the folder or .gguf file; None loads kvcache's bundled default model (`kvcache.defaults`).
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype; a GGUF's
-    tensors, quantized or not, are dequantized to float32); otherwise every tensor is converted to it.
+    weights in a `quantized.STORED_KINDS` format stay its mapped blocks, every other tensor is
+    dequantized to float32); otherwise every tensor is converted to it (a GGUF's dequantized).
     progress: called as progress(fraction of the tensors read, label) while reading, and with
     (1.0, "done") at the end (a `kvcache.report.progress.ProgressBar` draws it).
     """
@@ -254,8 +256,11 @@ def load_model(
     say = progress or (lambda fraction, label: None)
     say(0.0, "reading tensors")
     if is_gguf(resolved):
-        config, state = read_gguf_model(Path(resolved).expanduser(), say)
-        model = _build(config, state, dtype or torch.float32, device)
+        config, state, blocks, dequantized = read_gguf_model(
+            Path(resolved).expanduser(), say, keep_blocks=dtype is None
+        )
+        model = _build(config, state, dtype or torch.float32, device, blocks)
+        model.weights_note = gguf_file.weights_note(stored_summary(model), dequantized)
     else:
         folder = checkpoint_folder(resolved)
         config = ModelConfig.from_file(folder)
@@ -272,11 +277,15 @@ def load_model(
 
 
 def read_gguf_model(
-    path: Path, progress: Callable[[float, str], None] | None = None
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and float32 tensors (Hugging Face names) of a GGUF file; every tensor's name,
-    type and shape is checked against the config before any is dequantized. progress(fraction of
-    the tensors read, label) after each."""
+    path: Path, progress: Callable[[float, str], None] | None = None, keep_blocks: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight], dict[str, int]]:
+    """The config, float32 tensors, kept block weights (Hugging Face names) and how many
+    quantized tensors of each kind were dequantized, of a GGUF file:
+    with keep_blocks, a projection's or the embedding's weight in a `quantized.STORED_KINDS`
+    format stays its blocks (mapped from the file; llama's query and key rows permuted in a
+    copy), every other tensor is dequantized. Every tensor's name, type and shape is checked
+    against the config before any is read. progress(fraction of the tensors read, label) after
+    each."""
     source = str(path)
     reader = open_gguf(path)
     meta = gguf_file.metadata(reader)
@@ -287,28 +296,58 @@ def read_gguf_model(
     located = {name: located[name] for name in _check_tensors(expected, found, source, "the file's metadata")}
     permuted = gguf_file.permutes(meta)
     heads = config.num_attention_heads, config.num_key_value_heads
-    state = {}
+    state, blocks, dequantized = {}, {}, {}
     for name, tensor in located.items():
         rows_permuted = gguf_file.permutation_heads(name, permuted, *heads)
-        state[name] = torch.from_numpy(gguf_file.read_tensor(tensor, expected[name], rows_permuted))
+        if keep_blocks and gguf_file.keeps_blocks(name, tensor):
+            blocks[name] = gguf_file.block_weight(tensor, expected[name], rows_permuted)
+        else:
+            state[name] = torch.from_numpy(gguf_file.read_tensor(tensor, expected[name], rows_permuted))
+            kind = tensor.tensor_type.name
+            if kind not in gguf_file.FLOAT_TYPES:
+                dequantized[kind] = dequantized.get(kind, 0) + 1
         if progress is not None:
-            progress(len(state) / len(located), "reading tensors")
-    return config, state
+            progress((len(state) + len(blocks)) / len(located), "reading tensors")
+    return config, state, blocks, dequantized
+
+
+def _use_blocks(
+    model: LlamaForCausalLM, config: ModelConfig, state: dict[str, torch.Tensor],
+    blocks: dict[str, BlockWeight],
+) -> None:
+    """Put a QuantizedLinear or QuantizedEmbedding over each weight in `blocks` in place of its
+    module (its bias taken from `state`); a tied lm_head reads the embedding's blocks. The
+    embedding is dequantized into `state` when it is not kept and the head is tied."""
+    for name, weight in blocks.items():
+        path = name.removesuffix(".weight")
+        parent_name, _, attribute = path.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if attribute == "embed_tokens":
+            setattr(parent, attribute, QuantizedEmbedding(weight))
+        else:
+            setattr(parent, attribute, QuantizedLinear(weight, state.pop(path + ".bias", None)))
+    embedding = model.model.embed_tokens
+    if config.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
+        model.lm_head = QuantizedLinear(embedding.weight_blocks)
 
 
 def _build(
-    config: ModelConfig, state: dict[str, torch.Tensor], target: torch.dtype, device
+    config: ModelConfig, state: dict[str, torch.Tensor], target: torch.dtype, device,
+    blocks: dict[str, BlockWeight] | None = None,
 ) -> LlamaForCausalLM:
-    """The model on `device` holding `state` converted to `target`, checked complete."""
+    """The model on `device` holding `state` converted to `target`, and `blocks` (weight name ->
+    its stored blocks: CPU only) in quantized modules, checked complete."""
     state = {name: tensor.to(device=device, dtype=target) for name, tensor in state.items()}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    if blocks:
+        _use_blocks(model, config, state, blocks)
     for rotary in (model.model.rotary_emb, model.model.local_rotary_emb):
         if rotary is not None:  # built on the CPU, not as meta tensors
             rotary.inv_freq = rotary.inv_freq.to(device)
-    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    model.load_state_dict(state, strict=not (config.tie_word_embeddings or blocks), assign=True)
     del state  # the model holds the tensors now
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not isinstance(model.model.embed_tokens, QuantizedEmbedding):
         model.lm_head.weight = model.model.embed_tokens.weight
     left_empty = [name for name, param in model.named_parameters() if param.is_meta]
     if left_empty:

@@ -40,7 +40,7 @@ class ArrayStep(DecodeBackend):
         self.group = self.heads // self.kv_heads
         self.eps = float(model.model.norm.eps)  # every RMSNorm's (unsupported_structure checked)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.vocab = model.model.embed_tokens.weight.shape[0]  # the ids an embedding row exists for
+        self.vocab = model.model.embed_tokens.num_embeddings  # the ids an embedding row exists for
         self.rotary = model.model.rotary_emb  # its table is built from the model's own frequencies
         empty = np.zeros((0, self.head_dim), np.float32)
         self._cos, self._signed_sin = empty, empty  # the RoPE table, grown on demand
@@ -237,7 +237,7 @@ class ArrayStep(DecodeBackend):
                 numba_products.key_rounding(keys),
                 w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, rounding,
             )
-        logits = np.empty((1, sum(part.shape[0] for part in head_parts)), np.float32)
+        logits = np.empty((1, numba_products.outputs(head_parts)), np.float32)
         kernels.normed_product(x, self.final_norm, eps, head_parts, head_bias, rounding, logits)
         return logits
 

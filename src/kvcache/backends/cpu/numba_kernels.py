@@ -1,7 +1,8 @@
 """The numba kernels of a decode step of N rows (tokens): its products, a layer in two calls, and
 attention that reads stored keys and values in place through a block table: token t of table row
 r, kv head h, sits at row (tables[r, t // S]·S + t % S)·token_stride + h·head_stride of the
-stored keys. Weights are tuples of row-major parts, float32 or half precision read as its bits.
+stored keys. Weights are tuples of row-major parts, float32 or half precision read as its bits,
+or ggml blocks (`numba_blocks`).
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 numba_kernels.py.
@@ -9,16 +10,21 @@ numba_kernels.py.
 
 from __future__ import annotations
 
+import warnings
+
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
+from kvcache.backends.cpu.numba_blocks import blocks_product
 from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)
     BFLOAT16,
     FLAGS,
     FLOAT16,
     KERNEL,
     NONE,
+    PARALLEL,
     SERIAL,
     bfloat16_halves,
     narrowed,
@@ -26,27 +32,31 @@ from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, F
     widened,
 )
 
-
-@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
-def row_dot(weight, i, x, n):  # pragma: no cover (compiled)
-    """weight[i] · x[n] in float32, weight (out, in) float32 or half-precision bits, x (N, in)."""
-    total = np.float32(0.0)
-    for j in range(weight.shape[1]):
-        total += widened(weight[i, j]) * x[n, j]
-    return total
+# a kernel whose every product is of ggml blocks has no parallel loop of its own (they are in
+# `blocks_product`): numba's note that parallel=True found nothing to do is expected then
+warnings.filterwarnings("ignore", message="The keyword argument 'parallel=True' was specified but no "
+                        "transformation", category=numba.NumbaPerformanceWarning)
 
 
-@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
-def product(parts, x, bias, rounding, out):  # pragma: no cover (compiled)
-    """out (N, sum out_i) = x (N, in) @ the parts stacked along out, transposed (+ bias): each
-    weight row read once and dotted with every row of x (four at a time), the weight rows split
-    between the threads; x and the output rounded as `rounding` says."""
-    rows = x.shape[0]
-    if rounding != NONE:
-        x = x.copy()
-        round_in_place(x.reshape(x.size), rounding)
-    start = 0
-    for part in parts:
+def part_product(part, x, start, out):  # typed by the overload below
+    """out[:, start : start + the part's rows] = x (N, in) times one part of a product, transposed:
+    a float32 or half-precision (out_i, in) array, or ggml blocks given as (blocks, code)
+    (`numba_blocks`)."""
+    raise NotImplementedError
+
+
+_PARALLEL_INLINE = dict(parallel=PARALLEL, fastmath=FLAGS, error_model="numpy")
+
+
+@overload(part_product, inline="always", jit_options=_PARALLEL_INLINE)
+def _part_product(part, x, start, out):  # pragma: no cover (compiled)
+    if isinstance(part, types.BaseTuple):
+        def blocks(part, x, start, out):
+            blocks_product(part[0], part[1], x, start, out)
+        return blocks
+
+    def array(part, x, start, out):
+        rows = x.shape[0]
         for i in prange(part.shape[0]):
             n = 0
             while n + 4 <= rows:  # one pass over the weight row for four rows of x
@@ -63,11 +73,40 @@ def product(parts, x, bias, rounding, out):  # pragma: no cover (compiled)
                 out[n + 3, start + i] = a3
                 n += 4
             while n < rows:
-                out[n, start + i] = row_dot(part, i, x, n)
+                total = np.float32(0.0)
+                for j in range(part.shape[1]):
+                    total += widened(part[i, j]) * x[n, j]
+                out[n, start + i] = total
                 n += 1
-        start += part.shape[0]
+    return array
+
+
+def part_rows(part):  # typed by the overload below
+    """The outputs of one part of a product (see `part_product`)."""
+    raise NotImplementedError
+
+
+@overload(part_rows, inline="always")
+def _part_rows(part):  # pragma: no cover (compiled)
+    if isinstance(part, types.BaseTuple):
+        return lambda part: part[0].shape[0]
+    return lambda part: part.shape[0]
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def product(parts, x, bias, rounding, out):  # pragma: no cover (compiled)
+    """out (N, sum out_i) = x (N, in) @ the parts stacked along out, transposed (+ bias): each
+    weight row (or four rows of blocks) read once and dotted with every row of x, the weight
+    rows split between the threads; x and the output rounded as `rounding` says."""
+    if rounding != NONE:
+        x = x.copy()
+        round_in_place(x.reshape(x.size), rounding)
+    start = 0
+    for part in parts:
+        part_product(part, x, start, out)
+        start += part_rows(part)
     if bias.shape[0]:
-        for n in range(rows):
+        for n in range(x.shape[0]):
             for i in range(out.shape[1]):
                 out[n, i] += bias[i]
     round_in_place(out.reshape(out.size), rounding)
@@ -297,7 +336,7 @@ def layer_output(
     rms_normed(x, norm, eps, normed)
     inner = 0
     for part in gate_up:
-        inner += part.shape[0]
+        inner += part_rows(part)
     both = np.empty((tokens, inner), np.float32)
     product(gate_up, normed, gate_up_bias, rounding, both)
     inner //= 2

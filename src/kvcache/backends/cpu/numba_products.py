@@ -133,15 +133,38 @@ def product(
     x: np.ndarray, parts: tuple, bias: np.ndarray | None = None, dtype: torch.dtype = torch.float32
 ) -> np.ndarray:
     """x (in,) or (N, in) float32 through a weight of `dtype` given as parts stacked along out
-    (each (out_i, in) row-major: float32, or half precision as `half_bits`) (+ bias (sum out_i,)
+    (each (out_i, in) row-major: float32, or half precision as `half_bits`; or ggml blocks as
+    `block_part`s, dtype float32) (+ bias (sum out_i,)
     float32) -> (sum out_i,) or (N, sum out_i) float32, a new array: each output one dot product
     summed in float32; in half precision x rounded to `dtype` first and the output after, as
     oneDNN's (and torch's) half-precision product computes. The kernels' own product, on its
     own. Call `available()` first."""
     rows = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])  # (N, in)
-    out = np.empty((rows.shape[0], sum(part.shape[0] for part in parts)), np.float32)
+    out = np.empty((rows.shape[0], outputs(parts)), np.float32)
     kernels().stacked_product(parts, rows, _vector(bias), rounding_of(dtype), out)
     return out.reshape(*x.shape[:-1], out.shape[1])
+
+
+def outputs(parts: tuple) -> int:
+    """The outputs of a product given as parts (see `product`): each part an (out_i, in) array or
+    ggml blocks as (blocks (out_i, row bytes), code) (`block_part`)."""
+    return sum(part[0].shape[0] if isinstance(part, tuple) else part.shape[0] for part in parts)
+
+
+def block_part(weight) -> tuple[np.ndarray, int]:
+    """A `kvcache.model.quantized.BlockWeight` as a product's part (`block_part_of`)."""
+    return block_part_of(weight.blocks, weight.kind)
+
+
+def block_part_of(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int]:
+    """ggml blocks (rows, row bytes) uint8 of `kind` ("Q8_0", ...) as a product's part: (the
+    blocks, read-only as a mapped file's are, and the format's code in `numba_blocks.CODES`)."""
+    from kvcache.backends.cpu.numba_blocks import CODES
+
+    if blocks.flags.writeable:  # (one array type for every part: the kernels compile once)
+        blocks = blocks.view()
+        blocks.setflags(write=False)
+    return blocks, CODES[kind]
 
 
 def row_product(parts: tuple, bias: np.ndarray | None) -> tuple[tuple, np.ndarray]:

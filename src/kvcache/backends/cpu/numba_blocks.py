@@ -1,0 +1,270 @@
+"""The numba kernels' products with weights kept as ggml blocks (`kvcache.model.quantized`): each
+weight row's blocks read from their stored bytes (scales widened from float16 bits), four weight
+rows dotted with one activation row in one pass, the activations float32 (no activation
+quantization: the result is the dequantized weight's product, summed in another order).
+Imported only with the kernels (numba is loaded then).
+
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+numba_blocks.py.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from kvcache.backends.cpu.numba_values import FLAGS, float16_widened, prefetch
+
+#: the block formats' codes, as a product's part carries them: (blocks, code)
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = 0, 1, 2, 3, 4
+CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1}
+_INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
+#: tasks ahead whose weight rows a task asks the CPU to fetch (four rows a task: without it, the
+#: four interleaved streams of rows defeat the hardware's prefetching once a weight is not cached)
+AHEAD = 2
+_LINE = 64
+
+
+@numba.njit(**_INLINE)
+def half_at(w, i, at):  # pragma: no cover (compiled)
+    """The float16 stored at bytes at, at + 1 of weight row i, as float32."""
+    return float16_widened(np.uint16(np.uint32(w[i, at]) | (np.uint32(w[i, at + 1]) << np.uint32(8))))
+
+
+@numba.njit(**_INLINE)
+def word_at(w, i, at):  # pragma: no cover (compiled)
+    """The little-endian uint32 stored at bytes at .. at + 3 of weight row i."""
+    word = np.uint32(0)
+    for byte in range(4):
+        word |= np.uint32(w[i, at + byte]) << np.uint32(8 * byte)
+    return word
+
+
+@numba.njit(**_INLINE)
+def int8_sums(w, i0, i1, i2, i3, at, x, n, xo):  # pragma: no cover (compiled)
+    """Σ q·x over 32 int8 at byte `at` of rows i0..i3, x row n from column xo: four sums."""
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for k in range(32):
+        xv = x[n, xo + k]
+        s0 += np.float32(np.int8(w[i0, at + k])) * xv
+        s1 += np.float32(np.int8(w[i1, at + k])) * xv
+        s2 += np.float32(np.int8(w[i2, at + k])) * xv
+        s3 += np.float32(np.int8(w[i3, at + k])) * xv
+    return s0, s1, s2, s3
+
+
+@numba.njit(**_INLINE)
+def nibble_sums(w, i0, i1, i2, i3, at, x, n, xo):  # pragma: no cover (compiled)
+    """Σ q·x over 32 4-bit q in 16 bytes at `at` (value j the low nibble of byte j, value j + 16
+    its high one) of rows i0..i3: four sums."""
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for k in range(16):
+        low, high = x[n, xo + k], x[n, xo + 16 + k]
+        v0, v1 = np.int32(w[i0, at + k]), np.int32(w[i1, at + k])
+        v2, v3 = np.int32(w[i2, at + k]), np.int32(w[i3, at + k])
+        s0 += np.float32(v0 & 15) * low + np.float32(v0 >> 4) * high
+        s1 += np.float32(v1 & 15) * low + np.float32(v1 >> 4) * high
+        s2 += np.float32(v2 & 15) * low + np.float32(v2 >> 4) * high
+        s3 += np.float32(v3 & 15) * low + np.float32(v3 >> 4) * high
+    return s0, s1, s2, s3
+
+
+@numba.njit(**_INLINE)
+def fifth_bit_sums(w, i0, i1, i2, i3, at, x, n, xo):  # pragma: no cover (compiled)
+    """Σ 16·(fifth bit)·x over 32 values of rows i0..i3, the bits a uint32 at `at` (bit j value
+    j's): what Q5 formats add to their nibbles' sums."""
+    h0, h1, h2, h3 = word_at(w, i0, at), word_at(w, i1, at), word_at(w, i2, at), word_at(w, i3, at)
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for k in range(32):
+        xv = x[n, xo + k] * np.float32(16.0)
+        shift = np.uint32(k)
+        s0 += np.float32((h0 >> shift) & np.uint32(1)) * xv
+        s1 += np.float32((h1 >> shift) & np.uint32(1)) * xv
+        s2 += np.float32((h2 >> shift) & np.uint32(1)) * xv
+        s3 += np.float32((h3 >> shift) & np.uint32(1)) * xv
+    return s0, s1, s2, s3
+
+
+@numba.njit(**_INLINE)
+def scaled(w, i, at, sum_qx, sum_x, kind):  # pragma: no cover (compiled)
+    """One block's share of row i's dot product, from its Σq·x and Σx: Q8_0 d·Σq·x; Q4_0
+    d·(Σq·x - 8Σx); Q4_1 and Q5_1 d·Σq·x + m·Σx; Q5_0 d·(Σq·x - 16Σx)."""
+    if kind == Q4_1 or kind == Q5_1:
+        return half_at(w, i, at) * sum_qx + half_at(w, i, at + 2) * sum_x
+    offset = np.float32(8.0) if kind == Q4_0 else np.float32(16.0) if kind == Q5_0 else np.float32(0.0)
+    return half_at(w, i, at) * (sum_qx - offset * sum_x)
+
+
+@numba.njit(**_INLINE)
+def block_rows(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compiled)
+    """Rows i0..i3 of a weight of `kind` dotted with x row n (sums (N, blocks): each block's Σx):
+    four float32 results (each block's part as `scaled` says; q's fifth bit included in Q5's)."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    size = (34, 18, 20, 22, 24)[kind]
+    quants = (2, 2, 4, 6, 8)[kind]  # where a block's q bytes start
+    for b in range(sums.shape[1]):
+        at, xo = b * size, b * 32
+        if kind == Q8_0:
+            s0, s1, s2, s3 = int8_sums(w, i0, i1, i2, i3, at + quants, x, n, xo)
+        else:
+            s0, s1, s2, s3 = nibble_sums(w, i0, i1, i2, i3, at + quants, x, n, xo)
+            if kind >= Q5_0:
+                h0, h1, h2, h3 = fifth_bit_sums(w, i0, i1, i2, i3, at + quants - 4, x, n, xo)
+                s0, s1, s2, s3 = s0 + h0, s1 + h1, s2 + h2, s3 + h3
+        total = sums[n, b]
+        a0 += scaled(w, i0, at, s0, total, kind)
+        a1 += scaled(w, i1, at, s1, total, kind)
+        a2 += scaled(w, i2, at, s2, total, kind)
+        a3 += scaled(w, i3, at, s3, total, kind)
+    return a0, a1, a2, a3
+
+
+@numba.njit(**_INLINE)
+def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compiled)
+    """`block_rows` compiled once per format (`kind` a constant in each branch), so each
+    format's inner loops are laid out for it alone."""
+    if kind == Q8_0:
+        return block_rows(w, Q8_0, i0, i1, i2, i3, x, n, sums)
+    if kind == Q4_0:
+        return block_rows(w, Q4_0, i0, i1, i2, i3, x, n, sums)
+    if kind == Q4_1:
+        return block_rows(w, Q4_1, i0, i1, i2, i3, x, n, sums)
+    if kind == Q5_0:
+        return block_rows(w, Q5_0, i0, i1, i2, i3, x, n, sums)
+    return block_rows(w, Q5_1, i0, i1, i2, i3, x, n, sums)
+
+
+@numba.njit(**_INLINE)
+def block_sums(x):  # pragma: no cover (compiled)
+    """(N, in / 32) float32: the sum of each 32 values of each row of x (N, in)."""
+    sums = np.zeros((x.shape[0], x.shape[1] // 32), np.float32)
+    for n in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            sums[n, j // 32] += x[n, j]
+    return sums
+
+
+@numba.njit(**_INLINE)
+def dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
+    """out[r] (columns,) float32 = row i of a weight of `kind` dequantized (the formats' rules in
+    `kvcache.model.quantized`'s module docstring)."""
+    size, quants = (34, 18, 20, 22, 24)[kind], (2, 2, 4, 6, 8)[kind]
+    for b in range(out.shape[1] // 32):
+        at, column = b * size, b * 32
+        d = half_at(w, i, at)
+        if kind == Q8_0:
+            for j in range(32):
+                out[r, column + j] = d * np.float32(np.int8(w[i, at + 2 + j]))
+            continue
+        high = word_at(w, i, at + quants - 4) if kind >= Q5_0 else np.uint32(0)
+        if kind == Q4_1 or kind == Q5_1:
+            shift = half_at(w, i, at + 2)
+        else:
+            shift = -d * np.float32(8.0 if kind == Q4_0 else 16.0)
+        for j in range(16):
+            byte = np.uint32(w[i, at + quants + j])
+            low = (byte & np.uint32(15)) | (((high >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
+            top = (byte >> np.uint32(4)) | (((high >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4))
+            out[r, column + j] = d * np.float32(low) + shift
+            out[r, column + 16 + j] = d * np.float32(top) + shift
+
+
+@numba.njit(**_INLINE)
+def rows_dequantized(w, kind, i0, i1, i2, i3, out):  # pragma: no cover (compiled)
+    """out (4, columns) = rows i0..i3 dequantized, each format's loop compiled apart."""
+    for r, i in enumerate((i0, i1, i2, i3)):
+        if kind == Q8_0:
+            dequantized_row(w, Q8_0, i, out, r)
+        elif kind == Q4_0:
+            dequantized_row(w, Q4_0, i, out, r)
+        elif kind == Q4_1:
+            dequantized_row(w, Q4_1, i, out, r)
+        elif kind == Q5_0:
+            dequantized_row(w, Q5_0, i, out, r)
+        else:
+            dequantized_row(w, Q5_1, i, out, r)
+
+
+@numba.njit(**_INLINE)
+def float_rows(rows, x, n):  # pragma: no cover (compiled)
+    """The four float32 rows (4, columns) dotted with x row n: four sums."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for j in range(rows.shape[1]):
+        xv = x[n, j]
+        a0 += rows[0, j] * xv
+        a1 += rows[1, j] * xv
+        a2 += rows[2, j] * xv
+        a3 += rows[3, j] * xv
+    return a0, a1, a2, a3
+
+
+@numba.njit(**_INLINE)
+def float_tiles(rows, x, out, start, i0, i1, i2, i3):  # pragma: no cover (compiled)
+    """out[n, start + i] for the four float32 rows (4, columns) and x's rows four at a time (16
+    sums in registers, each load used four times); returns the x rows done (a multiple of 4)."""
+    done = 0
+    while done + 4 <= x.shape[0]:
+        t = np.zeros((4, 4), np.float32)
+        c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = np.float32(0.0)
+        c20 = c21 = c22 = c23 = c30 = c31 = c32 = c33 = np.float32(0.0)
+        for j in range(rows.shape[1]):
+            w0, w1, w2, w3 = rows[0, j], rows[1, j], rows[2, j], rows[3, j]
+            x0, x1, x2, x3 = x[done, j], x[done + 1, j], x[done + 2, j], x[done + 3, j]
+            c00 += w0 * x0; c01 += w1 * x0; c02 += w2 * x0; c03 += w3 * x0  # noqa: E702
+            c10 += w0 * x1; c11 += w1 * x1; c12 += w2 * x1; c13 += w3 * x1  # noqa: E702
+            c20 += w0 * x2; c21 += w1 * x2; c22 += w2 * x2; c23 += w3 * x2  # noqa: E702
+            c30 += w0 * x3; c31 += w1 * x3; c32 += w2 * x3; c33 += w3 * x3  # noqa: E702
+        t[0, 0], t[0, 1], t[0, 2], t[0, 3] = c00, c01, c02, c03
+        t[1, 0], t[1, 1], t[1, 2], t[1, 3] = c10, c11, c12, c13
+        t[2, 0], t[2, 1], t[2, 2], t[2, 3] = c20, c21, c22, c23
+        t[3, 0], t[3, 1], t[3, 2], t[3, 3] = c30, c31, c32, c33
+        for n in range(4):
+            out[done + n, start + i0] = t[n, 0]
+            out[done + n, start + i1] = t[n, 1]
+            out[done + n, start + i2] = t[n, 2]
+            out[done + n, start + i3] = t[n, 3]
+        done += 4
+    return done
+
+
+#: from this many activation rows a task dequantizes its four weight rows once and dots the float
+#: rows with each activation row (unpacking blocks once per activation row costs more past it)
+MANY_ROWS = 4
+
+
+@numba.njit(parallel=True, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True)
+def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
+    """out[:, start : start + rows] = x (N, in) times the weight w (rows, row bytes) of `kind`,
+    transposed: four weight rows a task, each read once for every row of x, the tasks split
+    between the threads (the last task's missing rows repeat its last row, written once), each
+    task first asking for the rows of the task AHEAD of it; from MANY_ROWS rows of x, the task's
+    weight rows dequantized once into its thread's scratch first. A kernel of its own, called from the
+    layer kernels (inlined there, its five formats' loops made their compile time explode)."""
+    sums = block_sums(x)
+    rows, width = w.shape
+    scratch = np.empty((numba.get_num_threads(), 4, x.shape[1]), np.float32)  # each thread's rows
+    flat = w.reshape(w.size)
+    for task in prange((rows + 3) // 4):
+        i0 = task * 4
+        ahead = (i0 + 4 * AHEAD) * width
+        if ahead + 4 * width <= flat.shape[0]:
+            for line in range(0, 4 * width, _LINE):
+                prefetch(flat, ahead + line)
+        i1, i2, i3 = min(i0 + 1, rows - 1), min(i0 + 2, rows - 1), min(i0 + 3, rows - 1)
+        many = x.shape[0] >= MANY_ROWS
+        if many:
+            rows_dequantized(w, kind, i0, i1, i2, i3, scratch[numba.get_thread_id()])
+        n = 0
+        if many:
+            n = float_tiles(scratch[numba.get_thread_id()], x, out, start, i0, i1, i2, i3)
+        while n < x.shape[0]:
+            if many:
+                a0, a1, a2, a3 = float_rows(scratch[numba.get_thread_id()], x, n)
+            else:
+                a0, a1, a2, a3 = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums)
+            out[n, start + i0] = a0
+            out[n, start + i1] = a1
+            out[n, start + i2] = a2
+            out[n, start + i3] = a3
+            n += 1
