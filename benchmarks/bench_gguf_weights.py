@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     run(prompts[0])  # warm-up: kernels compiled or loaded from numba's cache, thread pools
     timed = [run(prompts[0]) for _ in range(args.repeats)]
     best = max(timed, key=lambda r: r.decode_tokens_per_s)
-    tokens = [run(prompt).tokens[0].tolist() for prompt in prompts] if args.prompts > 1 else []
+    tokens = [run(prompt).sequences[0].tolist() for prompt in prompts] if args.prompts > 1 else []
     print(json.dumps({
         "load_s": loaded - imported, "import_s": imported - started,
         "decode_tokens_per_s": best.decode_tokens_per_s,
