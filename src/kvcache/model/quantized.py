@@ -42,10 +42,11 @@ def block_products(multiply: Callable[[np.ndarray, BlockWeight], np.ndarray]) ->
         _MULTIPLY.reset(token)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BlockWeight:
     """A weight (rows, columns) as ggml blocks: `blocks` uint8 (rows, row bytes), read-only (a view
-    of the mapped file, or a row-permuted copy), `kind` one of `STORED_KINDS`."""
+    of the mapped file, or a row-permuted copy), `kind` one of `STORED_KINDS`. Equal only to
+    itself (its blocks are not compared)."""
 
     kind: str
     rows: int

@@ -57,6 +57,20 @@ class ArrayStep(DecodeBackend):
             and all(b is mine and b.data_ptr() == ptr for b, (mine, ptr) in zip(buffers, self._buffers))
         )
 
+    def remember_parameters(self, model) -> None:
+        """Note `model`'s parameters as they are now: each one, its memory and its version
+        counter (`same_parameters` compares against them)."""
+        self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
+
+    def same_parameters(self, model) -> bool:
+        """Whether every parameter of `model` is the one `remember_parameters` noted, in place
+        and unwritten since."""
+        parameters = list(model.parameters())
+        return len(parameters) == len(self._sources) and all(
+            p is mine and p.data_ptr() == ptr and p._version == version
+            for p, (mine, ptr, version) in zip(parameters, self._sources)
+        )
+
     # ---- what a backend supplies ----------------------------------------------------------------
     def products(self, batch: int) -> tuple[list, object, object]:
         """(layers, lm_head, linear) for a step of `batch` rows: here always the backend's own

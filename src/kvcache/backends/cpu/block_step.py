@@ -125,18 +125,15 @@ class BlockBackend(ArrayStep):
             numba_products.row_product(self.lm_head, None),
             numba_products.rounding_of(torch.float32),
         )
-        self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
+        self.remember_parameters(model)
         self._blocks = block_weights(model)
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
         the one it read, in place and unwritten since, every module over the same blocks."""
-        parameters = list(model.parameters())
         return (
             self.same_model_config(model)
-            and len(parameters) == len(self._sources)
-            and all(p is mine and p.data_ptr() == ptr and p._version == version
-                    for p, (mine, ptr, version) in zip(parameters, self._sources))
+            and self.same_parameters(model)
             and block_weights(model) == self._blocks
         )
 

@@ -57,7 +57,7 @@ class HalfBackend(ArrayStep):
             self.final_norm = model.model.norm.weight.detach().float().numpy()
             self._head = laid_out_product(model.lm_head)
             self.lm_head = self._head.weight
-        self._sources = [(p, p.data_ptr(), p._version) for p in model.parameters()]
+        self.remember_parameters(model)
         if numba:
             self.row_layers = kernel_layers(self.layers, self._head, self.dtype)
         # several rows: oneDNN's bfloat16 product reads its weight once for all of them at about
@@ -73,13 +73,7 @@ class HalfBackend(ArrayStep):
         """Whether this backend still computes `model`'s step: the same config, every parameter
         the one it copied, in place and unwritten since (its version counter), every buffer the
         one it read."""
-        parameters = list(model.parameters())
-        return (
-            self.same_model_config(model)
-            and len(parameters) == len(self._sources)
-            and all(p is mine and p.data_ptr() == ptr and p._version == version
-                    for p, (mine, ptr, version) in zip(parameters, self._sources))
-        )
+        return self.same_model_config(model) and self.same_parameters(model)
 
     def prompt_products(self):
         """A bfloat16 model's prompt runs its products on the step's packed copy
