@@ -58,6 +58,25 @@ def test_memory_from_config(tmp_path, capsys):
     assert f"{2 * 2 * 4 * 8 * 16 * 4:,} B" in out
 
 
+def test_memory_counts_a_gguf_files_weights_as_stored_and_refuses_a_folder(tmp_path, capsys):
+    """The real SmolLM2 Q4_1 file: its blocks as stored and its norms as float32, fewer bytes than
+    the file's own float32 count; a folder has nothing stored to count."""
+    from kvcache.defaults import resolve_model_dir
+
+    gguf = str(resolve_model_dir("smollm2"))
+    assert main(["memory", "--config", gguf, "--tokens", "8", "--weights", "stored", "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)["weights_bytes"]
+    assert main(["memory", "--config", gguf, "--tokens", "8", "--weights", "float32", "--json"]) == 0
+    as_float = json.loads(capsys.readouterr().out)["weights_bytes"]
+    from pathlib import Path
+
+    assert stored < Path(gguf).stat().st_size < as_float
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}))
+    assert main(["memory", "--config", str(config), "--tokens", "8", "--weights", "stored"]) == 2
+    assert "--weights stored counts a GGUF file's tensors" in capsys.readouterr().err
+
+
 def test_memory_errors_name_the_missing_arguments(capsys):
     assert main(["memory", "--tokens", "4", "--layers", "2"]) == 2
     assert "missing --kv-heads, --head-dim" in capsys.readouterr().err

@@ -42,9 +42,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int,
                         help="also account for a paged cache of blocks of this many tokens (whole "
                              "blocks per sequence; with --budget, how many sequences fit)")
-    parser.add_argument("--weights", choices=("bfloat16", "float16", "float32"),
+    parser.add_argument("--weights", choices=("bfloat16", "float16", "float32", "stored"),
                         help="with --config: count the model's weights, held in this dtype, too "
-                             "(with --budget, the cache gets what the weights leave)")
+                             "(with --budget, the cache gets what the weights leave); stored: a GGUF "
+                             "file's weights as kvcache holds them loaded without a dtype (kept "
+                             "blocks as stored, the rest float32)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     quantized = parser.add_argument_group(
         "quantized cache (--dtype int8, int4 or float8_e4m3fn: QuantizedCache's bytes, scales and "
@@ -76,6 +78,13 @@ def _weights_bytes(args: argparse.Namespace, config: dict | None) -> int | None:
         return None
     if config is None:
         raise ValueError("--weights needs --config (the weights are counted from the model's config)")
+    if args.weights == "stored":
+        if not is_gguf(args.config):
+            raise ValueError(f"--weights stored counts a GGUF file's tensors; --config {args.config} "
+                             "is not a GGUF file (give a dtype for a folder's weights)")
+        from kvcache.model.gguf_file import held_bytes
+
+        return held_bytes(args.config)
     from kvcache.model.config import ModelConfig
     from kvcache.model.parameters import weight_bytes
 
@@ -230,7 +239,9 @@ def _weights_figures(args: argparse.Namespace) -> dict:
 
 def _print_weights(args: argparse.Namespace) -> None:
     if args.weights_bytes is not None:
-        print(f"  weights in {args.weights}: {args.weights_bytes:,} B ({format_bytes(args.weights_bytes)})")
+        stored = args.weights == "stored"
+        held = "as stored (kept blocks, the rest float32)" if stored else f"in {args.weights}"
+        print(f"  weights {held}: {args.weights_bytes:,} B ({format_bytes(args.weights_bytes)})")
 
 
 def _budget_text(args: argparse.Namespace) -> str:

@@ -219,3 +219,18 @@ def weights_note(kept: str | None, dequantized: dict[str, int]) -> str | None:
         listed = ", ".join(f"{kind} ×{count}" for kind, count in sorted(dequantized.items()))
         parts.append(f"dequantized to float32: {listed}")
     return "; ".join(parts) or None
+
+
+def held_bytes(path) -> int:
+    """Bytes of the weights of GGUF file `path` as `load_model(path)` holds them (no dtype):
+    kept blocks as stored (`keeps_blocks`), every other tensor as float32; a tied head counted
+    once. Reads the tensor records only."""
+    reader = open_gguf(path)
+    total = 0
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is not None and keeps_blocks(name, tensor):
+            total += tensor.data.nbytes
+        else:
+            total += 4 * math.prod(tensor.shape)
+    return total

@@ -16,7 +16,8 @@ from kvcache.backends import choose_backend
 from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.block_step import BlockBackend
 from kvcache.cache.factory import make_cache
-from kvcache.model.quantized import STORED_KINDS, QuantizedEmbedding, QuantizedLinear
+from kvcache.model.gguf_file import held_bytes
+from kvcache.model.quantized import STORED_KINDS, QuantizedEmbedding, QuantizedLinear, block_weights
 
 pytestmark = pytest.mark.skipif(not numba_products.available(), reason="numba with OpenMP/TBB threads")
 KINDS = sorted(STORED_KINDS)
@@ -60,6 +61,9 @@ def test_a_gguf_keeps_its_quantized_weights_as_mapped_blocks(block_files):
     down = model.model.layers[0].mlp.down_proj.weight_blocks.blocks
     assert not down.flags.owndata and not down.flags.writeable  # a view of the mapped file
     assert "Q4_1" in model.weights_note and "kept as stored blocks" in model.weights_note
+    held = sum(w.nbytes for w in {id(w): w for w in block_weights(model).values()}.values())
+    held += sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held == held_bytes(block_files["Q4_1"])  # what `kvcache memory --weights stored` counts
     exact = load_model(block_files["Q4_1"], dtype="float32")  # every weight dequantized
     assert not any(isinstance(m, QuantizedLinear) for m in exact.modules())
     ids = torch.tensor([[1, 5, 77, 200, 3, 9]])
