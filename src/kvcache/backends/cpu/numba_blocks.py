@@ -239,11 +239,10 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
     transposed: four weight rows a task, each read once for every row of x, the tasks split
     between the threads (the last task's missing rows repeat its last row, written once), each
     task first asking for the rows of the task AHEAD of it; from MANY_ROWS rows of x, the task's
-    weight rows dequantized once into its thread's scratch first. A kernel of its own, called from the
+    weight rows dequantized once into a scratch of its own first. A kernel of its own, called from the
     layer kernels (inlined there, its five formats' loops made their compile time explode)."""
     sums = block_sums(x)
     rows, width = w.shape
-    scratch = np.empty((numba.get_num_threads(), 4, x.shape[1]), np.float32)  # each thread's rows
     flat = w.reshape(w.size)
     for task in prange((rows + 3) // 4):
         i0 = task * 4
@@ -253,14 +252,15 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
                 prefetch(flat, ahead + line)
         i1, i2, i3 = min(i0 + 1, rows - 1), min(i0 + 2, rows - 1), min(i0 + 3, rows - 1)
         many = x.shape[0] >= MANY_ROWS
+        scratch = np.empty((4, x.shape[1] if many else 0), np.float32)  # the task's rows, dequantized
         if many:
-            rows_dequantized(w, kind, i0, i1, i2, i3, scratch[numba.get_thread_id()])
+            rows_dequantized(w, kind, i0, i1, i2, i3, scratch)
         n = 0
         if many:
-            n = float_tiles(scratch[numba.get_thread_id()], x, out, start, i0, i1, i2, i3)
+            n = float_tiles(scratch, x, out, start, i0, i1, i2, i3)
         while n < x.shape[0]:
             if many:
-                a0, a1, a2, a3 = float_rows(scratch[numba.get_thread_id()], x, n)
+                a0, a1, a2, a3 = float_rows(scratch, x, n)
             else:
                 a0, a1, a2, a3 = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums)
             out[n, start + i0] = a0

@@ -34,7 +34,7 @@ from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, F
 
 # a kernel whose every product is of ggml blocks has no parallel loop of its own (they are in
 # `blocks_product`): numba's note that parallel=True found nothing to do is expected then
-warnings.filterwarnings("ignore", message="The keyword argument 'parallel=True' was specified but no "
+warnings.filterwarnings("ignore", message=r"\s*The keyword argument 'parallel=True' was specified but no "
                         "transformation", category=numba.NumbaPerformanceWarning)
 
 
