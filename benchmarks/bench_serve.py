@@ -347,7 +347,7 @@ def smollm2_folder(scratch: Path) -> Path:
     hf_config.architectures = ["LlamaForCausalLM"]  # what `transformers serve` builds from the folder
     hf_config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
-    config, state = read_gguf_model(gguf)
+    config, state, _, _ = read_gguf_model(gguf)  # every tensor dequantized (no blocks kept)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     tensors = {name: tensor.contiguous() for name, tensor in state.items()}
