@@ -316,8 +316,8 @@ def _use_blocks(
     blocks: dict[str, BlockWeight],
 ) -> None:
     """Put a QuantizedLinear or QuantizedEmbedding over each weight in `blocks` in place of its
-    module (its bias taken from `state`); a tied lm_head reads the embedding's blocks. The
-    embedding is dequantized into `state` when it is not kept and the head is tied."""
+    module (its bias taken from `state`); a tied lm_head reads the embedding's blocks (a tied
+    head over an embedding not kept is tied by `_build`, as a float model's)."""
     for name, weight in blocks.items():
         path = name.removesuffix(".weight")
         parent_name, _, attribute = path.rpartition(".")

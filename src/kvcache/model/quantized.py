@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -69,14 +70,11 @@ class BlockWeight:
 
     def dequantized(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows start..stop dequantized to float32 (n, columns), a new array."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+        return self.take_rows(slice(start, stop))
 
-        values = dequantize(self.blocks[start:stop], GGMLQuantizationType[self.kind])
-        return np.ascontiguousarray(values, np.float32)
-
-    def take_rows(self, ids: np.ndarray) -> np.ndarray:
-        """The rows at ids (n,) dequantized to float32 (n, columns)."""
+    def take_rows(self, ids: np.ndarray | slice) -> np.ndarray:
+        """The rows at ids (n,) (or a slice of rows) dequantized to float32 (n, columns), with the
+        `gguf` package's dequantizer, a new array."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -155,9 +153,7 @@ def stored_summary(model: nn.Module) -> str | None:
     unique = {id(weight): weight for weight in block_weights(model).values()}
     if not unique:
         return None
-    kinds: dict[str, int] = {}
-    for weight in unique.values():
-        kinds[weight.kind] = kinds.get(weight.kind, 0) + 1
-    listed = ", ".join(f"{kind} ×{count}" for kind, count in sorted(kinds.items(), key=lambda k: -k[1]))
+    kinds = Counter(weight.kind for weight in unique.values())
+    listed = ", ".join(f"{kind} ×{count}" for kind, count in kinds.most_common())
     total = sum(weight.nbytes for weight in unique.values())
     return f"{len(unique)} weights kept as stored blocks ({listed}; {total / 1e6:.1f} MB)"

@@ -17,7 +17,7 @@ from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.array_step import ArrayStep
 from kvcache.backends.cpu.packing import LayerWeights
-from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
+from kvcache.backends.cpu.support import fused_products, unsupported_parameters, unsupported_structure
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.model.quantized import (
     BlockWeight,
@@ -51,18 +51,11 @@ def require_supported(model) -> None:
         raise BackendError(f"the blocks backend cannot run this model: {reason}; use the torch backend")
 
 
-def _products(layer) -> list[tuple[str, tuple]]:
-    """A decoder layer's fused products: (name, its linears)."""
-    attention, mlp = layer.self_attn, layer.mlp
-    return [("qkv", (attention.q_proj, attention.k_proj, attention.v_proj)), ("o", (attention.o_proj,)),
-            ("gate_up", (mlp.gate_proj, mlp.up_proj)), ("down", (mlp.down_proj,))]
-
-
 def _mixed_product(model) -> str | None:
     """Why a fused product mixes linears kept as blocks with float ones (the kernels read one
     kind of part per product), or None."""
     for index, layer in enumerate(model.model.layers):
-        for name, linears in _products(layer):
+        for name, linears in fused_products(layer):
             if len({isinstance(linear, QuantizedLinear) for linear in linears}) > 1:
                 return f"layer {index}'s {name} product mixes weights kept as blocks with float ones"
     return None
@@ -109,7 +102,7 @@ class BlockBackend(ArrayStep):
             attention = layer.self_attn
             heads = attention.qk_norm == "head"
             (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = (
-                _product(linears) for _, linears in _products(layer))
+                _product(linears) for _, linears in fused_products(layer))
             self.layers.append(LayerWeights(
                 _vector(layer.input_layernorm.weight), qkv, qkv_bias, o, o_bias,
                 _vector(layer.post_attention_layernorm.weight), gate_up, gate_up_bias, down, down_bias,

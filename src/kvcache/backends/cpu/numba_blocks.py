@@ -15,10 +15,15 @@ import numpy as np
 from numba import prange
 
 from kvcache.backends.cpu.numba_values import FLAGS, float16_widened, prefetch
+from kvcache.model.quantized import STORED_KINDS
 
 #: the block formats' codes, as a product's part carries them: (blocks, code)
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = 0, 1, 2, 3, 4
 CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1}
+#: by code: a block's bytes (`quantized.STORED_KINDS`), and where its q bytes start (after d, m
+#: and the fifth bits' word as the format has them); constants to the compiled kernels
+BLOCK_BYTES = tuple(STORED_KINDS[kind][1] for kind in CODES)
+QUANTS_AT = (2, 2, 4, 6, 8)
 _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
 #: tasks ahead whose weight rows a task asks the CPU to fetch (four rows a task: without it, the
 #: four interleaved streams of rows defeat the hardware's prefetching once a weight is not cached)
@@ -101,8 +106,7 @@ def block_rows(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compil
     """Rows i0..i3 of a weight of `kind` dotted with x row n (sums (N, blocks): each block's Σx):
     four float32 results (each block's part as `scaled` says; q's fifth bit included in Q5's)."""
     a0 = a1 = a2 = a3 = np.float32(0.0)
-    size = (34, 18, 20, 22, 24)[kind]
-    quants = (2, 2, 4, 6, 8)[kind]  # where a block's q bytes start
+    size, quants = BLOCK_BYTES[kind], QUANTS_AT[kind]
     for b in range(sums.shape[1]):
         at, xo = b * size, b * 32
         if kind == Q8_0:
@@ -149,13 +153,13 @@ def block_sums(x):  # pragma: no cover (compiled)
 def dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
     """out[r] (columns,) float32 = row i of a weight of `kind` dequantized (the formats' rules in
     `kvcache.model.quantized`'s module docstring)."""
-    size, quants = (34, 18, 20, 22, 24)[kind], (2, 2, 4, 6, 8)[kind]
+    size, quants = BLOCK_BYTES[kind], QUANTS_AT[kind]
     for b in range(out.shape[1] // 32):
         at, column = b * size, b * 32
         d = half_at(w, i, at)
         if kind == Q8_0:
             for j in range(32):
-                out[r, column + j] = d * np.float32(np.int8(w[i, at + 2 + j]))
+                out[r, column + j] = d * np.float32(np.int8(w[i, at + quants + j]))
             continue
         high = word_at(w, i, at + quants - 4) if kind >= Q5_0 else np.uint32(0)
         if kind == Q4_1 or kind == Q5_1:
@@ -228,6 +232,12 @@ def float_tiles(rows, x, out, start, i0, i1, i2, i3):  # pragma: no cover (compi
     return done
 
 
+@numba.njit(**_INLINE)
+def put(out, n, start, i0, i1, i2, i3, sums):  # pragma: no cover (compiled)
+    """out[n, start + i] = the four sums of rows i0..i3."""
+    out[n, start + i0], out[n, start + i1], out[n, start + i2], out[n, start + i3] = sums
+
+
 #: from this many activation rows a task dequantizes its four weight rows once and dots the float
 #: rows with each activation row (unpacking blocks once per activation row costs more past it)
 MANY_ROWS = 4
@@ -251,20 +261,11 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
             for line in range(0, 4 * width, _LINE):
                 prefetch(flat, ahead + line)
         i1, i2, i3 = min(i0 + 1, rows - 1), min(i0 + 2, rows - 1), min(i0 + 3, rows - 1)
-        many = x.shape[0] >= MANY_ROWS
-        scratch = np.empty((4, x.shape[1] if many else 0), np.float32)  # the task's rows, dequantized
-        if many:
+        if x.shape[0] >= MANY_ROWS:
+            scratch = np.empty((4, x.shape[1]), np.float32)  # the task's rows, dequantized
             rows_dequantized(w, kind, i0, i1, i2, i3, scratch)
-        n = 0
-        if many:
-            n = float_tiles(scratch, x, out, start, i0, i1, i2, i3)
-        while n < x.shape[0]:
-            if many:
-                a0, a1, a2, a3 = float_rows(scratch, x, n)
-            else:
-                a0, a1, a2, a3 = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums)
-            out[n, start + i0] = a0
-            out[n, start + i1] = a1
-            out[n, start + i2] = a2
-            out[n, start + i3] = a3
-            n += 1
+            for n in range(float_tiles(scratch, x, out, start, i0, i1, i2, i3), x.shape[0]):
+                put(out, n, start, i0, i1, i2, i3, float_rows(scratch, x, n))
+        else:
+            for n in range(x.shape[0]):
+                put(out, n, start, i0, i1, i2, i3, rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums))

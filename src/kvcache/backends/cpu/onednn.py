@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.backends.cpu.prompt_products import LaidOutProduct, Member
+from kvcache.backends.cpu.support import fused_products
 
 #: weight dtypes oneDNN's packed product takes on the CPUs measured
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -65,19 +66,14 @@ class LaidOutLayer:
     the modules each stands for (`prompt_products`: a prompt's forward reads them too)."""
 
     def __init__(self, layer) -> None:
-        attention, mlp = layer.self_attn, layer.mlp
+        attention = layer.self_attn
         heads = attention.qk_norm == "head"
         self.norm1 = _vector(layer.input_layernorm.weight)
         self.norm2 = _vector(layer.post_attention_layernorm.weight)
         self.q_norm = _vector(attention.q_norm.weight) if heads else None
         self.k_norm = _vector(attention.k_norm.weight) if heads else None
         self.products: list[LaidOutProduct] = []
-        for name, linears in (
-            ("qkv", (attention.q_proj, attention.k_proj, attention.v_proj)),
-            ("o", (attention.o_proj,)),
-            ("gate_up", (mlp.gate_proj, mlp.up_proj)),
-            ("down", (mlp.down_proj,)),
-        ):
+        for name, linears in fused_products(layer):
             product = laid_out_product(*linears)
             setattr(self, name, product.weight)
             setattr(self, f"{name}_bias", product.bias)

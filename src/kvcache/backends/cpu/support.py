@@ -92,3 +92,11 @@ def unsupported_parameters(model, dtypes: tuple[torch.dtype, ...], step: str) ->
             return (f"parameter {name} is {parameter.dtype} on {parameter.device}; {step} needs "
                     f"{wanted} on CPU{same}")
     return None
+
+
+def fused_products(layer) -> list[tuple[str, tuple[nn.Module, ...]]]:
+    """A decoder layer's products as the CPU steps fuse them, in order: (name, its projections)
+    for qkv (q, k, v), o, gate_up (gate, up) and down."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return [("qkv", (attention.q_proj, attention.k_proj, attention.v_proj)), ("o", (attention.o_proj,)),
+            ("gate_up", (mlp.gate_proj, mlp.up_proj)), ("down", (mlp.down_proj,))]
