@@ -216,19 +216,34 @@ def window_blocks_held(seq_len: int, window: int, block_size: int) -> int:
     return blocks_for_tokens(seq_len, block_size) - max(0, seq_len - window + 1) // block_size
 
 
+#: the KV dtypes a paged pool stores quantized, each row (one token's kv head) one group with a
+#: float16 scale and zero point after its codes (`kvcache.cache.paged.packed`)
+PACKED_KV_DTYPES = ("int8", "int4")
+PACKED_SCALE_BYTES = 4
+
+
+def paged_row_bytes(head_dim: int, dtype: str = "float16") -> int:
+    """Bytes of one row a paged pool stores (one token's keys, or values, of one kv head):
+    head_dim elements of `dtype`, and a quantized row's scale and zero point (int8, int4)."""
+    _check_sizes(head_dim=head_dim)
+    name = str(dtype).removeprefix("torch.")
+    extra = PACKED_SCALE_BYTES if _DTYPE_ALIASES.get(name, name) in PACKED_KV_DTYPES else 0
+    return head_dim * dtype_bits(dtype) // 8 + extra
+
+
 def paged_block_bytes(shape: KVShape, block_size: int, dtype: str = "float16") -> int:
     """Bytes of one block of the full-attention layers (keys and values of `block_size` tokens in
-    each); 0 when every layer slides."""
+    each, `paged_row_bytes` per row: scales included); 0 when every layer slides."""
     blocks_for_tokens(0, block_size)  # checks block_size
     full, _ = _layer_counts(shape)
-    return kv_cache_bytes(full, shape.kv_heads, block_size, shape.head_dim, 1, dtype)
+    return 2 * full * shape.kv_heads * block_size * paged_row_bytes(shape.head_dim, dtype)
 
 
 def window_block_bytes(shape: KVShape, block_size: int, dtype: str = "float16") -> int:
     """Bytes of one block of the sliding-window layers; 0 when none slides."""
     blocks_for_tokens(0, block_size)
     _, sliding = _layer_counts(shape)
-    return kv_cache_bytes(sliding, shape.kv_heads, block_size, shape.head_dim, 1, dtype)
+    return 2 * sliding * shape.kv_heads * block_size * paged_row_bytes(shape.head_dim, dtype)
 
 
 def paged_kv_cache_bytes(

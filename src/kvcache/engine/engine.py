@@ -80,6 +80,9 @@ class Engine:
             ("redis://127.0.0.1:6379/0") or a store object (`RedisBlockStore`); see store_tier.py.
         kv_events: publish the pool's block events for KV-aware routers: an endpoint to bind
             ("tcp://127.0.0.1:5557") or a `KVEventPublisher`; see kv_events.py.
+        kv_dtype: "int8" or "int4" to store the pool's keys and values quantized (each token's kv
+            head one group with a float16 scale and zero: `kvcache.cache.paged.packed`), so the
+            budget holds more tokens (`kvcache.memory.paged_row_bytes`); None: the model's dtype.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Engine:
         prefix_caching: bool = True,
         kv_store=None,
         kv_events=None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         if max_running < 1 or token_budget < max_running:
@@ -105,7 +109,7 @@ class Engine:
             )
         self.limits = Limits(block_size, max_running, token_budget)
         store = None if kv_store is None else open_store(kv_store)
-        self.pool = KVPool(model, self.limits, kv_budget, num_blocks, prefix_caching, store)
+        self.pool = KVPool(model, self.limits, kv_budget, num_blocks, prefix_caching, store, kv_dtype)
         self.kv_events = KVEventPublisher(kv_events) if isinstance(kv_events, str) else kv_events
         if self.kv_events is not None:
             self.kv_events.attach(self.pool.cache.allocator)  # (the full layers', or the window's)

@@ -23,7 +23,14 @@ from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq
 from kvcache.engine.store_tier import StoreTier
 from kvcache.generation.params import RequestError
 from kvcache.geometry import read_geometry
-from kvcache.memory import KVShape, paged_block_bytes, paged_pool, parse_size, window_pool_blocks
+from kvcache.memory import (
+    PACKED_KV_DTYPES,
+    KVShape,
+    paged_block_bytes,
+    paged_pool,
+    parse_size,
+    window_pool_blocks,
+)
 
 
 @dataclass
@@ -49,8 +56,9 @@ class KVPool:
         num_blocks: int | None,
         prefix_caching: bool,
         store=None,
+        kv_dtype: str | None = None,
     ) -> None:
-        self.cache, self.block_bytes = build_cache(model, limits, kv_budget, num_blocks)
+        self.cache, self.block_bytes = build_cache(model, limits, kv_budget, num_blocks, kv_dtype)
         self.block_size = limits.block_size
         self.prefix_caching = prefix_caching
         self.store_tier = None if store is None else StoreTier(store, model, self.cache)
@@ -227,16 +235,19 @@ class KVPool:
 
 
 def build_cache(
-    model, limits: Limits, kv_budget: int | str | None, num_blocks: int | None
+    model, limits: Limits, kv_budget: int | str | None, num_blocks: int | None, kv_dtype: str | None = None
 ) -> tuple[PagedCache, int]:
     """The PagedCache for `model` and the bytes of one full-attention block.
 
     kv_budget: bytes (an int, or "256MiB") for keys and values: the sliding layers get enough
     blocks for `limits.max_running` rows of any length, the full layers as many whole blocks as
     the rest holds (`kvcache.memory.paged_pool`). num_blocks: the full layers' size in blocks
-    instead. Raises RequestError for a budget that holds no block."""
+    instead. kv_dtype: "int8"/"int4" stores them quantized (their scales counted), None in the
+    model's dtype. Raises RequestError for a budget that holds no block or an unknown kv_dtype."""
+    if kv_dtype is not None and kv_dtype not in PACKED_KV_DTYPES:
+        raise RequestError(f"kv_dtype must be None or one of {PACKED_KV_DTYPES}, got {kv_dtype!r}")
     shape = KVShape.from_geometry(read_geometry(model.config))
-    dtype_name = str(model.dtype).removeprefix("torch.")
+    dtype_name = kv_dtype or str(model.dtype).removeprefix("torch.")
     block_bytes = paged_block_bytes(shape, limits.block_size, dtype_name)
     budget = 0
     if num_blocks is None:
@@ -262,5 +273,6 @@ def build_cache(
         config=model.config,
         dtype=model.dtype,
         device=model.device,
+        kv_dtype=kv_dtype,
     )
     return cache, block_bytes

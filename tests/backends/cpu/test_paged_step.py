@@ -60,11 +60,11 @@ def scenario(seed: int, rows: int, vocab: int) -> list[list[list[int]]]:
     return steps
 
 
-def shuffled_cache(model, rows: int, seed: int) -> PagedCache:
+def shuffled_cache(model, rows: int, seed: int, kv_dtype: str | None = None) -> PagedCache:
     """A PagedCache of `rows` rows whose free blocks are handed out in a shuffled order (so no
     row's blocks are consecutive): every block taken by a sequence of its own, then given back
-    in a random order."""
-    cache = PagedCache(96, BLOCK, config=model.config, dtype=model.dtype)
+    in a random order. kv_dtype: its blocks quantized ("int8", "int4")."""
+    cache = PagedCache(96, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
     for allocator in cache.allocators:
         spacers = [("spacer", index) for index in range(allocator.num_blocks)]
         for spacer in spacers:
@@ -114,6 +114,36 @@ def test_half_steps_lie_within_the_forwards_own_error(family, dtype):
                       for backend, m, cache in zip((ours, theirs, truth), (model, model, exact), caches)]
             errors.add(logits[0], logits[1], logits[2])
     errors.check()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_quantized_blocks_are_read_in_place_as_the_forward_reads_them_dequantized(family, kv_dtype):
+    """The kernels quantize what they store as `packed` does and score the codes in place: their
+    logits equal the torch forward's over the same quantized cache (which dequantizes every
+    read), on the kernels alone and with prompt chunks on the products; int4 drifts further from
+    the exact cache than int8 does."""
+    model = random_model(tiny_config(**FAMILIES[family]), 6)
+    ours, theirs = NumpyBackend(model), TorchBackend(model)
+    drift = {}
+    for kernel_rows in (1 << 30, 4):
+        ours.kernel_rows = kernel_rows
+        caches = [shuffled_cache(model, 3, 8, kind) for kind in (kv_dtype, kv_dtype, None, "int8")]
+        for tokens in scenario(kernel_rows % 89, 3, model.config.vocab_size):
+            got, expected, exact, int8 = (
+                step(backend, model, cache, [0, 1, 2], tokens)
+                for backend, cache in zip((ours, theirs, theirs, theirs), caches)
+            )
+            # (a key whose projection sums in another order may round to the next code: one step)
+            torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+            drift.setdefault("int8", []).append((int8 - exact).abs().max())
+            drift.setdefault(kv_dtype, []).append((got - exact).abs().max())
+        for layer, other in zip(caches[0].layers, caches[1].layers):  # (the products' sums may
+            for kernels_wrote, torch_wrote in zip(layer.storage_rows(), other.storage_rows()):  # round a
+                assert (kernels_wrote == torch_wrote).mean() >= 0.99  # tie apart)
+    assert max(drift["int8"]) > 0
+    if kv_dtype == "int4":
+        assert sum(drift["int4"]) > 2 * sum(drift["int8"])
 
 
 def test_a_row_that_does_not_sample_gets_no_logits_and_its_keys_are_stored():

@@ -18,6 +18,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from kvcache.backends.cpu.numba_blocks import blocks_product
+from kvcache.backends.cpu.numba_rows import accumulated, scored, stored
 from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)
     BFLOAT16,
     FLAGS,
@@ -27,7 +28,6 @@ from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, F
     PARALLEL,
     SERIAL,
     bfloat16_halves,
-    narrowed,
     round_in_place,
     widened,
 )
@@ -187,17 +187,14 @@ def rope(qkv, cos, signed_sin, q_norm, k_norm, eps, scale, heads, kv_heads):  # 
 @numba.njit(**SERIAL)
 def store(qkv, heads, kv_heads, slots, keys, values):  # pragma: no cover (compiled)
     """Write each row's keys and values (qkv (N, (H + 2·H_kv)·D) after `turned`) into a paged
-    cache's storage, keys and values (blocks·S·H_kv, D) in its dtype: row n's kv head h at row
-    slots[n]·H_kv + h."""
-    dim = keys.shape[1]
+    cache's storage, keys and values (blocks·S·H_kv, D) in its dtype, or packed rows (…, width)
+    quantized (`numba_rows.stored`): row n's kv head h at row slots[n]·H_kv + h."""
+    dim = qkv.shape[1] // (heads + 2 * kv_heads)
     for row in range(qkv.shape[0]):
         for h in range(kv_heads):
             target = slots[row] * kv_heads + h
-            key_at = (heads + h) * dim
-            value_at = (heads + kv_heads + h) * dim
-            for d in range(dim):
-                keys[target, d] = narrowed(qkv[row, key_at + d], keys[0, 0])
-                values[target, d] = narrowed(qkv[row, value_at + d], values[0, 0])
+            stored(qkv[row, (heads + h) * dim:(heads + h + 1) * dim], keys[target])
+            stored(qkv[row, (heads + kv_heads + h) * dim:(heads + kv_heads + h + 1) * dim], values[target])
 
 
 #: keys one attention task scores: a kv head's keys are split into chunks of this many, scored
@@ -223,12 +220,13 @@ def attend(
     softmax(q·kᵀ)·V. Row n sees keys first_key(lengths[n], window) .. lengths[n] - 1 of table
     row token_row[n]; with one row, keys where visible (T,) is False (when not empty) are scored
     -inf. Keys and values are rows (R, D), float32, bfloat16 bits (uint16) or float16 bits
-    (int16), found through `tables` (see the module docstring; `layout` holds the block size,
-    strides and window). Each (row, kv head, CHUNK keys) is one task for the threads, its group
-    of queries scored together; the tasks' softmax parts are combined as flash attention combines
-    them. The queries are rounded first as `key_rounding` says (the keys' dtype), as the torch
-    forward's attention in that dtype reads them."""
-    tokens, dim, group = qkv.shape[0], keys.shape[1], heads // kv_heads
+    (int16), or a quantized cache's packed rows (uint8, `numba_rows`), found through `tables`
+    (see the module docstring; `layout` holds the block size, strides and window). Each (row,
+    kv head, CHUNK keys) is one task for the threads, its group of queries scored together; the
+    tasks' softmax parts are combined as flash attention combines them. The queries are rounded
+    first as `key_rounding` says (the keys' dtype), as the torch forward's attention in that
+    dtype reads them."""
+    tokens, dim, group = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads), heads // kv_heads
     size, step, window = layout[BLOCK], layout[TOKEN_STRIDE], layout[WINDOW]
     span = 1
     for n in range(tokens):
@@ -237,6 +235,11 @@ def attend(
     queries = np.empty((tokens, heads * dim), np.float32)
     queries[:] = qkv[:, :heads * dim]
     round_in_place(queries.reshape(queries.size), key_rounding)
+    query_sums = np.zeros((tokens, heads), np.float32)  # (a packed key's zero point multiplies them)
+    for n in range(tokens):
+        for h in range(heads):
+            for d in range(dim):
+                query_sums[n, h] += queries[n, h * dim + d]
     tops = np.full((tokens, kv_heads, chunks, group), -np.inf, np.float32)  # each task's top score
     sums = np.zeros((tokens, kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
     parts = np.zeros((tokens, kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
@@ -248,17 +251,14 @@ def attend(
         if count > 0:
             table = tables[token_row[n]]
             group_queries = queries[n].reshape(heads, dim)[kv * group:(kv + 1) * group]  # (G, D)
+            group_sums = query_sums[n, kv * group:(kv + 1) * group]
             scores = all_scores[task]
             for t in range(count):  # each key read once for the group's queries
                 at = lo + t
                 if visible.shape[0] == 0 or visible[at]:
                     slot = table[at // size] * size + at % size
                     key = keys[slot * step + kv * layout[KEY_HEAD_STRIDE]]
-                    for g in range(group):
-                        score = np.float32(0.0)
-                        for d in range(dim):
-                            score += group_queries[g, d] * widened(key[d])
-                        scores[t, g] = score
+                    scored(group_queries, key, group_sums, scores[t])
                 else:
                     for g in range(group):
                         scores[t, g] = -np.inf
@@ -275,14 +275,9 @@ def attend(
                 sums[n, kv, chunk, g] = total
             summed = parts[n, kv, chunk]  # (G, D), zeros
             for t in range(count):  # each value read once for the group's queries
-                at = lo + t
+                at = lo + t  # (a masked key's weight is 0: its value is never read, maybe unwritten)
                 slot = table[at // size] * size + at % size
-                value = values[slot * step + kv * layout[VALUE_HEAD_STRIDE]]
-                for g in range(group):
-                    weight = scores[t, g]
-                    if weight != 0.0:  # (a masked key's value is never read: it may be unwritten)
-                        for d in range(dim):
-                            summed[g, d] += weight * widened(value[d])
+                accumulated(summed, scores[t], values[slot * step + kv * layout[VALUE_HEAD_STRIDE]])
     combine(tops, sums, parts, out)
 
 
@@ -326,7 +321,7 @@ def layer_output(
     its norm (gate/up stacked: gate's outputs, then up's; silu(gate)·up through down), in
     place; qkv and the keys, values and their addressing as `attend` reads them."""
     tokens, hidden = x.shape
-    attended = np.empty((tokens, heads * keys.shape[1]), np.float32)
+    attended = np.empty((tokens, qkv.shape[1] // (heads + 2 * kv_heads) * heads), np.float32)
     attend(qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding,
            attended)
     projected = np.empty((tokens, hidden), np.float32)

@@ -71,7 +71,10 @@ def run(step, batch) -> torch.Tensor:
     storages = [layer.storage_rows() for layer in cache.layers]
     if any(storage is None for storage in storages):
         raise ValueError("the kernels read a paged cache's blocks in place: its storage must be on the CPU")
-    storages = [tuple(numba_products.as_kernel_array(a) for a in storage) for storage in storages]
+    storages = [
+        (*(numba_products.as_kernel_array(a) for a in storage), layer.packed)
+        for storage, layer in zip(storages, cache.layers)
+    ]
     layouts = [
         numba_products.paged_layout(cache.block_size, step.kv_heads, window)
         for window in step.config.layer_windows
@@ -92,7 +95,7 @@ def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, gr
     kernels = numba_products.kernels()
     heads, kv_heads, dim, eps = step.heads, step.kv_heads, step.head_dim, step.eps
     layers, _, rounding = step.row_layers
-    for w, (keys, values), layout, (tables, slots) in zip(layers, storages, layouts, groups):
+    for w, (keys, values, _), layout, (tables, slots) in zip(layers, storages, layouts, groups):
         qkv = np.empty((len(x), (heads + 2 * kv_heads) * dim), np.float32)
         kernels.attention_inputs(
             x, w.norm1, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, signed_sin,
@@ -113,24 +116,26 @@ def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts,
     heads, kv_heads, eps = step.heads, step.kv_heads, step.eps
     kernel_layers, _, _ = step.row_layers
     layers, _, linear = step.products(len(x))
-    for w, norms, (keys, values), layout, (tables, slots) in zip(
+    for w, norms, (keys, values, packed), layout, (tables, slots) in zip(
         layers, kernel_layers, storages, layouts, groups
     ):
         qkv = linear(rms_norm(x, w.norm1, eps), w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
         kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
         kernels.store(qkv, heads, kv_heads, slots, keys, values)
-        attended = _attention(step, qkv, rows, keys, values, tables, slots, layout)
+        attended = _attention(step, qkv, rows, (keys, values, packed), tables, layout)
         x += linear(attended, w.o, w.o_bias)
         x += linear(swiglu(linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
 
 
-def _attention(step, qkv, rows: TokenRows, keys, values, tables, slots, layout) -> np.ndarray:
+def _attention(step, qkv, rows: TokenRows, storage, tables, layout) -> np.ndarray:
     """(N, H·D) attention of every token of a step whose products run elsewhere: the decoding
     rows' single tokens on the kernels' attention (`attend`, in place through the block tables);
     each prompt chunk on torch's fused attention over its own row's keys and values read out of
     their blocks once (a chunk's queries share its keys, which a matrix product reads once for all
-    of them where the kernels would read them once per query)."""
+    of them where the kernels would read them once per query). storage: (keys, values, the
+    layer's packings or None)."""
     heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
+    keys, values = storage[:2]
     attended = np.empty((len(qkv), heads * dim), np.float32)
     singles = rows.singles
     if len(singles):
@@ -149,19 +154,23 @@ def _attention(step, qkv, rows: TokenRows, keys, values, tables, slots, layout) 
         positions = np.arange(start, end)
         held = tables[row, positions // size] * size + positions % size  # (T,) slots
         attended[first : first + count] = _chunk_attention(
-            qkv[first : first + count], keys, values, held, positions, rows.positions[first : first + count],
+            qkv[first : first + count], storage, held, positions, rows.positions[first : first + count],
             window, heads, kv_heads, dim,
         )
     return attended
 
 
-def _chunk_attention(qkv, keys, values, held, key_positions, query_positions, window, heads, kv_heads, dim):
+def _chunk_attention(qkv, storage, held, key_positions, query_positions, window, heads, kv_heads, dim):
     """(n, H·D) attention of one row's n prompt tokens (qkv (n, ...): queries scaled already)
-    over its keys and values at storage slots `held` (T,) (positions key_positions), causal and
-    within `window` (0: none), on torch's fused attention in the storage's dtype."""
+    over its keys and values (storage: keys, values, packings) at storage slots `held` (T,)
+    (positions key_positions), causal and within `window` (0: none), on torch's fused attention
+    in the storage's dtype (float32 for packed rows, dequantized once)."""
     rows = held[:, None] * kv_heads + np.arange(kv_heads)  # (T, H_kv) storage rows
-    k = _tensor(keys[rows.reshape(-1)]).view(len(held), kv_heads, dim).transpose(0, 1)  # (H_kv, T, D)
-    v = _tensor(values[rows.reshape(-1)]).view(len(held), kv_heads, dim).transpose(0, 1)
+    k, v = (_tensor(stored[rows.reshape(-1)]) for stored in storage[:2])
+    if storage[2] is not None:
+        k, v = (packing.unpack(read, torch.float32) for packing, read in zip(storage[2], (k, v)))
+    k = k.view(len(held), kv_heads, dim).transpose(0, 1)  # (H_kv, T, D)
+    v = v.view(len(held), kv_heads, dim).transpose(0, 1)
     q = torch.from_numpy(qkv[:, : heads * dim]).view(len(qkv), heads, dim).transpose(0, 1)  # (H, n, D)
     if k.dtype != torch.float32:
         q = q.to(k.dtype)

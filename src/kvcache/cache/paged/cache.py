@@ -18,6 +18,7 @@ from ..config import read_cache_geometry
 from ..errors import CacheConfigError, CacheShapeError
 from .forward import check_windows, first_forward_plan, group_mask, plan_forward
 from .layer import PagedLayer
+from .packed import KV_DTYPE_BITS
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
 from .storage import ScratchBuffer, Step
 
@@ -45,6 +46,9 @@ class PagedCache(Cache):
         num_layers, kv_heads, head_dim: explicit sizes, merged with the config.
         dtype, device: storage is allocated now when heads, dim and dtype are known, else by
             the first update (with k's dtype and device).
+        kv_dtype: "int8" or "int4" to store keys and values quantized, each token's kv head as
+            one group with a float16 scale and zero (`packed`; reads return them dequantized
+            to the forward's dtype); None stores them as given.
     """
 
     def __init__(
@@ -59,7 +63,13 @@ class PagedCache(Cache):
         head_dim: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
+        if kv_dtype is not None and kv_dtype not in KV_DTYPE_BITS:
+            raise CacheConfigError(
+                f"kv_dtype must be None or one of {tuple(KV_DTYPE_BITS)}, got {kv_dtype!r}"
+            )
+        self.kv_dtype = kv_dtype
         geometry = read_cache_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
         if geometry.num_layers is None:
             raise CacheConfigError("PagedCache needs the layer count: pass num_layers= or config=")
@@ -83,7 +93,7 @@ class PagedCache(Cache):
         self._step_counter = 0
         self._reserved = False  # a view: its forwards only read the block tables (see view)
         self.gather_scratch = (ScratchBuffer(), ScratchBuffer())  # keys, values: update_arrays' gathers
-        super().__init__([PagedLayer(self, group) for group in self._groups], device=device)
+        super().__init__([PagedLayer(self, group, kv_dtype) for group in self._groups], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
             for layer in self.layers:
                 shape = (layer.allocator.num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
@@ -336,7 +346,9 @@ class PagedCache(Cache):
         view.rows = [self.sequence_id(row) for row in rows]
         view._steps, view._step_counter, view._reserved = None, 0, True
         view.gather_scratch = self.gather_scratch  # every view's forwards reuse the same memory
-        Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
+        view.kv_dtype = self.kv_dtype
+        Cache.__init__(view, [PagedLayer(view, group, self.kv_dtype) for group in self._groups],
+                       device=self._device)
         for mine, theirs in zip(view.layers, self.layers):
             mine.share_storage(theirs)
         view._set_columns(max(view.row_lengths, default=0))
@@ -410,6 +422,7 @@ class PagedCache(Cache):
         pool = self.allocator
         return (
             f"PagedCache({len(self.layers)} layers, {pool.num_blocks} blocks of {pool.block_size}, "
+            f"{'' if self.kv_dtype is None else self.kv_dtype + ' KV, '}"
             f"rows={self.row_lengths}, in use {pool.num_in_use}, cached {pool.num_cached}, "
             f"free {pool.num_free})"
         )

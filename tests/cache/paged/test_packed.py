@@ -1,0 +1,102 @@
+"""Quantized paged blocks (`PagedCache(kv_dtype=...)`, `packed`): each stored row is one group of
+`quantize`'s arithmetic, within half a step of the exact row; the cache returns what it stored;
+its bytes are what `kvcache.memory` counts; rows copied, shared, read out and loaded stay packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.cache import CacheConfigError, CacheShapeError, PagedCache
+from kvcache.cache.paged.packed import PackedRows
+from kvcache.cache.quantize import QuantSpec, dequantize, error_bound, quantize
+from kvcache.memory import KVShape, paged_block_bytes, paged_row_bytes
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([8, 4]), dim=st.sampled_from([2, 8, 64, 128]), rows=st.integers(1, 40),
+       spread=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16))
+def test_a_packed_row_is_one_group_within_half_a_step(bits, dim, rows, spread, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 3, dim, generator=generator) * spread
+    x[0, 0] = 7.0  # a constant row: codes 0, stored exactly
+    packing = PackedRows(bits, dim)
+    packed = packing.pack(x)
+    assert packed.shape == (rows, 3, dim * bits // 8 + 4) and packed.dtype == torch.uint8
+    assert packed.shape[-1] == paged_row_bytes(dim, f"int{bits}")
+    restored = packing.unpack(packed, torch.float32)
+    spec = QuantSpec("int", bits, group_size=dim, scale_dtype=torch.float16)
+    reference = quantize(x.reshape(1, 1, -1, dim), spec)  # the quantized layers' arithmetic
+    expected = dequantize(reference, spec, torch.float32).reshape(x.shape)
+    torch.testing.assert_close(restored, expected, atol=0, rtol=0)
+    bound = error_bound(x.reshape(1, 1, -1, dim), reference, spec).reshape(x.shape)
+    arithmetic = x.abs().amax(dim=-1, keepdim=True) * 2**-20  # (x̂ = code · scale + zero in float32)
+    assert bool(((x - restored).abs() <= bound + arithmetic).all())
+    assert torch.equal(restored[0, 0], x[0, 0])
+
+
+def test_unpacking_rows_of_another_width_is_refused():
+    with pytest.raises(CacheConfigError, match=r"\(\.\.\., 68\) uint8"):
+        PackedRows(8, 64).unpack(torch.zeros(2, 36, dtype=torch.uint8), torch.float32)
+    with pytest.raises(CacheConfigError, match="int4 packs two channels"):
+        PackedRows(4, 7)
+    with pytest.raises(CacheConfigError, match="kv_dtype"):
+        PagedCache(4, 4, num_layers=1, kv_dtype="int3")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_the_cache_returns_what_it_stored_and_holds_the_bytes_memory_counts(kv_dtype):
+    torch.manual_seed(0)
+    cache = PagedCache(16, 4, num_layers=2, kv_heads=2, head_dim=16, dtype=torch.bfloat16, kv_dtype=kv_dtype)
+    exact = PagedCache(16, 4, num_layers=2, kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    packing = PackedRows.of(kv_dtype, 16)
+    history = []
+    for count in (6, 1, 1, 5):  # a prompt, then decode steps, then a chunk
+        k, v = (torch.randn(2, 2, count, 16, dtype=torch.bfloat16) for _ in "kv")
+        history.append((k, v))
+        for layer in range(2):
+            keys, values = cache.update(k, v, layer)
+            exact.update(k, v, layer)
+        assert keys.dtype == torch.bfloat16  # dequantized to the forward's dtype
+        every_k = torch.cat([k for k, _ in history], dim=2)
+        every_v = torch.cat([v for _, v in history], dim=2)
+        for got, every in ((keys, every_k), (values, every_v)):
+            expected = packing.unpack(packing.pack(every), torch.bfloat16)
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    torch.testing.assert_close(cache.layers[1].keys, keys, atol=0, rtol=0)
+    shape = KVShape(layers=2, kv_heads=2, head_dim=16)
+    held = cache.allocator.num_in_use
+    assert cache.nbytes_used == held * paged_block_bytes(shape, 4, kv_dtype)
+    # a bfloat16 row of 16 channels is 32 bytes; packed, 16 or 8 bytes of codes and 4 of scales
+    assert cache.nbytes_used * 32 == exact.nbytes_used * (20 if kv_dtype == "int8" else 12)
+
+
+def test_packed_rows_are_read_out_and_loaded_as_stored_and_refused_by_a_float_cache():
+    torch.manual_seed(1)
+    sizes = dict(num_layers=2, kv_heads=1, head_dim=8, dtype=torch.float32)
+    cache = PagedCache(8, 4, **sizes, kv_dtype="int8")
+    cache.add_sequence(list(range(6)), reuse_prefix=False)
+    for layer in range(2):
+        cache.update(torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8), layer)
+    state = cache.row_state(0)
+    assert state.keys[0].dtype == torch.uint8 and state.keys[0].shape == (6, 1, 12)
+    other = PagedCache(8, 4, **sizes, kv_dtype="int8")
+    other.load_row_state(state)
+    torch.testing.assert_close(other.layers[0].values, cache.layers[0].values, atol=0, rtol=0)
+    with pytest.raises(CacheShapeError):
+        PagedCache(8, 4, **sizes).load_row_state(state)
+
+
+def test_a_shared_partial_block_is_copied_packed_on_write():
+    torch.manual_seed(2)
+    cache = PagedCache(8, 4, num_layers=1, kv_heads=1, head_dim=8, dtype=torch.float32, kv_dtype="int4")
+    cache.add_sequence()
+    cache.update(torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8), 0)
+    before = cache.layers[0].keys.clone()
+    cache.fork(0)
+    new = torch.randn(2, 1, 1, 8)
+    keys, _ = cache.update(new, new, 0)
+    torch.testing.assert_close(keys[:, :, :6], before.expand(2, -1, -1, -1), atol=0, rtol=0)
+    assert not torch.equal(keys[0, :, 6], keys[1, :, 6])
