@@ -34,6 +34,7 @@ def make_cache(
     num_blocks: int | None = None,
     block_size: int = 16,
     compiled: bool = False,
+    kv_dtype: str | None = None,
     **quantization: Any,
 ) -> Cache:
     """A cache of the given kind for a model described by `config` and/or explicit sizes.
@@ -49,7 +50,8 @@ def make_cache(
     key_axis, value_axis, scale_dtype.
 
     "paged" is a `PagedCache` of `num_blocks` blocks of `block_size` tokens (default: enough
-    blocks for max_batch_size sequences of max_cache_len tokens).
+    blocks for max_batch_size sequences of max_cache_len tokens), its rows quantized when
+    kv_dtype is "int8" or "int4" (paged only).
     compiled: for "static" and "sliding", layers made for torch.compile (whole buffers, the
     length in a tensor; `CompiledStaticLayer`).
 
@@ -57,6 +59,8 @@ def make_cache(
     """
     if quantization and kind != "quantized":
         raise CacheConfigError(f"{sorted(quantization)} apply to kind 'quantized' only, not {kind!r}")
+    if kv_dtype is not None and kind != "paged":
+        raise CacheConfigError(f"kv_dtype applies to kind 'paged' only, not {kind!r}")
     if compiled and kind not in ("static", "sliding"):
         raise CacheConfigError(f"compiled=True applies to kinds 'static' and 'sliding', not {kind!r}")
     if kind == "quantized":
@@ -82,7 +86,8 @@ def make_cache(
                 raise CacheConfigError("make_cache('paged') needs num_blocks or max_cache_len")
             num_blocks = (max_batch_size or 1) * -(-max_cache_len // block_size)
         return PagedCache(
-            num_blocks, block_size, config=config, num_layers=num_layers, dtype=dtype, device=device
+            num_blocks, block_size, config=config, num_layers=num_layers, dtype=dtype, device=device,
+            kv_dtype=kv_dtype,
         )
     if kind == "none":
         return NoCache(config=config, num_layers=num_layers, window=window, device=device)

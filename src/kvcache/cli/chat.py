@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int, size_argument
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, add_kv_cache_dtype, kv_dtype_of, positive_int, size_argument
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import resolve_model_dir
 from kvcache.memory import parse_size
@@ -52,6 +52,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-disk-size", type=size_argument, default=parse_size("8GiB"),
                         help="the most --kv-disk's blocks take (default 8GiB)")
+    add_kv_cache_dtype(parser)
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
 
@@ -94,7 +95,7 @@ class _Chat:
             self.session.close()
         self.session = ChatSession(
             self.model, self.tokenizer, num_blocks=-(-self.args.ctx_size // BLOCK), block_size=BLOCK,
-            system=self.system, kv_store=self.store,
+            system=self.system, kv_store=self.store, kv_dtype=kv_dtype_of(self.args),
         )
 
     def warm_up(self) -> None:

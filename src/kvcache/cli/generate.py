@@ -14,7 +14,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, positive_int, size_argument
+from kvcache.cli._args import WEIGHTS_HELD_TWICE, add_kv_cache_dtype, kv_dtype_of, positive_int, size_argument
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, CACHE_KINDS, resolve_model_dir
 from kvcache.memory import parse_size
@@ -48,6 +48,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-disk-size", type=size_argument, default=parse_size("8GiB"),
                         help="the most --kv-disk's blocks take (default 8GiB)")
+    add_kv_cache_dtype(parser)
     parser.add_argument(
         "--compare-nocache",
         action="store_true",
@@ -167,10 +168,13 @@ def _load(args: argparse.Namespace):
     from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
 
-    args.cache = args.cache or ("paged" if args.kv_disk else "dynamic")
+    args.cache = args.cache or ("paged" if args.kv_disk or kv_dtype_of(args) else "dynamic")
     if args.kv_disk and args.cache != "paged":
         raise ValueError(f"--kv-disk keeps a paged cache's blocks: give --cache paged (or none), not "
                          f"{args.cache}")
+    if kv_dtype_of(args) and args.cache != "paged":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} quantizes a paged cache's blocks: give "
+                         f"--cache paged (or none), not {args.cache}")
     folder = Path(resolve_model_dir(args.model))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = _sampling(args, folder)
@@ -230,8 +234,15 @@ class _Runs:
         from kvcache.generation import generate
 
         backend = self.args.backend if cache != "none" else "auto"
+        input_ids = self.input_ids if input_ids is None else input_ids
+        if cache == "paged" and kv_dtype_of(self.args):  # (quantized: made here, sized as generate would)
+            from kvcache.cache import make_cache
+
+            length = input_ids.shape[1] + changes.get("max_new_tokens", self.options["max_new_tokens"])
+            cache = make_cache("paged", config=self.model.config, dtype=self.model.dtype, max_batch_size=1,
+                               max_cache_len=length, kv_dtype=kv_dtype_of(self.args))
         return generate(
-            self.model, self.input_ids if input_ids is None else input_ids, cache=cache, backend=backend,
+            self.model, input_ids, cache=cache, backend=backend,
             streamer=streamer, generator=torch.Generator().manual_seed(self.seed),
             **{**self.options, **changes},
         )
@@ -254,7 +265,7 @@ class _Runs:
         total = self.input_ids.shape[1] + self.args.max_new_tokens
         options = {name: value for name, value in self.options.items() if name != "tokenizer"}
         session = ChatSession(self.model, self.tokenizer, kv_store=store, num_blocks=-(-total // 16) + 1,
-                              **options)
+                              kv_dtype=kv_dtype_of(self.args), **options)
         started = time.perf_counter()
         try:
             session.send_ids(self.input_ids[0].tolist(), streamer=streamer, backend=self.args.backend,
@@ -286,7 +297,9 @@ class _Runs:
         how = f"sampled, seed {self.seed}" if self.sampling["do_sample"] else "greedy"
         return (
             f"[{len(result.new_tokens[0])} new tokens after a {self.input_ids.shape[1]}-token prompt; "
-            f"stopped by {result.stop_reasons[0]}; cache {self.args.cache}; {self.model.dtype}; "
+            f"stopped by {result.stop_reasons[0]}; cache {self.args.cache}"
+            f"{'' if kv_dtype_of(self.args) is None else ' ' + self.args.kv_cache_dtype}; "
+            f"{self.model.dtype}; "
             f"decode step {result.backend}; {how}"
             + (f"; {self.tokens_from_disk} prompt tokens read from --kv-disk]" if self.args.kv_disk else "]")
         )
@@ -296,7 +309,8 @@ class _Runs:
         new = result.new_tokens[0]
         return {"text": self.tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
                 "prompt_tokens": int(self.input_ids.shape[1]), "stop_reason": result.stop_reasons[0],
-                "cache": self.args.cache, "dtype": str(self.model.dtype).removeprefix("torch."),
+                "cache": self.args.cache, "kv_cache_dtype": self.args.kv_cache_dtype,
+                "dtype": str(self.model.dtype).removeprefix("torch."),
                 "decode_step": result.backend, "seed": self.seed, **self.sampling,
                 "time_to_first_token_s": result.time_to_first_token_s,
                 "decode_tokens_per_s": result.decode_tokens_per_s,

@@ -16,7 +16,14 @@ import os
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, nonnegative_int, positive_int, size_argument
+from kvcache.cli._args import (
+    WEIGHTS_HELD_TWICE,
+    add_kv_cache_dtype,
+    kv_dtype_of,
+    nonnegative_int,
+    positive_int,
+    size_argument,
+)
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
@@ -73,6 +80,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         default=parse_size("256MiB"),
         help="bytes for keys and values, e.g. 2GiB (default 256MiB)",
     )
+    add_kv_cache_dtype(engine)
     engine.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)"
     )
@@ -318,7 +326,7 @@ def _engine_arguments(args: argparse.Namespace) -> dict:
     """The Engine's keyword arguments the flags give, in this process or on each replica."""
     return {"backend": args.backend, "kv_budget": args.kv_budget, "block_size": args.block_size,
             "max_running": args.max_running, "token_budget": args.token_budget,
-            "prefill_slowdown": args.prefill_slowdown or None}
+            "prefill_slowdown": args.prefill_slowdown or None, "kv_dtype": kv_dtype_of(args)}
 
 
 def _event_publisher(args: argparse.Namespace):
@@ -426,9 +434,13 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
     print(f"kvcache serve: {settings.model_name} ({model.dtype}, decode step {engine.backend.name}) on "
           f"http://{host}:{port}/v1", flush=True)
     context = settings.context
+    stored = "" if kv_dtype_of(args) is None else f", {args.kv_cache_dtype} with scales"
     print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
-          f"({format_bytes(engine.pool.cache.nbytes)}): {engine.capacity(context)} sequences of {context} "
-          f"tokens (--ctx-size), {args.max_running} running at once", flush=True)
+          f"({format_bytes(engine.pool.cache.nbytes)}{stored}): {engine.capacity(context)} sequences of "
+          f"{context} tokens (--ctx-size), {args.max_running} running at once", flush=True)
+    fits = ", ".join(f"{count} at {dtype}" for dtype, count in engine.capacity_by_kv_dtype(context).items())
+    print(f"  --kv-budget {format_bytes(args.kv_budget)} holds sequences of {context} tokens: {fits} "
+          f"(--kv-cache-dtype)", flush=True)
     if args.kv_disk:
         disk = engine.store_tier.store.tiers[0] if args.kv_store else engine.store_tier.store
         print(f"  KV disk: {args.kv_disk} ({disk.blocks()} blocks kept from before, "

@@ -38,6 +38,7 @@ from kvcache.engine.step_costs import StepCosts
 from kvcache.engine.store_tier import open_store
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
+from kvcache.memory import PACKED_KV_DTYPES, paged_block_bytes
 
 
 def check_request(ids: list[int], params: SamplingParams, config, pool_tokens: int | None,
@@ -154,6 +155,18 @@ class Engine:
         if self.pool.full_allocator is None:
             return self.limits.max_running
         return self.num_blocks // blocks_for(tokens, self.limits.block_size)
+
+    def capacity_by_kv_dtype(self, tokens: int) -> dict[str, int]:
+        """How many sequences of `tokens` tokens the full layers' bytes would hold at once with keys
+        and values in the model's dtype, int8 and int4 (scales counted: `paged_block_bytes`), the
+        pool's own dtype among them; {} when every layer slides (any length fits)."""
+        if self.pool.full_allocator is None:
+            return {}
+        budget = self.num_blocks * self.pool.block_bytes
+        per_sequence = blocks_for(tokens, self.limits.block_size)
+        dtypes = (str(self.model.dtype).removeprefix("torch."), *PACKED_KV_DTYPES)
+        block = {dtype: paged_block_bytes(self.pool.shape, self.limits.block_size, dtype) for dtype in dtypes}
+        return {dtype: budget // block[dtype] // per_sequence for dtype in dtypes}
 
     # ---- submitting -------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, **fields) -> RequestHandle:
