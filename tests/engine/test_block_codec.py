@@ -9,18 +9,25 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from kvcache.cache.paged.packed import PackedRows
 from kvcache.engine.block_codec import InvalidBlock, decode_block, encode_block, layout_of, namespace
 
 DIGEST = bytes(range(16))
 SPACE = "ab" * 16
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16])
+@pytest.fixture(params=[torch.float32, torch.bfloat16, "int8", "int4"])
 def block(request):
-    model = tiny_model().to(request.param)
-    layout = layout_of(model, 4)
+    """(layout, keys, values, the encoded block) of a float pool, or a quantized pool's packed rows."""
+    packed = isinstance(request.param, str)
+    model = tiny_model().to(torch.float32 if packed else request.param)
+    layout = layout_of(model, 4, request.param if packed else None)
     shape = (layout.layers, 4, layout.kv_heads, layout.head_dim)
-    keys, values = torch.randn(shape).to(request.param), torch.randn(shape).to(request.param)
+    keys, values = torch.randn(shape).to(model.dtype), torch.randn(shape).to(model.dtype)
+    if packed:
+        packing = PackedRows.of(request.param, layout.head_dim)
+        keys, values = packing.pack(keys), packing.pack(values)
+        assert keys.shape[-1] == layout.row_bytes[0]
     return layout, keys, values, encode_block(layout, SPACE, DIGEST, keys, values)
 
 
@@ -49,7 +56,10 @@ def test_a_block_under_another_digest_a_short_value_or_non_finite_numbers_are_re
     with pytest.raises(InvalidBlock, match="bytes, got NoneType"):
         decode_block(layout, SPACE, DIGEST, None)
     poisoned = keys.clone()
-    poisoned[0, 0, 0, 0] = float("nan")
+    if layout.kv_dtype is None:
+        poisoned[0, 0, 0, 0] = float("nan")
+    else:  # a row's float16 scale: NaN
+        poisoned[0, 0, 0, -4:-2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
     with pytest.raises(InvalidBlock, match="non-finite"):
         decode_block(layout, SPACE, DIGEST, encode_block(layout, SPACE, DIGEST, poisoned, values))
 

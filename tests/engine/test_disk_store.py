@@ -145,6 +145,37 @@ def test_disk_then_redis_read_as_one_store_and_a_redis_hit_is_promoted_to_disk(m
     assert NEW > 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_blocks_go_through_disk_and_redis_packed_and_never_into_another_dtypes_pool(
+    model, tmp_path, kv_dtype
+):
+    """A quantized pool's blocks are stored as their packed bytes (smaller files and Redis values
+    than float32's), read back by a restarted engine on disk then Redis with the answer a cold
+    quantized engine gives, and never read by an engine whose pool stores another dtype."""
+    redis_server = RedisServer().start()
+    try:
+        prompt = ids(40, seed=6)
+        both = TieredStore([DiskBlockStore(tmp_path), RedisBlockStore(redis_server.url)])
+        cold_engine = engine(model, both, kv_dtype)
+        cold = answer(cold_engine, prompt)
+        flushed(cold_engine).close()
+        layout = cold_engine.store_tier.layout
+        float_bytes = engine(model).pool.block_bytes  # (a float32 pool's block, its header aside)
+        assert layout.kv_dtype == kv_dtype and layout.payload_bytes < float_bytes * 0.3
+        assert {path.stat().st_size for path in _files(tmp_path)} == {layout.value_bytes}
+        for tiers in ([DiskBlockStore(tmp_path)], [RedisBlockStore(redis_server.url)]):  # each alone
+            warm_engine = engine(model, tiers[0], kv_dtype)
+            warm = answer(warm_engine, prompt)
+            assert warm.tokens == cold.tokens and warm.usage.cached_tokens == 4 * BLOCK
+            warm_engine.close()
+        other_dtype = engine(model, DiskBlockStore(tmp_path), "int4" if kv_dtype == "int8" else None)
+        answer(other_dtype, prompt)
+        assert other_dtype.stats()["kv_store"]["hit_blocks"] == 0
+        other_dtype.close()
+    finally:
+        redis_server.stop()
+
+
 @pytest.mark.parametrize("fault", ["disk full", "unwritable folder"])
 def test_a_disk_that_cannot_take_writes_is_skipped_with_one_log_line(model, tmp_path, fault, monkeypatch,
                                                                     caplog):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -391,4 +392,32 @@ def test_warming_up_runs_every_road_a_step_takes_then_starts_the_counters_again(
     assert (1, 1) in seen  # one row alone
     assert engine.metrics.steps == 0 and engine.metrics.generated_tokens == 0
     assert engine.step_costs.prefill_cap(1) == engine.step_costs.initial  # costs measured afresh
+    _assert_baseline(engine)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_blocks_give_a_solo_run_on_a_quantized_cache_through_preemption_and_prefixes(
+    model, kv_dtype
+):
+    """The pool's blocks stored as int8/int4 (`kv_dtype`): each token's row is quantized on its
+    own, so how a prompt was chunked, whether its prefix was attached from another request's
+    blocks and whether it was preempted and recomputed change nothing: greedy tokens equal a solo
+    generate on a quantized PagedCache (the seam's torch arithmetic, the kernels' own)."""
+    from kvcache.cache import PagedCache
+
+    def solo_quantized(prompt, max_tokens):
+        cache = PagedCache(64, 4, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
+        return kvcache.generate(model, torch.tensor([prompt]), cache=cache, max_new_tokens=max_tokens,
+                                eos_token_id=()).new_tokens[0]
+
+    engine = Engine(model, num_blocks=24, block_size=4, max_running=4, token_budget=16, kv_dtype=kv_dtype)
+    generator = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 1024, (9,), generator=generator).tolist()
+    prompts = [shared + torch.randint(0, 1024, (n,), generator=generator).tolist() for n in (3, 14, 6, 1, 20)]
+    handles = [engine.submit(prompt, max_tokens=14, ignore_eos=True) for prompt in prompts]
+    results = [handle.result() for handle in handles]
+    assert engine.metrics.preemptions > 0 and engine.metrics.cached_prompt_tokens > 0
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == solo_quantized(prompt, 14)
+    assert engine.pool.cache.layers[0].storage_rows()[0].dtype == np.uint8
     _assert_baseline(engine)

@@ -38,8 +38,9 @@ def model():
     return kvcache.load_model()
 
 
-def engine(model, store=None) -> Engine:
-    return Engine(model, num_blocks=128, block_size=BLOCK, max_running=4, token_budget=64, kv_store=store)
+def engine(model, store=None, kv_dtype=None) -> Engine:
+    return Engine(model, num_blocks=128, block_size=BLOCK, max_running=4, token_budget=64, kv_store=store,
+                  kv_dtype=kv_dtype)
 
 
 def ids(length: int, seed: int) -> list[int]:

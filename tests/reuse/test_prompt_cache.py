@@ -186,3 +186,46 @@ def test_a_failed_load_leaves_the_callers_cache_as_it_was(model, saved):
     with pytest.raises(PromptCacheError):
         load_prompt_cache(saved, model, cache)
     assert state() == before
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_a_quantized_row_is_saved_packed_and_loads_only_into_its_own_kv_dtype(model, prompt, tmp_path,
+                                                                           kv_dtype):
+    from kvcache.reuse import prompt_cache
+
+    cache = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32, kv_dtype=kv_dtype)
+    cache.add_sequence(prompt)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), past_key_values=cache)
+    path = tmp_path / "quantized.kv"
+    save_prompt_cache(path, cache, model)
+    tensors = load_file(path)
+    assert tensors["keys.0"].dtype == torch.uint8  # packed: codes, scale, zero
+    loaded = load_prompt_cache(path, model)
+    assert loaded.kv_dtype == kv_dtype
+    torch.testing.assert_close(loaded.layers[1].values, cache.layers[1].values, atol=0, rtol=0)
+    follow = [3, 1, 4]
+    got = generate(model, torch.tensor([follow]), cache=loaded, max_new_tokens=5, eos_token_id=())
+    fresh = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32, kv_dtype=kv_dtype)
+    want = generate(model, torch.tensor([prompt + follow]), cache=fresh, max_new_tokens=5, eos_token_id=())
+    assert got.new_tokens == want.new_tokens
+    for other in (None, "int4" if kv_dtype == "int8" else "int8"):
+        target = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32, kv_dtype=other)
+        with pytest.raises(PromptCacheError, match="kv_dtype"):
+            load_prompt_cache(path, model, target)
+    header = prompt_cache.read_prompt_cache_header(path, model)
+    poisoned = dict(tensors)
+    poisoned["keys.0"] = tensors["keys.0"].clone()
+    poisoned["keys.0"][0, 0, -4:-2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    metadata = {key: value for key, value in load_metadata(path).items()}
+    metadata["checksum"] = prompt_cache._checksum(header["token_ids"], poisoned)  # a valid file's
+    save_file(poisoned, tmp_path / "poisoned.kv", metadata=metadata)
+    with pytest.raises(PromptCacheError, match="non-finite"):
+        load_prompt_cache(tmp_path / "poisoned.kv", model)
+
+
+def load_metadata(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        return dict(handle.metadata())

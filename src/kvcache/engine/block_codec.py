@@ -6,9 +6,12 @@ A value is a fixed header and the raw tensor bytes, never a pickle:
     value_dim u16 | block_size u16 | namespace 16 B | digest 16 B | checksum 16 B | keys | values
 
 keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size, kv_heads,
-value_dim), in the stored dtype, little-endian. The checksum is SHA-256 (its first 16 bytes) over
-the header (checksum field zeroed) and the payload, chosen over blake2b for the CPU's SHA
-instructions, since every byte read back is hashed before the request may use it. The digest is
+value_dim), in the stored dtype, little-endian; a quantized pool's (dtype codes 4 and 5: packed
+int8, int4) are its packed rows' bytes, (…, row bytes) each (`kvcache.cache.paged.packed`), and
+their float16 scales and zero points are checked finite like float blocks' values. The
+checksum is SHA-256 (its first 16 bytes) over the header (checksum field zeroed) and the
+payload, chosen over blake2b for the CPU's SHA instructions, since every byte read back is
+hashed before the request may use it. The digest is
 the block's prefix hash chain, so a valid block copied under another block's key is refused too,
 and the namespace (below) is inside the checksummed header, so a valid block another model wrote
 (same geometry, other weights or dtype) copied under this model's key is refused as well.
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.memory import PACKED_SCALE_BYTES, paged_row_bytes
 from kvcache.model.fingerprint import model_fingerprint
 
 MAGIC = b"KVB2"
@@ -37,6 +41,7 @@ VERSION = 2
 _HEADER = struct.Struct("<4sHBBHHHHH16s16s16s")
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+_PACKED = {"int8": 4, "int4": 5}  # a quantized pool's packed rows (their bytes: uint8)
 
 
 class InvalidBlock(ValueError):
@@ -53,12 +58,23 @@ class BlockLayout:
     value_dim: int
     block_size: int
     dtype: torch.dtype
+    kv_dtype: str | None = None  # "int8"/"int4": the pool's rows packed (`PagedCache(kv_dtype=)`)
+
+    @property
+    def dtype_code(self) -> int:
+        """The header's dtype byte: the float dtype's, or the packing's."""
+        return _DTYPES[self.dtype] if self.kv_dtype is None else _PACKED[self.kv_dtype]
+
+    @property
+    def row_bytes(self) -> tuple[int, int]:
+        """Bytes of one stored key row and one value row (one token's kv head)."""
+        name = self.kv_dtype or str(self.dtype).removeprefix("torch.")
+        return paged_row_bytes(self.head_dim, name), paged_row_bytes(self.value_dim, name)
 
     @property
     def payload_bytes(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
         rows = self.layers * self.block_size * self.kv_heads
-        return rows * (self.head_dim + self.value_dim) * item
+        return rows * sum(self.row_bytes)
 
     @property
     def value_bytes(self) -> int:
@@ -66,14 +82,17 @@ class BlockLayout:
         return _HEADER.size + self.payload_bytes
 
 
-def layout_of(model, block_size: int) -> BlockLayout:
-    """The block layout of `model`'s keys and values in blocks of `block_size` tokens."""
+def layout_of(model, block_size: int, kv_dtype: str | None = None) -> BlockLayout:
+    """The block layout of `model`'s keys and values in blocks of `block_size` tokens, packed
+    as `kv_dtype` says ("int8", "int4"; None: in the model's dtype)."""
     config = model.config
     if model.dtype not in _DTYPES:
         raise ValueError(f"a block store keeps float32, float16 or bfloat16 blocks, not {model.dtype}")
+    if kv_dtype is not None and kv_dtype not in _PACKED:
+        raise ValueError(f"a block store keeps packed blocks of {tuple(_PACKED)}, not {kv_dtype!r}")
     return BlockLayout(
         config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.head_dim,
-        block_size, model.dtype,
+        block_size, model.dtype, kv_dtype,
     )
 
 
@@ -103,7 +122,7 @@ def encode_block(
         tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
         for tensor in (keys, values)
     )
-    fields = (MAGIC, VERSION, _DTYPES[layout.dtype], 0, layout.layers, layout.kv_heads, layout.head_dim,
+    fields = (MAGIC, VERSION, layout.dtype_code, 0, layout.layers, layout.kv_heads, layout.head_dim,
               layout.value_dim, layout.block_size, bytes.fromhex(space), digest)
     header = _HEADER.pack(*fields, bytes(16))
     return _HEADER.pack(*fields, _checksum(header, payload)) + payload
@@ -120,7 +139,7 @@ def decode_block(
         raise InvalidBlock(f"a block of this layout has {layout.value_bytes} bytes, got {size}")
     (magic, version, dtype, _, layers, heads, head_dim, value_dim, block_size, stored_space,
      stored_digest, checksum) = _HEADER.unpack_from(value)
-    expected = (MAGIC, VERSION, _DTYPES[layout.dtype], layout.layers, layout.kv_heads, layout.head_dim,
+    expected = (MAGIC, VERSION, layout.dtype_code, layout.layers, layout.kv_heads, layout.head_dim,
                 layout.value_dim, layout.block_size, digest)
     found = (magic, version, dtype, layers, heads, head_dim, value_dim, block_size, stored_digest)
     if stored_space != bytes.fromhex(space):
@@ -136,12 +155,16 @@ def decode_block(
         raise InvalidBlock("block checksum does not match its bytes")
     with warnings.catch_warnings():  # a view of the bytes read back, only ever read (never written)
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(payload, dtype=_BY_CODE[dtype])
-    # one pass, nothing allocated: a float64 sum of float32 or half values cannot overflow, and
-    # is finite exactly when every element is
-    if not math.isfinite(float(flat.sum(dtype=torch.float64))):
-        raise InvalidBlock("block holds non-finite keys or values")
+        flat = torch.frombuffer(payload, dtype=_BY_CODE.get(dtype, torch.uint8))
+    key_width, value_width = layout.row_bytes if layout.kv_dtype is not None else (head_dim, value_dim)
     rows = layers * block_size * heads
-    keys = flat[: rows * head_dim].view(layers, block_size, heads, head_dim)
-    values = flat[rows * head_dim :].view(layers, block_size, heads, value_dim)
+    keys = flat[: rows * key_width].view(layers, block_size, heads, key_width)
+    values = flat[rows * key_width :].view(layers, block_size, heads, value_width)
+    if layout.kv_dtype is not None:
+        scales = (rows[..., -PACKED_SCALE_BYTES:].contiguous().view(torch.float16) for rows in (keys, values))
+        finite = all(bool(torch.isfinite(scale).all()) for scale in scales)
+    else:  # one pass, nothing allocated: a float64 sum of float32 or half values cannot overflow,
+        finite = math.isfinite(float(flat.sum(dtype=torch.float64)))  # and is finite when each is
+    if not finite:
+        raise InvalidBlock("block holds non-finite keys or values (or scales)")
     return keys, values

@@ -63,7 +63,7 @@ class StoreTier:
 
     def __init__(self, store, model, pool: PagedCache) -> None:
         self.store = store
-        self.layout = layout_of(model, pool.block_size)
+        self.layout = layout_of(model, pool.block_size, pool.kv_dtype)
         self.space = namespace(model, self.layout)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._outages = store.outage_count()

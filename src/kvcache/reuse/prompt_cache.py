@@ -10,6 +10,11 @@ the token ids. Loading reads the header only, checks every name, shape and dtype
 model and the metadata, and refuses a file made for another model or layout with a
 `PromptCacheError` before any tensor is allocated. Rows are re-blocked on load, so the
 target cache may use another block size than the one recorded.
+
+A quantized cache's row (`PagedCache(kv_dtype="int8")`) is saved as its packed rows (uint8,
+(tokens, kv_heads, row bytes): `kvcache.cache.paged.packed`), metadata kv_dtype naming the
+packing, and loads only into a cache of that kv_dtype; every row's float16 scale and zero must
+be finite.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
+from kvcache.memory import PACKED_KV_DTYPES, PACKED_SCALE_BYTES, paged_row_bytes
 from kvcache.model.fingerprint import model_fingerprint
 
 FORMAT = "kvcache.reuse.prompt_cache"
@@ -73,7 +79,8 @@ def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: in
         tensors[f"keys.{index}"] = keys.cpu().contiguous()  # (T, H_kv, D)
         tensors[f"values.{index}"] = values.cpu().contiguous()  # (T, H_kv, D_v)
     layout = _layout(model)
-    if tensors["keys.0"].dtype != model.dtype:
+    stored = torch.uint8 if cache.kv_dtype is not None else model.dtype
+    if tensors["keys.0"].dtype != stored:
         raise PromptCacheError(f"the cache stores {tensors['keys.0'].dtype}; the model runs {model.dtype}")
     metadata = {
         "format": FORMAT,
@@ -81,7 +88,8 @@ def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: in
         "model_fingerprint": model_fingerprint(model),
         "model_type": str(model.config.model_type),
         **layout,
-        "value_head_dim": str(tensors["values.0"].shape[-1]),
+        "value_head_dim": str(model.config.head_dim),
+        "kv_dtype": cache.kv_dtype or "none",
         "block_size": str(cache.block_size),
         "num_tokens": str(tokens),
         "token_ids": json.dumps(state.token_ids),
@@ -139,8 +147,13 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
             f"(1..{MAX_BLOCK_SIZE}), value head dim {value_dim} (the model's is {model.config.head_dim}): "
             f"not a prompt cache of this model"
         )
-    heads, dim = model.config.num_key_value_heads, model.config.head_dim
-    code = _SAFETENSORS_DTYPES.get(expected["dtype"])
+    kv_dtype = metadata.get("kv_dtype", "none")
+    if kv_dtype not in ("none", *PACKED_KV_DTYPES):
+        raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is none of {('none', *PACKED_KV_DTYPES)}")
+    heads = model.config.num_key_value_heads
+    code = _SAFETENSORS_DTYPES.get(expected["dtype"]) if kv_dtype == "none" else "U8"
+    dim, value_dim = (model.config.head_dim, value_dim) if kv_dtype == "none" else (
+        paged_row_bytes(model.config.head_dim, kv_dtype), paged_row_bytes(value_dim, kv_dtype))
     want = {}
     for layer in range(model.config.num_hidden_layers):
         want[f"keys.{layer}"] = ((tokens, heads, dim), code)
@@ -148,7 +161,8 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
     if shapes != want:
         wrong = sorted(set(shapes.items()) ^ set(want.items()))[:4]
         raise PromptCacheError(f"{path}: tensors do not match the metadata and model, e.g. {wrong}")
-    return {**metadata, "num_tokens": tokens, "block_size": block_size, "token_ids": token_ids}
+    return {**metadata, "num_tokens": tokens, "block_size": block_size, "token_ids": token_ids,
+            "kv_dtype": None if kv_dtype == "none" else kv_dtype}
 
 
 def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None = None, *,
@@ -168,11 +182,14 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
     if cache is None:
         size = block_size or header["block_size"]
         cache = PagedCache(num_blocks or -(-(2 * tokens + 256) // size), size, config=model.config,
-                           dtype=model.dtype, device=model.device)
+                           dtype=model.dtype, device=model.device, kv_dtype=header["kv_dtype"])
     elif len(cache.layers) != model.config.num_hidden_layers:
         raise PromptCacheError(
             f"the cache holds {len(cache.layers)} layers; the file holds {model.config.num_hidden_layers}"
         )
+    elif cache.kv_dtype != header["kv_dtype"]:
+        raise PromptCacheError(f"{path} holds keys and values as kv_dtype {header['kv_dtype']}; the cache "
+                               f"stores {cache.kv_dtype}")
     try:
         with safe_open(os.fspath(path), "pt", device="cpu") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
@@ -180,8 +197,8 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
         raise PromptCacheError(f"{path}: tensor data cannot be read: {error}") from None
     if header.get("checksum") != _checksum(list(token_ids), tensors):
         raise PromptCacheError(f"{path}: the checksum does not match its token ids and tensors (tampered?)")
-    if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
-        raise PromptCacheError(f"{path}: holds non-finite keys or values")
+    if not all(bool(torch.isfinite(values).all()) for values in _numbers(tensors, header["kv_dtype"])):
+        raise PromptCacheError(f"{path}: holds non-finite keys or values (or scales)")
     names = range(model.config.num_hidden_layers)
     state = RowState(
         list(token_ids),
@@ -193,3 +210,10 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
     except (CacheShapeError, CacheDtypeError) as error:
         raise PromptCacheError(f"{path} does not fit this cache: {error}") from None
     return cache
+
+
+def _numbers(tensors: dict[str, torch.Tensor], kv_dtype: str | None) -> list[torch.Tensor]:
+    """The floats a file's tensors hold: the tensors, or packed rows' float16 scales and zeros."""
+    if kv_dtype is None:
+        return list(tensors.values())
+    return [rows[..., -PACKED_SCALE_BYTES:].contiguous().view(torch.float16) for rows in tensors.values()]
