@@ -244,6 +244,7 @@ def attend(
     sums = np.zeros((tokens, kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
     parts = np.zeros((tokens, kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
     all_scores = np.empty((tokens * kv_heads * chunks, CHUNK, group), np.float32)  # each task's
+    all_codes = np.empty((tokens * kv_heads * chunks, dim), np.float32)  # each task's packed row scratch
     for task in prange(tokens * kv_heads * chunks):
         n, kv, chunk = task // (kv_heads * chunks), task // chunks % kv_heads, task % chunks
         lo = first_key(lengths[n], window) + chunk * CHUNK
@@ -252,13 +253,13 @@ def attend(
             table = tables[token_row[n]]
             group_queries = queries[n].reshape(heads, dim)[kv * group:(kv + 1) * group]  # (G, D)
             group_sums = query_sums[n, kv * group:(kv + 1) * group]
-            scores = all_scores[task]
+            scores, codes = all_scores[task], all_codes[task]
             for t in range(count):  # each key read once for the group's queries
                 at = lo + t
                 if visible.shape[0] == 0 or visible[at]:
                     slot = table[at // size] * size + at % size
                     key = keys[slot * step + kv * layout[KEY_HEAD_STRIDE]]
-                    scored(group_queries, key, group_sums, scores[t])
+                    scored(group_queries, key, group_sums, scores[t], codes)
                 else:
                     for g in range(group):
                         scores[t, g] = -np.inf
@@ -277,7 +278,7 @@ def attend(
             for t in range(count):  # each value read once for the group's queries
                 at = lo + t  # (a masked key's weight is 0: its value is never read, maybe unwritten)
                 slot = table[at // size] * size + at % size
-                accumulated(summed, scores[t], values[slot * step + kv * layout[VALUE_HEAD_STRIDE]])
+                accumulated(summed, scores[t], values[slot * step + kv * layout[VALUE_HEAD_STRIDE]], codes)
     combine(tops, sums, parts, out)
 
 

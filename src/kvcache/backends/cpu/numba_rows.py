@@ -17,15 +17,15 @@ _INLINE = dict(inline="always", jit_options=dict(fastmath=FLAGS, error_model="nu
 _SCALE_BYTES = 4
 
 
-def scored(queries, row, query_sums, scores):  # typed by the overload below
+def scored(queries, row, query_sums, scores, work):  # typed by the overload below
     """scores (G,) = queries (G, D) · the row's D values; query_sums (G,): each query's sum (a
-    packed row's zero point multiplies it)."""
+    packed row's zero point multiplies it); work (D,) float32: scratch for a packed row's codes."""
     raise NotImplementedError
 
 
-def accumulated(summed, weights, row):  # typed by the overload below
+def accumulated(summed, weights, row, work):  # typed by the overload below
     """summed (G, D) += weights (G,)[:, None] · the row's D values (rows of weight 0 are skipped:
-    an unwritten masked row is never read)."""
+    an unwritten masked row is never read); work (D,) float32: scratch, as `scored`'s."""
     raise NotImplementedError
 
 
@@ -70,11 +70,25 @@ def _code(value, zero, scale, levels):  # pragma: no cover (compiled)
     return np.uint8(min(max(np.floor((value - zero) / scale + np.float32(0.5)), np.float32(0.0)), levels))
 
 
+@numba.njit(inline="always")
+def _codes_into(row, work):  # pragma: no cover (compiled)
+    """work (D,) = a packed row's codes as float32 (int8: one a byte; int4: two, low nibble first)."""
+    codes = row.shape[0] - _SCALE_BYTES
+    if codes == work.shape[0]:
+        for d in range(codes):
+            work[d] = np.float32(row[d])
+    else:
+        for j in range(codes):
+            byte = row[j]
+            work[2 * j] = np.float32(byte & np.uint8(15))
+            work[2 * j + 1] = np.float32(byte >> np.uint8(4))
+
+
 @overload(scored, **_INLINE)
-def _scored(queries, row, query_sums, scores):  # pragma: no cover (compiled)
+def _scored(queries, row, query_sums, scores, work):  # pragma: no cover (compiled)
     if row.dtype != numba.types.uint8:
 
-        def float_row(queries, row, query_sums, scores):
+        def float_row(queries, row, query_sums, scores, work):
             for g in range(queries.shape[0]):
                 score = np.float32(0.0)
                 for d in range(queries.shape[1]):
@@ -83,29 +97,24 @@ def _scored(queries, row, query_sums, scores):  # pragma: no cover (compiled)
 
         return float_row
 
-    def packed_row(queries, row, query_sums, scores):
-        dim, codes = queries.shape[1], row.shape[0] - _SCALE_BYTES
+    def packed_row(queries, row, query_sums, scores, work):
+        codes = row.shape[0] - _SCALE_BYTES
         scale, zero = _half_at(row, codes), _half_at(row, codes + 2)
+        _codes_into(row, work)  # (once for the group's queries)
         for g in range(queries.shape[0]):
             total = np.float32(0.0)
-            if codes == dim:
-                for d in range(dim):
-                    total += queries[g, d] * np.float32(row[d])
-            else:
-                for j in range(codes):
-                    byte = row[j]
-                    total += queries[g, 2 * j] * np.float32(byte & np.uint8(15))
-                    total += queries[g, 2 * j + 1] * np.float32(byte >> np.uint8(4))
+            for d in range(work.shape[0]):
+                total += queries[g, d] * work[d]
             scores[g] = scale * total + zero * query_sums[g]
 
     return packed_row
 
 
 @overload(accumulated, **_INLINE)
-def _accumulated(summed, weights, row):  # pragma: no cover (compiled)
+def _accumulated(summed, weights, row, work):  # pragma: no cover (compiled)
     if row.dtype != numba.types.uint8:
 
-        def float_row(summed, weights, row):
+        def float_row(summed, weights, row, work):
             for g in range(summed.shape[0]):
                 weight = weights[g]
                 if weight != 0.0:
@@ -114,21 +123,16 @@ def _accumulated(summed, weights, row):  # pragma: no cover (compiled)
 
         return float_row
 
-    def packed_row(summed, weights, row):
-        dim, codes = summed.shape[1], row.shape[0] - _SCALE_BYTES
+    def packed_row(summed, weights, row, work):
+        codes = row.shape[0] - _SCALE_BYTES
         scale, zero = _half_at(row, codes), _half_at(row, codes + 2)
+        _codes_into(row, work)
         for g in range(summed.shape[0]):
             weight = weights[g]
             if weight != 0.0:
                 scaled, shift = weight * scale, weight * zero
-                if codes == dim:
-                    for d in range(dim):
-                        summed[g, d] += scaled * np.float32(row[d]) + shift
-                else:
-                    for j in range(codes):
-                        byte = row[j]
-                        summed[g, 2 * j] += scaled * np.float32(byte & np.uint8(15)) + shift
-                        summed[g, 2 * j + 1] += scaled * np.float32(byte >> np.uint8(4)) + shift
+                for d in range(work.shape[0]):
+                    summed[g, d] += scaled * work[d] + shift
 
     return packed_row
 
