@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvcache.backends import choose_backend
+from kvcache.engine.drift_probe import DriftProbe
 from kvcache.engine.kv_events import KVEventPublisher
 from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.offline import run_to_completion, warm_up
@@ -84,6 +85,10 @@ class Engine:
         kv_dtype: "int8" or "int4" to store the pool's keys and values quantized (each token's kv
             head one group with a float16 scale and zero: `kvcache.cache.paged.packed`), so the
             budget holds more tokens (`kvcache.memory.paged_row_bytes`); None: the model's dtype.
+        kv_drift_sample: with kv_dtype, the share of requests (0 to 1) that also run on a
+            full-precision shadow pool of a quarter of the pool's bytes, measuring at each of their
+            positions how far the quantized blocks moved the next-token distribution (`drift_probe`;
+            each Completion's `kv_drift`, `stats()["kv_drift"]`); 0: no probe.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class Engine:
         kv_store=None,
         kv_events=None,
         kv_dtype: str | None = None,
+        kv_drift_sample: float = 0.0,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         if max_running < 1 or token_budget < max_running:
@@ -116,6 +122,7 @@ class Engine:
             self.kv_events.attach(self.pool.cache.allocator)  # (the full layers', or the window's)
         self.backend = choose_backend(model, backend)
         self.runner = Runner(model, self.backend)
+        self.drift_probe = self._drift_probe(kv_drift_sample, kv_dtype)
         # bounds what a prompt adds to a step while rows decode (None: nothing but the budget)
         self.step_costs = (
             None if prefill_slowdown is None else StepCosts(prefill_slowdown, maximum=token_budget)
@@ -132,6 +139,20 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._looping = threading.Event()  # set while a loop (start's thread, or run) makes the steps
+
+    def _drift_probe(self, sample: float, kv_dtype: str | None) -> DriftProbe | None:
+        """The probe `kv_drift_sample` asks for (None for 0): its shadow pool, full precision, of a
+        quarter of the quantized pool's bytes (at least one request of a step's token budget)."""
+        if not sample:
+            return None
+        if kv_dtype is None:
+            raise RequestError("kv_drift_sample compares a quantized pool (kv_dtype) with full precision: "
+                               "give kv_dtype too")
+        size = self.limits.block_size
+        exact_block = paged_block_bytes(self.pool.shape, size, self.pool.model_dtype)
+        least = blocks_for(2 * self.limits.token_budget, size)
+        blocks = max(self.pool.cache.nbytes // 4 // max(exact_block, 1), least)
+        return DriftProbe(self.model, self.backend, sample, blocks, self.limits.block_size)
 
     @property
     def running(self) -> list[Request]:
@@ -228,6 +249,7 @@ class Engine:
             "finished": dict(m.finished),
             "generated_tokens": m.generated_tokens,
             "kv_store": None if self.store_tier is None else self.store_tier.store.stats(),
+            "kv_drift": None if self.drift_probe is None else self.drift_probe.stats(),
         }
 
     def cancel(self, handle: RequestHandle) -> None:
@@ -281,6 +303,8 @@ class Engine:
         for request in admitted:
             self.waiting.remove(request)
         work = self.pool.apply(plan, admitted)
+        if self.drift_probe is not None:
+            self.drift_probe.consider(admitted)
         self.metrics.count_cached(admitted, self.running, work.attached, work.loaded)
         if work.requests:
             self._run(work)
@@ -292,6 +316,8 @@ class Engine:
 
     def _preempt(self, victims: list[Request]) -> None:
         self.pool.release(victims)
+        if self.drift_probe is not None:
+            self.drift_probe.release(victims)
         self.pool.prefetch(victims, self.wake)  # the store may hold what their rows held
         for request in victims:
             request.first_pass = False
@@ -317,6 +343,8 @@ class Engine:
         if self.step_costs is not None:
             self.step_costs.record(decoding, prompt_tokens, self.metrics.now() - started)
         self.pool.commit(work)
+        if self.drift_probe is not None:
+            self.drift_probe.run(work.batch, work.requests, logits)
         chosen, failed = self.runner.choose(logits, [work.requests[index] for index in batch.sampled])
         for request, message in failed:
             request.finish = ("error", message)
@@ -332,6 +360,8 @@ class Engine:
         if not requests:
             return
         self.pool.release(requests)
+        if self.drift_probe is not None:
+            self.drift_probe.release(requests)
         completions = []
         for request in requests:
             if request in self.waiting:

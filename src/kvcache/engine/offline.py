@@ -45,12 +45,16 @@ def warm_up(engine) -> None:
         room = min(room, engine.num_blocks * engine.limits.block_size // 4)
     chunk = max(1, min(40, room - 2))
     store, engine.pool.store_tier = engine.pool.store_tier, None
+    probe = engine.drift_probe  # (every warm-up request probed: the shadow's road runs too)
+    sample, probe.sample = (probe.sample, 1.0) if probe is not None else (None, None)
     try:
         for batch in ([[0] * chunk, *([token] for token in range(5))], [[0]]):
             for handle in [engine.submit(prompt, params) for prompt in batch]:
                 handle.result()
     finally:
         engine.pool.store_tier = store
+        if probe is not None:
+            probe.sample, probe.positions, probe.agreements = sample, 0, 0
     engine.metrics = EngineMetrics()
     if engine.step_costs is not None:
         engine.step_costs = StepCosts(engine.step_costs.factor, maximum=engine.step_costs.maximum)

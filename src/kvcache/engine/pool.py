@@ -60,6 +60,7 @@ class KVPool:
     ) -> None:
         self.cache, self.block_bytes = build_cache(model, limits, kv_budget, num_blocks, kv_dtype)
         self.shape = KVShape.from_geometry(read_geometry(model.config))  # (what kvcache.memory counts)
+        self.model_dtype = str(model.dtype).removeprefix("torch.")
         self.block_size = limits.block_size
         self.prefix_caching = prefix_caching
         self.store_tier = None if store is None else StoreTier(store, model, self.cache)

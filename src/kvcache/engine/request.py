@@ -44,6 +44,7 @@ class Completion:
     time_to_first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list, repr=False)  # when each token came
     text: str | None = None  # the reply's text, cut before a stop string (None: no tokenizer)
+    kv_drift: object = None  # its `drift_probe.KVDrift` when the drift probe sampled it
 
 
 class ReplyReader:
@@ -209,6 +210,7 @@ class Request:
         self.store_read = None  # its prompt's blocks read from the KV store (store_tier.StoreRead)
         self.root = salt_root(params.cache_salt)  # its blocks' hash chain starts here
         self.tail = ""  # the text its stop rule held back until it ended
+        self.drift = None  # a `drift_probe.KVDrift` while (and after) the drift probe runs it
 
     def cancel(self) -> None:
         """End this request at the engine's next step (the engine's own cancel: shutting down)."""
@@ -277,6 +279,7 @@ class Request:
             first,
             [moment - self.submitted_at for moment in self.token_times],
             None if reply is None else reply.text,
+            self.drift,
         )
 
 
