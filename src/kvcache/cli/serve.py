@@ -53,6 +53,16 @@ def _slowdown(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {value}")
+    return value
+
+
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.epilog = WEIGHTS_HELD_TWICE
     parser.add_argument(
@@ -81,6 +91,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="bytes for keys and values, e.g. 2GiB (default 256MiB)",
     )
     add_kv_cache_dtype(engine)
+    engine.add_argument(
+        "--kv-drift-sample", type=_share, default=0.0, metavar="SHARE",
+        help="with --kv-cache-dtype int8/int4: the share of requests (0 to 1, e.g. 0.01) that also run "
+        "on a full-precision shadow pool, measuring how far the quantized KV moved each next-token "
+        "distribution (KL, top-1 agreement): per request as kv_drift beside usage, in /metrics as "
+        "kvcache_kv_drift_* (default 0: off)",
+    )
     engine.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)"
     )
@@ -326,7 +343,8 @@ def _engine_arguments(args: argparse.Namespace) -> dict:
     """The Engine's keyword arguments the flags give, in this process or on each replica."""
     return {"backend": args.backend, "kv_budget": args.kv_budget, "block_size": args.block_size,
             "max_running": args.max_running, "token_budget": args.token_budget,
-            "prefill_slowdown": args.prefill_slowdown or None, "kv_dtype": kv_dtype_of(args)}
+            "prefill_slowdown": args.prefill_slowdown or None, "kv_dtype": kv_dtype_of(args),
+            "kv_drift_sample": args.kv_drift_sample}
 
 
 def _event_publisher(args: argparse.Namespace):
@@ -354,6 +372,9 @@ def _engine(args: argparse.Namespace, events=None):
                        progress=ProgressBar("kvcache serve: loading the model", after_s=BAR_AFTER_S))
     say_weights("serve", model)
     tokenizer = load_tokenizer(folder)
+    if args.kv_drift_sample and kv_dtype_of(args) is None:
+        raise ValueError("--kv-drift-sample compares a quantized pool with full precision: give "
+                         "--kv-cache-dtype int8 or int4 too")
     store = open_tiers(args.kv_disk, disk_bytes=args.kv_disk_size, url=args.kv_store, ttl_s=args.kv_store_ttl)
     print(f"kvcache serve: building the engine (the weights laid out for its kernels, a KV pool of "
           f"{format_bytes(args.kv_budget)})…", file=sys.stderr, flush=True)
@@ -441,6 +462,11 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
     fits = ", ".join(f"{count} at {dtype}" for dtype, count in engine.capacity_by_kv_dtype(context).items())
     print(f"  --kv-budget {format_bytes(args.kv_budget)} holds sequences of {context} tokens: {fits} "
           f"(--kv-cache-dtype)", flush=True)
+    if engine.drift_probe is not None:
+        shadow = engine.drift_probe.shadow
+        print(f"  KV drift probe: {args.kv_drift_sample:g} of requests also run on a full-precision shadow "
+              f"pool ({format_bytes(shadow.nbytes)}); kv_drift in their responses, kvcache_kv_drift_* in "
+              f"/metrics", flush=True)
     if args.kv_disk:
         disk = engine.store_tier.store.tiers[0] if args.kv_store else engine.store_tier.store
         print(f"  KV disk: {args.kv_disk} ({disk.blocks()} blocks kept from before, "

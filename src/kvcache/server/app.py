@@ -100,7 +100,7 @@ class _Server:
             max_tokens=settings.max_tokens or self.context - 1,
             default_max_tokens=min(settings.default_max_tokens, settings.max_tokens or self.context - 1),
         )
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, self.context)
         engine.on_finish = self.metrics.finished
         self.preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="kvcache-prepare")
         self.created = int(time.time())
@@ -189,6 +189,7 @@ class _Server:
                 completion.text or "",
                 completion.finish_reason,
                 _usage(completion),
+                _drift(completion),
             )
         )
 
@@ -207,7 +208,8 @@ class _Server:
             else:
                 yield _sse(chunk_object(call, rid, model, None, completion.finish_reason))
                 if call.include_usage:
-                    yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion)))
+                    yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion),
+                                            kv_drift=_drift(completion)))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the response task is cancelled) or the stream ended
             if not handle.done:
@@ -314,6 +316,12 @@ def _stream_logger(request: Request, started: float):
 def _usage(completion: Completion) -> dict:
     usage = completion.usage
     return usage_object(usage.prompt_tokens, usage.cached_tokens, len(completion.tokens))
+
+
+def _drift(completion: Completion) -> dict | None:
+    """The request's `kv_drift` object (the drift probe's: positions, mean_kl, max_kl,
+    top1_agreement), or None when it was not probed."""
+    return None if completion.kv_drift is None else completion.kv_drift.as_dict()
 
 
 def _sse(payload: dict) -> str:

@@ -17,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvcache.engine import Completion
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: KL divergences (nats) of the drift probe's positions: from rounding noise to a changed answer
+DRIFT_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
 class ServerMetrics:
@@ -25,7 +27,7 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, context: int = 0) -> None:
         self.engine = engine
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
@@ -71,6 +73,18 @@ class ServerMetrics:
 
         if engine.store_tier is not None:  # the tiers below the pool, counted since start
             registry.register(_TierCollector(engine))
+        self.drift_kl = Histogram(
+            "kvcache_kv_drift_kl",
+            "KL(p_exact || p_quantized) of each position the KV drift probe ran (nats)",
+            buckets=DRIFT_BUCKETS,
+            registry=registry,
+        )
+        self.drift_agreements = Counter(
+            "kvcache_kv_drift_top1_agreements", "Probed positions whose greedy tokens agreed",
+            registry=registry,
+        )
+        if context and hasattr(engine, "capacity_by_kv_dtype"):
+            registry.register(_CapacityCollector(engine, context))
 
     def rejected(self, status: int) -> None:
         self.requests.labels(outcome=f"http_{status}").inc()
@@ -86,6 +100,10 @@ class ServerMetrics:
         times = completion.token_times_s
         for earlier, later in zip(times, times[1:]):
             self.itl.observe(later - earlier)
+        if completion.kv_drift is not None:
+            for divergence in completion.kv_drift.kl:
+                self.drift_kl.observe(divergence)
+            self.drift_agreements.inc(completion.kv_drift.agreements)
 
     def render(self) -> bytes:
         stats = self.engine.stats()
@@ -141,3 +159,21 @@ class _TierCollector:
 def _gauges(registry, prefix: str, described) -> dict:
     """name -> Gauge `prefix + name` on `registry`, for each (name, help text) in `described`."""
     return {name: Gauge(f"{prefix}{name}", help_text, registry=registry) for name, help_text in described}
+
+
+class _CapacityCollector:
+    """How many sequences of the server's context the pool's bytes hold at each KV dtype, scales
+    counted (`Engine.capacity_by_kv_dtype`; label `kv_dtype`)."""
+
+    def __init__(self, engine, context: int) -> None:
+        self.engine, self.context = engine, context
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "kvcache_kv_capacity_sequences",
+            f"Sequences of {self.context} tokens (the context) the KV pool's bytes hold at once, by KV dtype",
+            labels=["kv_dtype"],
+        )
+        for dtype, count in self.engine.capacity_by_kv_dtype(self.context).items():
+            family.add_metric([dtype], float(count))
+        yield family

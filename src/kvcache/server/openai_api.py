@@ -136,8 +136,11 @@ def usage_object(prompt: int, cached: int, completion: int) -> dict:
     }
 
 
-def response_object(call: Call, rid: str, model: str, text: str, finish: str, usage: dict) -> dict:
-    """The whole (non-streamed) answer."""
+def response_object(
+    call: Call, rid: str, model: str, text: str, finish: str, usage: dict, kv_drift: dict | None = None
+) -> dict:
+    """The whole (non-streamed) answer; kv_drift (when the drift probe sampled the request) beside
+    its usage."""
     if call.kind == "chat":
         choice = {
             "index": 0,
@@ -156,6 +159,7 @@ def response_object(call: Call, rid: str, model: str, text: str, finish: str, us
         "model": model,
         "choices": [choice],
         "usage": usage,
+        **({} if kv_drift is None else {"kv_drift": kv_drift}),
     }
 
 
@@ -168,8 +172,10 @@ def chunk_object(
     *,
     first: bool = False,
     usage: dict | None = None,
+    kv_drift: dict | None = None,
 ) -> dict:
-    """One streamed event: a piece of text, the finish reason, or (choices empty) the usage."""
+    """One streamed event: a piece of text, the finish reason, or (choices empty) the usage (and
+    kv_drift beside it when the drift probe sampled the request)."""
     if usage is not None:
         choices: list = []
     elif call.kind == "chat":
@@ -188,6 +194,8 @@ def chunk_object(
     }
     if usage is not None:
         chunk["usage"] = usage
+    if kv_drift is not None:
+        chunk["kv_drift"] = kv_drift
     return chunk
 
 
