@@ -138,8 +138,27 @@ def test_memory_of_a_quantized_dtype_is_what_the_quantized_cache_holds(capsys, d
 
 def test_memory_refuses_quantized_figures_it_cannot_give(capsys):
     assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "8",
-                 "--dtype", "int4", "--block-size", "4"]) == 2
-    assert "full-precision blocks" in capsys.readouterr().err
+                 "--dtype", "float8_e4m3fn", "--block-size", "4"]) == 2
+    assert "int8, int4 or full-precision blocks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_memory_counts_a_quantized_paged_pool_with_its_scales_as_the_cache_holds_it(capsys, dtype):
+    import torch
+
+    from kvcache.cache import PagedCache
+
+    assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "6", "--dtype",
+                 dtype, "--block-size", "4", "--budget", "4096", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    cache = PagedCache(8, 4, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float32, kv_dtype=dtype)
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), layer)
+    assert figures["paged_bytes_per_sequence"] == cache.nbytes_used  # two whole blocks, scales included
+    assert figures["bytes_per_token"] == 2 * 2 * 2 * (8 * int(dtype[3:]) // 8 + 4)
+    by_dtype = figures["max_paged_sequences_by_kv_dtype"]
+    assert by_dtype[dtype] == figures["max_paged_sequences_of_tokens"] == 4096 // cache.nbytes_used
+    assert by_dtype["float32"] < by_dtype["int8"] < by_dtype["int4"]
 
 
 def test_lab_out_pointing_at_a_directory_is_refused_before_any_work(tmp_path, capsys):

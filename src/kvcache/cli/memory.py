@@ -12,6 +12,7 @@ from kvcache.defaults import is_gguf
 from kvcache.geometry import SIZE_LIMITS, read_geometry
 from kvcache.memory import (
     DTYPE_BITS,
+    PACKED_KV_DTYPES,
     KVShape,
     format_bytes,
     max_paged_sequences,
@@ -19,6 +20,7 @@ from kvcache.memory import (
     max_tokens,
     paged_blocks_in_budget,
     paged_kv_cache_bytes,
+    paged_row_bytes,
     quantized_kv_cache_bytes,
 )
 
@@ -128,17 +130,19 @@ def run(args: argparse.Namespace) -> int:
                   f"the budget of {format_bytes(args.budget)}: no room for a cache", file=sys.stderr)
             return 1
         args.budget -= weights  # what the cache may take
-    if args.dtype in _QUANTIZED_BITS or args.dtype == "float8_e5m2":
+    packed = args.dtype in PACKED_KV_DTYPES and args.block_size is not None  # a paged pool's packed rows
+    if (args.dtype in _QUANTIZED_BITS or args.dtype == "float8_e5m2") and not packed:
         return _run_quantized(shape, args)
-    total = shape.bytes(args.tokens, args.batch, args.dtype)
+    total = _exact_bytes(shape, args.tokens, args.batch, args.dtype)
     result = {
         "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
         "sliding_window": shape.sliding_window, "tokens": args.tokens, "batch": args.batch,
-        "dtype": args.dtype, "bytes_per_token": shape.bytes_per_token(args.dtype),
-        "bytes_per_sequence": shape.bytes(args.tokens, 1, args.dtype), "bytes": total,
+        "dtype": args.dtype, "bytes_per_token": 2 * shape.layers * shape.kv_heads * paged_row_bytes(
+            shape.head_dim, args.dtype),
+        "bytes_per_sequence": _exact_bytes(shape, args.tokens, 1, args.dtype), "bytes": total,
     }
     result.update(_weights_figures(args))
-    if args.budget is not None:
+    if args.budget is not None and not packed:
         result["max_tokens_for_batch"] = max_tokens(shape, args.budget, args.batch, args.dtype)
         result["max_sequences_of_tokens"] = max_sequences(shape, args.budget, args.tokens, args.dtype)
     if args.block_size is not None:
@@ -151,15 +155,17 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     window = f", sliding window {shape.sliding_window}" if shape.sliding_window else ""
+    how = " (paged blocks, quantized: each token's kv head one group, its float16 scale and zero " \
+          "counted)" if packed else ""
     print(f"KV cache: {shape.layers} layers × {shape.kv_heads} kv heads × {shape.head_dim} "
-          f"head dim{window}, {args.dtype}")
+          f"head dim{window}, {args.dtype}{how}")
     print(f"  per token (all layers growing): {result['bytes_per_token']:,} B "
           f"({format_bytes(result['bytes_per_token'])})")
     print(f"  one sequence of {args.tokens:,} tokens: {result['bytes_per_sequence']:,} B "
           f"({format_bytes(result['bytes_per_sequence'])})")
     print(f"  batch of {args.batch}: {total:,} B ({format_bytes(total)})")
     _print_weights(args)
-    if args.budget is not None:
+    if args.budget is not None and not packed:
         longest = result["max_tokens_for_batch"]
         longest_text = "no limit (every layer keeps at most the window)" if longest is None \
             else f"{longest:,} tokens"
@@ -180,7 +186,7 @@ def _run_quantized(shape: KVShape, args: argparse.Namespace) -> int:
     elif shape.sliding_window:
         refusal = "a quantized cache keeps sliding-window layers as full-precision rings: not computed here"
     elif args.block_size is not None:
-        refusal = "--block-size: the paged cache stores full-precision blocks, not quantized ones"
+        refusal = f"--block-size: a paged cache stores {', '.join(PACKED_KV_DTYPES)} or full-precision blocks"
     elif args.residual_length < 0:
         refusal = f"--residual-length must be >= 0, got {args.residual_length}"
     if refusal:
@@ -258,14 +264,25 @@ def _paged(shape: KVShape, args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "paged_bytes_per_sequence": per_sequence,
         "paged_bytes": per_sequence * args.batch,
-        "paged_rounding_bytes_per_sequence": per_sequence - shape.bytes(args.tokens, 1, args.dtype),
+        "paged_rounding_bytes_per_sequence": per_sequence - _exact_bytes(shape, args.tokens, 1, args.dtype),
     }
     if args.budget is not None:
         figures["paged_blocks_in_budget"] = paged_blocks_in_budget(
             shape, args.budget, args.block_size, args.dtype)
         figures["max_paged_sequences_of_tokens"] = max_paged_sequences(
             shape, args.budget, args.tokens, args.block_size, args.dtype)
+        figures["max_paged_sequences_by_kv_dtype"] = {  # what --kv-cache-dtype would hold
+            dtype: max_paged_sequences(shape, args.budget, args.tokens, args.block_size, dtype)
+            for dtype in ("float32", "bfloat16", *PACKED_KV_DTYPES)
+        }
     return figures
+
+
+def _exact_bytes(shape: KVShape, tokens: int, batch: int, dtype: str) -> int:
+    """KV bytes of `batch` sequences of `tokens` tokens, no block rounding: every row a layer holds
+    at `paged_row_bytes` (a packed dtype's scale and zero included; a float dtype's, its elements)."""
+    rows = 2 * sum(shape.tokens_held(tokens)) * shape.kv_heads * batch
+    return rows * paged_row_bytes(shape.head_dim, dtype)
 
 
 def _print_paged(result: dict, args: argparse.Namespace) -> None:
@@ -277,3 +294,6 @@ def _print_paged(result: dict, args: argparse.Namespace) -> None:
     if args.budget is not None:
         print(f"  paged, in {_budget_text(args)}: {result['paged_blocks_in_budget']:,} "
               f"blocks; sequences of {args.tokens:,} tokens: {result['max_paged_sequences_of_tokens']:,}")
+        by_dtype = result["max_paged_sequences_by_kv_dtype"].items()
+        fits = ", ".join(f"{count:,} at {dtype}" for dtype, count in by_dtype)
+        print(f"  paged, sequences of {args.tokens:,} tokens by --kv-cache-dtype (scales counted): {fits}")
