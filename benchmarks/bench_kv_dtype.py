@@ -13,7 +13,11 @@ weights run as stored), float32 activations, 2 threads.
   same tokens in lockstep, one batched engine step of all 64 rows per position, each fed the
   full-precision pool's greedy token; greedy agreement is the share of positions where a
   quantized pool's argmax equals full precision's, and KL(p_full || p_quantized) of the next-token
-  distributions is averaged over positions (p99 too).
+  distributions is averaged over positions (p99 too);
+- the drift probe's cost: the int8 engine on `--probe-requests` requests (16 at once) with
+  `--kv-drift-sample` 0.01 against without, alternating in each round; the probe's draws seeded
+  so that exactly the expected share of requests is probed (1 of 100), as a long-running server
+  would average; the median over rounds of each round's throughput ratio.
 
     .venv/bin/python benchmarks/bench_kv_dtype.py                  # the figures of the results file
     .venv/bin/python benchmarks/bench_kv_dtype.py --rounds 2 --prompts 8 --positions 16   # a quick look
@@ -124,6 +128,50 @@ def throughput(model, prompts: list[list[int]], new_tokens: int, rounds: int) ->
     }
 
 
+def probe_cost(model, prompts: list[list[int]], new_tokens: int, rounds: int, sample: float) -> dict:
+    """Output tokens/s of the int8 engine with the drift probe at `sample` against without (module
+    docstring): the probe's draws seeded to probe exactly round(sample × requests) requests."""
+    import random
+
+    from kvcache.engine import Engine
+
+    probed = round(sample * len(prompts))
+    seed = next(s for s in range(100_000)
+                if sum(draw < sample for draw in _draws(s, len(prompts))) == probed)
+    engines = {
+        share: Engine(model, kv_budget="512MiB", block_size=BLOCK, max_running=16, kv_dtype="int8",
+                      prefix_caching=False, kv_drift_sample=share)
+        for share in (0.0, sample)
+    }
+    for engine in engines.values():
+        engine.generate(prompts[:2], max_tokens=4, ignore_eos=True)
+    ratios, found = [], []
+    for index in range(rounds):
+        speeds = {}
+        for share in ((0.0, sample) if index % 2 == 0 else (sample, 0.0)):
+            engine = engines[share]
+            if engine.drift_probe is not None:
+                engine.drift_probe.random = random.Random(seed)
+            started = time.perf_counter()
+            results = engine.generate(prompts, max_tokens=new_tokens, ignore_eos=True)
+            speeds[share] = sum(len(result.tokens) for result in results) / (time.perf_counter() - started)
+            if share:
+                found.append(sum(result.kv_drift is not None for result in results))
+        ratios.append(speeds[sample] / speeds[0.0])
+        print(f"probe round {index + 1}/{rounds}: with {speeds[sample]:.1f}, without {speeds[0.0]:.1f} "
+              f"output tokens/s", file=sys.stderr, flush=True)
+    return {"sample": sample, "requests": len(prompts), "probed_requests": found,
+            "throughput_ratio_median": statistics.median(ratios), "ratios": ratios,
+            "cost_median": 1 - statistics.median(ratios)}
+
+
+def _draws(seed: int, count: int) -> list[float]:
+    import random
+
+    generator = random.Random(seed)
+    return [generator.random() for _ in range(count)]
+
+
 def lockstep_drift(model, prompts: list[list[int]], positions: int) -> dict:
     """Teacher-forced drift of each quantized pool against the float32 pool (module docstring)."""
     from kvcache.backends import choose_backend
@@ -193,6 +241,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=64, help="prompts of the drift measurement")
     parser.add_argument("--positions", type=int, default=128, help="teacher-forced positions per prompt")
+    parser.add_argument("--probe-requests", type=int, default=100)
+    parser.add_argument("--kv-drift-sample", type=float, default=0.01)
+    parser.add_argument("--only", choices=("sizes", "throughput", "drift", "probe"), action="append",
+                        help="run only these parts (repeatable; default all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_dtype.json")
     args = parser.parse_args()
@@ -203,16 +255,27 @@ def main() -> None:
     print(f"loading {path.name}…", file=sys.stderr, flush=True)
     model = kvcache.load_model(path)
     tokenizer = kvcache.load_tokenizer(path)
-    prompts = doc_prompts(tokenizer, max(args.prompts, 16))
-    report = {
+    prompts = doc_prompts(tokenizer, max(args.prompts, 16, args.probe_requests))
+    parts = set(args.only or ("sizes", "throughput", "drift", "probe"))
+    report = json.loads(args.out.read_text()) if args.only and args.out.is_file() else {}  # (parts kept)
+    report.update({
         "model": path.name, "weights": getattr(model, "weights_note", None), "activations": str(model.dtype),
-        "threads": args.threads, "commit": commit(), "machine": platform.processor() or platform.machine(),
-        "command": " ".join(["benchmarks/bench_kv_dtype.py", *sys.argv[1:]]),
-        "sizes": sizes(model),
-        "throughput_16_clients": throughput(model, prompts[:16], args.new_tokens, args.rounds),
-        "drift_teacher_forced": lockstep_drift(model, prompts[: args.prompts], args.positions),
+        "threads": args.threads, "machine": platform.processor() or platform.machine(),
         "prompt_tokens": {"min": min(map(len, prompts)), "max": max(map(len, prompts))},
+    })
+    command = " ".join([".venv/bin/python benchmarks/bench_kv_dtype.py", *sys.argv[1:]])
+    runs = {
+        "sizes": lambda: sizes(model),
+        "throughput": lambda: throughput(model, prompts[:16], args.new_tokens, args.rounds),
+        "drift": lambda: lockstep_drift(model, prompts[: args.prompts], args.positions),
+        "probe": lambda: probe_cost(model, prompts[: args.probe_requests], args.new_tokens, args.rounds,
+                                    args.kv_drift_sample),
     }
+    keys = {"sizes": "sizes", "throughput": "throughput_16_clients", "drift": "drift_teacher_forced",
+            "probe": "drift_probe_cost"}
+    for part in ("sizes", "throughput", "drift", "probe"):
+        if part in parts:
+            report[keys[part]] = {**runs[part](), "command": command, "commit": commit()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
