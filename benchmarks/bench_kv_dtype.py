@@ -17,7 +17,8 @@ weights run as stored), float32 activations, 2 threads.
 - the drift probe's cost: the int8 engine on `--probe-requests` requests (16 at once) with
   `--kv-drift-sample` 0.01 against without, alternating in each round; the probe's draws seeded
   so that exactly the expected share of requests is probed (1 of 100), as a long-running server
-  would average; the median over rounds of each round's throughput ratio.
+  would average; the median over rounds of each round's throughput ratio, and (less noisy on a
+  shared machine) the seconds the probe's shadow steps took over the rest of the run's.
 
     .venv/bin/python benchmarks/bench_kv_dtype.py                  # the figures of the results file
     .venv/bin/python benchmarks/bench_kv_dtype.py --rounds 2 --prompts 8 --positions 16   # a quick look
@@ -145,7 +146,7 @@ def probe_cost(model, prompts: list[list[int]], new_tokens: int, rounds: int, sa
     }
     for engine in engines.values():
         engine.generate(prompts[:2], max_tokens=4, ignore_eos=True)
-    ratios, found = [], []
+    ratios, found, spent = [], [], []
     for index in range(rounds):
         speeds = {}
         for share in ((0.0, sample) if index % 2 == 0 else (sample, 0.0)):
@@ -154,15 +155,19 @@ def probe_cost(model, prompts: list[list[int]], new_tokens: int, rounds: int, sa
                 engine.drift_probe.random = random.Random(seed)
             started = time.perf_counter()
             results = engine.generate(prompts, max_tokens=new_tokens, ignore_eos=True)
-            speeds[share] = sum(len(result.tokens) for result in results) / (time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            speeds[share] = sum(len(result.tokens) for result in results) / elapsed
             if share:
                 found.append(sum(result.kv_drift is not None for result in results))
+                probe = engine.drift_probe
+                spent.append(probe.seconds / (elapsed - probe.seconds))  # (over the run without it)
+                probe.seconds = 0.0
         ratios.append(speeds[sample] / speeds[0.0])
         print(f"probe round {index + 1}/{rounds}: with {speeds[sample]:.1f}, without {speeds[0.0]:.1f} "
               f"output tokens/s", file=sys.stderr, flush=True)
     return {"sample": sample, "requests": len(prompts), "probed_requests": found,
             "throughput_ratio_median": statistics.median(ratios), "ratios": ratios,
-            "cost_median": 1 - statistics.median(ratios)}
+            "probe_seconds_share_median": statistics.median(spent), "probe_seconds_shares": spent}
 
 
 def _draws(seed: int, count: int) -> list[float]:

@@ -217,9 +217,27 @@ def window_blocks_held(seq_len: int, window: int, block_size: int) -> int:
 
 
 #: the KV dtypes a paged pool stores quantized, each row (one token's kv head) one group with a
-#: float16 scale and zero point after its codes (`kvcache.cache.paged.packed`)
+#: float16 scale and zero point after its codes (`kvcache.cache.paged.packed`); keys and values
+#: may differ: "int8/int4" is int8 keys and int4 values (`kv_dtype_pair`)
 PACKED_KV_DTYPES = ("int8", "int4")
 PACKED_SCALE_BYTES = 4
+
+
+def kv_dtype_pair(dtype: str) -> tuple[str, str]:
+    """(keys' dtype, values' dtype) of a KV dtype name: "int8" both, "int8/int4" keys int8 and
+    values int4 (each part a `dtype_bits` name)."""
+    keys, _, values = str(dtype).partition("/")
+    return keys, values or keys
+
+
+def packed_kv_dtype(dtype: str | None) -> bool:
+    """Whether `dtype` names a quantized paged pool: "int8", "int4", or a keys/values pair of them."""
+    return dtype is not None and all(part in PACKED_KV_DTYPES for part in kv_dtype_pair(dtype))
+
+
+def kv_dtype_name(keys: str, values: str) -> str:
+    """The KV dtype name of keys and values in these dtypes ("int8", or "int8/int4")."""
+    return keys if keys == values else f"{keys}/{values}"
 
 
 def paged_row_bytes(head_dim: int, dtype: str = "float16") -> int:
@@ -233,17 +251,23 @@ def paged_row_bytes(head_dim: int, dtype: str = "float16") -> int:
 
 def paged_block_bytes(shape: KVShape, block_size: int, dtype: str = "float16") -> int:
     """Bytes of one block of the full-attention layers (keys and values of `block_size` tokens in
-    each, `paged_row_bytes` per row: scales included); 0 when every layer slides."""
+    each, `paged_row_bytes` per row: scales included; dtype may name keys' and values' apart,
+    "int8/int4"); 0 when every layer slides."""
     blocks_for_tokens(0, block_size)  # checks block_size
     full, _ = _layer_counts(shape)
-    return 2 * full * shape.kv_heads * block_size * paged_row_bytes(shape.head_dim, dtype)
+    return full * shape.kv_heads * block_size * _kv_row_bytes(shape.head_dim, dtype)
 
 
 def window_block_bytes(shape: KVShape, block_size: int, dtype: str = "float16") -> int:
     """Bytes of one block of the sliding-window layers; 0 when none slides."""
     blocks_for_tokens(0, block_size)
     _, sliding = _layer_counts(shape)
-    return 2 * sliding * shape.kv_heads * block_size * paged_row_bytes(shape.head_dim, dtype)
+    return sliding * shape.kv_heads * block_size * _kv_row_bytes(shape.head_dim, dtype)
+
+
+def _kv_row_bytes(head_dim: int, dtype: str) -> int:
+    """Bytes of one token's key row and value row of one kv head (`kv_dtype_pair`'s dtypes)."""
+    return sum(paged_row_bytes(head_dim, part) for part in kv_dtype_pair(dtype))
 
 
 def paged_kv_cache_bytes(

@@ -258,3 +258,25 @@ def test_the_help_of_a_command_that_runs_a_model_says_why_weights_are_held_twice
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert "held twice" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], None),
+    (["--kv-cache-dtype", "int8"], "int8"),
+    (["--kv-k-dtype", "int8", "--kv-v-dtype", "int4"], "int8/int4"),
+    (["--kv-cache-dtype", "int4", "--kv-k-dtype", "int8"], "int8/int4"),
+    (["--kv-v-dtype", "int4"], ValueError),
+])
+def test_the_kv_dtype_flags_name_one_packing_of_keys_and_values(flags, expected):
+    import argparse
+
+    from kvcache.cli._args import add_kv_cache_dtype, kv_dtype_of
+
+    parser = argparse.ArgumentParser()
+    add_kv_cache_dtype(parser)
+    args = parser.parse_args(flags)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="--kv-v-dtype quantizes one of keys and values"):
+            kv_dtype_of(args)
+    else:
+        assert kv_dtype_of(args) == expected

@@ -16,7 +16,7 @@ DIGEST = bytes(range(16))
 SPACE = "ab" * 16
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16, "int8", "int4"])
+@pytest.fixture(params=[torch.float32, torch.bfloat16, "int8", "int4", "int4/int8"])
 def block(request):
     """(layout, keys, values, the encoded block) of a float pool, or a quantized pool's packed rows."""
     packed = isinstance(request.param, str)
@@ -25,9 +25,9 @@ def block(request):
     shape = (layout.layers, 4, layout.kv_heads, layout.head_dim)
     keys, values = torch.randn(shape).to(model.dtype), torch.randn(shape).to(model.dtype)
     if packed:
-        packing = PackedRows.of(request.param, layout.head_dim)
-        keys, values = packing.pack(keys), packing.pack(values)
-        assert keys.shape[-1] == layout.row_bytes[0]
+        key_packing, value_packing = PackedRows.pair(request.param, layout.head_dim, layout.head_dim)
+        keys, values = key_packing.pack(keys), value_packing.pack(values)
+        assert (keys.shape[-1], values.shape[-1]) == layout.row_bytes
     return layout, keys, values, encode_block(layout, SPACE, DIGEST, keys, values)
 
 

@@ -173,7 +173,7 @@ def _load(args: argparse.Namespace):
         raise ValueError(f"--kv-disk keeps a paged cache's blocks: give --cache paged (or none), not "
                          f"{args.cache}")
     if kv_dtype_of(args) and args.cache != "paged":
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} quantizes a paged cache's blocks: give "
+        raise ValueError(f"--kv-cache-dtype {kv_dtype_of(args)} quantizes a paged cache's blocks: give "
                          f"--cache paged (or none), not {args.cache}")
     folder = Path(resolve_model_dir(args.model))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -298,7 +298,7 @@ class _Runs:
         return (
             f"[{len(result.new_tokens[0])} new tokens after a {self.input_ids.shape[1]}-token prompt; "
             f"stopped by {result.stop_reasons[0]}; cache {self.args.cache}"
-            f"{'' if kv_dtype_of(self.args) is None else ' ' + self.args.kv_cache_dtype}; "
+            f"{'' if kv_dtype_of(self.args) is None else ' ' + kv_dtype_of(self.args)}; "
             f"{self.model.dtype}; "
             f"decode step {result.backend}; {how}"
             + (f"; {self.tokens_from_disk} prompt tokens read from --kv-disk]" if self.args.kv_disk else "]")
@@ -309,7 +309,7 @@ class _Runs:
         new = result.new_tokens[0]
         return {"text": self.tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
                 "prompt_tokens": int(self.input_ids.shape[1]), "stop_reason": result.stop_reasons[0],
-                "cache": self.args.cache, "kv_cache_dtype": self.args.kv_cache_dtype,
+                "cache": self.args.cache, "kv_cache_dtype": kv_dtype_of(self.args) or "auto",
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "decode_step": result.backend, "seed": self.seed, **self.sampling,
                 "time_to_first_token_s": result.time_to_first_token_s,

@@ -455,7 +455,7 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
     print(f"kvcache serve: {settings.model_name} ({model.dtype}, decode step {engine.backend.name}) on "
           f"http://{host}:{port}/v1", flush=True)
     context = settings.context
-    stored = "" if kv_dtype_of(args) is None else f", {args.kv_cache_dtype} with scales"
+    stored = "" if kv_dtype_of(args) is None else f", {kv_dtype_of(args)} with scales"
     print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
           f"({format_bytes(engine.pool.cache.nbytes)}{stored}): {engine.capacity(context)} sequences of "
           f"{context} tokens (--ctx-size), {args.max_running} running at once", flush=True)

@@ -6,9 +6,10 @@ A value is a fixed header and the raw tensor bytes, never a pickle:
     value_dim u16 | block_size u16 | namespace 16 B | digest 16 B | checksum 16 B | keys | values
 
 keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size, kv_heads,
-value_dim), in the stored dtype, little-endian; a quantized pool's (dtype codes 4 and 5: packed
-int8, int4) are its packed rows' bytes, (…, row bytes) each (`kvcache.cache.paged.packed`), and
-their float16 scales and zero points are checked finite like float blocks' values. The
+value_dim), in the stored dtype, little-endian; a quantized pool's (dtype codes 4 to 7: packed
+int8, int4, int8 keys with int4 values, the reverse) are its packed rows' bytes, (…, row bytes)
+each (`kvcache.cache.paged.packed`), and their float16 scales and zero points are checked finite
+like float blocks' values. The
 checksum is SHA-256 (its first 16 bytes) over the header (checksum field zeroed) and the
 payload, chosen over blake2b for the CPU's SHA instructions, since every byte read back is
 hashed before the request may use it. The digest is
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.memory import PACKED_SCALE_BYTES, paged_row_bytes
+from kvcache.memory import PACKED_SCALE_BYTES, kv_dtype_pair, paged_row_bytes
 from kvcache.model.fingerprint import model_fingerprint
 
 MAGIC = b"KVB2"
@@ -41,7 +42,7 @@ VERSION = 2
 _HEADER = struct.Struct("<4sHBBHHHHH16s16s16s")
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
-_PACKED = {"int8": 4, "int4": 5}  # a quantized pool's packed rows (their bytes: uint8)
+_PACKED = {"int8": 4, "int4": 5, "int8/int4": 6, "int4/int8": 7}  # a quantized pool's packed rows
 
 
 class InvalidBlock(ValueError):
@@ -68,8 +69,8 @@ class BlockLayout:
     @property
     def row_bytes(self) -> tuple[int, int]:
         """Bytes of one stored key row and one value row (one token's kv head)."""
-        name = self.kv_dtype or str(self.dtype).removeprefix("torch.")
-        return paged_row_bytes(self.head_dim, name), paged_row_bytes(self.value_dim, name)
+        keys, values = kv_dtype_pair(self.kv_dtype or str(self.dtype).removeprefix("torch."))
+        return paged_row_bytes(self.head_dim, keys), paged_row_bytes(self.value_dim, values)
 
     @property
     def payload_bytes(self) -> int:

@@ -14,6 +14,7 @@ a probed request's tokens once more and the shadow's bytes; the others run as th
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -61,11 +62,13 @@ class DriftProbe:
         self.random = random.Random(seed)
         self.positions = 0  # probed positions since start, and of those, greedy agreements
         self.agreements = 0
+        self.seconds = 0.0  # spent in the shadow's steps since start: what the probe costs
 
     def stats(self) -> dict:
         """Positions probed since start and the share whose greedy tokens agreed."""
         return {"sample": self.sample, "probing": len(self.probed), "positions": self.positions,
-                "top1_agreement": self.agreements / self.positions if self.positions else None}
+                "top1_agreement": self.agreements / self.positions if self.positions else None,
+                "seconds": self.seconds}
 
     def consider(self, admitted: list[Request]) -> None:
         """Draw whether each request admitted for the first time is probed, and give a drawn one a
@@ -114,8 +117,10 @@ class DriftProbe:
                 compared.append((request, position_of[index]))
         if not shadow_rows:
             return
+        started = time.perf_counter()
         exact = self._step(shadow_rows, tokens, sample)  # (the sampled shadow rows, in order, vocab)
         self._record([request for request, _ in compared], exact, logits[[at for _, at in compared]])
+        self.seconds += time.perf_counter() - started
 
     def _step(self, rows: list[int], tokens: list[list[int]], sample: list[bool]) -> torch.Tensor:
         """One step of the shadow pool: its rows' blocks reserved, the backend's step, committed."""

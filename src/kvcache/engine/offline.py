@@ -54,7 +54,7 @@ def warm_up(engine) -> None:
     finally:
         engine.pool.store_tier = store
         if probe is not None:
-            probe.sample, probe.positions, probe.agreements = sample, 0, 0
+            probe.sample, probe.positions, probe.agreements, probe.seconds = sample, 0, 0, 0.0
     engine.metrics = EngineMetrics()
     if engine.step_costs is not None:
         engine.step_costs = StepCosts(engine.step_costs.factor, maximum=engine.step_costs.maximum)

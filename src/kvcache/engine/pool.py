@@ -26,6 +26,7 @@ from kvcache.geometry import read_geometry
 from kvcache.memory import (
     PACKED_KV_DTYPES,
     KVShape,
+    packed_kv_dtype,
     paged_block_bytes,
     paged_pool,
     parse_size,
@@ -246,8 +247,9 @@ def build_cache(
     the rest holds (`kvcache.memory.paged_pool`). num_blocks: the full layers' size in blocks
     instead. kv_dtype: "int8"/"int4" stores them quantized (their scales counted), None in the
     model's dtype. Raises RequestError for a budget that holds no block or an unknown kv_dtype."""
-    if kv_dtype is not None and kv_dtype not in PACKED_KV_DTYPES:
-        raise RequestError(f"kv_dtype must be None or one of {PACKED_KV_DTYPES}, got {kv_dtype!r}")
+    if kv_dtype is not None and not packed_kv_dtype(kv_dtype):
+        raise RequestError(f"kv_dtype must be None, one of {PACKED_KV_DTYPES} or a keys/values pair of them "
+                           f"such as 'int8/int4', got {kv_dtype!r}")
     shape = KVShape.from_geometry(read_geometry(model.config))
     dtype_name = kv_dtype or str(model.dtype).removeprefix("torch.")
     block_bytes = paged_block_bytes(shape, limits.block_size, dtype_name)

@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 
 from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
-from kvcache.memory import PACKED_KV_DTYPES, PACKED_SCALE_BYTES, paged_row_bytes
+from kvcache.memory import (
+    PACKED_KV_DTYPES,
+    PACKED_SCALE_BYTES,
+    kv_dtype_pair,
+    packed_kv_dtype,
+    paged_row_bytes,
+)
 from kvcache.model.fingerprint import model_fingerprint
 
 FORMAT = "kvcache.reuse.prompt_cache"
@@ -148,12 +154,17 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
             f"not a prompt cache of this model"
         )
     kv_dtype = metadata.get("kv_dtype", "none")
-    if kv_dtype not in ("none", *PACKED_KV_DTYPES):
-        raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is none of {('none', *PACKED_KV_DTYPES)}")
+    if kv_dtype != "none" and not packed_kv_dtype(kv_dtype):
+        raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is neither none nor a packed one of "
+                               f"{PACKED_KV_DTYPES} (or a keys/values pair of them)")
     heads = model.config.num_key_value_heads
     code = _SAFETENSORS_DTYPES.get(expected["dtype"]) if kv_dtype == "none" else "U8"
-    dim, value_dim = (model.config.head_dim, value_dim) if kv_dtype == "none" else (
-        paged_row_bytes(model.config.head_dim, kv_dtype), paged_row_bytes(value_dim, kv_dtype))
+    if kv_dtype != "none":  # (packed rows: their bytes)
+        key_kind, value_kind = kv_dtype_pair(kv_dtype)
+        dim = paged_row_bytes(model.config.head_dim, key_kind)
+        value_dim = paged_row_bytes(value_dim, value_kind)
+    else:
+        dim = model.config.head_dim
     want = {}
     for layer in range(model.config.num_hidden_layers):
         want[f"keys.{layer}"] = ((tokens, heads, dim), code)

@@ -116,7 +116,7 @@ def test_half_steps_lie_within_the_forwards_own_error(family, dtype):
     errors.check()
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int8/int4"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_quantized_blocks_are_read_in_place_as_the_forward_reads_them_dequantized(family, kv_dtype):
     """The kernels quantize what they store as `packed` does and score the codes in place: their

@@ -100,3 +100,19 @@ def test_a_shared_partial_block_is_copied_packed_on_write():
     keys, _ = cache.update(new, new, 0)
     torch.testing.assert_close(keys[:, :, :6], before.expand(2, -1, -1, -1), atol=0, rtol=0)
     assert not torch.equal(keys[0, :, 6], keys[1, :, 6])
+
+
+def test_keys_and_values_may_be_packed_apart():
+    cache = PagedCache(8, 4, num_layers=1, kv_heads=2, head_dim=16, dtype=torch.float32, kv_dtype="int8/int4")
+    keys, values = cache.layers[0].storage_rows()
+    assert (keys.shape[-1], values.shape[-1]) == (16 + 4, 8 + 4) and cache.kv_dtype == "int8/int4"
+    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    got_k, got_v = cache.update(k, v, 0)
+    for got, x, kind in ((got_k, k, "int8"), (got_v, v, "int4")):
+        packing = PackedRows.of(kind, 16)
+        torch.testing.assert_close(got, packing.unpack(packing.pack(x), torch.float32), atol=0, rtol=0)
+    shape = KVShape(layers=1, kv_heads=2, head_dim=16)
+    assert paged_block_bytes(shape, 4, "int8/int4") == 4 * 2 * (20 + 12) == cache.nbytes // 8
+    assert PagedCache(8, 4, num_layers=1, kv_dtype="int4/int4").kv_dtype == "int4"
+    with pytest.raises(CacheConfigError, match="keys/values pair"):
+        PagedCache(8, 4, num_layers=1, kv_dtype="int8/float32")

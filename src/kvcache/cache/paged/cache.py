@@ -11,6 +11,7 @@ import torch
 
 from kvcache.blocks.allocator import ROOT_HASH, BlockAllocator
 from kvcache.blocks.window import WindowedBlockAllocator
+from kvcache.memory import kv_dtype_name, kv_dtype_pair
 
 from ..base import Cache, ForwardPlan, LayerMasks
 from ..checks import check_batch_index, check_crop, check_new_tokens, where
@@ -18,7 +19,7 @@ from ..config import read_cache_geometry
 from ..errors import CacheConfigError, CacheShapeError
 from .forward import check_windows, first_forward_plan, group_mask, plan_forward
 from .layer import PagedLayer
-from .packed import KV_DTYPE_BITS
+from .packed import PackedRows
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
 from .storage import ScratchBuffer, Step
 
@@ -48,7 +49,8 @@ class PagedCache(Cache):
             the first update (with k's dtype and device).
         kv_dtype: "int8" or "int4" to store keys and values quantized, each token's kv head as
             one group with a float16 scale and zero (`packed`; reads return them dequantized
-            to the forward's dtype); None stores them as given.
+            to the forward's dtype); "int8/int4" keys int8 and values int4 (or the reverse);
+            None stores them as given.
     """
 
     def __init__(
@@ -65,10 +67,9 @@ class PagedCache(Cache):
         device: torch.device | str | None = None,
         kv_dtype: str | None = None,
     ) -> None:
-        if kv_dtype is not None and kv_dtype not in KV_DTYPE_BITS:
-            raise CacheConfigError(
-                f"kv_dtype must be None or one of {tuple(KV_DTYPE_BITS)}, got {kv_dtype!r}"
-            )
+        if kv_dtype is not None:
+            PackedRows.pair(kv_dtype, 2, 2)  # (a CacheConfigError naming what is expected)
+            kv_dtype = kv_dtype_name(*kv_dtype_pair(kv_dtype))  # ("int8/int8" is "int8")
         self.kv_dtype = kv_dtype
         geometry = read_cache_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
         if geometry.num_layers is None:

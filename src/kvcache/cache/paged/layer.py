@@ -26,7 +26,7 @@ class PagedLayer(CacheLayer):
         super().__init__()
         self._cache = cache
         self.group = group  # which of the cache's block tables (full or windowed) it follows
-        self.kv_dtype = kv_dtype  # "int8"/"int4": rows stored quantized (`packed`); None: as given
+        self.kv_dtype = kv_dtype  # "int8", "int4", "int8/int4": rows stored quantized (`packed`)
         self.packed: tuple[PackedRows, PackedRows] | None = None  # keys', values' (once dims known)
         self.forward_dtype: torch.dtype | None = None  # what a packed layer's reads dequantize to
         self.columns = 0  # columns of the batch timeline this layer has seen (the cache sets it)
@@ -94,8 +94,7 @@ class PagedLayer(CacheLayer):
         masked, but a masked NaN still poisons SDPA (0 · NaN), so storage must never hold
         non-finite garbage (packed zeros are scale 0, zero 0: the value 0)."""
         if self.kv_dtype is not None:
-            self.packed = (PackedRows.of(self.kv_dtype, key_shape[-1]),
-                           PackedRows.of(self.kv_dtype, value_shape[-1]))
+            self.packed = PackedRows.pair(self.kv_dtype, key_shape[-1], value_shape[-1])
             key_shape = (*key_shape[:-1], self.packed[0].width)
             value_shape = (*value_shape[:-1], self.packed[1].width)
             self.forward_dtype, dtype = dtype, torch.uint8

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.memory import PACKED_KV_DTYPES, PACKED_SCALE_BYTES
+from kvcache.memory import PACKED_KV_DTYPES, PACKED_SCALE_BYTES, kv_dtype_pair, packed_kv_dtype
 
 from ..errors import CacheConfigError
 from ..quantize import QuantizedRows, QuantSpec, dequantize, quantize
@@ -45,6 +45,18 @@ class PackedRows:
         if kv_dtype not in KV_DTYPE_BITS:
             raise CacheConfigError(f"kv_dtype must be one of {tuple(KV_DTYPE_BITS)}, got {kv_dtype!r}")
         return cls(KV_DTYPE_BITS[kv_dtype], dim)
+
+    @classmethod
+    def pair(cls, kv_dtype: str, key_dim: int, value_dim: int) -> tuple[PackedRows, PackedRows]:
+        """The keys' and values' packings of a KV dtype name ("int8", "int4", or "int8/int4":
+        int8 keys, int4 values)."""
+        if not packed_kv_dtype(kv_dtype):
+            raise CacheConfigError(
+                f"kv_dtype must be one of {PACKED_KV_DTYPES} or a keys/values pair of them such as "
+                f"'int8/int4', got {kv_dtype!r}"
+            )
+        keys, values = kv_dtype_pair(kv_dtype)
+        return cls.of(keys, key_dim), cls.of(values, value_dim)
 
     @property
     def name(self) -> str:
