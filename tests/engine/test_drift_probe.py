@@ -71,3 +71,11 @@ def test_a_sample_probes_a_share_of_requests_and_needs_a_quantized_pool(model):
         Engine(model, num_blocks=64, kv_drift_sample=0.1)
     with pytest.raises(ValueError, match=r"kv_drift_sample must be in \(0, 1\]"):
         Engine(model, num_blocks=64, kv_dtype="int8", kv_drift_sample=1.5)
+
+
+def test_warming_up_runs_the_shadow_then_counts_from_zero(model):
+    engine = _engine(model, "int8", 0.01)
+    engine.warm_up()  # (every warm-up request probed, whatever the sample)
+    assert engine.drift_probe.sample == 0.01
+    assert engine.stats()["kv_drift"] == {"sample": 0.01, "probing": 0, "positions": 0, "top1_agreement": None,
+                                          "seconds": 0.0}

@@ -310,3 +310,31 @@ def test_a_bound_socket_takes_no_connection_before_the_server_serves():
             socket.create_connection(sock.getsockname()[:2], timeout=5).close()
     finally:
         sock.close()
+
+
+def test_a_quantized_pool_reports_each_probed_requests_drift_and_its_capacity(model, tokenizer):
+    """--kv-cache-dtype int8 with --kv-drift-sample 1: every answer carries kv_drift beside usage
+    (streamed: in the usage chunk), its positions are its tokens, and /metrics counts them and
+    says the sequences of the context the pool holds at each KV dtype."""
+    running = start_server(model, tokenizer, ServerSettings(model_name="m", context=128), num_blocks=2048,
+                           kv_dtype="int8", kv_drift_sample=1.0)
+    try:
+        body = {"model": "m", "prompt": "Hello there", "max_tokens": 5, "temperature": 0}
+        reply = httpx.post(f"{running.url}/completions", json=body, timeout=TIMEOUT).json()
+        drift = reply["kv_drift"]
+        assert drift["positions"] == reply["usage"]["completion_tokens"] == 5
+        assert 0 <= drift["mean_kl"] <= drift["max_kl"] and 0 <= drift["top1_agreement"] <= 1
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{running.url}/completions", json=streamed, timeout=TIMEOUT) as events:
+            chunks = [json.loads(line[6:]) for line in events.iter_lines()
+                      if line.startswith("data: {")]
+        assert chunks[-1]["kv_drift"]["positions"] == chunks[-1]["usage"]["completion_tokens"]
+        page = httpx.get(f"{running.base}/metrics", timeout=TIMEOUT).text
+        families = {family.name: family for family in text_string_to_metric_families(page)}
+        count = next(s.value for s in families["kvcache_kv_drift_kl"].samples if s.name.endswith("_count"))
+        assert count == 10
+        capacity = {s.labels["kv_dtype"]: s.value for s in families["kvcache_kv_capacity_sequences"].samples}
+        assert capacity["float32"] < capacity["int8"] < capacity["int4"]
+        assert capacity["int8"] == running.engine.capacity(128)
+    finally:
+        running.stop()

@@ -33,34 +33,28 @@ SOCKET_BACKLOG = 2048  # (uvicorn's own)
 PIN_FILE_BYTES = 4 << 20  # a --kv-pin file's size at most
 
 
-def _port(text: str) -> int:
+def _checked(text: str, convert, fits, expected: str):
+    """convert(text) when it is a value that fits; else an ArgumentTypeError saying `expected`."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535] (0: any free port), got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def _port(text: str) -> int:
+    return _checked(text, int, lambda value: 0 <= value <= 65535, "a port in [0, 65535] (0: any free port)")
 
 
 def _slowdown(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 1, or 0 for none, got {text!r}") from None
-    if not (value == 0 or 1 < value < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a number > 1, or 0 for none, got {value}")
-    return value
+    return _checked(text, float, lambda value: value == 0 or 1 < value < float("inf"),
+                    "a number > 1, or 0 for none")
 
 
 def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {value}")
-    return value
+    return _checked(text, float, lambda value: 0 <= value <= 1, "a share from 0 to 1")
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:

@@ -46,7 +46,9 @@ def warm_up(engine) -> None:
     chunk = max(1, min(40, room - 2))
     store, engine.pool.store_tier = engine.pool.store_tier, None
     probe = engine.drift_probe  # (every warm-up request probed: the shadow's road runs too)
-    sample, probe.sample = (probe.sample, 1.0) if probe is not None else (None, None)
+    sample = None if probe is None else probe.sample
+    if probe is not None:
+        probe.sample = 1.0
     try:
         for batch in ([[0] * chunk, *([token] for token in range(5))], [[0]]):
             for handle in [engine.submit(prompt, params) for prompt in batch]:

@@ -43,18 +43,10 @@ class ServerMetrics:
             "kvcache_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=registry
         )
         self.generated = Counter("kvcache_generated_tokens", "Tokens generated", registry=registry)
-        self.ttft = Histogram(
-            "kvcache_time_to_first_token_seconds",
-            "Time from submit to the first token",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.itl = Histogram(
-            "kvcache_inter_token_latency_seconds",
-            "Time between a request's tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
+        self.ttft = Histogram("kvcache_time_to_first_token_seconds", "Time from submit to the first token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("kvcache_inter_token_latency_seconds", "Time between a request's tokens",
+                             buckets=LATENCY_BUCKETS, registry=registry)
         self.gauges = _gauges(
             registry,
             "kvcache_",
@@ -73,12 +65,9 @@ class ServerMetrics:
 
         if engine.store_tier is not None:  # the tiers below the pool, counted since start
             registry.register(_TierCollector(engine))
-        self.drift_kl = Histogram(
-            "kvcache_kv_drift_kl",
-            "KL(p_exact || p_quantized) of each position the KV drift probe ran (nats)",
-            buckets=DRIFT_BUCKETS,
-            registry=registry,
-        )
+        self.drift_kl = Histogram("kvcache_kv_drift_kl",
+                                  "KL(p_exact || p_quantized) of each position the KV drift probe ran (nats)",
+                                  buckets=DRIFT_BUCKETS, registry=registry)
         self.drift_agreements = Counter(
             "kvcache_kv_drift_top1_agreements", "Probed positions whose greedy tokens agreed",
             registry=registry,
