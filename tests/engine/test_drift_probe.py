@@ -77,5 +77,5 @@ def test_warming_up_runs_the_shadow_then_counts_from_zero(model):
     engine = _engine(model, "int8", 0.01)
     engine.warm_up()  # (every warm-up request probed, whatever the sample)
     assert engine.drift_probe.sample == 0.01
-    assert engine.stats()["kv_drift"] == {"sample": 0.01, "probing": 0, "positions": 0, "top1_agreement": None,
-                                          "seconds": 0.0}
+    expected = {"sample": 0.01, "probing": 0, "positions": 0, "top1_agreement": None, "seconds": 0.0}
+    assert engine.stats()["kv_drift"] == expected
