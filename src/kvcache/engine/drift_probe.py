@@ -125,14 +125,10 @@ class DriftProbe:
     def _step(self, rows: list[int], tokens: list[list[int]], sample: list[bool]) -> torch.Tensor:
         """One step of the shadow pool: its rows' blocks reserved, the backend's step, committed."""
         batch = PagedBatch(self.shadow, rows, tokens, sample)
-        seqs = [self.shadow.rows[row] for row in rows]
-        for allocator in self.shadow.allocators:
-            allocator.reserve(seqs, batch.totals)
+        self.shadow.reserve(rows, batch.totals)
         with torch.inference_mode():
             logits = self.backend.step(self.model, batch)
-        for seq, total in zip(seqs, batch.totals):
-            for allocator in self.shadow.allocators:
-                allocator.commit(seq, total)
+        self.shadow.commit(rows, batch.totals)
         return logits
 
     def _record(self, requests: list[Request], exact: torch.Tensor, quantized: torch.Tensor) -> None:

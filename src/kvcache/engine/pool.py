@@ -185,7 +185,7 @@ class KVPool:
                 tokens.append(request.tokens[request.cached : end])
                 ends.append(end)
         try:
-            self._reserve(batch_rows, ends)
+            self.cache.reserve(batch_rows, ends)
         except OutOfBlocksError as error:  # the scheduler counted these blocks: a bug, not a load
             raise RuntimeError(f"the step's plan does not fit the pool it was made for: {error}") from None
         sample = [end == len(self.running[row].tokens) for row, end in zip(batch_rows, ends)]
@@ -207,29 +207,12 @@ class KVPool:
             request.store_read = None
         return loaded
 
-    def _reserve(self, rows: list[int], totals: list[int]) -> None:
-        """Give rows `rows` room for `totals` tokens each in every group of layers, all or nothing
-        (`OutOfBlocksError`, nothing changed, when the pool is short), a shared partial block
-        copied on write."""
-        cache = self.cache
-        seqs = [cache.rows[row] for row in rows]
-        for allocator in cache.allocators:
-            needed = sum(allocator.blocks_needed(seq, total) for seq, total in zip(seqs, totals))
-            if needed > allocator.num_allocatable:
-                raise OutOfBlocksError(needed, allocator.num_allocatable, allocator.num_blocks)
-        for group, allocator in enumerate(cache.allocators):
-            copies = allocator.reserve(seqs, totals)
-            for layer in cache.layers:
-                if layer.group == group:
-                    for source, target in copies:
-                        layer.copy_block(source, target)
-
     def commit(self, work: StepWork) -> None:
         """Record what the step's forward wrote: each row now holds its chunk's tokens (full
         blocks hashed, findable by prefix once their ids are declared)."""
-        for row, request, total in zip(work.batch.rows, work.requests, work.batch.totals):
-            for allocator in self.cache.allocators:
-                allocator.commit(self.cache.rows[row], total)
+        if work.requests:
+            self.cache.commit(work.batch.rows, work.batch.totals)
+        for request, total in zip(work.requests, work.batch.totals):
             request.cached = total
 
     def declare(self, request: Request, token: int) -> None:

@@ -159,3 +159,22 @@ def test_a_row_that_does_not_sample_gets_no_logits_and_its_keys_are_stored():
     reference = shuffled_cache(model, 2, 3)
     expected = step(TorchBackend(model), model, reference, [0, 1], [[1, 2, 3], [4, 5]])
     torch.testing.assert_close(logits[0], expected[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_generate_on_a_quantized_cache_decodes_on_the_kernels_as_the_seam_does(kv_dtype):
+    """A decode step of `generate` on a quantized PagedCache runs the engine's step (the packed
+    blocks scored in place), with the tokens of the torch forward's seam (quantize on write,
+    dequantize every read), one row or several."""
+    from kvcache.generation import generate
+
+    model = random_model(tiny_config(**FAMILIES["llama, 2 groups"]), 9)
+    prompts = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    for ids in (prompts[:1], prompts):
+        found = []
+        for backend in (NumpyBackend(model), TorchBackend(model)):
+            cache = PagedCache(32, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
+            found.append(generate(model, ids, cache=cache, backend=backend, max_new_tokens=12,
+                                  eos_token_id=()).new_tokens)
+            assert cache.get_seq_length() == 7 + 11  # (the last token is never run)
+        assert found[0] == found[1]

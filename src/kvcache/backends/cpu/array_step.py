@@ -17,6 +17,7 @@ from kvcache.backends.cpu import numba_products, paged_step
 from kvcache.backends.cpu.rows import rms_norm, rotate, swiglu
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.backends.torch_step import forward_rows
+from kvcache.cache import PagedBatch
 
 _ALL_VISIBLE = np.empty(0, np.bool_)  # the kernels' "no mask"
 
@@ -161,6 +162,8 @@ class ArrayStep(DecodeBackend):
             )
         # (no autograd to switch off: every tensor the step makes comes from numpy or a detached
         # copy, so nothing it computes records a graph)
+        if attention_mask is None and getattr(cache, "kv_dtype", None) and self.row_layers is not None:
+            return self._decode_packed(listed, cache)
         past = cache.get_seq_length()
         with torch_threads(self._threads(len(listed))):
             windows = self.config.layer_windows
@@ -170,6 +173,17 @@ class ArrayStep(DecodeBackend):
             except BaseException:  # Ctrl-C between layers: undo the step (as the torch forward does)
                 cache.abandon_forward(past)
                 raise
+
+    def _decode_packed(self, token_ids: list[int], cache) -> torch.Tensor:
+        """A decode step on a quantized PagedCache (rows without padding) as the engine runs one:
+        every row's next token in one `PagedBatch`, the kernels scoring the packed blocks in
+        place (`paged_step`), instead of the seam's quantize-and-dequantize of every layer."""
+        rows = list(range(len(token_ids)))
+        batch = PagedBatch(cache, rows, [[token] for token in token_ids], [True] * len(rows))
+        cache.reserve(rows, batch.totals)
+        logits = paged_step.run(self, batch)
+        cache.commit(rows, batch.totals)
+        return logits
 
     def _run(self, token_ids: np.ndarray, plan, cache) -> np.ndarray:
         batch = len(token_ids)

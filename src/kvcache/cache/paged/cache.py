@@ -16,7 +16,7 @@ from kvcache.memory import kv_dtype_name, kv_dtype_pair
 from ..base import Cache, ForwardPlan, LayerMasks
 from ..checks import check_batch_index, check_crop, check_new_tokens, where
 from ..config import read_cache_geometry
-from ..errors import CacheConfigError, CacheShapeError
+from ..errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .forward import check_windows, first_forward_plan, group_mask, plan_forward
 from .layer import PagedLayer
 from .packed import PackedRows
@@ -333,6 +333,30 @@ class PagedCache(Cache):
         total = append_to_row(self, row, keys, values)
         self._set_columns(max(self.get_seq_length(), total))
         return total
+
+    def reserve(self, rows: Sequence[int], totals: Sequence[int]) -> None:
+        """Give rows `rows` (indices) room for `totals` tokens each in every group of layers, for a
+        forward that writes their slots in place (a `PagedBatch`'s step): all or nothing
+        (`OutOfBlocksError`, nothing changed, when the pool is short), a shared partial last
+        block copied on write. `commit` records what the forward wrote."""
+        seqs = [self.rows[row] for row in rows]
+        for allocator in self.allocators:
+            needed = sum(allocator.blocks_needed(seq, total) for seq, total in zip(seqs, totals))
+            if needed > allocator.num_allocatable:
+                raise OutOfBlocksError(needed, allocator.num_allocatable, allocator.num_blocks)
+        for group, allocator in enumerate(self.allocators):
+            copies = allocator.reserve(seqs, list(totals))
+            for layer in self.layers:
+                if layer.group == group:
+                    for source, target in copies:
+                        layer.copy_block(source, target)
+
+    def commit(self, rows: Sequence[int], totals: Sequence[int]) -> None:
+        """Record that rows `rows` now hold `totals` tokens each (a reserved forward wrote them)."""
+        for row, total in zip(rows, totals):
+            for allocator in self.allocators:
+                allocator.commit(self.rows[row], total)
+        self._set_columns(max(self.get_seq_length(), *totals))
 
     def view(self, rows: Sequence[int]) -> PagedCache:
         """A cache of rows `rows` (indices, in that order) over the same blocks, for a forward
