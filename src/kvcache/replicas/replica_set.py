@@ -109,6 +109,11 @@ class ReplicaSet:
         """Blocks in one replica's pool (every replica's is the same)."""
         return max(stats["blocks_total"] for stats in self._stats.values())
 
+    def capacity_by_kv_dtype(self, tokens: int) -> dict[str, int]:
+        """{}: each replica sizes its own pool (`Engine.capacity_by_kv_dtype` there); the set
+        reports no capacity of its own (the server then exports none)."""
+        return {}
+
     @property
     def queue_depth(self) -> int:
         """Requests sent that have no token yet (queued on a replica, or routed)."""

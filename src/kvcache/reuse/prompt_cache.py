@@ -157,23 +157,26 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
     if kv_dtype != "none" and not packed_kv_dtype(kv_dtype):
         raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is neither none nor a packed one of "
                                f"{PACKED_KV_DTYPES} (or a keys/values pair of them)")
-    heads = model.config.num_key_value_heads
-    code = _SAFETENSORS_DTYPES.get(expected["dtype"]) if kv_dtype == "none" else "U8"
-    if kv_dtype != "none":  # (packed rows: their bytes)
-        key_kind, value_kind = kv_dtype_pair(kv_dtype)
-        dim = paged_row_bytes(model.config.head_dim, key_kind)
-        value_dim = paged_row_bytes(value_dim, value_kind)
-    else:
-        dim = model.config.head_dim
-    want = {}
-    for layer in range(model.config.num_hidden_layers):
-        want[f"keys.{layer}"] = ((tokens, heads, dim), code)
-        want[f"values.{layer}"] = ((tokens, heads, value_dim), code)
+    want = _expected_tensors(model.config, tokens, kv_dtype, _SAFETENSORS_DTYPES.get(expected["dtype"]))
     if shapes != want:
         wrong = sorted(set(shapes.items()) ^ set(want.items()))[:4]
         raise PromptCacheError(f"{path}: tensors do not match the metadata and model, e.g. {wrong}")
     return {**metadata, "num_tokens": tokens, "block_size": block_size, "token_ids": token_ids,
             "kv_dtype": None if kv_dtype == "none" else kv_dtype}
+
+
+def _expected_tensors(config, tokens: int, kv_dtype: str, float_code: str | None) -> dict:
+    """{name: (shape, safetensors dtype)} of a file of `tokens` tokens of this model: float rows
+    (tokens, kv_heads, head_dim) of `float_code`, or packed rows' bytes ("U8") for a kv_dtype."""
+    heads, dim, value_dim, code = config.num_key_value_heads, config.head_dim, config.head_dim, float_code
+    if kv_dtype != "none":  # (packed rows: their bytes)
+        key_kind, value_kind = kv_dtype_pair(kv_dtype)
+        dim, value_dim, code = paged_row_bytes(dim, key_kind), paged_row_bytes(value_dim, value_kind), "U8"
+    want = {}
+    for layer in range(config.num_hidden_layers):
+        want[f"keys.{layer}"] = ((tokens, heads, dim), code)
+        want[f"values.{layer}"] = ((tokens, heads, value_dim), code)
+    return want
 
 
 def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None = None, *,

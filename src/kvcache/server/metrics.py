@@ -72,7 +72,7 @@ class ServerMetrics:
             "kvcache_kv_drift_top1_agreements", "Probed positions whose greedy tokens agreed",
             registry=registry,
         )
-        if context and hasattr(engine, "capacity_by_kv_dtype"):
+        if context:
             registry.register(_CapacityCollector(engine, context))
 
     def rejected(self, status: int) -> None:

@@ -17,7 +17,7 @@ from kvcache.backends.cpu import numba_products, paged_step
 from kvcache.backends.cpu.rows import rms_norm, rotate, swiglu
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.backends.torch_step import forward_rows
-from kvcache.cache import PagedBatch
+from kvcache.cache import PagedBatch, PagedCache
 
 _ALL_VISIBLE = np.empty(0, np.bool_)  # the kernels' "no mask"
 
@@ -162,7 +162,8 @@ class ArrayStep(DecodeBackend):
             )
         # (no autograd to switch off: every tensor the step makes comes from numpy or a detached
         # copy, so nothing it computes records a graph)
-        if attention_mask is None and getattr(cache, "kv_dtype", None) and self.row_layers is not None:
+        packed = isinstance(cache, PagedCache) and cache.kv_dtype is not None
+        if packed and attention_mask is None and self.row_layers is not None:
             return self._decode_packed(listed, cache)
         past = cache.get_seq_length()
         with torch_threads(self._threads(len(listed))):
