@@ -45,11 +45,16 @@ FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
 
 def dtype_bits(dtype: str) -> int:
     """Bits per element of a dtype name ("bfloat16", "int4", "torch.float16" …)."""
-    name = str(dtype).removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
+    name = _canonical(dtype)
     if name not in DTYPE_BITS:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BITS)}")
     return DTYPE_BITS[name]
+
+
+def _canonical(dtype: str) -> str:
+    """A dtype's name without "torch." and aliases ("fp16" is "float16")."""
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -244,8 +249,7 @@ def paged_row_bytes(head_dim: int, dtype: str = "float16") -> int:
     """Bytes of one row a paged pool stores (one token's keys, or values, of one kv head):
     head_dim elements of `dtype`, and a quantized row's scale and zero point (int8, int4)."""
     _check_sizes(head_dim=head_dim)
-    name = str(dtype).removeprefix("torch.")
-    extra = PACKED_SCALE_BYTES if _DTYPE_ALIASES.get(name, name) in PACKED_KV_DTYPES else 0
+    extra = PACKED_SCALE_BYTES if _canonical(dtype) in PACKED_KV_DTYPES else 0
     return head_dim * dtype_bits(dtype) // 8 + extra
 
 

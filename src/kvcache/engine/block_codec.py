@@ -9,11 +9,10 @@ keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size
 value_dim), in the stored dtype, little-endian; a quantized pool's (dtype codes 4 to 7: packed
 int8, int4, int8 keys with int4 values, the reverse) are its packed rows' bytes, (…, row bytes)
 each (`kvcache.cache.paged.packed`), and their float16 scales and zero points are checked finite
-like float blocks' values. The
-checksum is SHA-256 (its first 16 bytes) over the header (checksum field zeroed) and the
-payload, chosen over blake2b for the CPU's SHA instructions, since every byte read back is
-hashed before the request may use it. The digest is
-the block's prefix hash chain, so a valid block copied under another block's key is refused too,
+like float blocks' values. The checksum is SHA-256 (its first 16 bytes) over the header
+(checksum field zeroed) and the payload, chosen over blake2b for the CPU's SHA instructions,
+since every byte read back is hashed before the request may use it. The digest is the block's
+prefix hash chain, so a valid block copied under another block's key is refused too,
 and the namespace (below) is inside the checksummed header, so a valid block another model wrote
 (same geometry, other weights or dtype) copied under this model's key is refused as well.
 A value read back is checked field by field before a byte of it is used (`decode_block` raises
@@ -34,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.memory import PACKED_SCALE_BYTES, kv_dtype_pair, paged_row_bytes
+from kvcache.cache.paged.packed import scales_of
+from kvcache.memory import kv_dtype_pair, paged_row_bytes
 from kvcache.model.fingerprint import model_fingerprint
 
 MAGIC = b"KVB2"
@@ -162,8 +162,7 @@ def decode_block(
     keys = flat[: rows * key_width].view(layers, block_size, heads, key_width)
     values = flat[rows * key_width :].view(layers, block_size, heads, value_width)
     if layout.kv_dtype is not None:
-        scales = (rows[..., -PACKED_SCALE_BYTES:].contiguous().view(torch.float16) for rows in (keys, values))
-        finite = all(bool(torch.isfinite(scale).all()) for scale in scales)
+        finite = all(bool(torch.isfinite(scales_of(rows)).all()) for rows in (keys, values))
     else:  # one pass, nothing allocated: a float64 sum of float32 or half values cannot overflow,
         finite = math.isfinite(float(flat.sum(dtype=torch.float64)))  # and is finite when each is
     if not finite:

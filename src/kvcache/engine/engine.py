@@ -186,7 +186,7 @@ class Engine:
         budget = self.num_blocks * self.pool.block_bytes
         per_sequence = blocks_for(tokens, self.limits.block_size)
         own = () if self.pool.cache.kv_dtype in (None, *PACKED_KV_DTYPES) else (self.pool.cache.kv_dtype,)
-        dtypes = (str(self.model.dtype).removeprefix("torch."), *PACKED_KV_DTYPES, *own)
+        dtypes = (self.pool.model_dtype, *PACKED_KV_DTYPES, *own)
         block = {dtype: paged_block_bytes(self.pool.shape, self.limits.block_size, dtype) for dtype in dtypes}
         return {dtype: budget // block[dtype] // per_sequence for dtype in dtypes}
 

@@ -59,9 +59,9 @@ class KVPool:
         store=None,
         kv_dtype: str | None = None,
     ) -> None:
-        self.cache, self.block_bytes = build_cache(model, limits, kv_budget, num_blocks, kv_dtype)
         self.shape = KVShape.from_geometry(read_geometry(model.config))  # (what kvcache.memory counts)
         self.model_dtype = str(model.dtype).removeprefix("torch.")
+        self.cache, self.block_bytes = build_cache(model, self.shape, limits, kv_budget, num_blocks, kv_dtype)
         self.block_size = limits.block_size
         self.prefix_caching = prefix_caching
         self.store_tier = None if store is None else StoreTier(store, model, self.cache)
@@ -210,8 +210,7 @@ class KVPool:
     def commit(self, work: StepWork) -> None:
         """Record what the step's forward wrote: each row now holds its chunk's tokens (full
         blocks hashed, findable by prefix once their ids are declared)."""
-        if work.requests:
-            self.cache.commit(work.batch.rows, work.batch.totals)
+        self.cache.commit(work.batch.rows, work.batch.totals)
         for request, total in zip(work.requests, work.batch.totals):
             request.cached = total
 
@@ -221,9 +220,10 @@ class KVPool:
 
 
 def build_cache(
-    model, limits: Limits, kv_budget: int | str | None, num_blocks: int | None, kv_dtype: str | None = None
+    model, shape: KVShape, limits: Limits, kv_budget: int | str | None, num_blocks: int | None,
+    kv_dtype: str | None = None,
 ) -> tuple[PagedCache, int]:
-    """The PagedCache for `model` and the bytes of one full-attention block.
+    """The PagedCache for `model` (its KV `shape`) and the bytes of one full-attention block.
 
     kv_budget: bytes (an int, or "256MiB") for keys and values: the sliding layers get enough
     blocks for `limits.max_running` rows of any length, the full layers as many whole blocks as
@@ -233,7 +233,6 @@ def build_cache(
     if kv_dtype is not None and not packed_kv_dtype(kv_dtype):
         raise RequestError(f"kv_dtype must be None, one of {PACKED_KV_DTYPES} or a keys/values pair of them "
                            f"such as 'int8/int4', got {kv_dtype!r}")
-    shape = KVShape.from_geometry(read_geometry(model.config))
     dtype_name = kv_dtype or str(model.dtype).removeprefix("torch.")
     block_bytes = paged_block_bytes(shape, limits.block_size, dtype_name)
     budget = 0

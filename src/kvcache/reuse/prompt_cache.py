@@ -27,13 +27,8 @@ from pathlib import Path
 import torch
 
 from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
-from kvcache.memory import (
-    PACKED_KV_DTYPES,
-    PACKED_SCALE_BYTES,
-    kv_dtype_pair,
-    packed_kv_dtype,
-    paged_row_bytes,
-)
+from kvcache.cache.paged.packed import scales_of
+from kvcache.memory import PACKED_KV_DTYPES, kv_dtype_pair, packed_kv_dtype, paged_row_bytes
 from kvcache.model.fingerprint import model_fingerprint
 
 FORMAT = "kvcache.reuse.prompt_cache"
@@ -230,4 +225,4 @@ def _numbers(tensors: dict[str, torch.Tensor], kv_dtype: str | None) -> list[tor
     """The floats a file's tensors hold: the tensors, or packed rows' float16 scales and zeros."""
     if kv_dtype is None:
         return list(tensors.values())
-    return [rows[..., -PACKED_SCALE_BYTES:].contiguous().view(torch.float16) for rows in tensors.values()]
+    return [scales_of(rows) for rows in tensors.values()]

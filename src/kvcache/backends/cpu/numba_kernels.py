@@ -184,12 +184,18 @@ def rope(qkv, cos, signed_sin, q_norm, k_norm, eps, scale, heads, kv_heads):  # 
     turned(qkv, cos, signed_sin, q_norm, k_norm, eps, scale, heads, kv_heads)
 
 
+@numba.njit(inline="always")
+def head_dim_of(qkv, heads, kv_heads):  # pragma: no cover (compiled)
+    """D of rows qkv (N, (H + 2·H_kv)·D): the stored keys' width is a packed row's, not D."""
+    return qkv.shape[1] // (heads + 2 * kv_heads)
+
+
 @numba.njit(**SERIAL)
 def store(qkv, heads, kv_heads, slots, keys, values):  # pragma: no cover (compiled)
     """Write each row's keys and values (qkv (N, (H + 2·H_kv)·D) after `turned`) into a paged
     cache's storage, keys and values (blocks·S·H_kv, D) in its dtype, or packed rows (…, width)
     quantized (`numba_rows.stored`): row n's kv head h at row slots[n]·H_kv + h."""
-    dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    dim = head_dim_of(qkv, heads, kv_heads)
     for row in range(qkv.shape[0]):
         for h in range(kv_heads):
             target = slots[row] * kv_heads + h
@@ -226,7 +232,7 @@ def attend(
     tasks' softmax parts are combined as flash attention combines them. The queries are rounded
     first as `key_rounding` says (the keys' dtype), as the torch forward's attention in that
     dtype reads them."""
-    tokens, dim, group = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads), heads // kv_heads
+    tokens, dim, group = qkv.shape[0], head_dim_of(qkv, heads, kv_heads), heads // kv_heads
     size, step, window = layout[BLOCK], layout[TOKEN_STRIDE], layout[WINDOW]
     span = 1
     for n in range(tokens):
@@ -322,7 +328,7 @@ def layer_output(
     its norm (gate/up stacked: gate's outputs, then up's; silu(gate)·up through down), in
     place; qkv and the keys, values and their addressing as `attend` reads them."""
     tokens, hidden = x.shape
-    attended = np.empty((tokens, qkv.shape[1] // (heads + 2 * kv_heads) * heads), np.float32)
+    attended = np.empty((tokens, head_dim_of(qkv, heads, kv_heads) * heads), np.float32)
     attend(qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding,
            attended)
     projected = np.empty((tokens, hidden), np.float32)

@@ -11,10 +11,9 @@ import numpy as np
 from numba.extending import overload
 
 from kvcache.backends.cpu.numba_values import FLAGS, float16_rounded, float16_widened, narrowed, widened
+from kvcache.memory import PACKED_SCALE_BYTES  # (bytes after a packed row's codes: scale, zero)
 
 _INLINE = dict(inline="always", jit_options=dict(fastmath=FLAGS, error_model="numpy"))
-#: bytes after a packed row's codes (float16 scale, float16 zero)
-_SCALE_BYTES = 4
 
 
 def scored(queries, row, query_sums, scores, work):  # typed by the overload below
@@ -73,7 +72,7 @@ def _code(value, zero, scale, levels):  # pragma: no cover (compiled)
 @numba.njit(inline="always")
 def _codes_into(row, work):  # pragma: no cover (compiled)
     """work (D,) = a packed row's codes as float32 (int8: one a byte; int4: two, low nibble first)."""
-    codes = row.shape[0] - _SCALE_BYTES
+    codes = row.shape[0] - PACKED_SCALE_BYTES
     if codes == work.shape[0]:
         for d in range(codes):
             work[d] = np.float32(row[d])
@@ -98,7 +97,7 @@ def _scored(queries, row, query_sums, scores, work):  # pragma: no cover (compil
         return float_row
 
     def packed_row(queries, row, query_sums, scores, work):
-        codes = row.shape[0] - _SCALE_BYTES
+        codes = row.shape[0] - PACKED_SCALE_BYTES
         scale, zero = _half_at(row, codes), _half_at(row, codes + 2)
         _codes_into(row, work)  # (once for the group's queries)
         for g in range(queries.shape[0]):
@@ -124,7 +123,7 @@ def _accumulated(summed, weights, row, work):  # pragma: no cover (compiled)
         return float_row
 
     def packed_row(summed, weights, row, work):
-        codes = row.shape[0] - _SCALE_BYTES
+        codes = row.shape[0] - PACKED_SCALE_BYTES
         scale, zero = _half_at(row, codes), _half_at(row, codes + 2)
         _codes_into(row, work)
         for g in range(summed.shape[0]):
@@ -148,7 +147,7 @@ def _stored(source, row):  # pragma: no cover (compiled)
         return float_row
 
     def packed_row(source, row):
-        dim, codes = source.shape[0], row.shape[0] - _SCALE_BYTES
+        dim, codes = source.shape[0], row.shape[0] - PACKED_SCALE_BYTES
         levels = np.float32(255.0) if codes == dim else np.float32(15.0)
         low, high = source[0], source[0]
         for d in range(dim):

@@ -11,7 +11,6 @@ import torch
 
 from kvcache.blocks.allocator import ROOT_HASH, BlockAllocator
 from kvcache.blocks.window import WindowedBlockAllocator
-from kvcache.memory import kv_dtype_name, kv_dtype_pair
 
 from ..base import Cache, ForwardPlan, LayerMasks
 from ..checks import check_batch_index, check_crop, check_new_tokens, where
@@ -19,7 +18,7 @@ from ..config import read_cache_geometry
 from ..errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .forward import check_windows, first_forward_plan, group_mask, plan_forward
 from .layer import PagedLayer
-from .packed import PackedRows
+from .packed import checked_kv_dtype
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
 from .storage import ScratchBuffer, Step
 
@@ -67,10 +66,7 @@ class PagedCache(Cache):
         device: torch.device | str | None = None,
         kv_dtype: str | None = None,
     ) -> None:
-        if kv_dtype is not None:
-            PackedRows.pair(kv_dtype, 2, 2)  # (a CacheConfigError naming what is expected)
-            kv_dtype = kv_dtype_name(*kv_dtype_pair(kv_dtype))  # ("int8/int8" is "int8")
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = None if kv_dtype is None else checked_kv_dtype(kv_dtype)
         geometry = read_cache_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
         if geometry.num_layers is None:
             raise CacheConfigError("PagedCache needs the layer count: pass num_layers= or config=")
@@ -94,7 +90,7 @@ class PagedCache(Cache):
         self._step_counter = 0
         self._reserved = False  # a view: its forwards only read the block tables (see view)
         self.gather_scratch = (ScratchBuffer(), ScratchBuffer())  # keys, values: update_arrays' gathers
-        super().__init__([PagedLayer(self, group, kv_dtype) for group in self._groups], device=device)
+        super().__init__([PagedLayer(self, group) for group in self._groups], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
             for layer in self.layers:
                 shape = (layer.allocator.num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
@@ -330,9 +326,7 @@ class PagedCache(Cache):
         """Write row `row`'s next T positions from keys (T, H_kv, D) and values (T, H_kv, D_v), one
         of each per layer, computed elsewhere (a block store); return the row's length after
         (`rows.append_to_row`: checked first, a refusal changes nothing)."""
-        total = append_to_row(self, row, keys, values)
-        self._set_columns(max(self.get_seq_length(), total))
-        return total
+        return append_to_row(self, row, keys, values)  # (its commit sets the columns)
 
     def reserve(self, rows: Sequence[int], totals: Sequence[int]) -> None:
         """Give rows `rows` (indices) room for `totals` tokens each in every group of layers, for a
@@ -356,7 +350,7 @@ class PagedCache(Cache):
         for row, total in zip(rows, totals):
             for allocator in self.allocators:
                 allocator.commit(self.rows[row], total)
-        self._set_columns(max(self.get_seq_length(), *totals))
+        self._set_columns(max([self.get_seq_length(), *totals]))
 
     def view(self, rows: Sequence[int]) -> PagedCache:
         """A cache of rows `rows` (indices, in that order) over the same blocks, for a forward
@@ -372,8 +366,7 @@ class PagedCache(Cache):
         view._steps, view._step_counter, view._reserved = None, 0, True
         view.gather_scratch = self.gather_scratch  # every view's forwards reuse the same memory
         view.kv_dtype = self.kv_dtype
-        Cache.__init__(view, [PagedLayer(view, group, self.kv_dtype) for group in self._groups],
-                       device=self._device)
+        Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):
             mine.share_storage(theirs)
         view._set_columns(max(view.row_lengths, default=0))

@@ -22,11 +22,10 @@ from .storage import Step, gather_rows, write_and_gather
 class PagedLayer(CacheLayer):
     """One layer of a PagedCache; only usable inside its cache (`cache`: the PagedCache)."""
 
-    def __init__(self, cache, group: int = 0, kv_dtype: str | None = None) -> None:
+    def __init__(self, cache, group: int = 0) -> None:
         super().__init__()
         self._cache = cache
         self.group = group  # which of the cache's block tables (full or windowed) it follows
-        self.kv_dtype = kv_dtype  # "int8", "int4", "int8/int4": rows stored quantized (`packed`)
         self.packed: tuple[PackedRows, PackedRows] | None = None  # keys', values' (once dims known)
         self.forward_dtype: torch.dtype | None = None  # what a packed layer's reads dequantize to
         self.columns = 0  # columns of the batch timeline this layer has seen (the cache sets it)
@@ -75,6 +74,11 @@ class PagedLayer(CacheLayer):
         first = 0 if window is None else max(0, past - window + 1) // size * size
         key_positions = torch.arange(first, past + new_tokens, device=device)  # (T_kv,)
         return key_positions[past - first :], key_positions
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The cache's: "int8", "int4", "int8/int4" when rows are stored quantized (`packed`)."""
+        return self._cache.kv_dtype
 
     # ---- storage ---------------------------------------------------------------------------
     @property

@@ -20,13 +20,29 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.memory import PACKED_KV_DTYPES, PACKED_SCALE_BYTES, kv_dtype_pair, packed_kv_dtype
+from kvcache.memory import PACKED_KV_DTYPES, PACKED_SCALE_BYTES, kv_dtype_name, kv_dtype_pair, packed_kv_dtype
 
 from ..errors import CacheConfigError
 from ..quantize import QuantizedRows, QuantSpec, dequantize, quantize
 
 #: the quantized KV dtypes of a paged cache (`kvcache.memory` counts their bytes), and the bits of each
 KV_DTYPE_BITS = {name: int(name.removeprefix("int")) for name in PACKED_KV_DTYPES}
+
+
+def checked_kv_dtype(kv_dtype: str) -> str:
+    """`kv_dtype` as its one name ("int8/int8" is "int8"); CacheConfigError unless it is one of
+    PACKED_KV_DTYPES or a keys/values pair of them."""
+    if not packed_kv_dtype(kv_dtype):
+        raise CacheConfigError(
+            f"kv_dtype must be one of {PACKED_KV_DTYPES} or a keys/values pair of them such as "
+            f"'int8/int4', got {kv_dtype!r}"
+        )
+    return kv_dtype_name(*kv_dtype_pair(kv_dtype))
+
+
+def scales_of(packed: torch.Tensor) -> torch.Tensor:
+    """Packed rows (..., width) uint8 → each row's scale and zero (..., 2) float16 (a copy)."""
+    return packed[..., -PACKED_SCALE_BYTES:].contiguous().view(torch.float16)
 
 
 @dataclass(frozen=True)
@@ -50,12 +66,7 @@ class PackedRows:
     def pair(cls, kv_dtype: str, key_dim: int, value_dim: int) -> tuple[PackedRows, PackedRows]:
         """The keys' and values' packings of a KV dtype name ("int8", "int4", or "int8/int4":
         int8 keys, int4 values)."""
-        if not packed_kv_dtype(kv_dtype):
-            raise CacheConfigError(
-                f"kv_dtype must be one of {PACKED_KV_DTYPES} or a keys/values pair of them such as "
-                f"'int8/int4', got {kv_dtype!r}"
-            )
-        keys, values = kv_dtype_pair(kv_dtype)
+        keys, values = kv_dtype_pair(checked_kv_dtype(kv_dtype))
         return cls.of(keys, key_dim), cls.of(values, value_dim)
 
     @property
@@ -96,7 +107,6 @@ class PackedRows:
             )
         flat = packed.reshape(-1, self.width)
         data = flat[:, : self.code_bytes].reshape(1, 1, -1, self.code_bytes)
-        scale = flat[:, self.code_bytes : self.code_bytes + 2].contiguous().view(torch.float16)  # (N, 1)
-        zero = flat[:, self.code_bytes + 2 :].contiguous().view(torch.float16)
-        rows = QuantizedRows(data, scale.reshape(1, 1, -1, 1), zero.reshape(1, 1, -1, 1))
+        scale, zero = scales_of(flat).reshape(1, 1, -1, 2).unbind(-1)  # (1, 1, N) each
+        rows = QuantizedRows(data, scale.unsqueeze(-1), zero.unsqueeze(-1))
         return dequantize(rows, self.spec, dtype).reshape(*packed.shape[:-1], self.dim)

@@ -124,16 +124,13 @@ def _append(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torc
     seq = cache.rows[row]
     held = cache.allocators[0].sequence(seq).num_tokens
     total = held + keys[0].shape[0]
+    cache.reserve([row], [total])  # (a shared partial last block copied on write)
     for group, allocator in enumerate(cache.allocators):  # (full layers, then each window's)
-        copies = allocator.reserve([seq], [total])  # a shared partial last block is copied on write
         slots = torch.tensor(allocator.slots(seq, held, total), dtype=torch.long, device=cache.device)
         for layer, k, v in zip(cache.layers, keys, values):
             if layer.group == group:
-                for source, target in copies:
-                    layer.copy_block(source, target)
                 layer.write_slots(slots, k, v)
-    for allocator in cache.allocators:
-        allocator.commit(seq, total)
+    cache.commit([row], [total])
 
 
 def prefill_inputs(cache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
