@@ -57,12 +57,7 @@ def make_cache(
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
-    if quantization and kind != "quantized":
-        raise CacheConfigError(f"{sorted(quantization)} apply to kind 'quantized' only, not {kind!r}")
-    if kv_dtype is not None and kind != "paged":
-        raise CacheConfigError(f"kv_dtype applies to kind 'paged' only, not {kind!r}")
-    if compiled and kind not in ("static", "sliding"):
-        raise CacheConfigError(f"compiled=True applies to kinds 'static' and 'sliding', not {kind!r}")
+    _check_options(kind, quantization, kv_dtype, compiled)
     if kind == "quantized":
         return QuantizedCache(
             num_layers, config=config, window=window, device=device, max_rollback=max_rollback,
@@ -92,3 +87,13 @@ def make_cache(
     if kind == "none":
         return NoCache(config=config, num_layers=num_layers, window=window, device=device)
     raise CacheConfigError(f"cache kind must be one of {KINDS}, got {kind!r}")
+
+
+def _check_options(kind: str, quantization: dict, kv_dtype: str | None, compiled: bool) -> None:
+    """Raise `CacheConfigError` for an option given to a kind it does not apply to."""
+    if quantization and kind != "quantized":
+        raise CacheConfigError(f"{sorted(quantization)} apply to kind 'quantized' only, not {kind!r}")
+    if kv_dtype is not None and kind != "paged":
+        raise CacheConfigError(f"kv_dtype applies to kind 'paged' only, not {kind!r}")
+    if compiled and kind not in ("static", "sliding"):
+        raise CacheConfigError(f"compiled=True applies to kinds 'static' and 'sliding', not {kind!r}")
