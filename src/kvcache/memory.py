@@ -221,35 +221,46 @@ def window_blocks_held(seq_len: int, window: int, block_size: int) -> int:
     return blocks_for_tokens(seq_len, block_size) - max(0, seq_len - window + 1) // block_size
 
 
-#: the KV dtypes a paged pool stores quantized, each row (one token's kv head) one group with a
-#: float16 scale and zero point after its codes (`kvcache.cache.paged.packed`); keys and values
-#: may differ: "int8/int4" is int8 keys and int4 values (`kv_dtype_pair`)
-PACKED_KV_DTYPES = ("int8", "int4")
+#: the dtypes a paged pool stores keys and values in (`PagedCache(kv_dtype=)`, `--kv-cache-dtype`):
+#: float rows as they are, or quantized rows packed with a float16 scale and zero point after
+#: their codes (`kvcache.cache.paged.formats`: fp8 e4m3 scaled per row, int8 and int4
+#: asymmetric); keys and values may differ: "int8/int4" is int8 keys and int4 values
+PAGED_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8", "int8", "int4")
+PACKED_KV_DTYPES = ("fp8", "int8", "int4")
 PACKED_SCALE_BYTES = 4
 
 
+def kv_part_name(dtype: str) -> str:
+    """One side's KV dtype as a paged pool names it: aliases resolved ("bf16" is "bfloat16"),
+    "float8_e4m3fn" is "fp8"."""
+    name = _canonical(dtype)
+    return "fp8" if name == "float8_e4m3fn" else name
+
+
 def kv_dtype_pair(dtype: str) -> tuple[str, str]:
-    """(keys' dtype, values' dtype) of a KV dtype name: "int8" both, "int8/int4" keys int8 and
-    values int4 (each part a `dtype_bits` name)."""
+    """(keys' dtype, values' dtype) of a KV dtype name, each as `kv_part_name` names it: "int8"
+    both, "int8/int4" keys int8 and values int4."""
     keys, _, values = str(dtype).partition("/")
-    return keys, values or keys
+    return kv_part_name(keys), kv_part_name(values or keys)
 
 
-def packed_kv_dtype(dtype: str | None) -> bool:
-    """Whether `dtype` names a quantized paged pool: "int8", "int4", or a keys/values pair of them."""
-    return dtype is not None and all(part in PACKED_KV_DTYPES for part in kv_dtype_pair(dtype))
+def paged_kv_dtype(dtype: str | None) -> bool:
+    """Whether `dtype` names what a paged pool may store: one of PAGED_KV_DTYPES (or an alias)
+    or a keys/values pair of them ("int8/int4", "bfloat16/int4")."""
+    return dtype is not None and all(part in PAGED_KV_DTYPES for part in kv_dtype_pair(dtype))
 
 
 def kv_dtype_name(keys: str, values: str) -> str:
     """The KV dtype name of keys and values in these dtypes ("int8", or "int8/int4")."""
+    keys, values = kv_part_name(keys), kv_part_name(values)
     return keys if keys == values else f"{keys}/{values}"
 
 
 def paged_row_bytes(head_dim: int, dtype: str = "float16") -> int:
     """Bytes of one row a paged pool stores (one token's keys, or values, of one kv head):
-    head_dim elements of `dtype`, and a quantized row's scale and zero point (int8, int4)."""
+    head_dim elements of `dtype`, and a quantized row's scale and zero point (fp8, int8, int4)."""
     _check_sizes(head_dim=head_dim)
-    extra = PACKED_SCALE_BYTES if _canonical(dtype) in PACKED_KV_DTYPES else 0
+    extra = PACKED_SCALE_BYTES if kv_part_name(dtype) in PACKED_KV_DTYPES else 0
     return head_dim * dtype_bits(dtype) // 8 + extra
 
 

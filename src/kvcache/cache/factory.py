@@ -50,8 +50,8 @@ def make_cache(
     key_axis, value_axis, scale_dtype.
 
     "paged" is a `PagedCache` of `num_blocks` blocks of `block_size` tokens (default: enough
-    blocks for max_batch_size sequences of max_cache_len tokens), its rows quantized when
-    kv_dtype is "int8" or "int4" (paged only).
+    blocks for max_batch_size sequences of max_cache_len tokens), its rows stored as kv_dtype
+    says ("bfloat16", "fp8", "int8", "int8/int4" …: `PagedCache`; paged only).
     compiled: for "static" and "sliding", layers made for torch.compile (whole buffers, the
     length in a tensor; `CompiledStaticLayer`).
 

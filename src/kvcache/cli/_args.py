@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvcache.memory import PACKED_KV_DTYPES, kv_dtype_name, parse_size
+from kvcache.memory import PAGED_KV_DTYPES, kv_dtype_name, parse_size
 
 #: the epilog of the commands that run a model: why resident memory is about twice the weights
 WEIGHTS_HELD_TWICE = (
@@ -17,31 +17,32 @@ WEIGHTS_HELD_TWICE = (
 
 def add_kv_cache_dtype(parser) -> None:
     """--kv-cache-dtype: the KV cache's keys and values stored as the model computes them (auto)
-    or quantized in a paged cache (`kvcache.cache.paged.packed`)."""
+    or in a dtype of their own in a paged cache (`kvcache.cache.paged.formats`)."""
     parser.add_argument(
-        "--kv-cache-dtype", choices=("auto", *PACKED_KV_DTYPES), default="auto",
-        help="store keys and values quantized: each token's kv head one group of int8 or int4 codes "
-        "with a float16 scale and zero (about 0.27x or 0.14x float32's bytes at head_dim 64), an "
-        "approximation of the exact cache; auto (default): as the model computes them",
+        "--kv-cache-dtype", choices=("auto", *PAGED_KV_DTYPES), default="auto",
+        help="store keys and values in a paged cache as bfloat16 or float16, or quantized: each "
+        "token's kv head one group of fp8 (e4m3), int8 or int4 codes with a float16 scale (about "
+        "0.27x, 0.27x or 0.14x float32's bytes at head_dim 64), an approximation of the exact "
+        "cache; auto (default): as the model computes them",
     )
     for kind in ("k", "v"):
         parser.add_argument(
-            f"--kv-{kind}-dtype", choices=PACKED_KV_DTYPES, default=None,
+            f"--kv-{kind}-dtype", choices=PAGED_KV_DTYPES, default=None,
             help=f"the {'keys' if kind == 'k' else 'values'}' dtype apart (default: --kv-cache-dtype's; "
-            "both quantized, e.g. --kv-k-dtype int8 --kv-v-dtype int4)",
+            "give both, e.g. --kv-k-dtype bfloat16 --kv-v-dtype int4)",
         )
 
 
 def kv_dtype_of(args) -> str | None:
     """The PagedCache kv_dtype that --kv-cache-dtype, --kv-k-dtype and --kv-v-dtype give (None:
     as computed; "int8/int4": int8 keys, int4 values). ValueError naming the flags when only one
-    of keys and values would be quantized (a block stores both packed or neither)."""
+    of keys and values has a dtype (the model's dtype is not known here: name both)."""
     both = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     keys, values = args.kv_k_dtype or both, args.kv_v_dtype or both
     if (keys is None) != (values is None):
         given = "--kv-k-dtype" if keys else "--kv-v-dtype"
-        raise ValueError(f"{given} quantizes one of keys and values; a block stores both packed or "
-                         f"neither: give the other (--kv-k-dtype/--kv-v-dtype) or --kv-cache-dtype too")
+        raise ValueError(f"{given} sets one of keys and values apart: give the other's dtype too "
+                         f"(--kv-k-dtype/--kv-v-dtype, e.g. float32 as computed) or --kv-cache-dtype")
     return None if keys is None else kv_dtype_name(keys, values)
 
 

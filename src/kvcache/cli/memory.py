@@ -15,6 +15,7 @@ from kvcache.memory import (
     PACKED_KV_DTYPES,
     KVShape,
     format_bytes,
+    kv_part_name,
     max_paged_sequences,
     max_sequences,
     max_tokens,
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                   f"the budget of {format_bytes(args.budget)}: no room for a cache", file=sys.stderr)
             return 1
         args.budget -= weights  # what the cache may take
-    packed = args.dtype in PACKED_KV_DTYPES and args.block_size is not None  # a paged pool's packed rows
+    packed = kv_part_name(args.dtype) in PACKED_KV_DTYPES and args.block_size is not None  # packed paged rows
     if (args.dtype in _QUANTIZED_BITS or args.dtype == "float8_e5m2") and not packed:
         return _run_quantized(shape, args)
     total = _exact_bytes(shape, args.tokens, args.batch, args.dtype)

@@ -2,14 +2,15 @@
 
 A value is a fixed header and the raw tensor bytes, never a pickle:
 
-    magic b"KVB2" | version u16 | dtype u8 | pad u8 | layers u16 | kv_heads u16 | head_dim u16 |
-    value_dim u16 | block_size u16 | namespace 16 B | digest 16 B | checksum 16 B | keys | values
+    magic b"KVB3" | version u16 | keys' format u8 | values' format u8 | layers u16 | kv_heads u16 |
+    head_dim u16 | value_dim u16 | block_size u16 | namespace 16 B | digest 16 B | checksum 16 B |
+    keys | values
 
 keys are (layers, block_size, kv_heads, head_dim) and values (layers, block_size, kv_heads,
-value_dim), in the stored dtype, little-endian; a quantized pool's (dtype codes 4 to 7: packed
-int8, int4, int8 keys with int4 values, the reverse) are its packed rows' bytes, (…, row bytes)
-each (`kvcache.cache.paged.packed`), and their float16 scales and zero points are checked finite
-like float blocks' values. The checksum is SHA-256 (its first 16 bytes) over the header
+value_dim), each in its stored format, little-endian: float32 (code 1), float16 (2), bfloat16 (3),
+or a quantized pool's packed rows' bytes, (…, row bytes) (int8 4, int4 5, fp8 6;
+`kvcache.cache.paged.formats`). Float values are checked finite; packed rows' float16 scales and
+zero points too, and fp8 codes never NaN. The checksum is SHA-256 (its first 16 bytes) over the header
 (checksum field zeroed) and the payload, chosen over blake2b for the CPU's SHA instructions,
 since every byte read back is hashed before the request may use it. The digest is the block's
 prefix hash chain, so a valid block copied under another block's key is refused too,
@@ -33,16 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.cache.paged.packed import scales_of
-from kvcache.memory import kv_dtype_pair, paged_row_bytes
+from kvcache.cache.paged.formats import row_format
+from kvcache.memory import kv_dtype_pair, paged_kv_dtype, paged_row_bytes
 from kvcache.model.fingerprint import model_fingerprint
 
-MAGIC = b"KVB2"
-VERSION = 2
+MAGIC = b"KVB3"
+VERSION = 3
 _HEADER = struct.Struct("<4sHBBHHHHH16s16s16s")
-_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-_BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
-_PACKED = {"int8": 4, "int4": 5, "int8/int4": 6, "int4/int8": 7}  # a quantized pool's packed rows
+_FORMATS = {"float32": 1, "float16": 2, "bfloat16": 3, "int8": 4, "int4": 5, "fp8": 6}  # one side's rows
+_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class InvalidBlock(ValueError):
@@ -59,17 +59,23 @@ class BlockLayout:
     value_dim: int
     block_size: int
     dtype: torch.dtype
-    kv_dtype: str | None = None  # "int8"/"int4": the pool's rows packed (`PagedCache(kv_dtype=)`)
+    kv_dtype: str | None = None  # the pool's `PagedCache(kv_dtype=)`; None: rows in `dtype`
 
     @property
-    def dtype_code(self) -> int:
-        """The header's dtype byte: the float dtype's, or the packing's."""
-        return _DTYPES[self.dtype] if self.kv_dtype is None else _PACKED[self.kv_dtype]
+    def row_dtypes(self) -> tuple[str, str]:
+        """What key rows and value rows are stored as ("bfloat16", "int8", …)."""
+        return kv_dtype_pair(self.kv_dtype or str(self.dtype).removeprefix("torch."))
+
+    @property
+    def format_codes(self) -> tuple[int, int]:
+        """The header's two format bytes: the keys' and the values'."""
+        keys, values = self.row_dtypes
+        return _FORMATS[keys], _FORMATS[values]
 
     @property
     def row_bytes(self) -> tuple[int, int]:
         """Bytes of one stored key row and one value row (one token's kv head)."""
-        keys, values = kv_dtype_pair(self.kv_dtype or str(self.dtype).removeprefix("torch."))
+        keys, values = self.row_dtypes
         return paged_row_bytes(self.head_dim, keys), paged_row_bytes(self.value_dim, values)
 
     @property
@@ -84,13 +90,14 @@ class BlockLayout:
 
 
 def layout_of(model, block_size: int, kv_dtype: str | None = None) -> BlockLayout:
-    """The block layout of `model`'s keys and values in blocks of `block_size` tokens, packed
-    as `kv_dtype` says ("int8", "int4"; None: in the model's dtype)."""
+    """The block layout of `model`'s keys and values in blocks of `block_size` tokens, stored as
+    `kv_dtype` says ("bfloat16", "int8", "int8/int4" …; None: in the model's dtype)."""
     config = model.config
-    if model.dtype not in _DTYPES:
+    if model.dtype not in _MODEL_DTYPES:
         raise ValueError(f"a block store keeps float32, float16 or bfloat16 blocks, not {model.dtype}")
-    if kv_dtype is not None and kv_dtype not in _PACKED:
-        raise ValueError(f"a block store keeps packed blocks of {tuple(_PACKED)}, not {kv_dtype!r}")
+    if kv_dtype is not None and not paged_kv_dtype(kv_dtype):
+        raise ValueError(f"a block store keeps rows of {tuple(_FORMATS)} (or a keys/values pair), "
+                         f"not {kv_dtype!r}")
     return BlockLayout(
         config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.head_dim,
         block_size, model.dtype, kv_dtype,
@@ -123,7 +130,7 @@ def encode_block(
         tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
         for tensor in (keys, values)
     )
-    fields = (MAGIC, VERSION, layout.dtype_code, 0, layout.layers, layout.kv_heads, layout.head_dim,
+    fields = (MAGIC, VERSION, *layout.format_codes, layout.layers, layout.kv_heads, layout.head_dim,
               layout.value_dim, layout.block_size, bytes.fromhex(space), digest)
     header = _HEADER.pack(*fields, bytes(16))
     return _HEADER.pack(*fields, _checksum(header, payload)) + payload
@@ -138,11 +145,12 @@ def decode_block(
     if not isinstance(value, bytes | bytearray | memoryview) or len(value) != layout.value_bytes:
         size = len(value) if isinstance(value, bytes | bytearray | memoryview) else type(value).__name__
         raise InvalidBlock(f"a block of this layout has {layout.value_bytes} bytes, got {size}")
-    (magic, version, dtype, _, layers, heads, head_dim, value_dim, block_size, stored_space,
+    (magic, version, key_code, value_code, layers, heads, head_dim, value_dim, block_size, stored_space,
      stored_digest, checksum) = _HEADER.unpack_from(value)
-    expected = (MAGIC, VERSION, layout.dtype_code, layout.layers, layout.kv_heads, layout.head_dim,
+    expected = (MAGIC, VERSION, *layout.format_codes, layout.layers, layout.kv_heads, layout.head_dim,
                 layout.value_dim, layout.block_size, digest)
-    found = (magic, version, dtype, layers, heads, head_dim, value_dim, block_size, stored_digest)
+    found = (magic, version, key_code, value_code, layers, heads, head_dim, value_dim, block_size,
+             stored_digest)
     if stored_space != bytes.fromhex(space):
         raise InvalidBlock(
             f"the block was written in namespace {stored_space.hex()}, not this model's {space} "
@@ -156,15 +164,21 @@ def decode_block(
         raise InvalidBlock("block checksum does not match its bytes")
     with warnings.catch_warnings():  # a view of the bytes read back, only ever read (never written)
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(payload, dtype=_BY_CODE.get(dtype, torch.uint8))
-    key_width, value_width = layout.row_bytes if layout.kv_dtype is not None else (head_dim, value_dim)
-    rows = layers * block_size * heads
-    keys = flat[: rows * key_width].view(layers, block_size, heads, key_width)
-    values = flat[rows * key_width :].view(layers, block_size, heads, value_width)
-    if layout.kv_dtype is not None:
-        finite = all(bool(torch.isfinite(scales_of(rows)).all()) for rows in (keys, values))
-    else:  # one pass, nothing allocated: a float64 sum of float32 or half values cannot overflow,
-        finite = math.isfinite(float(flat.sum(dtype=torch.float64)))  # and is finite when each is
-    if not finite:
-        raise InvalidBlock("block holds non-finite keys or values (or scales)")
-    return keys, values
+        flat = torch.frombuffer(payload, dtype=torch.uint8)
+    key_bytes = layers * block_size * heads * layout.row_bytes[0]
+    sides = []
+    for part, dtype, dim, width in zip((flat[:key_bytes], flat[key_bytes:]), layout.row_dtypes,
+                                       (head_dim, value_dim), layout.row_bytes):
+        stored = row_format(dtype, dim)
+        rows = part.view(layers, block_size, heads, width).view(stored.storage_dtype)
+        if not _finite(rows, stored):
+            raise InvalidBlock("block holds non-finite keys or values (or scales, or fp8 NaN codes)")
+        sides.append(rows)
+    return sides[0], sides[1]
+
+
+def _finite(rows: torch.Tensor, stored) -> bool:
+    """Whether one side's rows (as their `formats` row format stores them) are finite."""
+    if rows.dtype.is_floating_point:  # one pass, nothing allocated: a float64 sum of float32 or
+        return math.isfinite(float(rows.sum(dtype=torch.float64)))  # half values cannot overflow
+    return stored.finite(rows)

@@ -82,12 +82,13 @@ class Engine:
             ("redis://127.0.0.1:6379/0") or a store object (`RedisBlockStore`); see store_tier.py.
         kv_events: publish the pool's block events for KV-aware routers: an endpoint to bind
             ("tcp://127.0.0.1:5557") or a `KVEventPublisher`; see kv_events.py.
-        kv_dtype: "int8" or "int4" to store the pool's keys and values quantized (each token's kv
-            head one group with a float16 scale and zero: `kvcache.cache.paged.packed`), so the
-            budget holds more tokens (`kvcache.memory.paged_row_bytes`); None: the model's dtype.
+        kv_dtype: what the pool stores keys and values as, "bfloat16", "float16", or quantized
+            "fp8", "int8", "int4" (each token's kv head one group with a float16 scale:
+            `kvcache.cache.paged.formats`), keys and values apart as "int8/int4", so the budget
+            holds more tokens (`kvcache.memory.paged_row_bytes`); None: the model's dtype.
         kv_drift_sample: with kv_dtype, the share of requests (0 to 1) that also run on a
             full-precision shadow pool of a quarter of the pool's bytes, measuring at each of their
-            positions how far the quantized blocks moved the next-token distribution (`drift_probe`;
+            positions how far the stored blocks moved the next-token distribution (`drift_probe`;
             each Completion's `kv_drift`, `stats()["kv_drift"]`); 0: no probe.
     """
 
@@ -146,8 +147,8 @@ class Engine:
         if not sample:
             return None
         if kv_dtype is None:
-            raise RequestError("kv_drift_sample compares a quantized pool (kv_dtype) with full precision: "
-                               "give kv_dtype too")
+            raise RequestError("kv_drift_sample compares a pool in a kv_dtype (quantized, say) with full "
+                               "precision: give kv_dtype too")
         size = self.limits.block_size
         exact_block = paged_block_bytes(self.pool.shape, size, self.pool.model_dtype)
         least = blocks_for(2 * self.limits.token_budget, size)
@@ -179,14 +180,15 @@ class Engine:
 
     def capacity_by_kv_dtype(self, tokens: int) -> dict[str, int]:
         """How many sequences of `tokens` tokens the full layers' bytes would hold at once with keys
-        and values in the model's dtype, int8 and int4 (scales counted: `paged_block_bytes`), the
-        pool's own dtype among them; {} when every layer slides (any length fits)."""
+        and values in the model's dtype, bfloat16, fp8, int8 and int4 (scales counted:
+        `paged_block_bytes`), the pool's own kv_dtype among them; {} when every layer slides (any
+        length fits)."""
         if self.pool.full_allocator is None:
             return {}
         budget = self.num_blocks * self.pool.block_bytes
         per_sequence = blocks_for(tokens, self.limits.block_size)
-        own = () if self.pool.cache.kv_dtype in (None, *PACKED_KV_DTYPES) else (self.pool.cache.kv_dtype,)
-        dtypes = (self.pool.model_dtype, *PACKED_KV_DTYPES, *own)
+        own = () if self.pool.cache.kv_dtype is None else (self.pool.cache.kv_dtype,)
+        dtypes = tuple(dict.fromkeys((self.pool.model_dtype, "bfloat16", *PACKED_KV_DTYPES, *own)))
         block = {dtype: paged_block_bytes(self.pool.shape, self.limits.block_size, dtype) for dtype in dtypes}
         return {dtype: budget // block[dtype] // per_sequence for dtype in dtypes}
 

@@ -24,9 +24,9 @@ from kvcache.engine.store_tier import StoreTier
 from kvcache.generation.params import RequestError
 from kvcache.geometry import read_geometry
 from kvcache.memory import (
-    PACKED_KV_DTYPES,
+    PAGED_KV_DTYPES,
     KVShape,
-    packed_kv_dtype,
+    paged_kv_dtype,
     paged_block_bytes,
     paged_pool,
     parse_size,
@@ -228,10 +228,11 @@ def build_cache(
     kv_budget: bytes (an int, or "256MiB") for keys and values: the sliding layers get enough
     blocks for `limits.max_running` rows of any length, the full layers as many whole blocks as
     the rest holds (`kvcache.memory.paged_pool`). num_blocks: the full layers' size in blocks
-    instead. kv_dtype: "int8"/"int4" stores them quantized (their scales counted), None in the
-    model's dtype. Raises RequestError for a budget that holds no block or an unknown kv_dtype."""
-    if kv_dtype is not None and not packed_kv_dtype(kv_dtype):
-        raise RequestError(f"kv_dtype must be None, one of {PACKED_KV_DTYPES} or a keys/values pair of them "
+    instead. kv_dtype: what the rows are stored as ("bfloat16", "int8", "int8/int4" …: `PagedCache`;
+    quantized rows' scales counted), None in the model's dtype. Raises RequestError for a budget
+    that holds no block or an unknown kv_dtype."""
+    if kv_dtype is not None and not paged_kv_dtype(kv_dtype):
+        raise RequestError(f"kv_dtype must be None, one of {PAGED_KV_DTYPES} or a keys/values pair of them "
                            f"such as 'int8/int4', got {kv_dtype!r}")
     dtype_name = kv_dtype or str(model.dtype).removeprefix("torch.")
     block_bytes = paged_block_bytes(shape, limits.block_size, dtype_name)

@@ -117,7 +117,7 @@ class ChatSession:
         kv_store: a tier below the cache (`kvcache.engine.disk_store.DiskBlockStore`, …): a turn's
             prefix blocks the cache lacks are read from it, and the conversation's blocks written
             to it, so a conversation that starts the same way in a later process reuses them.
-        kv_dtype: the made cache's rows quantized ("int8", "int4"; `PagedCache`).
+        kv_dtype: what the made cache stores rows as ("bfloat16", "int8", "int4" …; `PagedCache`).
         options: defaults for `kvcache.generate` (max_new_tokens, eos_token_id, …).
     """
 

@@ -11,10 +11,11 @@ model and the metadata, and refuses a file made for another model or layout with
 `PromptCacheError` before any tensor is allocated. Rows are re-blocked on load, so the
 target cache may use another block size than the one recorded.
 
-A quantized cache's row (`PagedCache(kv_dtype="int8")`) is saved as its packed rows (uint8,
-(tokens, kv_heads, row bytes): `kvcache.cache.paged.packed`), metadata kv_dtype naming the
-packing, and loads only into a cache of that kv_dtype; every row's float16 scale and zero must
-be finite.
+A row of a cache with a kv_dtype (`PagedCache(kv_dtype="int8")`) is saved as stored, in each
+side's row format (`kvcache.cache.paged.formats`: packed rows as their bytes, (tokens, kv_heads,
+row bytes), uint8, or int8 for fp8), metadata kv_dtype naming it, and loads only into a cache of
+that kv_dtype; every value, packed row's float16 scale and zero must be finite (fp8 codes never
+NaN).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pathlib import Path
 import torch
 
 from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
-from kvcache.cache.paged.packed import scales_of
-from kvcache.memory import PACKED_KV_DTYPES, kv_dtype_pair, packed_kv_dtype, paged_row_bytes
+from kvcache.cache.paged.formats import RowFormat, row_formats
+from kvcache.memory import PAGED_KV_DTYPES, paged_kv_dtype
 from kvcache.model.fingerprint import model_fingerprint
 
 FORMAT = "kvcache.reuse.prompt_cache"
@@ -37,6 +38,8 @@ MAX_BLOCK_SIZE = 4096
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 torch.float64: "float64"}
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_STORED_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
+                 torch.int8: "I8"}  # of rows in a kv_dtype's format
 
 
 class PromptCacheError(ValueError):
@@ -80,8 +83,9 @@ def save_prompt_cache(path: str | os.PathLike, cache: PagedCache, model, row: in
         tensors[f"keys.{index}"] = keys.cpu().contiguous()  # (T, H_kv, D)
         tensors[f"values.{index}"] = values.cpu().contiguous()  # (T, H_kv, D_v)
     layout = _layout(model)
-    stored = torch.uint8 if cache.kv_dtype is not None else model.dtype
-    if tensors["keys.0"].dtype != stored:
+    stored = cache.layers[0].formats
+    expected = (model.dtype, model.dtype) if stored is None else tuple(side.storage_dtype for side in stored)
+    if (tensors["keys.0"].dtype, tensors["values.0"].dtype) != expected:
         raise PromptCacheError(f"the cache stores {tensors['keys.0'].dtype}; the model runs {model.dtype}")
     metadata = {
         "format": FORMAT,
@@ -149,9 +153,9 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
             f"not a prompt cache of this model"
         )
     kv_dtype = metadata.get("kv_dtype", "none")
-    if kv_dtype != "none" and not packed_kv_dtype(kv_dtype):
-        raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is neither none nor a packed one of "
-                               f"{PACKED_KV_DTYPES} (or a keys/values pair of them)")
+    if kv_dtype != "none" and not paged_kv_dtype(kv_dtype):
+        raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is neither none nor one of "
+                               f"{PAGED_KV_DTYPES} (or a keys/values pair of them)")
     want = _expected_tensors(model.config, tokens, kv_dtype, _SAFETENSORS_DTYPES.get(expected["dtype"]))
     if shapes != want:
         wrong = sorted(set(shapes.items()) ^ set(want.items()))[:4]
@@ -161,16 +165,16 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
 
 
 def _expected_tensors(config, tokens: int, kv_dtype: str, float_code: str | None) -> dict:
-    """{name: (shape, safetensors dtype)} of a file of `tokens` tokens of this model: float rows
-    (tokens, kv_heads, head_dim) of `float_code`, or packed rows' bytes ("U8") for a kv_dtype."""
-    heads, dim, value_dim, code = config.num_key_value_heads, config.head_dim, config.head_dim, float_code
-    if kv_dtype != "none":  # (packed rows: their bytes)
-        key_kind, value_kind = kv_dtype_pair(kv_dtype)
-        dim, value_dim, code = paged_row_bytes(dim, key_kind), paged_row_bytes(value_dim, value_kind), "U8"
+    """{name: (shape, safetensors dtype)} of a file of `tokens` tokens of this model: rows
+    (tokens, kv_heads, head_dim) of `float_code`, or for a kv_dtype each side in its row format."""
+    heads, dim = config.num_key_value_heads, config.head_dim
+    sides = [((tokens, heads, dim), float_code)] * 2
+    if kv_dtype != "none":
+        sides = [((tokens, heads, side.width), _STORED_CODES[side.storage_dtype])
+                 for side in row_formats(kv_dtype, dim, dim)]
     want = {}
     for layer in range(config.num_hidden_layers):
-        want[f"keys.{layer}"] = ((tokens, heads, dim), code)
-        want[f"values.{layer}"] = ((tokens, heads, value_dim), code)
+        want[f"keys.{layer}"], want[f"values.{layer}"] = sides
     return want
 
 
@@ -206,8 +210,8 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
         raise PromptCacheError(f"{path}: tensor data cannot be read: {error}") from None
     if header.get("checksum") != _checksum(list(token_ids), tensors):
         raise PromptCacheError(f"{path}: the checksum does not match its token ids and tensors (tampered?)")
-    if not all(bool(torch.isfinite(values).all()) for values in _numbers(tensors, header["kv_dtype"])):
-        raise PromptCacheError(f"{path}: holds non-finite keys or values (or scales)")
+    if not _finite(tensors, header["kv_dtype"], model.config.head_dim):
+        raise PromptCacheError(f"{path}: holds non-finite keys or values (or scales, or fp8 NaN codes)")
     names = range(model.config.num_hidden_layers)
     state = RowState(
         list(token_ids),
@@ -221,8 +225,9 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
     return cache
 
 
-def _numbers(tensors: dict[str, torch.Tensor], kv_dtype: str | None) -> list[torch.Tensor]:
-    """The floats a file's tensors hold: the tensors, or packed rows' float16 scales and zeros."""
+def _finite(tensors: dict[str, torch.Tensor], kv_dtype: str | None, dim: int) -> bool:
+    """Whether a file's keys and values hold finite numbers only (read as their row format says)."""
     if kv_dtype is None:
-        return list(tensors.values())
-    return [scales_of(rows) for rows in tensors.values()]
+        return all(bool(torch.isfinite(values).all()) for values in tensors.values())
+    formats: tuple[RowFormat, RowFormat] = row_formats(kv_dtype, dim, dim)
+    return all(formats[name.startswith("values.")].finite(rows) for name, rows in tensors.items())

@@ -63,7 +63,7 @@ def scenario(seed: int, rows: int, vocab: int) -> list[list[list[int]]]:
 def shuffled_cache(model, rows: int, seed: int, kv_dtype: str | None = None) -> PagedCache:
     """A PagedCache of `rows` rows whose free blocks are handed out in a shuffled order (so no
     row's blocks are consecutive): every block taken by a sequence of its own, then given back
-    in a random order. kv_dtype: its blocks quantized ("int8", "int4")."""
+    in a random order. kv_dtype: what its blocks store ("int8", "fp8", "bfloat16" …)."""
     cache = PagedCache(96, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
     for allocator in cache.allocators:
         spacers = [("spacer", index) for index in range(allocator.num_blocks)]
@@ -116,13 +116,16 @@ def test_half_steps_lie_within_the_forwards_own_error(family, dtype):
     errors.check()
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int8/int4"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family, kv_dtype", [
+    *((family, kv_dtype) for family in FAMILIES for kv_dtype in ("int8", "int4", "int8/int4")),
+    # (one family each: every new pair of row types compiles the kernels once more)
+    ("llama, 2 groups", "fp8"), ("mistral, window 7", "bfloat16/int4"),
+])
 def test_quantized_blocks_are_read_in_place_as_the_forward_reads_them_dequantized(family, kv_dtype):
-    """The kernels quantize what they store as `packed` does and score the codes in place: their
-    logits equal the torch forward's over the same quantized cache (which dequantizes every
-    read), on the kernels alone and with prompt chunks on the products; int4 drifts further from
-    the exact cache than int8 does."""
+    """The kernels store rows in the kv_dtype's format as `formats` does (quantized or rounded)
+    and read them in place: their logits equal the torch forward's over the same cache (which
+    converts every read), on the kernels alone and with prompt chunks on the products; int4
+    drifts further from the exact cache than int8 does."""
     model = random_model(tiny_config(**FAMILIES[family]), 6)
     ours, theirs = NumpyBackend(model), TorchBackend(model)
     drift = {}
@@ -161,7 +164,7 @@ def test_a_row_that_does_not_sample_gets_no_logits_and_its_keys_are_stored():
     torch.testing.assert_close(logits[0], expected[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8"])
 def test_generate_on_a_quantized_cache_decodes_on_the_kernels_as_the_seam_does(kv_dtype):
     """A decode step of `generate` on a quantized PagedCache runs the engine's step (the packed
     blocks scored in place), with the tokens of the torch forward's seam (quantize on write,

@@ -98,9 +98,10 @@ def rounding_of(dtype: torch.dtype) -> int:
 def key_rounding(stored: np.ndarray) -> int:
     """What the kernels' attention rounds queries to for keys stored as `stored` is: float32
     none, uint16 (bfloat16 bits) bfloat16, int16 (float16 bits) float16 (`numba_kernels.NONE`,
-    ...), uint8 (a quantized cache's packed rows) none."""
+    ...), uint8 or int8 (a quantized cache's packed rows) none."""
     found = kernels()
-    return {"f": found.NONE, "H": found.BFLOAT16, "h": found.FLOAT16, "B": found.NONE}[stored.dtype.char]
+    by_char = {"f": found.NONE, "H": found.BFLOAT16, "h": found.FLOAT16, "B": found.NONE, "b": found.NONE}
+    return by_char[stored.dtype.char]
 
 
 def as_kernel_array(array: np.ndarray) -> np.ndarray:

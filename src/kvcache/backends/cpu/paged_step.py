@@ -71,10 +71,7 @@ def run(step, batch) -> torch.Tensor:
     storages = [layer.storage_rows() for layer in cache.layers]
     if any(storage is None for storage in storages):
         raise ValueError("the kernels read a paged cache's blocks in place: its storage must be on the CPU")
-    storages = [
-        (*(numba_products.as_kernel_array(a) for a in storage), layer.packed)
-        for storage, layer in zip(storages, cache.layers)
-    ]
+    storages = [_kernel_storage(layer, storage) for storage, layer in zip(storages, cache.layers)]
     layouts = [
         numba_products.paged_layout(cache.block_size, step.kv_heads, window)
         for window in step.config.layer_windows
@@ -90,12 +87,23 @@ def run(step, batch) -> torch.Tensor:
         return torch.from_numpy(_logits(step, x[rows.last]))
 
 
+def _kernel_storage(layer, rows) -> tuple:
+    """(keys, values, their row formats or None, what queries round to) of a layer's storage
+    `rows` as the kernels read them. Rows in a kv_dtype of their own are attended in float32
+    with exact queries (as the seam reads them back in the forward's dtype); rows as the forward
+    gave them with queries rounded to their dtype (as the forward's own attention does)."""
+    keys, values = (numba_products.as_kernel_array(a) for a in rows)
+    if layer.formats is not None:
+        return keys, values, layer.formats, numba_products.kernels().NONE
+    return keys, values, None, numba_products.key_rounding(keys)
+
+
 def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups) -> None:
     """Every layer on the kernels: `attention_inputs`, `store`, `layer_output` (x in place)."""
     kernels = numba_products.kernels()
     heads, kv_heads, dim, eps = step.heads, step.kv_heads, step.head_dim, step.eps
     layers, _, rounding = step.row_layers
-    for w, (keys, values, _), layout, (tables, slots) in zip(layers, storages, layouts, groups):
+    for w, (keys, values, _, key_rounding), layout, (tables, slots) in zip(layers, storages, layouts, groups):
         qkv = np.empty((len(x), (heads + 2 * kv_heads) * dim), np.float32)
         kernels.attention_inputs(
             x, w.norm1, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, signed_sin,
@@ -104,7 +112,7 @@ def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, gr
         kernels.store(qkv, heads, kv_heads, slots, keys, values)
         kernels.layer_output(
             x, qkv, heads, kv_heads, keys, values, tables, rows.table_row, rows.lengths, layout,
-            _NO_MASK, numba_products.key_rounding(keys),
+            _NO_MASK, key_rounding,
             w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, rounding,
         )
 
@@ -116,13 +124,13 @@ def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts,
     heads, kv_heads, eps = step.heads, step.kv_heads, step.eps
     kernel_layers, _, _ = step.row_layers
     layers, _, linear = step.products(len(x))
-    for w, norms, (keys, values, packed), layout, (tables, slots) in zip(
+    for w, norms, storage, layout, (tables, slots) in zip(
         layers, kernel_layers, storages, layouts, groups
     ):
         qkv = linear(rms_norm(x, w.norm1, eps), w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
         kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
-        kernels.store(qkv, heads, kv_heads, slots, keys, values)
-        attended = _attention(step, qkv, rows, (keys, values, packed), tables, layout)
+        kernels.store(qkv, heads, kv_heads, slots, *storage[:2])
+        attended = _attention(step, qkv, rows, storage, tables, layout)
         x += linear(attended, w.o, w.o_bias)
         x += linear(swiglu(linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
 
@@ -132,17 +140,16 @@ def _attention(step, qkv, rows: TokenRows, storage, tables, layout) -> np.ndarra
     rows' single tokens on the kernels' attention (`attend`, in place through the block tables);
     each prompt chunk on torch's fused attention over its own row's keys and values read out of
     their blocks once (a chunk's queries share its keys, which a matrix product reads once for all
-    of them where the kernels would read them once per query). storage: (keys, values, the
-    layer's packings or None)."""
+    of them where the kernels would read them once per query). storage: `_kernel_storage`'s."""
     heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
-    keys, values = storage[:2]
+    keys, values, _, key_rounding = storage
     attended = np.empty((len(qkv), heads * dim), np.float32)
     singles = rows.singles
     if len(singles):
         out = np.empty((len(singles), heads * dim), np.float32)
         numba_products.kernels().attention(
             qkv[singles], heads, kv_heads, keys, values, tables, rows.table_row[singles],
-            rows.lengths[singles], layout, _NO_MASK, numba_products.key_rounding(keys), out,
+            rows.lengths[singles], layout, _NO_MASK, key_rounding, out,
         )
         attended[singles] = out
     size = layout[numba_products.kernels().BLOCK]
@@ -164,11 +171,11 @@ def _chunk_attention(qkv, storage, held, key_positions, query_positions, window,
     """(n, H·D) attention of one row's n prompt tokens (qkv (n, ...): queries scaled already)
     over its keys and values (storage: keys, values, packings) at storage slots `held` (T,)
     (positions key_positions), causal and within `window` (0: none), on torch's fused attention
-    in the storage's dtype (float32 for packed rows, dequantized once)."""
+    in the storage's dtype (float32 for rows in a kv_dtype's format, read out once)."""
     rows = held[:, None] * kv_heads + np.arange(kv_heads)  # (T, H_kv) storage rows
     k, v = (_tensor(stored[rows.reshape(-1)]) for stored in storage[:2])
     if storage[2] is not None:
-        k, v = (packing.unpack(read, torch.float32) for packing, read in zip(storage[2], (k, v)))
+        k, v = (row_format.unpack(read, torch.float32) for row_format, read in zip(storage[2], (k, v)))
     k = k.view(len(held), kv_heads, dim).transpose(0, 1)  # (H_kv, T, D)
     v = v.view(len(held), kv_heads, dim).transpose(0, 1)
     q = torch.from_numpy(qkv[:, : heads * dim]).view(len(qkv), heads, dim).transpose(0, 1)  # (H, n, D)

@@ -18,7 +18,7 @@ from ..config import read_cache_geometry
 from ..errors import CacheConfigError, CacheShapeError, OutOfBlocksError
 from .forward import check_windows, first_forward_plan, group_mask, plan_forward
 from .layer import PagedLayer
-from .packed import checked_kv_dtype
+from .formats import checked_kv_dtype
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
 from .storage import ScratchBuffer, Step
 
@@ -46,10 +46,11 @@ class PagedCache(Cache):
         num_layers, kv_heads, head_dim: explicit sizes, merged with the config.
         dtype, device: storage is allocated now when heads, dim and dtype are known, else by
             the first update (with k's dtype and device).
-        kv_dtype: "int8" or "int4" to store keys and values quantized, each token's kv head as
-            one group with a float16 scale and zero (`packed`; reads return them dequantized
-            to the forward's dtype); "int8/int4" keys int8 and values int4 (or the reverse);
-            None stores them as given.
+        kv_dtype: what keys and values are stored as (`formats`): "float32", "bfloat16",
+            "float16", or quantized, each token's kv head one group with a float16 scale:
+            "fp8", "int8", "int4" (reads return them in the forward's dtype, dequantized);
+            keys and values apart as "keys/values" ("int8/int4", "bfloat16/int4"); None
+            stores them as given.
     """
 
     def __init__(

@@ -1,5 +1,5 @@
 """PagedLayer: one layer's block storage of a PagedCache, (num_blocks, block_size, H_kv, D) for
-keys and for values, or (…, width) bytes when the cache stores them quantized (`packed`). The
+keys and for values, or (…, width) in the row format of the cache's kv_dtype (`formats`). The
 owning cache decides where rows go (block tables, the forward's `Step`); the layer allocates,
 checks, writes and reads its own tensors."""
 
@@ -15,7 +15,7 @@ from ..arrays import array_of, tensor_of
 from ..checks import check_kv_pair, where
 from ..errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 from ..layer import CacheLayer, normal_tensors
-from .packed import PackedRows
+from .formats import RowFormat, row_formats
 from .storage import Step, gather_rows, write_and_gather
 
 
@@ -26,8 +26,8 @@ class PagedLayer(CacheLayer):
         super().__init__()
         self._cache = cache
         self.group = group  # which of the cache's block tables (full or windowed) it follows
-        self.packed: tuple[PackedRows, PackedRows] | None = None  # keys', values' (once dims known)
-        self.forward_dtype: torch.dtype | None = None  # what a packed layer's reads dequantize to
+        self.formats: tuple[RowFormat, RowFormat] | None = None  # keys', values' (with a kv_dtype)
+        self.forward_dtype: torch.dtype | None = None  # what such a layer's reads return
         self.columns = 0  # columns of the batch timeline this layer has seen (the cache sets it)
         self.last_step = -1  # the id of the forward step that wrote this layer last
 
@@ -77,7 +77,8 @@ class PagedLayer(CacheLayer):
 
     @property
     def kv_dtype(self) -> str | None:
-        """The cache's: "int8", "int4", "int8/int4" when rows are stored quantized (`packed`)."""
+        """The cache's: "bfloat16", "int8", "int8/int4" … when rows are stored in a dtype of
+        their own (`formats`); None: as the forward gives them."""
         return self._cache.kv_dtype
 
     # ---- storage ---------------------------------------------------------------------------
@@ -89,22 +90,22 @@ class PagedLayer(CacheLayer):
     def share_storage(self, other: PagedLayer) -> None:
         """Use `other`'s block storage (a view of the same pool: `PagedCache.view`)."""
         self._keys, self._values = other._keys, other._values
-        self.packed, self.forward_dtype = other.packed, other.forward_dtype
+        self.formats, self.forward_dtype = other.formats, other.forward_dtype
 
     def allocate(self, key_shape: tuple, value_shape: tuple, dtype: torch.dtype, device) -> None:
-        """Zeroed storage of (num_blocks, block_size, H_kv, D) keys and (…, D_v) values (the
-        packed rows' bytes instead when the layer quantizes: dtype is then the forward's, and
-        the storage uint8 of each packing's width). Zeros, not empty: gathered padding slots are
-        masked, but a masked NaN still poisons SDPA (0 · NaN), so storage must never hold
-        non-finite garbage (packed zeros are scale 0, zero 0: the value 0)."""
+        """Zeroed storage of (num_blocks, block_size, H_kv, D) keys and (…, D_v) values (with a
+        kv_dtype: each side's row format, its width and storage dtype; dtype is then the
+        forward's). Zeros, not empty: gathered padding slots are masked, but a masked NaN still
+        poisons SDPA (0 · NaN), so storage must never hold non-finite garbage (packed zeros are
+        scale 0, zero 0: the value 0)."""
+        key_dtype = value_dtype = dtype
         if self.kv_dtype is not None:
-            self.packed = PackedRows.pair(self.kv_dtype, key_shape[-1], value_shape[-1])
-            key_shape = (*key_shape[:-1], self.packed[0].width)
-            value_shape = (*value_shape[:-1], self.packed[1].width)
-            self.forward_dtype, dtype = dtype, torch.uint8
+            self.formats = keys, values = row_formats(self.kv_dtype, key_shape[-1], value_shape[-1])
+            key_shape, value_shape = (*key_shape[:-1], keys.width), (*value_shape[:-1], values.width)
+            self.forward_dtype, key_dtype, value_dtype = dtype, keys.storage_dtype, values.storage_dtype
         with normal_tensors():
-            self._keys = torch.zeros(key_shape, dtype=dtype, device=device)  # (N, S, H_kv, D)
-            self._values = torch.zeros(value_shape, dtype=dtype, device=device)  # (N, S, H_kv, D_v)
+            self._keys = torch.zeros(key_shape, dtype=key_dtype, device=device)  # (N, S, H_kv, D)
+            self._values = torch.zeros(value_shape, dtype=value_dtype, device=device)  # (N, S, H_kv, D_v)
 
     def check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise a named error unless k, v (B, H_kv, T_new, D) fit the storage (allocated here,
@@ -130,13 +131,13 @@ class PagedLayer(CacheLayer):
             pool = (self.allocator.num_blocks, self._cache.block_size, k.shape[1])
             self.allocate((*pool, k.shape[3]), (*pool, v.shape[3]), k.dtype, k.device)
         assert self._keys is not None
-        if self.packed is None:
+        if self.formats is None:
             self.check_layout(k.shape[1], k.shape[3], v.shape[3], k.dtype, f"k, v{where(self.layer_idx)}")
-        elif (k.shape[1], k.shape[3], v.shape[3]) != (self._keys.shape[2], *(p.dim for p in self.packed)):
+        elif (k.shape[1], k.shape[3], v.shape[3]) != (self._keys.shape[2], *(f.dim for f in self.formats)):
             raise CacheShapeError(
                 f"k, v{where(self.layer_idx)} have {k.shape[1]} kv heads and head dims {k.shape[3]}, "
                 f"{v.shape[3]}; the cache stores {self._keys.shape[2]} heads of dims "
-                f"{self.packed[0].dim}, {self.packed[1].dim} as {self.kv_dtype}"
+                f"{self.formats[0].dim}, {self.formats[1].dim} as {self.kv_dtype}"
             )
         if k.device != self._keys.device:
             raise CacheDeviceError(
@@ -168,8 +169,8 @@ class PagedLayer(CacheLayer):
         self.last_step = step.step_id
         self.columns += k.shape[2]
         key_scratch, value_scratch = scratch or (None, None)
-        if self.packed is not None:  # quantized on the way in, dequantized on the way out
-            key_rows, value_rows = self.packed
+        if self.formats is not None:  # in the kv_dtype on the way in, the forward's on the way out
+            key_rows, value_rows = self.formats
             keys = write_and_gather(self._keys, key_rows.pack(k), step, key_scratch)
             values = write_and_gather(self._values, value_rows.pack(v), step, value_scratch)
             return key_rows.unpack(keys, k.dtype), value_rows.unpack(values, v.dtype)
@@ -180,8 +181,8 @@ class PagedLayer(CacheLayer):
 
     def storage_rows(self):
         """The layer's whole storage as numpy rows, views: keys (blocks·S·H_kv, D) and values
-        (…, D_v), bfloat16 as its bits (uint16, `arrays`), packed rows as their bytes (uint8,
-        (…, width), `packed`); slot s's kv head h is row s·H_kv + h.
+        (…, D_v), bfloat16 as its bits (uint16, `arrays`), packed rows as their bytes (uint8, or
+        int8 for fp8: (…, width), `formats`); slot s's kv head h is row s·H_kv + h.
         None before it is allocated, off the CPU, or in a dtype numpy lacks (what a step that
         reads and writes the blocks in place needs)."""
         arrays = self._buffer_arrays()
@@ -192,7 +193,7 @@ class PagedLayer(CacheLayer):
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (T, H_kv, D) and values (T, H_kv, D_v) at storage `slots` (T,), copies, as stored
-        (packed rows (T, H_kv, width) uint8 when the layer quantizes)."""
+        (in the kv_dtype's row format: (T, H_kv, width), `formats`)."""
         assert self._keys is not None and self._values is not None
         return tuple(  # type: ignore[return-value]
             storage.view(-1, *storage.shape[2:]).index_select(0, slots)
@@ -201,7 +202,7 @@ class PagedLayer(CacheLayer):
 
     def write_slots(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write keys (T, H_kv, D) and values (T, H_kv, D_v) to storage `slots` (T,), as stored
-        (packed rows when the layer quantizes: what `read_slots` gave)."""
+        (in the kv_dtype's row format: what `read_slots` gave)."""
         assert self._keys is not None and self._values is not None
         for storage, rows in ((self._keys, keys), (self._values, values)):
             storage.view(-1, *storage.shape[2:]).index_copy_(0, slots, rows.to(storage.device))
@@ -248,20 +249,20 @@ class PagedLayer(CacheLayer):
     @property
     def keys(self) -> torch.Tensor | None:
         """Each row's keys (B, H_kv, T, D) gathered from its blocks, right-padded with zeros
-        (dequantized when packed)."""
+        (in the forward's dtype: dequantized when packed)."""
         return self._unpacked(self._gather(self._keys), 0)
 
     @property
     def values(self) -> torch.Tensor | None:
         """Each row's values (B, H_kv, T, D_v) gathered from its blocks, right-padded with zeros
-        (dequantized when packed)."""
+        (in the forward's dtype: dequantized when packed)."""
         return self._unpacked(self._gather(self._values), 1)
 
     def _unpacked(self, rows: torch.Tensor | None, kind: int) -> torch.Tensor | None:
-        """Gathered rows as values: packed ones (kind 0 keys, 1 values) dequantized."""
-        if rows is None or self.packed is None or self.forward_dtype is None:
+        """Gathered rows (kind 0 keys, 1 values) in the forward's dtype (from the kv_dtype's format)."""
+        if rows is None or self.formats is None or self.forward_dtype is None:
             return rows
-        return self.packed[kind].unpack(rows, self.forward_dtype)
+        return self.formats[kind].unpack(rows, self.forward_dtype)
 
     def _rows_held(self) -> int:
         return self.allocator.num_in_use * self._cache.block_size
