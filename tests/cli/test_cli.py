@@ -138,12 +138,13 @@ def test_memory_of_a_quantized_dtype_is_what_the_quantized_cache_holds(capsys, d
 
 def test_memory_refuses_quantized_figures_it_cannot_give(capsys):
     assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "8",
-                 "--dtype", "float8_e4m3fn", "--block-size", "4"]) == 2
-    assert "int8, int4 or full-precision blocks" in capsys.readouterr().err
+                 "--dtype", "float8_e5m2", "--block-size", "4"]) == 2
+    assert "stores float8_e4m3fn" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_memory_counts_a_quantized_paged_pool_with_its_scales_as_the_cache_holds_it(capsys, dtype):
+@pytest.mark.parametrize("dtype, name, bits", [("int8", "int8", 8), ("int4", "int4", 4),
+                                               ("float8_e4m3fn", "fp8", 8)])
+def test_memory_counts_a_quantized_paged_pool_with_its_scales_as_the_cache_holds_it(capsys, dtype, name, bits):
     import torch
 
     from kvcache.cache import PagedCache
@@ -155,10 +156,10 @@ def test_memory_counts_a_quantized_paged_pool_with_its_scales_as_the_cache_holds
     for layer in range(2):
         cache.update(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), layer)
     assert figures["paged_bytes_per_sequence"] == cache.nbytes_used  # two whole blocks, scales included
-    assert figures["bytes_per_token"] == 2 * 2 * 2 * (8 * int(dtype[3:]) // 8 + 4)
+    assert figures["bytes_per_token"] == 2 * 2 * 2 * (8 * bits // 8 + 4)
     by_dtype = figures["max_paged_sequences_by_kv_dtype"]
-    assert by_dtype[dtype] == figures["max_paged_sequences_of_tokens"] == 4096 // cache.nbytes_used
-    assert by_dtype["float32"] < by_dtype["int8"] < by_dtype["int4"]
+    assert by_dtype[name] == figures["max_paged_sequences_of_tokens"] == 4096 // cache.nbytes_used
+    assert by_dtype["float32"] < by_dtype["bfloat16"] < by_dtype["int8"] == by_dtype["fp8"] < by_dtype["int4"]
 
 
 def test_lab_out_pointing_at_a_directory_is_refused_before_any_work(tmp_path, capsys):
@@ -266,6 +267,9 @@ def test_the_help_of_a_command_that_runs_a_model_says_why_weights_are_held_twice
     (["--kv-k-dtype", "int8", "--kv-v-dtype", "int4"], "int8/int4"),
     (["--kv-cache-dtype", "int4", "--kv-k-dtype", "int8"], "int8/int4"),
     (["--kv-v-dtype", "int4"], ValueError),
+    (["--kv-cache-dtype", "fp8"], "fp8"),
+    (["--kv-k-dtype", "bfloat16", "--kv-v-dtype", "int4"], "bfloat16/int4"),
+    (["--kv-cache-dtype", "float16", "--kv-v-dtype", "float16"], "float16"),
 ])
 def test_the_kv_dtype_flags_name_one_packing_of_keys_and_values(flags, expected):
     import argparse
@@ -276,7 +280,7 @@ def test_the_kv_dtype_flags_name_one_packing_of_keys_and_values(flags, expected)
     add_kv_cache_dtype(parser)
     args = parser.parse_args(flags)
     if expected is ValueError:
-        with pytest.raises(ValueError, match="--kv-v-dtype quantizes one of keys and values"):
+        with pytest.raises(ValueError, match="--kv-v-dtype sets one of keys and values apart"):
             kv_dtype_of(args)
     else:
         assert kv_dtype_of(args) == expected

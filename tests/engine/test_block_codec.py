@@ -9,25 +9,27 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kvcache.cache.paged.packed import PackedRows
+from kvcache.cache.paged.formats import row_formats
 from kvcache.engine.block_codec import InvalidBlock, decode_block, encode_block, layout_of, namespace
 
 DIGEST = bytes(range(16))
 SPACE = "ab" * 16
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16, "int8", "int4", "int4/int8"])
+@pytest.fixture(params=[torch.float32, torch.bfloat16, "int8", "int4", "int4/int8", "fp8", "bfloat16/int4",
+                        "float16"])
 def block(request):
-    """(layout, keys, values, the encoded block) of a float pool, or a quantized pool's packed rows."""
-    packed = isinstance(request.param, str)
-    model = tiny_model().to(torch.float32 if packed else request.param)
-    layout = layout_of(model, 4, request.param if packed else None)
+    """(layout, keys, values, the encoded block) of a pool in the model's dtype, or in a kv_dtype
+    (each side in its row format: packed rows, or floats of their own)."""
+    in_kv_dtype = isinstance(request.param, str)
+    model = tiny_model().to(torch.float32 if in_kv_dtype else request.param)
+    layout = layout_of(model, 4, request.param if in_kv_dtype else None)
     shape = (layout.layers, 4, layout.kv_heads, layout.head_dim)
     keys, values = torch.randn(shape).to(model.dtype), torch.randn(shape).to(model.dtype)
-    if packed:
-        key_packing, value_packing = PackedRows.pair(request.param, layout.head_dim, layout.head_dim)
-        keys, values = key_packing.pack(keys), value_packing.pack(values)
-        assert (keys.shape[-1], values.shape[-1]) == layout.row_bytes
+    if in_kv_dtype:
+        key_format, value_format = row_formats(request.param, layout.head_dim, layout.head_dim)
+        keys, values = key_format.pack(keys), value_format.pack(values)
+        assert (keys.shape[-1] * keys.element_size(), values.shape[-1] * values.element_size()) == layout.row_bytes
     return layout, keys, values, encode_block(layout, SPACE, DIGEST, keys, values)
 
 
@@ -56,19 +58,27 @@ def test_a_block_under_another_digest_a_short_value_or_non_finite_numbers_are_re
     with pytest.raises(InvalidBlock, match="bytes, got NoneType"):
         decode_block(layout, SPACE, DIGEST, None)
     poisoned = keys.clone()
-    if layout.kv_dtype is None:
+    if keys.dtype.is_floating_point:
         poisoned[0, 0, 0, 0] = float("nan")
     else:  # a row's float16 scale: NaN
-        poisoned[0, 0, 0, -4:-2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+        poisoned[0, 0, 0, -4:-2] = torch.tensor([float("nan")], dtype=torch.float16).view(keys.dtype)
     with pytest.raises(InvalidBlock, match="non-finite"):
         decode_block(layout, SPACE, DIGEST, encode_block(layout, SPACE, DIGEST, poisoned, values))
+    if layout.row_dtypes[0] == "fp8":  # an fp8 code that is NaN (0x7F), its scale finite
+        poisoned = keys.clone()
+        poisoned[0, 0, 0, 3] = 0x7F
+        with pytest.raises(InvalidBlock, match="NaN codes"):
+            decode_block(layout, SPACE, DIGEST, encode_block(layout, SPACE, DIGEST, poisoned, values))
 
 
 def test_the_header_is_fixed_and_names_the_layout(block):
     layout, _, _, value = block
-    magic, version, _, _, layers, heads, dim, _, size = struct.unpack_from("<4sHBBHHHHH", value)
-    assert (magic, version, layers, heads, dim, size) == (b"KVB2", 2, layout.layers, layout.kv_heads,
+    magic, version, key_format, value_format, layers, heads, dim, _, size = struct.unpack_from(
+        "<4sHBBHHHHH", value)
+    assert (magic, version, layers, heads, dim, size) == (b"KVB3", 3, layout.layers, layout.kv_heads,
                                                          layout.head_dim, 4)
+    codes = {"float32": 1, "float16": 2, "bfloat16": 3, "int8": 4, "int4": 5, "fp8": 6}
+    assert (key_format, value_format) == tuple(codes[side] for side in layout.row_dtypes)
 
 
 def test_namespaces_differ_by_weights_dtype_and_block_size():

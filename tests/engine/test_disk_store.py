@@ -145,13 +145,15 @@ def test_disk_then_redis_read_as_one_store_and_a_redis_hit_is_promoted_to_disk(m
     assert NEW > 0
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype, other, share", [("int8", "int4", 0.3), ("int4", None, 0.3),
+                                                   ("fp8", "int8", 0.3), ("bfloat16/int4", "int4", 0.4)])
 def test_quantized_blocks_go_through_disk_and_redis_packed_and_never_into_another_dtypes_pool(
-    model, tmp_path, kv_dtype
+    model, tmp_path, kv_dtype, other, share
 ):
     """A quantized pool's blocks are stored as their packed bytes (smaller files and Redis values
     than float32's), read back by a restarted engine on disk then Redis with the answer a cold
-    quantized engine gives, and never read by an engine whose pool stores another dtype."""
+    quantized engine gives, and never read by an engine whose pool stores another dtype (fp8 and
+    int8 rows have the same bytes: the format, not the size, tells them apart)."""
     redis_server = RedisServer().start()
     try:
         prompt = ids(40, seed=6)
@@ -161,14 +163,14 @@ def test_quantized_blocks_go_through_disk_and_redis_packed_and_never_into_anothe
         flushed(cold_engine).close()
         layout = cold_engine.store_tier.layout
         float_bytes = engine(model).pool.block_bytes  # (a float32 pool's block, its header aside)
-        assert layout.kv_dtype == kv_dtype and layout.payload_bytes < float_bytes * 0.3
+        assert layout.kv_dtype == kv_dtype and layout.payload_bytes < float_bytes * share
         assert {path.stat().st_size for path in _files(tmp_path)} == {layout.value_bytes}
         for tiers in ([DiskBlockStore(tmp_path)], [RedisBlockStore(redis_server.url)]):  # each alone
             warm_engine = engine(model, tiers[0], kv_dtype)
             warm = answer(warm_engine, prompt)
             assert warm.tokens == cold.tokens and warm.usage.cached_tokens == 4 * BLOCK
             warm_engine.close()
-        other_dtype = engine(model, DiskBlockStore(tmp_path), "int4" if kv_dtype == "int8" else None)
+        other_dtype = engine(model, DiskBlockStore(tmp_path), other)
         answer(other_dtype, prompt)
         assert other_dtype.stats()["kv_store"]["hit_blocks"] == 0
         other_dtype.close()

@@ -395,11 +395,12 @@ def test_warming_up_runs_every_road_a_step_takes_then_starts_the_counters_again(
     _assert_baseline(engine)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype, key_rows", [("int8", np.uint8), ("int4", np.uint8), ("fp8", np.int8),
+                                                ("bfloat16/int4", np.uint16)])
 def test_quantized_blocks_give_a_solo_run_on_a_quantized_cache_through_preemption_and_prefixes(
-    model, kv_dtype
+    model, kv_dtype, key_rows
 ):
-    """The pool's blocks stored as int8/int4 (`kv_dtype`): each token's row is quantized on its
+    """The pool's blocks stored in a kv_dtype (`kv_dtype`): each token's row is quantized on its
     own, so how a prompt was chunked, whether its prefix was attached from another request's
     blocks and whether it was preempted and recomputed change nothing: greedy tokens equal a solo
     generate on a quantized PagedCache (the seam's torch arithmetic, the kernels' own)."""
@@ -419,5 +420,5 @@ def test_quantized_blocks_give_a_solo_run_on_a_quantized_cache_through_preemptio
     assert engine.metrics.preemptions > 0 and engine.metrics.cached_prompt_tokens > 0
     for prompt, result in zip(prompts, results):
         assert result.tokens == solo_quantized(prompt, 14)
-    assert engine.pool.cache.layers[0].storage_rows()[0].dtype == np.uint8
+    assert engine.pool.cache.layers[0].storage_rows()[0].dtype == key_rows  # (bfloat16 as its bits)
     _assert_baseline(engine)

@@ -188,9 +188,11 @@ def test_a_failed_load_leaves_the_callers_cache_as_it_was(model, saved):
     assert state() == before
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_a_quantized_row_is_saved_packed_and_loads_only_into_its_own_kv_dtype(model, prompt, tmp_path,
-                                                                           kv_dtype):
+@pytest.mark.parametrize("kv_dtype, stored", [("int8", (torch.uint8,) * 2), ("int4", (torch.uint8,) * 2),
+                                              ("fp8", (torch.int8,) * 2),
+                                              ("bfloat16/int4", (torch.bfloat16, torch.uint8))])
+def test_a_row_in_a_kv_dtype_is_saved_as_stored_and_loads_only_into_its_own_kv_dtype(model, prompt, tmp_path,
+                                                                                   kv_dtype, stored):
     from kvcache.reuse import prompt_cache
 
     cache = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32, kv_dtype=kv_dtype)
@@ -200,7 +202,7 @@ def test_a_quantized_row_is_saved_packed_and_loads_only_into_its_own_kv_dtype(mo
     path = tmp_path / "quantized.kv"
     save_prompt_cache(path, cache, model)
     tensors = load_file(path)
-    assert tensors["keys.0"].dtype == torch.uint8  # packed: codes, scale, zero
+    assert (tensors["keys.0"].dtype, tensors["values.0"].dtype) == stored  # packed: codes, scale, zero
     loaded = load_prompt_cache(path, model)
     assert loaded.kv_dtype == kv_dtype
     torch.testing.assert_close(loaded.layers[1].values, cache.layers[1].values, atol=0, rtol=0)
@@ -215,8 +217,9 @@ def test_a_quantized_row_is_saved_packed_and_loads_only_into_its_own_kv_dtype(mo
             load_prompt_cache(path, model, target)
     header = prompt_cache.read_prompt_cache_header(path, model)
     poisoned = dict(tensors)
-    poisoned["keys.0"] = tensors["keys.0"].clone()
-    poisoned["keys.0"][0, 0, -4:-2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    poisoned["values.0"] = tensors["values.0"].clone()  # (a packed side in each case)
+    scale_bytes = torch.tensor([float("inf")], dtype=torch.float16).view(stored[1])
+    poisoned["values.0"][0, 0, -4:-2] = scale_bytes
     metadata = {key: value for key, value in load_metadata(path).items()}
     metadata["checksum"] = prompt_cache._checksum(header["token_ids"], poisoned)  # a valid file's
     save_file(poisoned, tmp_path / "poisoned.kv", metadata=metadata)

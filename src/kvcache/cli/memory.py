@@ -186,8 +186,6 @@ def _run_quantized(shape: KVShape, args: argparse.Namespace) -> int:
         refusal = "kvcache's fp8 cache stores float8_e4m3fn; float8_e5m2 is not a cache it builds"
     elif shape.sliding_window:
         refusal = "a quantized cache keeps sliding-window layers as full-precision rings: not computed here"
-    elif args.block_size is not None:
-        refusal = f"--block-size: a paged cache stores {', '.join(PACKED_KV_DTYPES)} or full-precision blocks"
     elif args.residual_length < 0:
         refusal = f"--residual-length must be >= 0, got {args.residual_length}"
     if refusal:

@@ -26,8 +26,8 @@ from kvcache.geometry import read_geometry
 from kvcache.memory import (
     PAGED_KV_DTYPES,
     KVShape,
-    paged_kv_dtype,
     paged_block_bytes,
+    paged_kv_dtype,
     paged_pool,
     parse_size,
     window_pool_blocks,

@@ -117,8 +117,9 @@ def _fp8_code(value):  # pragma: no cover (compiled)
     else:  # round the float32's 23 mantissa bits to 3, the carry moving into the exponent
         bits = np.float32(magnitude).view(np.uint32)
         bits = (bits + np.uint32(0x7FFFF) + ((bits >> np.uint32(20)) & np.uint32(1))) & np.uint32(0xFFF00000)
-        code = ((bits >> np.uint32(23)) - np.uint32(120)) << np.uint32(3) | ((bits >> np.uint32(20)) & np.uint32(7))
-    if value < 0:
+        exponent = (bits >> np.uint32(23)) - np.uint32(120)  # (float32's bias 127, e4m3's 7)
+        code = exponent << np.uint32(3) | ((bits >> np.uint32(20)) & np.uint32(7))
+    if np.float32(value).view(np.uint32) >> np.uint32(31):  # the sign bit, as torch keeps it (-0 too)
         code |= np.uint32(0x80)
     return np.int8(np.int32(code) - np.int32(256) if code >= 128 else np.int32(code))
 

@@ -16,9 +16,9 @@ from ..base import Cache, ForwardPlan, LayerMasks
 from ..checks import check_batch_index, check_crop, check_new_tokens, where
 from ..config import read_cache_geometry
 from ..errors import CacheConfigError, CacheShapeError, OutOfBlocksError
+from .formats import checked_kv_dtype
 from .forward import check_windows, first_forward_plan, group_mask, plan_forward
 from .layer import PagedLayer
-from .formats import checked_kv_dtype
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
 from .storage import ScratchBuffer, Step
 

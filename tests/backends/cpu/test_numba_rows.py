@@ -1,0 +1,41 @@
+"""The kernels' fp8 rows (`numba_rows`): stored with the rounding torch's float8_e4m3fn cast gives
+(to nearest, ties to even, subnormals included), read back as the e4m3 values `formats` unpacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcache.backends.cpu import numba_products
+from kvcache.cache.paged.formats import PackedRows
+
+DIM = 64
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite e4m3fn value (ascending) and each midpoint between neighbours (the ties)."""
+    values = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].unique()  # (253,) sorted, one zero
+    return torch.cat((values, (values[1:] + values[:-1]) / 2))
+
+
+def test_fp8_rows_are_stored_as_torch_rounds_and_read_back_as_formats_unpacks():
+    assert numba_products.available()
+    grid = _e4m3_grid()
+    extra = torch.randn(2000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-4, 2.6, 2000)
+    extra = extra.clamp(-440, 440)  # (within e4m3's range: every row's scale is exactly 1)
+    values = torch.cat((grid, extra))
+    per_row = DIM - 1
+    rows = -(-len(values) // per_row)
+    x = torch.zeros(rows * per_row)
+    x[: len(values)] = values
+    x = torch.cat((torch.full((rows, 1), 448.0), x.view(rows, per_row)), dim=1)  # scale exactly 1
+    qkv = np.ascontiguousarray(torch.cat((x, x, x), dim=1).numpy())  # (rows, 3·D): q, k, v of one head
+    keys, values_out = (np.zeros((rows, DIM + 4), np.int8) for _ in "kv")
+    numba_products.kernels().store(qkv, 1, 1, np.arange(rows, dtype=np.int64), keys, values_out)
+    packing = PackedRows("fp8", DIM)
+    expected = packing.pack(x)  # torch's arithmetic (`kvcache.cache.quantize`)
+    assert torch.equal(torch.from_numpy(keys), expected)
+    assert packing.finite(torch.from_numpy(keys))
+    read = packing.unpack(torch.from_numpy(keys), torch.float32)
+    torch.testing.assert_close(read, x.to(torch.float8_e4m3fn).float(), atol=0, rtol=0)
