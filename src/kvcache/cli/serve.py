@@ -87,8 +87,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype(engine)
     engine.add_argument(
         "--kv-drift-sample", type=_share, default=0.0, metavar="SHARE",
-        help="with --kv-cache-dtype int8/int4: the share of requests (0 to 1, e.g. 0.01) that also run "
-        "on a full-precision shadow pool, measuring how far the quantized KV moved each next-token "
+        help="with a --kv-cache-dtype (int8, fp8, …): the share of requests (0 to 1, e.g. 0.01) that also "
+        "run on a full-precision shadow pool, measuring how far the stored KV moved each next-token "
         "distribution (KL, top-1 agreement): per request as kv_drift beside usage, in /metrics as "
         "kvcache_kv_drift_* (default 0: off)",
     )
@@ -449,7 +449,7 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
     print(f"kvcache serve: {settings.model_name} ({model.dtype}, decode step {engine.backend.name}) on "
           f"http://{host}:{port}/v1", flush=True)
     context = settings.context
-    stored = "" if kv_dtype_of(args) is None else f", {kv_dtype_of(args)} with scales"
+    stored = "" if kv_dtype_of(args) is None else f", keys/values stored as {kv_dtype_of(args)}"
     print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
           f"({format_bytes(engine.pool.cache.nbytes)}{stored}): {engine.capacity(context)} sequences of "
           f"{context} tokens (--ctx-size), {args.max_running} running at once", flush=True)
