@@ -162,9 +162,8 @@ class ArrayStep(DecodeBackend):
             )
         # (no autograd to switch off: every tensor the step makes comes from numpy or a detached
         # copy, so nothing it computes records a graph)
-        in_kv_dtype = isinstance(cache, PagedCache) and cache.kv_dtype is not None
-        if in_kv_dtype and attention_mask is None and self.row_layers is not None:
-            return self._decode_in_kv_dtype(listed, cache)
+        if isinstance(cache, PagedCache) and attention_mask is None and self.row_layers is not None:
+            return self._decode_on_blocks(listed, cache)
         past = cache.get_seq_length()
         with torch_threads(self._threads(len(listed))):
             windows = self.config.layer_windows
@@ -175,11 +174,11 @@ class ArrayStep(DecodeBackend):
                 cache.abandon_forward(past)
                 raise
 
-    def _decode_in_kv_dtype(self, token_ids: list[int], cache) -> torch.Tensor:
-        """A decode step on a PagedCache that stores its rows in a kv_dtype (quantized, or a float
-        dtype of its own; rows without padding) as the engine runs one: every row's next token in
-        one `PagedBatch`, the kernels reading the blocks in place (`paged_step`), instead of the
-        seam's conversion of every layer's whole context each way."""
+    def _decode_on_blocks(self, token_ids: list[int], cache) -> torch.Tensor:
+        """A decode step on a PagedCache (rows without padding) as the engine runs one: every row's
+        next token in one `PagedBatch`, the kernels reading the blocks in place (`paged_step`),
+        instead of the seam's gather of every layer's whole context (and, for rows in a kv_dtype,
+        its conversion each way)."""
         rows = list(range(len(token_ids)))
         batch = PagedBatch(cache, rows, [[token] for token in token_ids], [True] * len(rows))
         cache.reserve(rows, batch.totals)
