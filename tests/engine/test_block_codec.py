@@ -29,7 +29,8 @@ def block(request):
     if in_kv_dtype:
         key_format, value_format = row_formats(request.param, layout.head_dim, layout.head_dim)
         keys, values = key_format.pack(keys), value_format.pack(values)
-        assert (keys.shape[-1] * keys.element_size(), values.shape[-1] * values.element_size()) == layout.row_bytes
+        row_bytes = (keys.shape[-1] * keys.element_size(), values.shape[-1] * values.element_size())
+        assert row_bytes == layout.row_bytes
     return layout, keys, values, encode_block(layout, SPACE, DIGEST, keys, values)
 
 

@@ -16,7 +16,7 @@ from waiting import wait_for
 import kvcache
 from kvcache.blocks import ROOT_HASH, block_hash
 from kvcache.engine import Engine
-from kvcache.engine.kv_events import KVEventPublisher, check_endpoint, external_hash
+from kvcache.engine.kv_events import REPLAY_END, KVEventPublisher, check_endpoint, external_hash
 
 
 # vLLM's event types (vllm.distributed.kv_events), written out here as its subscribers declare them
@@ -240,5 +240,62 @@ def test_a_taken_port_is_an_error_naming_the_flag():
     try:
         with pytest.raises(OSError, match=f"--kv-events: cannot bind {endpoint}"):
             KVEventPublisher(endpoint)
+    finally:
+        first.close()
+
+
+def _replayed(endpoint: str, request: bytes) -> list[tuple[int, bytes]]:
+    """What a subscriber's replay request (the first number it missed) brings back, up to the end
+    marker: [(sequence number, payload)]."""
+    context = zmq.Context()
+    asker = context.socket(zmq.DEALER)
+    asker.connect(endpoint)
+    try:
+        asker.send_multipart([b"", request])  # (as a REQ socket frames it)
+        got = []
+        while asker.poll(10_000):
+            delimiter, number, payload = asker.recv_multipart()
+            assert delimiter == b""
+            if number == REPLAY_END:
+                assert payload == b""
+                return got
+            got.append((int.from_bytes(number, "big"), payload))
+        raise AssertionError("no end marker within 10 s")
+    finally:
+        asker.close(0)
+        context.term()
+
+
+def test_a_subscriber_that_missed_batches_gets_them_replayed_from_the_number_it_asks_for():
+    """vLLM's replay endpoint: the kept batches from the number asked for, in order, each decoding
+    with vLLM's schema, then the end marker; only the last `replay_batches` are kept; a request
+    that is not a number gets the end marker alone."""
+    replay = free_endpoint()
+    publisher = KVEventPublisher(free_endpoint(), replay=replay, replay_batches=4)
+    try:
+        for index in range(6):  # with the AllBlocksCleared batch of the start: 7 batches, 0 .. 6
+            publisher.removed(block_hash(ROOT_HASH, [index] * BLOCK))
+            publisher.flush()
+        wait_for(lambda: [n for n, _ in _replayed(replay, (0).to_bytes(8, "big"))] == [3, 4, 5, 6], 30)
+        got = _replayed(replay, (5).to_bytes(8, "big"))
+        assert [number for number, _ in got] == [5, 6]
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        removed = [decoder.decode(payload).events[0] for _, payload in got]
+        assert [event.block_hashes for event in removed] == [
+            [external_hash(block_hash(ROOT_HASH, [index] * BLOCK))] for index in (4, 5)]
+        assert _replayed(replay, b"\x01\x02\x03") == []  # not 8 bytes: the end marker alone
+        assert _replayed(replay, (99).to_bytes(8, "big")) == []
+    finally:
+        publisher.close()
+
+
+def test_a_replay_endpoint_that_is_not_one_or_is_taken_is_refused_by_name():
+    with pytest.raises(ValueError, match="--kv-events-replay must be a ZeroMQ endpoint"):
+        KVEventPublisher(free_endpoint(), replay="127.0.0.1:5558")
+    taken = free_endpoint()
+    first = KVEventPublisher(free_endpoint(), replay=taken)
+    try:
+        with pytest.raises(OSError, match=f"--kv-events-replay: cannot bind {taken}"):
+            KVEventPublisher(free_endpoint(), replay=taken)
     finally:
         first.close()

@@ -148,6 +148,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="the topic frame of every event message (default empty, as vLLM's)",
     )
     engine.add_argument(
+        "--kv-events-replay", metavar="ENDPOINT",
+        help="with --kv-events: bind a ZeroMQ ROUTER socket at ENDPOINT (tcp://127.0.0.1:5558) that "
+        "replays the last 10,000 event batches from a sequence number a subscriber sends (8 bytes, "
+        "big-endian), as vLLM's replay endpoint; default: none",
+    )
+    engine.add_argument(
         "--kv-events-connect", action="store_true",
         help="connect --kv-events' socket to ENDPOINT, where a router's indexer binds (llm-d's), "
         "instead of binding it",
@@ -284,7 +290,8 @@ def _run_replicas(args: argparse.Namespace, sock) -> int:
     from kvcache.server.run import serve
 
     per_process = [flag for flag, value in (("--kv-events", args.kv_events), ("--kv-disk", args.kv_disk),
-                                            ("--kv-pin", args.kv_pin)) if value]
+                                            ("--kv-pin", args.kv_pin),
+                                            ("--kv-events-replay", args.kv_events_replay)) if value]
     if per_process:
         sock.close()
         print(f"kvcache serve: error: {', '.join(per_process)} cannot be used with --replicas yet (one "
@@ -345,10 +352,13 @@ def _event_publisher(args: argparse.Namespace):
     """--kv-events' publisher, its socket bound (None without the flag); ValueError or OSError
     naming the flag."""
     if args.kv_events is None:
+        if args.kv_events_replay is not None:
+            raise ValueError("--kv-events-replay replays --kv-events' batches: give --kv-events too")
         return None
     from kvcache.engine.kv_events import KVEventPublisher
 
-    return KVEventPublisher(args.kv_events, topic=args.kv_events_topic, connect=args.kv_events_connect)
+    return KVEventPublisher(args.kv_events, topic=args.kv_events_topic, connect=args.kv_events_connect,
+                            replay=args.kv_events_replay)
 
 
 def _engine(args: argparse.Namespace, events=None):
@@ -469,7 +479,8 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
         print(f"  KV store: {args.kv_store} (blocks live {args.kv_store_ttl} s)", flush=True)
     if args.kv_events:
         how = "connected to" if args.kv_events_connect else "bound at"
-        print(f"  KV events: {how} {args.kv_events} (topic {args.kv_events_topic!r}, vLLM's format)",
+        replay = "" if args.kv_events_replay is None else f"; replay bound at {args.kv_events_replay}"
+        print(f"  KV events: {how} {args.kv_events} (topic {args.kv_events_topic!r}, vLLM's format{replay})",
               flush=True)
 
 

@@ -14,6 +14,13 @@ A block hash is the first 8 bytes of kvcache's 16-byte chained digest as an inte
 parent_block_hash is None for a sequence's first block; lora_id is None; medium is "CPU" (the
 pool lives in host memory). One batch per engine step that changed what the pool can find;
 AllBlocksCleared first (a restarted replica holds nothing) and last (one that stops).
+
+Replay (optional, vLLM's replay endpoint): a ROUTER socket bound at a second endpoint keeps the
+last `replay_batches` batches; a subscriber that sees a gap in the sequence numbers sends the
+first number it missed (8 bytes, big-endian) and is answered, on the same connection, with one
+message [empty delimiter, sequence number, payload] per kept batch from that number on, then
+[empty delimiter, 2**64 - 1 (-1 as a signed number), empty payload] to say the replay is over. A
+request that is not 8 bytes gets the end marker alone.
 """
 
 from __future__ import annotations
@@ -22,10 +29,14 @@ import queue
 import re
 import threading
 import time
+from collections import deque
 
 #: what --kv-events accepts: a ZeroMQ endpoint to bind or connect to
 ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+)$")
 MEDIUM = "CPU"
+REPLAY_BATCHES = 10_000  # the batches a replay socket keeps (vLLM's default buffer)
+REPLAY_END = (2**64 - 1).to_bytes(8, "big")  # -1 as a signed 64-bit number: the replay is over
+_REPLAY_POLL_S = 0.02  # how long the sending thread waits for a batch before it looks for requests
 _STOP = object()
 
 
@@ -35,10 +46,11 @@ def external_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-def check_endpoint(endpoint: str) -> str:
-    """`endpoint` when it is tcp://HOST:PORT or ipc://PATH; ValueError naming what was given."""
+def check_endpoint(endpoint: str, flag: str = "--kv-events") -> str:
+    """`endpoint` when it is tcp://HOST:PORT or ipc://PATH; ValueError naming `flag` and what was
+    given."""
     if not isinstance(endpoint, str) or not ENDPOINT.match(endpoint):
-        raise ValueError(f"--kv-events must be a ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH; "
+        raise ValueError(f"{flag} must be a ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH; "
                          f"got {endpoint!r}")
     return endpoint
 
@@ -51,10 +63,14 @@ class KVEventPublisher:
     `flush` hands the step's events to the sending thread.
 
     topic: the first frame of every message (vLLM's default is empty; llm-d's scorer subscribes
-    to a topic of its own, e.g. kv@POD@MODEL)."""
+    to a topic of its own, e.g. kv@POD@MODEL). replay: an endpoint to bind the replay socket at
+    (module docstring), keeping the last `replay_batches` batches; None: no replay."""
 
-    def __init__(self, endpoint: str, topic: str = "", *, connect: bool = False) -> None:
+    def __init__(self, endpoint: str, topic: str = "", *, connect: bool = False, replay: str | None = None,
+                 replay_batches: int = REPLAY_BATCHES) -> None:
         check_endpoint(endpoint)
+        if replay is not None:
+            check_endpoint(replay, "--kv-events-replay")
         try:
             import msgpack
             import zmq
@@ -64,15 +80,17 @@ class KVEventPublisher:
         self.block_size = 0  # set by `attach`
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.LINGER, 1000)  # at close, a second to send what is queued
+        self._replay = None
         try:
-            (self._socket.connect if connect else self._socket.bind)(endpoint)
-        except zmq.ZMQError as error:
-            self._socket.close(0)
-            self._context.term()
-            verb = "connect to" if connect else "bind"
-            raise OSError(f"--kv-events: cannot {verb} {endpoint}: {error}") from None
+            # (at close, a second to send what is queued)
+            self._socket = self._open(zmq.PUB, endpoint, connect, "--kv-events", {zmq.LINGER: 1000})
+            if replay is not None:  # (a whole replay fits in the queue: none of it dropped)
+                self._replay = self._open(zmq.ROUTER, replay, False, "--kv-events-replay",
+                                          {zmq.SNDHWM: replay_batches + 1})
+        except OSError:
+            self._context.destroy(0)
+            raise
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)  # (number, payload)
         self.batches = 0  # batches flushed: their sequence numbers are 0 .. batches - 1
         self._pending: list[list] = []
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
@@ -80,6 +98,22 @@ class KVEventPublisher:
         self._thread.start()
         self.cleared()
         self.flush()
+
+    def _open(self, kind: int, endpoint: str, connect: bool, flag: str, options: dict | None = None):
+        """A socket of `kind` with these options, bound at (or connected to) `endpoint`; OSError
+        naming `flag`."""
+        import zmq
+
+        socket = self._context.socket(kind)
+        for option, value in (options or {}).items():
+            socket.setsockopt(option, value)
+        try:
+            (socket.connect if connect else socket.bind)(endpoint)
+        except zmq.ZMQError as error:
+            socket.close(0)
+            verb = "connect to" if connect else "bind"
+            raise OSError(f"{flag}: cannot {verb} {endpoint}: {error}") from None
+        return socket
 
     def attach(self, allocator) -> None:
         """Follow `allocator` (a `kvcache.blocks.BlockAllocator`): its blocks' events are ours."""
@@ -114,10 +148,36 @@ class KVEventPublisher:
             self.batches += 1
 
     def _send(self) -> None:
-        sequence = 0
-        while (payload := self._batches.get()) is not _STOP:
-            self._socket.send_multipart([self.topic, sequence.to_bytes(8, "big"), payload])
-            sequence += 1
+        """The sending thread: every batch published in order (and kept for replay); between
+        batches, replay requests answered. The only user of the sockets."""
+        sequence, wait = 0, None if self._replay is None else _REPLAY_POLL_S
+        while True:
+            try:
+                payload = self._batches.get(timeout=wait)
+            except queue.Empty:
+                payload = None
+            if payload is _STOP:
+                return
+            if payload is not None:
+                self._socket.send_multipart([self.topic, sequence.to_bytes(8, "big"), payload])
+                if self._replay is not None:
+                    self._kept.append((sequence, payload))
+                sequence += 1
+            if self._replay is not None:
+                self._answer_replays()
+
+    def _answer_replays(self) -> None:
+        """Answer every waiting replay request (module docstring): the kept batches from the
+        number asked for, then the end marker."""
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            client, asked = frames[0], frames[-1]
+            if len(frames) >= 2 and len(asked) == 8:
+                first = int.from_bytes(asked, "big")
+                for number, payload in list(self._kept):
+                    if number >= first:
+                        self._replay.send_multipart([client, b"", number.to_bytes(8, "big"), payload])
+            self._replay.send_multipart([client, b"", REPLAY_END, b""])
 
     def close(self) -> None:
         """Publish AllBlocksCleared (this replica's blocks go away with it), then close."""
@@ -128,4 +188,6 @@ class KVEventPublisher:
         self._batches.put(_STOP)
         self._thread.join(5.0)
         self._socket.close()
+        if self._replay is not None:
+            self._replay.close(0)
         self._context.term()
