@@ -164,11 +164,11 @@ def test_a_row_that_does_not_sample_gets_no_logits_and_its_keys_are_stored():
     torch.testing.assert_close(logits[0], expected[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8"])
-def test_generate_on_a_quantized_cache_decodes_on_the_kernels_as_the_seam_does(kv_dtype):
-    """A decode step of `generate` on a quantized PagedCache runs the engine's step (the packed
-    blocks scored in place), with the tokens of the torch forward's seam (quantize on write,
-    dequantize every read), one row or several."""
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "int4", "fp8", "float16"])
+def test_generate_on_a_paged_cache_decodes_on_the_kernels_as_the_seam_does(kv_dtype):
+    """A decode step of `generate` on a PagedCache runs the engine's step (the blocks read in
+    place, packed ones scored through their codes), with the tokens of the torch forward's seam
+    (rows converted on write and on every read), one row or several."""
     from kvcache.generation import generate
 
     model = random_model(tiny_config(**FAMILIES["llama, 2 groups"]), 9)
