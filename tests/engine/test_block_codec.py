@@ -102,3 +102,17 @@ def test_another_models_valid_block_copied_under_this_models_key_is_refused():
     decode_block(layout, namespace(theirs, layout), DIGEST, copied)
     with pytest.raises(InvalidBlock, match="another model's block"):
         decode_block(layout, namespace(ours, layout), DIGEST, copied)
+
+
+def test_values_after_keys_of_an_odd_byte_count_read_back():
+    """int4 keys of 4 channels (6 bytes a row) in blocks of 3: the float32 values start at byte 18,
+    not a multiple of 4, and still read back exactly."""
+    from kvcache.engine.block_codec import BlockLayout
+
+    layout = BlockLayout(1, 1, 4, 4, 3, torch.float32, "int4/float32")
+    key_format, value_format = row_formats("int4/float32", 4, 4)
+    keys = key_format.pack(torch.randn(1, 3, 1, 4))
+    values = value_format.pack(torch.randn(1, 3, 1, 4))
+    value = encode_block(layout, SPACE, DIGEST, keys, values)
+    got_keys, got_values = decode_block(layout, SPACE, DIGEST, value)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)

@@ -299,3 +299,22 @@ def test_a_replay_endpoint_that_is_not_one_or_is_taken_is_refused_by_name():
             KVEventPublisher(free_endpoint(), replay=taken)
     finally:
         first.close()
+
+
+def test_requests_in_a_row_each_get_their_whole_answer_and_publishing_goes_on():
+    """One subscriber asking again and again: every answer complete (the end marker last), and a
+    batch flushed after them is still published (and kept)."""
+    replay = free_endpoint()
+    publisher = KVEventPublisher(free_endpoint(), replay=replay, replay_batches=50)
+    try:
+        for index in range(20):  # batches 1 .. 20 (0: AllBlocksCleared of the start)
+            publisher.removed(block_hash(ROOT_HASH, [index] * BLOCK))
+            publisher.flush()
+        wait_for(lambda: len(_replayed(replay, (0).to_bytes(8, "big"))) == 21, 30)
+        answers = [_replayed(replay, (10).to_bytes(8, "big")) for _ in range(5)]
+        assert all([number for number, _ in answer] == list(range(10, 21)) for answer in answers)
+        publisher.cleared()
+        publisher.flush()
+        wait_for(lambda: [n for n, _ in _replayed(replay, (21).to_bytes(8, "big"))] == [21], 30)
+    finally:
+        publisher.close()

@@ -11,6 +11,7 @@ from tiny_models import VOCAB, tiny_model
 
 from kvcache.cache import OutOfBlocksError, PagedCache
 from kvcache.generation import generate
+from kvcache.memory import kv_dtype_pair
 from kvcache.reuse.prefix import PrefixCache
 from kvcache.reuse.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
@@ -225,6 +226,11 @@ def test_a_row_in_a_kv_dtype_is_saved_as_stored_and_loads_only_into_its_own_kv_d
     save_file(poisoned, tmp_path / "poisoned.kv", metadata=metadata)
     with pytest.raises(PromptCacheError, match="non-finite"):
         load_prompt_cache(tmp_path / "poisoned.kv", model)
+    spelled = {**load_metadata(path), "kv_dtype": "/".join(kv_dtype_pair(kv_dtype))}  # "int8/int8"
+    save_file(tensors, tmp_path / "spelled.kv", metadata=spelled)
+    target = PagedCache(16, BLOCK, config=model.config, dtype=torch.float32, kv_dtype=kv_dtype)
+    load_prompt_cache(tmp_path / "spelled.kv", model, target)  # the same dtype, however it is written
+    assert target.row_lengths == [len(prompt)]
 
 
 def load_metadata(path) -> dict:

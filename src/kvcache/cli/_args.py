@@ -42,7 +42,7 @@ def kv_dtype_of(args) -> str | None:
     if (keys is None) != (values is None):
         given = "--kv-k-dtype" if keys else "--kv-v-dtype"
         raise ValueError(f"{given} sets one of keys and values apart: give the other's dtype too "
-                         f"(--kv-k-dtype/--kv-v-dtype, e.g. float32 as computed) or --kv-cache-dtype")
+                         f"(--kv-k-dtype/--kv-v-dtype, e.g. the model's own) or --kv-cache-dtype")
     return None if keys is None else kv_dtype_name(keys, values)
 
 

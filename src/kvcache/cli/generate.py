@@ -173,7 +173,7 @@ def _load(args: argparse.Namespace):
         raise ValueError(f"--kv-disk keeps a paged cache's blocks: give --cache paged (or none), not "
                          f"{args.cache}")
     if kv_dtype_of(args) and args.cache != "paged":
-        raise ValueError(f"--kv-cache-dtype {kv_dtype_of(args)} quantizes a paged cache's blocks: give "
+        raise ValueError(f"--kv-cache-dtype {kv_dtype_of(args)} sets a paged cache's blocks' dtype: give "
                          f"--cache paged (or none), not {args.cache}")
     folder = Path(resolve_model_dir(args.model))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -377,8 +377,8 @@ def _engine(args: argparse.Namespace, events=None):
     say_weights("serve", model)
     tokenizer = load_tokenizer(folder)
     if args.kv_drift_sample and kv_dtype_of(args) is None:
-        raise ValueError("--kv-drift-sample compares a quantized pool with full precision: give "
-                         "--kv-cache-dtype int8 or int4 too")
+        raise ValueError("--kv-drift-sample compares a pool in a KV dtype of its own with full precision: "
+                         "give --kv-cache-dtype (int8, fp8, …) too")
     store = open_tiers(args.kv_disk, disk_bytes=args.kv_disk_size, url=args.kv_store, ttl_s=args.kv_store_ttl)
     print(f"kvcache serve: building the engine (the weights laid out for its kernels, a KV pool of "
           f"{format_bytes(args.kv_budget)})…", file=sys.stderr, flush=True)

@@ -170,15 +170,18 @@ def decode_block(
     for part, dtype, dim, width in zip((flat[:key_bytes], flat[key_bytes:]), layout.row_dtypes,
                                        (head_dim, value_dim), layout.row_bytes):
         stored = row_format(dtype, dim)
+        if part.storage_offset() % stored.storage_dtype.itemsize:  # (values after keys of odd bytes)
+            part = part.clone()
         rows = part.view(layers, block_size, heads, width).view(stored.storage_dtype)
-        if not _finite(rows, stored):
-            raise InvalidBlock("block holds non-finite keys or values (or scales, or fp8 NaN codes)")
+        if not _valid(rows, stored):
+            raise InvalidBlock("block holds non-finite keys or values (or scales, fp8 NaN codes or "
+                               "an fp8 row's zero that is not 0)")
         sides.append(rows)
     return sides[0], sides[1]
 
 
-def _finite(rows: torch.Tensor, stored) -> bool:
-    """Whether one side's rows (as their `formats` row format stores them) are finite."""
+def _valid(rows: torch.Tensor, stored) -> bool:
+    """Whether one side's rows are rows their `formats` row format writes (floats: finite)."""
     if rows.dtype.is_floating_point:  # one pass, nothing allocated: a float64 sum of float32 or
         return math.isfinite(float(rows.sum(dtype=torch.float64)))  # half values cannot overflow
-    return stored.finite(rows)
+    return stored.valid(rows)

@@ -1,4 +1,5 @@
-"""The live drift probe of a quantized KV pool (`Engine(kv_dtype=..., kv_drift_sample=p)`).
+"""The live drift probe of a KV pool in a dtype of its own, quantized say (`Engine(kv_dtype=...,
+kv_drift_sample=p)`): below, "quantized" is that pool, whatever its kv_dtype.
 
 A share p of the requests, drawn as each is first admitted, also runs on a full-precision shadow
 pool: each step that runs such a request's tokens on the quantized pool runs the same tokens on

@@ -17,10 +17,13 @@ AllBlocksCleared first (a restarted replica holds nothing) and last (one that st
 
 Replay (optional, vLLM's replay endpoint): a ROUTER socket bound at a second endpoint keeps the
 last `replay_batches` batches; a subscriber that sees a gap in the sequence numbers sends the
-first number it missed (8 bytes, big-endian) and is answered, on the same connection, with one
-message [empty delimiter, sequence number, payload] per kept batch from that number on, then
-[empty delimiter, 2**64 - 1 (-1 as a signed number), empty payload] to say the replay is over. A
-request that is not 8 bytes gets the end marker alone.
+first number it missed (8 bytes, big-endian; from a DEALER socket: a REQ socket takes only the
+first message of an answer) and is answered, on the same connection, with one message [empty
+delimiter, sequence number, payload] per kept batch from that number on, then [empty delimiter,
+2**64 - 1 (-1 as a signed number), empty payload] to say the replay is over. A request that is
+not 8 bytes gets the end marker alone. One request is answered between two published batches, and
+a subscriber that does not read an answer as fast as it comes (its queue full) loses the rest of
+that answer, end marker included: it asks again.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class KVEventPublisher:
             self._socket = self._open(zmq.PUB, endpoint, connect, "--kv-events", {zmq.LINGER: 1000})
             if replay is not None:  # (a whole replay fits in the queue: none of it dropped)
                 self._replay = self._open(zmq.ROUTER, replay, False, "--kv-events-replay",
-                                          {zmq.SNDHWM: replay_batches + 1})
+                                          {zmq.SNDHWM: replay_batches + 1, zmq.ROUTER_MANDATORY: 1})
         except OSError:
             self._context.destroy(0)
             raise
@@ -164,20 +167,27 @@ class KVEventPublisher:
                     self._kept.append((sequence, payload))
                 sequence += 1
             if self._replay is not None:
-                self._answer_replays()
+                self._answer_replay()
 
-    def _answer_replays(self) -> None:
-        """Answer every waiting replay request (module docstring): the kept batches from the
-        number asked for, then the end marker."""
-        while self._replay.poll(0):
-            frames = self._replay.recv_multipart()
-            client, asked = frames[0], frames[-1]
-            if len(frames) >= 2 and len(asked) == 8:
-                first = int.from_bytes(asked, "big")
-                for number, payload in list(self._kept):
-                    if number >= first:
-                        self._replay.send_multipart([client, b"", number.to_bytes(8, "big"), payload])
-            self._replay.send_multipart([client, b"", REPLAY_END, b""])
+    def _answer_replay(self) -> None:
+        """Answer one waiting replay request, if any (module docstring): the kept batches from the
+        number asked for, then the end marker; never blocks (a full queue or a client gone ends
+        that answer)."""
+        import zmq
+
+        if not self._replay.poll(0):
+            return
+        frames = self._replay.recv_multipart()
+        client, asked = frames[0], frames[-1]
+        answer = []
+        if len(frames) >= 2 and len(asked) == 8:
+            first = int.from_bytes(asked, "big")
+            answer = [(n.to_bytes(8, "big"), payload) for n, payload in self._kept if n >= first]
+        try:
+            for number, payload in [*answer, (REPLAY_END, b"")]:
+                self._replay.send_multipart([client, b"", number, payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # (its queue is full, or it left: it asks again)
+            return
 
     def close(self) -> None:
         """Publish AllBlocksCleared (this replica's blocks go away with it), then close."""

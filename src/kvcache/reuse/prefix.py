@@ -42,8 +42,8 @@ class PrefixResult:
 
 
 def new_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None) -> PagedCache:
-    """A PagedCache for `model` (its layers, heads, dtype and device), quantized as kv_dtype says
-    ("int8", "int4"; None: not)."""
+    """A PagedCache for `model` (its layers, heads, dtype and device), its rows stored as kv_dtype
+    says ("bfloat16", "int8", "int4" …: `PagedCache`; None: in the model's dtype)."""
     return PagedCache(num_blocks, block_size, config=model.config, dtype=model.dtype, device=model.device,
                       kv_dtype=kv_dtype)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
-from kvcache.cache.paged.formats import RowFormat, row_formats
+from kvcache.cache.paged.formats import RowFormat, checked_kv_dtype, row_formats
 from kvcache.memory import PAGED_KV_DTYPES, paged_kv_dtype
 from kvcache.model.fingerprint import model_fingerprint
 
@@ -156,6 +156,8 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
     if kv_dtype != "none" and not paged_kv_dtype(kv_dtype):
         raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is neither none nor one of "
                                f"{PAGED_KV_DTYPES} (or a keys/values pair of them)")
+    if kv_dtype != "none":
+        kv_dtype = checked_kv_dtype(kv_dtype)  # its one name ("int8/int8" is "int8"), as a cache says it
     want = _expected_tensors(model.config, tokens, kv_dtype, _SAFETENSORS_DTYPES.get(expected["dtype"]))
     if shapes != want:
         wrong = sorted(set(shapes.items()) ^ set(want.items()))[:4]
@@ -210,8 +212,9 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
         raise PromptCacheError(f"{path}: tensor data cannot be read: {error}") from None
     if header.get("checksum") != _checksum(list(token_ids), tensors):
         raise PromptCacheError(f"{path}: the checksum does not match its token ids and tensors (tampered?)")
-    if not _finite(tensors, header["kv_dtype"], model.config.head_dim):
-        raise PromptCacheError(f"{path}: holds non-finite keys or values (or scales, or fp8 NaN codes)")
+    if not _valid(tensors, header["kv_dtype"], model.config.head_dim):
+        raise PromptCacheError(f"{path}: holds non-finite keys or values (or scales, fp8 NaN codes or an "
+                               f"fp8 row's zero that is not 0)")
     names = range(model.config.num_hidden_layers)
     state = RowState(
         list(token_ids),
@@ -225,9 +228,9 @@ def load_prompt_cache(path: str | os.PathLike, model, cache: PagedCache | None =
     return cache
 
 
-def _finite(tensors: dict[str, torch.Tensor], kv_dtype: str | None, dim: int) -> bool:
-    """Whether a file's keys and values hold finite numbers only (read as their row format says)."""
+def _valid(tensors: dict[str, torch.Tensor], kv_dtype: str | None, dim: int) -> bool:
+    """Whether a file's keys and values are rows their format writes (`formats`: finite numbers)."""
     if kv_dtype is None:
         return all(bool(torch.isfinite(values).all()) for values in tensors.values())
     formats: tuple[RowFormat, RowFormat] = row_formats(kv_dtype, dim, dim)
-    return all(formats[name.startswith("values.")].finite(rows) for name, rows in tensors.items())
+    return all(formats[name.startswith("values.")].valid(rows) for name, rows in tensors.items())

@@ -181,3 +181,36 @@ def test_generate_on_a_paged_cache_decodes_on_the_kernels_as_the_seam_does(kv_dt
                                   eos_token_id=()).new_tokens)
             assert cache.get_seq_length() == 7 + 11  # (the last token is never run)
         assert found[0] == found[1]
+
+
+def test_a_kv_dtype_equal_to_the_models_changes_nothing_on_the_kernels():
+    """A bfloat16 model's pool with kv_dtype "bfloat16" stores and reads what a pool in the
+    model's dtype does: the kernels round queries to the forward's dtype for rows in a kv_dtype,
+    as the seam's attention does, so the logits are the same bits."""
+    model = random_model(tiny_config(**FAMILIES["llama, 2 groups"]), 3).to(torch.bfloat16)
+    backend = HalfBackend(model)
+    caches = [shuffled_cache(model, 2, 4, kv_dtype) for kv_dtype in (None, "bfloat16")]
+    for tokens in scenario(7, 2, model.config.vocab_size):
+        plain, stored = (step(backend, model, cache, [0, 1], tokens) for cache in caches)
+        assert torch.equal(plain, stored)
+
+
+@pytest.mark.parametrize("rows", [0, 2])
+def test_a_decode_whose_rows_are_not_the_caches_takes_the_seam_as_before(rows):
+    """One token on a PagedCache of another row count (none yet, or two) is not the engine's step:
+    the numpy backend answers as the torch forward's seam does, or refuses as it does."""
+    from kvcache.generation import generate
+
+    model = random_model(tiny_config(), 5)
+    ids = torch.tensor([[3, 1, 4]])
+    outcomes = []
+    for backend in (NumpyBackend(model), TorchBackend(model)):
+        cache = PagedCache(32, BLOCK, config=model.config, dtype=model.dtype)
+        for _ in range(rows):
+            cache.add_sequence()
+        try:
+            outcomes.append(generate(model, ids, cache=cache, backend=backend, max_new_tokens=4,
+                                     eos_token_id=()).new_tokens)
+        except Exception as error:  # noqa: BLE001 (the two must fail alike)
+            outcomes.append(type(error))
+    assert outcomes[0] == outcomes[1]

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.cache import CacheConfigError, CacheShapeError, PagedCache
+from kvcache.cache import CacheConfigError, CacheDtypeError, CacheShapeError, PagedCache
 from kvcache.cache.paged.formats import FloatRows, PackedRows, row_format
 from kvcache.cache.quantize import QuantSpec, dequantize, error_bound, quantize
 from kvcache.memory import KVShape, paged_block_bytes, paged_row_bytes
@@ -28,7 +28,7 @@ def test_a_packed_row_is_one_group_within_its_bound(name, dim, rows, spread, see
     code_bytes = dim // 2 if name == "int4" else dim
     expected_dtype = torch.int8 if name == "fp8" else torch.uint8  # (how the kernels tell them apart)
     assert packed.shape == (rows, 3, code_bytes + 4) and packed.dtype == expected_dtype
-    assert packed.shape[-1] == paged_row_bytes(dim, name) and packing.finite(packed)
+    assert packed.shape[-1] == paged_row_bytes(dim, name) and packing.valid(packed)
     restored = packing.unpack(packed, torch.float32)
     kind, bits = ("fp8", 8) if name == "fp8" else ("int", int(name[3:]))
     spec = QuantSpec(kind, bits, group_size=dim, scale_dtype=torch.float16)
@@ -144,14 +144,33 @@ def test_a_float_side_and_a_packed_side_in_one_cache():
     assert paged_block_bytes(shape, 4, "bfloat16/int4") == 4 * 2 * (32 + 12) == cache.nbytes // 8
 
 
-def test_an_fp8_nan_code_or_a_nan_scale_is_not_finite():
+def test_an_fp8_nan_code_a_nan_scale_or_a_nonzero_fp8_zero_is_not_valid():
     packing = PackedRows("fp8", 8)
     packed = packing.pack(torch.randn(3, 8))
-    assert packing.finite(packed)
+    assert packing.valid(packed)
     for code in (0x7F, -1):  # 0x7F and 0xFF (as an int8 byte, -1): e4m3fn's NaNs
         bad = packed.clone()
         bad[1, 2] = code
-        assert not packing.finite(bad)
+        assert not packing.valid(bad)
     bad = packed.clone()
     bad[0, -4:-2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.int8)
-    assert not packing.finite(bad)
+    assert not packing.valid(bad)
+    bad = packed.clone()  # a finite zero the seam would ignore and the kernels add
+    bad[2, -2:] = torch.tensor([0.5], dtype=torch.float16).view(torch.int8)
+    assert not packing.valid(bad)
+
+
+def test_a_row_whose_values_are_not_the_caches_values_dtype_is_refused_and_nothing_changes():
+    """A mixed cache checks each side's dtype: int8 values offered to a cache whose values are
+    packed int4 (uint8 bytes) are refused by name before a row is added or a block reserved."""
+    sizes = dict(num_layers=1, kv_heads=1, head_dim=8, dtype=torch.float32)
+    cache = PagedCache(8, 4, **sizes, kv_dtype="bfloat16/int4")
+    cache.add_sequence(list(range(5)), reuse_prefix=False)
+    cache.update(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8), 0)
+    state = cache.row_state(0)
+    assert (state.keys[0].dtype, state.values[0].dtype) == (torch.bfloat16, torch.uint8)
+    state.values[0] = state.values[0].view(torch.int8)
+    target = PagedCache(8, 4, **sizes, kv_dtype="bfloat16/int4")
+    with pytest.raises(CacheDtypeError, match="dtypes torch.bfloat16, torch.int8"):
+        target.load_row_state(state)
+    assert target.rows == [] and target.allocator.num_in_use == 0

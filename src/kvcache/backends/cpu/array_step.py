@@ -162,7 +162,7 @@ class ArrayStep(DecodeBackend):
             )
         # (no autograd to switch off: every tensor the step makes comes from numpy or a detached
         # copy, so nothing it computes records a graph)
-        if isinstance(cache, PagedCache) and attention_mask is None and self.row_layers is not None:
+        if self._decodes_on_blocks(cache, len(listed), attention_mask):
             return self._decode_on_blocks(listed, cache)
         past = cache.get_seq_length()
         with torch_threads(self._threads(len(listed))):
@@ -173,6 +173,14 @@ class ArrayStep(DecodeBackend):
             except BaseException:  # Ctrl-C between layers: undo the step (as the torch forward does)
                 cache.abandon_forward(past)
                 raise
+
+    def _decodes_on_blocks(self, cache, rows: int, attention_mask) -> bool:
+        """Whether a decode step of `rows` rows on `cache` runs as the engine's step: a PagedCache
+        whose blocks exist, one row per token, no padding, the kernels' row layers built."""
+        return (
+            isinstance(cache, PagedCache) and attention_mask is None and self.row_layers is not None
+            and len(cache.rows) == rows and bool(cache.layers) and cache.layers[0].allocated
+        )
 
     def _decode_on_blocks(self, token_ids: list[int], cache) -> torch.Tensor:
         """A decode step on a PagedCache (rows without padding) as the engine runs one: every row's

@@ -71,7 +71,8 @@ def run(step, batch) -> torch.Tensor:
     storages = [layer.storage_rows() for layer in cache.layers]
     if any(storage is None for storage in storages):
         raise ValueError("the kernels read a paged cache's blocks in place: its storage must be on the CPU")
-    storages = [_kernel_storage(layer, storage) for storage, layer in zip(storages, cache.layers)]
+    forward_rounding = step.row_layers[2]  # (what the step rounds to: the model's dtype)
+    storages = [_kernel_storage(layer, rows, forward_rounding) for rows, layer in zip(storages, cache.layers)]
     layouts = [
         numba_products.paged_layout(cache.block_size, step.kv_heads, window)
         for window in step.config.layer_windows
@@ -87,15 +88,16 @@ def run(step, batch) -> torch.Tensor:
         return torch.from_numpy(_logits(step, x[rows.last]))
 
 
-def _kernel_storage(layer, rows) -> tuple:
-    """(keys, values, their row formats or None, what queries round to) of a layer's storage
-    `rows` as the kernels read them. Rows in a kv_dtype of their own are attended in float32
-    with exact queries (as the seam reads them back in the forward's dtype); rows as the forward
-    gave them with queries rounded to their dtype (as the forward's own attention does)."""
+def _kernel_storage(layer, rows, forward_rounding: int) -> tuple:
+    """(keys, values, their row formats or None, what queries round to, the forward's dtype) of
+    a layer's storage `rows` as the kernels read them. Queries are rounded as the seam's
+    attention rounds them: to the forward's dtype (`forward_rounding`) for rows in a kv_dtype of
+    their own (the seam reads those back in the forward's dtype), to the rows' own dtype
+    otherwise (the forward's)."""
     keys, values = (numba_products.as_kernel_array(a) for a in rows)
     if layer.formats is not None:
-        return keys, values, layer.formats, numba_products.kernels().NONE
-    return keys, values, None, numba_products.key_rounding(keys)
+        return keys, values, layer.formats, forward_rounding, layer.forward_dtype
+    return keys, values, None, numba_products.key_rounding(keys), None
 
 
 def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups) -> None:
@@ -103,7 +105,8 @@ def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, gr
     kernels = numba_products.kernels()
     heads, kv_heads, dim, eps = step.heads, step.kv_heads, step.head_dim, step.eps
     layers, _, rounding = step.row_layers
-    for w, (keys, values, _, key_rounding), layout, (tables, slots) in zip(layers, storages, layouts, groups):
+    for w, storage, layout, (tables, slots) in zip(layers, storages, layouts, groups):
+        keys, values, _, key_rounding, _ = storage
         qkv = np.empty((len(x), (heads + 2 * kv_heads) * dim), np.float32)
         kernels.attention_inputs(
             x, w.norm1, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, signed_sin,
@@ -142,7 +145,7 @@ def _attention(step, qkv, rows: TokenRows, storage, tables, layout) -> np.ndarra
     their blocks once (a chunk's queries share its keys, which a matrix product reads once for all
     of them where the kernels would read them once per query). storage: `_kernel_storage`'s."""
     heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
-    keys, values, _, key_rounding = storage
+    keys, values, _, key_rounding, _ = storage
     attended = np.empty((len(qkv), heads * dim), np.float32)
     singles = rows.singles
     if len(singles):
@@ -171,11 +174,12 @@ def _chunk_attention(qkv, storage, held, key_positions, query_positions, window,
     """(n, H·D) attention of one row's n prompt tokens (qkv (n, ...): queries scaled already)
     over its keys and values (storage: keys, values, packings) at storage slots `held` (T,)
     (positions key_positions), causal and within `window` (0: none), on torch's fused attention
-    in the storage's dtype (float32 for rows in a kv_dtype's format, read out once)."""
+    in the storage's dtype (rows in a kv_dtype's format read out once in the forward's, as the
+    seam reads them)."""
     rows = held[:, None] * kv_heads + np.arange(kv_heads)  # (T, H_kv) storage rows
     k, v = (_tensor(stored[rows.reshape(-1)]) for stored in storage[:2])
     if storage[2] is not None:
-        k, v = (row_format.unpack(read, torch.float32) for row_format, read in zip(storage[2], (k, v)))
+        k, v = (row_format.unpack(read, storage[4]) for row_format, read in zip(storage[2], (k, v)))
     k = k.view(len(held), kv_heads, dim).transpose(0, 1)  # (H_kv, T, D)
     v = v.view(len(held), kv_heads, dim).transpose(0, 1)
     q = torch.from_numpy(qkv[:, : heads * dim]).view(len(qkv), heads, dim).transpose(0, 1)  # (H, n, D)

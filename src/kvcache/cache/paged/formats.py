@@ -86,8 +86,9 @@ class FloatRows:
         """Stored rows (..., D) → (..., D) in `dtype`."""
         return rows.to(dtype)
 
-    def finite(self, rows: torch.Tensor) -> bool:
-        """Whether stored rows (as `pack` gives them) hold finite numbers only."""
+    def valid(self, rows: torch.Tensor) -> bool:
+        """Whether stored rows (as `pack` gives them; read back from a stranger's file or store)
+        hold finite numbers only."""
         return bool(torch.isfinite(rows).all())
 
 
@@ -147,15 +148,17 @@ class PackedRows:
         rows = QuantizedRows(data, scale.unsqueeze(-1), zero.unsqueeze(-1) if self.name != "fp8" else None)
         return dequantize(rows, self.spec, dtype).reshape(*packed.shape[:-1], self.dim)
 
-    def finite(self, packed: torch.Tensor) -> bool:
-        """Whether packed rows decode to finite numbers only: finite scales (and zeros), and no
-        fp8 code that is NaN."""
-        if not bool(torch.isfinite(scales_of(packed)).all()):
+    def valid(self, packed: torch.Tensor) -> bool:
+        """Whether packed rows (read back from a stranger's file or store) are rows `pack` could
+        write: finite scales and zeros; for fp8, no NaN code and every zero 0 (the kernels add
+        zero · Σq, the seam ignores it: a nonzero one would decode two ways)."""
+        scales = scales_of(packed)
+        if not bool(torch.isfinite(scales).all()):
             return False
         if self.name != "fp8":
             return True
         codes = packed[..., : self.code_bytes]
-        return not bool((codes.bitwise_and(_FP8_NAN) == _FP8_NAN).any())
+        return not bool((codes.bitwise_and(_FP8_NAN) == _FP8_NAN).any()) and not bool(scales[..., 1].any())
 
 
 RowFormat = FloatRows | PackedRows

@@ -132,7 +132,8 @@ class PagedLayer(CacheLayer):
             self.allocate((*pool, k.shape[3]), (*pool, v.shape[3]), k.dtype, k.device)
         assert self._keys is not None
         if self.formats is None:
-            self.check_layout(k.shape[1], k.shape[3], v.shape[3], k.dtype, f"k, v{where(self.layer_idx)}")
+            what = f"k, v{where(self.layer_idx)}"
+            self.check_layout(k.shape[1], k.shape[3], v.shape[3], (k.dtype, v.dtype), what)
         elif (k.shape[1], k.shape[3], v.shape[3]) != (self._keys.shape[2], *(f.dim for f in self.formats)):
             raise CacheShapeError(
                 f"k, v{where(self.layer_idx)} have {k.shape[1]} kv heads and head dims {k.shape[3]}, "
@@ -145,10 +146,10 @@ class PagedLayer(CacheLayer):
             )
 
     def check_layout(
-        self, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, what: str
+        self, kv_heads: int, head_dim: int, value_dim: int, dtypes: tuple[torch.dtype, torch.dtype], what: str
     ) -> None:
-        """Raise CacheShapeError / CacheDtypeError unless rows of that layout fit the storage
-        (any layout fits before it is allocated)."""
+        """Raise CacheShapeError / CacheDtypeError unless rows of that layout, keys and values of
+        `dtypes`, fit the storage (any layout fits before it is allocated)."""
         keys, values = self._keys, self._values
         if keys is None or values is None:
             return
@@ -157,8 +158,9 @@ class PagedLayer(CacheLayer):
                 f"{what} have {kv_heads} kv heads and head dims {head_dim}, {value_dim}; the cache "
                 f"stores {keys.shape[2]} heads of dims {keys.shape[3]}, {values.shape[3]}"
             )
-        if dtype != keys.dtype:
-            raise CacheDtypeError(f"{what} have dtype {dtype}; the cache stores {keys.dtype}")
+        if dtypes != (keys.dtype, values.dtype):
+            raise CacheDtypeError(f"{what} have dtypes {dtypes[0]}, {dtypes[1]}; the cache stores "
+                                  f"{keys.dtype}, {values.dtype}")
 
     def write_and_gather(
         self, k: torch.Tensor, v: torch.Tensor, step: Step, scratch: tuple | None = None

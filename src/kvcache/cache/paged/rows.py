@@ -116,7 +116,8 @@ def _check_rows(cache, keys: Sequence[torch.Tensor], values: Sequence[torch.Tens
                 f"{v.dtype} differ from layer 0's {tuple(first_keys.shape)} {first_keys.dtype} and "
                 f"{tuple(first_values.shape)} {first_values.dtype}"
             )
-        layer.check_layout(k.shape[1], k.shape[2], v.shape[2], k.dtype, f"layer {index}'s keys and values")
+        layer.check_layout(k.shape[1], k.shape[2], v.shape[2], (k.dtype, v.dtype),
+                           f"layer {index}'s keys and values")
 
 
 def _append(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
