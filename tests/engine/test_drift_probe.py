@@ -51,15 +51,15 @@ def test_the_exact_side_is_the_float_model_over_the_same_history(model, kv_dtype
 def test_int4_drifts_more_than_int8_and_the_counts_reach_stats(model):
     prompts = _prompts(6, seed=2)
     found = {}
-    for kv_dtype in ("bfloat16", "int8", "fp8", "int4"):
+    for kv_dtype in ("int8", "fp8/bfloat16", "int4"):
         engine = _engine(model, kv_dtype, 1.0)
         completions = engine.generate(prompts, max_tokens=10, ignore_eos=True)
         found[kv_dtype] = sum(sum(c.kv_drift.kl) for c in completions)
         stats = engine.stats()["kv_drift"]
         assert stats["positions"] == 60 and stats["probing"] == 0
         assert stats["top1_agreement"] == sum(c.kv_drift.agreements for c in completions) / 60
-    assert found["int4"] > 4 * found["int8"] > 4 * found["bfloat16"] > 0
-    assert found["int4"] > found["fp8"] > 0
+    assert found["int4"] > 4 * found["int8"] > 0
+    assert found["int4"] > found["fp8/bfloat16"] > 0
 
 
 def test_a_sample_probes_a_share_of_requests_and_needs_a_quantized_pool(model):

@@ -190,8 +190,7 @@ def test_a_failed_load_leaves_the_callers_cache_as_it_was(model, saved):
 
 
 @pytest.mark.parametrize("kv_dtype, stored", [("int8", (torch.uint8,) * 2), ("int4", (torch.uint8,) * 2),
-                                              ("fp8", (torch.int8,) * 2),
-                                              ("bfloat16/int4", (torch.bfloat16, torch.uint8))])
+                                              ("fp8/bfloat16", (torch.int8, torch.bfloat16))])
 def test_a_row_in_a_kv_dtype_is_saved_as_stored_and_loads_only_into_its_own_kv_dtype(model, prompt, tmp_path,
                                                                                    kv_dtype, stored):
     from kvcache.reuse import prompt_cache
@@ -218,9 +217,9 @@ def test_a_row_in_a_kv_dtype_is_saved_as_stored_and_loads_only_into_its_own_kv_d
             load_prompt_cache(path, model, target)
     header = prompt_cache.read_prompt_cache_header(path, model)
     poisoned = dict(tensors)
-    poisoned["values.0"] = tensors["values.0"].clone()  # (a packed side in each case)
-    scale_bytes = torch.tensor([float("inf")], dtype=torch.float16).view(stored[1])
-    poisoned["values.0"][0, 0, -4:-2] = scale_bytes
+    side = "keys.0" if stored[1].is_floating_point else "values.0"  # a packed side: its scale
+    poisoned[side] = tensors[side].clone()
+    poisoned[side][0, 0, -4:-2] = torch.tensor([float("inf")], dtype=torch.float16).view(tensors[side].dtype)
     metadata = {key: value for key, value in load_metadata(path).items()}
     metadata["checksum"] = prompt_cache._checksum(header["token_ids"], poisoned)  # a valid file's
     save_file(poisoned, tmp_path / "poisoned.kv", metadata=metadata)

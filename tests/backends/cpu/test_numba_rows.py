@@ -32,7 +32,8 @@ def test_fp8_rows_are_stored_as_torch_rounds_and_read_back_as_formats_unpacks():
     x[: len(values)] = values
     x = torch.cat((torch.full((rows, 1), 448.0), x.view(rows, per_row)), dim=1)  # scale exactly 1
     qkv = np.ascontiguousarray(torch.cat((x, x, x), dim=1).numpy())  # (rows, 3·D): q, k, v of one head
-    keys, values_out = (np.zeros((rows, DIM + 4), np.int8) for _ in "kv")
+    # (values as bfloat16 bits: the pair of row types the other kernel tests compile)
+    keys, values_out = np.zeros((rows, DIM + 4), np.int8), np.zeros((rows, DIM), np.uint16)
     numba_products.kernels().store(qkv, 1, 1, np.arange(rows, dtype=np.int64), keys, values_out)
     packing = PackedRows("fp8", DIM)
     expected = packing.pack(x)  # torch's arithmetic (`kvcache.cache.quantize`)
@@ -55,6 +56,8 @@ def test_packed_rows_the_kernels_store_are_the_bytes_formats_packs(name):
     packing = PackedRows(name, DIM)
     qkv = np.ascontiguousarray(torch.cat((x, x, x), dim=1).numpy())
     rows = [np.zeros((len(x), packing.width), np.int8 if name == "fp8" else np.uint8) for _ in "kv"]
+    if name == "fp8":  # (values as bfloat16 bits: the pair of row types the other tests compile)
+        rows[1] = np.zeros((len(x), DIM), np.uint16)
     numba_products.kernels().store(qkv, 1, 1, np.arange(len(x), dtype=np.int64), *rows)
     assert torch.equal(torch.from_numpy(rows[0]), packing.pack(x))
 
@@ -63,7 +66,7 @@ def test_a_nan_stays_a_nan_code_in_an_fp8_row():
     x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(4))
     x[1, 5] = float("nan")
     qkv = np.ascontiguousarray(torch.cat((x, x, x), dim=1).numpy())
-    rows = [np.zeros((2, DIM + 4), np.int8) for _ in "kv"]
+    rows = [np.zeros((2, DIM + 4), np.int8), np.zeros((2, DIM), np.uint16)]
     numba_products.kernels().store(qkv, 1, 1, np.arange(2, dtype=np.int64), *rows)
     packing = PackedRows("fp8", DIM)
     assert packing.valid(torch.from_numpy(rows[0][:1])) and not packing.valid(torch.from_numpy(rows[0]))
