@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from kvcache.cache import CacheDtypeError, CacheShapeError, PagedCache, RowState
+from kvcache.cache import CacheConfigError, CacheDtypeError, CacheShapeError, PagedCache, RowState
 from kvcache.cache.paged.formats import RowFormat, checked_kv_dtype, row_formats
-from kvcache.memory import PAGED_KV_DTYPES, paged_kv_dtype
+from kvcache.memory import PAGED_KV_DTYPES
 from kvcache.model.fingerprint import model_fingerprint
 
 FORMAT = "kvcache.reuse.prompt_cache"
@@ -153,11 +153,12 @@ def read_prompt_cache_header(path: str | os.PathLike, model) -> dict:
             f"not a prompt cache of this model"
         )
     kv_dtype = metadata.get("kv_dtype", "none")
-    if kv_dtype != "none" and not paged_kv_dtype(kv_dtype):
-        raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is neither none nor one of "
-                               f"{PAGED_KV_DTYPES} (or a keys/values pair of them)")
     if kv_dtype != "none":
-        kv_dtype = checked_kv_dtype(kv_dtype)  # its one name ("int8/int8" is "int8"), as a cache says it
+        try:  # its one name ("int8/int8" is "int8"), as a cache says it
+            kv_dtype = checked_kv_dtype(kv_dtype)
+        except CacheConfigError:
+            raise PromptCacheError(f"{path}: kv_dtype {kv_dtype!r} is neither none nor one of "
+                                   f"{PAGED_KV_DTYPES} (or a keys/values pair of them)") from None
     want = _expected_tensors(model.config, tokens, kv_dtype, _SAFETENSORS_DTYPES.get(expected["dtype"]))
     if shapes != want:
         wrong = sorted(set(shapes.items()) ^ set(want.items()))[:4]
