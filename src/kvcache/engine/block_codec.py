@@ -177,4 +177,3 @@ def decode_block(
                                "an fp8 row's zero that is not 0)")
         sides.append(rows)
     return sides[0], sides[1]
-
