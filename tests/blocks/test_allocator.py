@@ -73,9 +73,52 @@ def test_full_blocks_are_hashed_from_the_prefix_and_found_again():
     assert attached_tokens(pool, tokens[:8]) == 4  # at least one token is left to compute
     assert attached_tokens(pool, [0, 1, 2, 5, 4, 5, 6, 7, 8]) == 0
     pool.free_sequence("a")
-    assert (pool.num_cached, pool.num_in_use) == (2, 0)  # the partial block is simply free
+    assert (pool.num_cached, pool.num_in_use) == (3, 0)  # the partial block is kept too (its tail)
     attached = pool.add_sequence("b", tokens + [99])
-    assert attached == 8 and pool.num_cached == 0 and pool.num_in_use == 2
+    assert attached == 10 and pool.num_cached == 0 and pool.num_in_use == 3
+    pool.check_invariants()
+
+
+def test_a_prompt_attaches_the_leading_tokens_of_a_cached_block_and_copies_it_on_write():
+    pool = BlockAllocator(16, 4)
+    tokens = list(range(12))
+    pool.add_sequence("a", tokens)
+    write(pool, "a", 12)
+    full = pool.sequence("a").table
+    # 4 whole tokens, then 2 of the block holding 4..7 (the third differs)
+    assert pool.add_sequence("b", [0, 1, 2, 3, 4, 5, 50, 51]) == 6
+    assert pool.sequence("b").table == full[:2] and pool.ref_counts[full[1]] == 2
+    pool.free_sequence("a")
+    copies = write(pool, "b", 8)  # the shared, findable block is copied before the write
+    assert copies == [(full[1], pool.sequence("b").table[1])] and copies[0][1] not in full
+    assert attached_tokens(pool, tokens + [99]) == 12  # a's blocks are all still findable
+    # a prompt that is all in the cache but its last token attaches one token less
+    assert pool.add_sequence("c", [0, 1, 2, 3, 4, 5, 6]) == 6
+    pool.check_invariants()
+
+
+def test_a_finished_sequences_partial_last_block_is_kept_for_the_next_turn():
+    pool = BlockAllocator(8, 4)
+    turn = [1, 2, 3, 4, 5, 6]  # the prompt and its answer, as written
+    pool.add_sequence("first", turn)
+    write(pool, "first", 6)
+    tail = pool.sequence("first").table[1]
+    pool.free_sequence("first")
+    assert pool.num_cached == 2 and pool.block_hashes[tail] is not None
+    assert pool.attachable(pool.prefix_digests(turn + [7, 8, 9])) == 1  # only one full block
+    assert pool.add_sequence("next", turn + [7, 8, 9]) == 6  # ...and the tail's two tokens
+    assert pool.sequence("next").table[1] == tail
+    write(pool, "next", 9)
+    assert pool.sequence("next").table[1] != tail and pool.ref_counts[tail] == 0  # copied
+    assert pool.add_sequence("again", turn + [0]) == 6  # the tail is still there for others
+    pool.check_invariants()
+    pool.free_sequence("again")  # it held the tail without writing: still kept, once
+    assert pool.num_cached == 1 and pool.ref_counts[tail] == 0
+    # a tail whose tokens a kept block already starts with is not kept again
+    pool.add_sequence("same", turn, reuse_prefix=False)
+    write(pool, "same", 6)
+    pool.free_sequence("same")
+    assert pool.num_cached == 1
     pool.check_invariants()
 
 
@@ -88,10 +131,10 @@ def test_shared_prefix_blocks_are_counted_once_and_released_when_both_finish():
     shared = pool.sequence("a").table[:2]
     assert pool.sequence("b").table == shared
     assert [pool.ref_counts[block] for block in shared] == [2, 2]
-    pool.free_sequence("a")
-    assert [pool.ref_counts[block] for block in shared] == [1, 1] and pool.num_cached == 0
+    pool.free_sequence("a")  # (its partial last block, token 8, is kept as its tail)
+    assert [pool.ref_counts[block] for block in shared] == [1, 1] and pool.num_cached == 1
     pool.free_sequence("b")
-    assert pool.num_cached == 2 and pool.num_in_use == 0
+    assert pool.num_cached == 3 and pool.num_in_use == 0
     pool.check_invariants()
 
 
@@ -139,24 +182,27 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
     a_block, b_block = pool.sequence("a").table[0], pool.sequence("b").table[0]
     pool.free_sequence("a")
     pool.free_sequence("b")
-    assert pool.num_cached == 2 and pool.num_free == 2
+    assert pool.num_cached == 4 and pool.num_free == 0  # (each one's full block and its tail)
     pool.add_sequence("c")
-    write(pool, "c", 6)  # 3 blocks: both free ones, then evicts a's (freed first)
+    write(pool, "c", 6)  # 3 blocks: evicts a's tail, a's block, then b's tail (freed first)
     assert a_block in pool.sequence("c").table
     assert attached_tokens(pool, [1, 2, 3]) == 0 and attached_tokens(pool, [4, 5, 6]) == 2
     assert pool.ref_counts[b_block] == 0
     pool.check_invariants()
 
 
-def test_truncate_releases_blocks_and_unhashes_a_block_about_to_be_rewritten():
+def test_truncate_releases_blocks_and_copies_a_findable_block_before_rewriting_it():
     pool = BlockAllocator(8, 4)
     pool.add_sequence("a", list(range(12)))
     write(pool, "a", 12)
     pool.truncate("a", 6)
     state = pool.sequence("a")
     assert len(state.table) == 2 and state.num_tokens == 6 and len(state.hashes) == 1
-    assert pool.block_hashes[state.table[1]] is None
-    assert attached_tokens(pool, list(range(12))) == 4
+    kept = state.table[1]
+    assert pool.block_hashes[kept] is not None
+    assert attached_tokens(pool, list(range(12))) == 8
+    assert write(pool, "a", 7) == [(kept, state.table[1])]
+    assert attached_tokens(pool, list(range(12))) == 8  # the block 4..7 is still findable
     pool.check_invariants()
 
 
@@ -269,18 +315,21 @@ def test_random_operations_keep_counts_consistent_and_hashes_true(operations, nu
             for position, slot in zip(range(start, total), pool.slots(seq, start, total)):
                 block = slot // block_size
                 assert pool.ref_counts[block] == 1, "a write landed in a block another sequence holds"
+                assert pool.block_hashes[block] is None, "a write landed in a findable block"
                 content.setdefault(block, [None] * block_size)[slot % block_size] = tokens[position]
             pool.commit(seq, total)
         pool.check_invariants()
-        assert listener.findable == {digest for digest in pool.block_hashes if digest is not None}
+        # (a kept tail's hash is registered too, but only full blocks are told: `attachable`)
+        assert listener.findable == {d for d in pool.block_hashes if d is not None and pool.attachable([d])}
         assert pool.num_free + pool.num_in_use + pool.num_cached == num_blocks
         holders = {block for s in live for block in pool.sequence(s).table}
         assert not holders & set(pool._free), "a block in use is on the free list"
-        for seq in live:  # every attached or hashed block holds the sequence's true tokens
+        for seq in live:  # every position held (written, or attached) holds its true token
             state = pool.sequence(seq)
-            for index in range(len(state.hashes)):
-                expected = true_tokens(seq, (index + 1) * block_size)[index * block_size :]
-                assert content[state.table[index]] == expected
+            expected = true_tokens(seq, state.num_tokens)
+            for position in range(state.num_tokens):
+                block, slot = divmod(position, block_size)
+                assert content[state.table[block]][slot] == expected[position]
 
 
 def attached_tokens(pool: BlockAllocator, tokens: list[int]) -> int:

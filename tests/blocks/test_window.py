@@ -87,10 +87,10 @@ def test_a_prefix_hit_takes_only_the_windows_blocks():
     pool.commit("a", 30)  # holds positions 25..29 (blocks 6, 7), gave back blocks 0..5 (hashed)
     assert pool.sequence("a").table[:6] == [HOLE] * 6
     pool.free_sequence("a")  # everything cached now
-    attached = pool.add_sequence("b", prompt + [99])  # 7 whole blocks: 28 tokens
-    assert attached == 28
+    attached = pool.add_sequence("b", prompt + [99])  # 7 whole blocks, then a's tail: 30 tokens
+    assert attached == 30
     table = pool.sequence("b").table
-    assert table[: max(0, 28 - 6 + 1) // SIZE] == [HOLE] * 5 and HOLE not in table[5:]
+    assert len(table) == 8 and table[: max(0, 28 - 6 + 1) // SIZE] == [HOLE] * 5 and HOLE not in table[5:]
     digests = pool.prefix_digests(prompt + [99])
     count = pool.attachable(digests)
     assert (count * pool.block_size, pool.idle_blocks(digests, count)) == (28, 0)  # its window is held

@@ -25,7 +25,7 @@ def _answer(replica, prompt, salt=None):
 def test_only_requests_of_the_same_salt_share_the_pool(model):
     replica, prompt = engine(model), ids(40, seed=5)
     first = _answer(replica, prompt, salt="tenant-a")
-    shared = (len(prompt) - 1) // BLOCK * BLOCK
+    shared = len(prompt) - 1  # whole blocks, then the leading tokens of the next: all but the last
     for salt, cached in (("tenant-b", 0), (None, 0), ("tenant-a", shared)):
         again = _answer(replica, prompt, salt)
         assert again.usage.cached_tokens == cached, salt

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import kvcache
+from kvcache.blocks.allocator import common_prefix
 from kvcache.engine import Engine, RequestError, SamplingParams
 from kvcache.memory import KVShape, paged_blocks_in_budget
 
@@ -136,7 +137,8 @@ def test_a_shared_system_prompt_is_served_from_cache(model, tokenizer, solo):
         system + tokenizer.encode("What is a with?"), max_tokens=8, ignore_eos=True
     ).result()
     assert first.usage.cached_tokens == 0
-    assert second.usage.cached_tokens == len(system) // 16 * 16 > 0  # whole blocks of the system prompt
+    # every token the two prompts share: whole blocks, then the leading tokens of the next one
+    assert second.usage.cached_tokens == common_prefix(first.prompt, second.prompt) > len(system)
     assert second.tokens == solo(second.prompt, 8)
     stats = engine.stats()
     assert stats["prefix_hit_rate"] == pytest.approx(
@@ -340,7 +342,7 @@ def test_every_model_family_is_served_including_sliding_windows(checkpoints, arc
     for prompt, handle in zip(prompts, handles):
         expected = kvcache.generate(model, torch.tensor([prompt]), max_new_tokens=9, eos_token_id=())
         assert handle.result().tokens == expected.new_tokens[0], prompt
-    assert handles[-1].result().usage.cached_tokens == 12  # 3 whole blocks of the shared 13 tokens
+    assert handles[-1].result().usage.cached_tokens == 13  # 3 whole blocks, then 1 token of the 4th
     for allocator in engine.pool.cache.allocators:
         allocator.check_invariants()
         assert allocator.num_in_use == 0
@@ -393,6 +395,9 @@ def test_warming_up_runs_every_road_a_step_takes_then_starts_the_counters_again(
     assert engine.metrics.steps == 0 and engine.metrics.generated_tokens == 0
     assert engine.step_costs.prefill_cap(1) == engine.step_costs.initial  # costs measured afresh
     _assert_baseline(engine)
+    # what the warm-up left cached is no one's: prompts that start as its requests did attach none
+    for prompt in ([0] * 41, [1, 2, 3], [0, 5, 6], [4, 4]):
+        assert engine.pool.cache.prefix_cost(prompt) == (0, 0), prompt
 
 
 @pytest.mark.parametrize("kv_dtype, key_rows", [("int8", np.uint8), ("int4", np.uint8),

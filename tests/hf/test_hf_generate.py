@@ -126,7 +126,7 @@ def test_a_reused_prompt_prefix_is_not_recomputed_and_changes_no_token(models):
     greedy(model, first, past_key_values=pool)
     pool.kvcache.free_rows()  # the request ends; its full blocks stay cached
     attached = pool.kvcache.add_sequence(second[0].tolist())
-    assert attached == 12  # three whole blocks of the shared 13 tokens
+    assert attached == 13  # the shared 13 tokens: three whole blocks, then 1 token of the 4th
     assert pool.get_seq_length() == attached  # generate runs only the tokens after them
     ours, our_logits = greedy(model, second, past_key_values=pool)
     tokens, logits = greedy(model, second, past_key_values=transformers.DynamicCache(config=model.config))

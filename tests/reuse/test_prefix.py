@@ -58,7 +58,7 @@ def test_second_request_prefills_only_new_tokens_and_matches_full_prefill(model)
         assert cache.allocator.num_cached == 4  # 16 tokens in full blocks, kept after the request
         counter.count = 0
         attached = cache.add_sequence(second)
-        assert attached == 3 * BLOCK  # the full blocks of the shared prefix
+        assert attached == 3 * BLOCK + 2  # the shared prefix: 3 whole blocks, then 2 tokens of the 4th
         logits = model(torch.tensor([second[attached:]]), past_key_values=cache).logits[0]
     assert counter.count == len(second) - attached
     torch.testing.assert_close(logits, full_logits(model, second)[attached:], atol=1e-5, rtol=0)
@@ -70,7 +70,7 @@ def test_a_prompt_made_of_cached_blocks_recomputes_its_last_token(model):
     server = PrefixCache(model, num_blocks=16, block_size=BLOCK)
     server.generate(ids, max_new_tokens=1, eos_token_id=())
     again = server.generate(ids, max_new_tokens=3, eos_token_id=())
-    assert (again.reused_tokens, again.prefilled_tokens) == (BLOCK, BLOCK)
+    assert (again.reused_tokens, again.prefilled_tokens) == (2 * BLOCK - 1, 1)
     assert again.new_tokens == reference_reply(model, ids, 3)
 
 
@@ -85,9 +85,10 @@ def test_automatic_path_reuses_the_history_of_earlier_turns(model):
         served = server.generate(history, max_new_tokens=6, eos_token_id=())
         assert counter.count == served.prefilled_tokens + 5  # the prompt, then 5 decode steps
         assert served.new_tokens == reference_reply(model, history, 6)
-        # cached: the full blocks of the previous history and reply, less the reply's last
-        # token (never run through the model) and this turn's 5 new tokens
-        assert served.reused_tokens == (0 if turn == 0 else (len(history) - 6) // BLOCK * BLOCK)
+        # cached: the previous history and reply (whole blocks, then the previous turn's partial
+        # last block, kept as its tail), less the reply's last token (never run through the
+        # model) and this turn's 5 new tokens
+        assert served.reused_tokens == (0 if turn == 0 else len(history) - 6)
         assert served.reused_tokens + served.prefilled_tokens == len(history)
         history += served.new_tokens
     assert server.cache.rows == [] and server.cache.allocator.num_in_use == 0
@@ -103,7 +104,7 @@ def test_batch_rows_reuse_different_prefix_lengths(model, chunk):
     server.generate(shared + [3, 3, 3, 3], max_new_tokens=1, eos_token_id=())
     prompts = [shared[:BLOCK] + [9, 9], shared + [3, 3, 3, 3, 5], [4, 4, 4]]
     served = server.generate_batch(prompts, max_new_tokens=5, eos_token_id=(), prefill_chunk_size=chunk)
-    assert [s.reused_tokens for s in served] == [BLOCK, 3 * BLOCK, 0]
+    assert [s.reused_tokens for s in served] == [BLOCK, 3 * BLOCK + 1, 0]  # (+ the first's tail)
     for prompt, result in zip(prompts, served):
         assert result.new_tokens == reference_reply(model, prompt, 5)
 

@@ -7,7 +7,10 @@ reference count, so sequences can share them (a fork, or a common prompt prefix)
 whose token ids are known gets a hash chained from the prefix (its parent block's hash and its
 own token ids), so a later prompt that starts with the same tokens finds it. A block nobody
 uses any more but whose hash is registered stays in a pool of cached blocks (least recently
-freed evicted first) until a fresh block is needed. Tensor storage lives elsewhere
+freed evicted first) until a fresh block is needed. A prompt may also start with part of a
+cached block: a freed sequence's partial last block (its tail) is kept the same way, and the
+leading tokens of any cached block that follows the prompt's whole-block prefix attach too,
+copied on the first write (so the cached block stays as it was). Tensor storage lives elsewhere
 (`kvcache.cache.paged`); this module returns block ids and the copies to make.
 """
 
@@ -24,6 +27,7 @@ from .errors import CacheConfigError, CacheError, OutOfBlocksError, UnknownSeque
 
 ROOT_HASH = b""  # the parent hash of a sequence's first block
 HOLE = -1  # a table entry whose block was given back (a windowed allocator's, out of the window)
+PARTIAL_CANDIDATES = 16  # blocks per parent hash whose leading tokens a prompt may attach (newest kept)
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -60,6 +64,25 @@ class SequenceBlocks:
     token_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     root: bytes = ROOT_HASH  # the parent hash of its first block (`salt_root`)
+
+
+def tail_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a partial block (fewer than block_size tokens) kept after its sequence ended:
+    never equal to a full block's (`block_hash`), which routers and stores see; this one stays
+    inside one allocator."""
+    digest = hashlib.blake2b(parent, digest_size=16, person=b"kvcache tail")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def common_prefix(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many leading items `first` and `second` share."""
+    count = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        count += 1
+    return count
 
 
 def prefix_digests(token_ids: Sequence[int], block_size: int, root: bytes = ROOT_HASH) -> list[bytes]:
@@ -108,6 +131,10 @@ class BlockAllocator:
         self._cached_pinned: OrderedDict[int, None] = OrderedDict()  # the same, evicted last
         self.pinned: set[bytes] = set()  # digests of pinned prefixes' blocks (`pin`)
         self._by_hash: dict[bytes, int] = {}
+        # registered blocks (full, or kept tails) by their parent's hash, with their token ids: the
+        # blocks whose leading tokens a prompt may attach after its whole-block prefix
+        self._partials: dict[bytes, OrderedDict[int, tuple[int, ...]]] = {}
+        self._partial_parent: dict[int, bytes] = {}
         self.sequences: dict[Hashable, SequenceBlocks] = {}
         self.listener: BlockListener | None = None  # told of blocks stored and removed
 
@@ -156,21 +183,28 @@ class BlockAllocator:
         """Start `seq_id`, declaring its first `token_ids`; return the tokens attached from cache.
 
         With reuse_prefix, cached full blocks matching the start of token_ids are attached
-        (shared, nothing copied): the longest run this allocator can attach (`attachable`), or
-        exactly `attach` tokens (a multiple of block_size it can attach, as a cache with several
-        allocators agrees on), leaving at least the last token to compute (its logits are what the
-        caller wants). The caller then writes positions from the returned count on. root: the
-        parent hash of its first block (`salt_root`).
+        (shared, nothing copied), then the leading tokens of a cached block that follow them
+        (`partial_match`; copied on the first write): the most this allocator can attach, or
+        exactly `attach` tokens (as a cache with several allocators agrees on), leaving at least
+        the last token to compute (its logits are what the caller wants). The caller then writes
+        positions from the returned count on. root: the parent hash of its first block
+        (`salt_root`).
         """
         if seq_id in self.sequences:
             raise UnknownSequenceError(f"sequence {seq_id!r} is already in the allocator")
         state = SequenceBlocks(token_ids=[int(t) for t in token_ids], root=root)
         if reuse_prefix:
             digests = self.prefix_digests(state.token_ids, root)
-            count = self.attachable(digests) if attach is None else attach // self.block_size
+            if attach is None:
+                count = self.attachable(digests)
+                within = self.partial_match(state.token_ids, digests, count, root)[1]
+                attach = count * self.block_size + within
+            count, within = divmod(attach, self.block_size)
             if not self.can_attach(digests, count):
                 raise CacheError(f"sequence {seq_id!r}: {count} blocks of its prefix are not all cached")
             self._attach(state, digests[:count])
+            if within:
+                self._attach_partial(seq_id, state, digests, within)
         self.sequences[seq_id] = state
         return state.num_tokens
 
@@ -178,6 +212,35 @@ class BlockAllocator:
         """The chained hashes of the full blocks of `token_ids` a prefix hit may cover (keeping at
         least the last token to compute): `prefix_digests` of this pool's block size."""
         return prefix_digests(token_ids, self.block_size, root)
+
+    def partial_match(
+        self, token_ids: Sequence[int], digests: Sequence[bytes], count: int, root: bytes = ROOT_HASH
+    ) -> tuple[int, int]:
+        """(block, tokens): the registered block (full, or a freed sequence's tail) following the
+        first `count` blocks of `digests` (`prefix_digests(token_ids)`) that shares the most
+        leading tokens with token_ids after them: at most block_size - 1, leaving the last
+        token to compute. (HOLE, 0) when none shares any."""
+        start = count * self.block_size
+        wanted = token_ids[start : min(start + self.block_size - 1, len(token_ids) - 1)]
+        best, most = HOLE, 0
+        for block, tokens in self._partials.get(digests[count - 1] if count else root, {}).items():
+            matched = common_prefix(tokens, wanted)
+            if matched > most:
+                best, most = block, matched
+        return best, most
+
+    def _attach_partial(self, seq_id: Hashable, state: SequenceBlocks, digests: Sequence[bytes],
+                        tokens: int) -> None:
+        """Take the block whose first `tokens` positions continue `state`'s attached blocks."""
+        block, matched = self.partial_match(state.token_ids, digests, len(state.table), state.root)
+        if matched < tokens:
+            raise CacheError(
+                f"sequence {seq_id!r}: {tokens} tokens after {len(state.table)} blocks of its prefix "
+                f"are not cached (at most {matched})"
+            )
+        self._take(block)
+        state.table.append(block)
+        state.num_tokens += tokens
 
     def pin(self, digests: Sequence[bytes]) -> None:
         """Keep the blocks of `digests` (a pinned prefix's, `prefix_digests`) when nothing uses
@@ -239,8 +302,10 @@ class BlockAllocator:
         )
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        """Drop `seq_id`; its blocks lose a reference (tail first, so tails are evicted first)."""
+        """Drop `seq_id`; its blocks lose a reference (tail first, so tails are evicted first). A
+        partial last block only it held stays cached (`_keep_tail`)."""
         state = self.sequence(seq_id)
+        self._keep_tail(state)
         for block in reversed(state.table):
             if block != HOLE:
                 self._release(block)
@@ -272,11 +337,12 @@ class BlockAllocator:
         return needed
 
     def _needs_copy(self, state: SequenceBlocks, num_tokens: int) -> bool:
-        """Whether the next write lands in a partial last block that another sequence shares."""
+        """Whether the next write lands in a partial last block that another sequence shares or
+        that is registered (findable by others: a block attached in part, a kept tail)."""
         if num_tokens <= state.num_tokens or state.num_tokens % self.block_size == 0:
             return False
         last = state.table[state.num_tokens // self.block_size]
-        return self.ref_counts[last] > 1
+        return self.ref_counts[last] > 1 or self.block_hashes[last] is not None
 
     def reserve(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> list[tuple[int, int]]:
         """Give each sequence room for `num_tokens` positions in total; all or nothing.
@@ -320,7 +386,8 @@ class BlockAllocator:
         every position is still held)."""
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Keep the first `num_tokens` positions of `seq_id`; later blocks lose a reference."""
+        """Keep the first `num_tokens` positions of `seq_id`; later blocks lose a reference (a
+        registered block left partial is copied on the next write, so it stays findable)."""
         state = self.sequence(seq_id)
         if num_tokens >= state.num_tokens:
             return
@@ -332,10 +399,6 @@ class BlockAllocator:
         state.num_tokens = num_tokens
         del state.token_ids[num_tokens:]
         del state.hashes[num_tokens // self.block_size :]
-        if num_tokens % self.block_size:
-            last = state.table[-1]
-            if self.ref_counts[last] == 1:  # about to be rewritten in place: no longer findable
-                self._unregister(last)
 
     def slots(self, seq_id: Hashable, start: int, stop: int) -> list[int]:
         """Storage slots of positions start..stop-1 of `seq_id` (they must be reserved, and held:
@@ -381,6 +444,11 @@ class BlockAllocator:
         digest = self.block_hashes[block]
         if digest is not None:
             self.block_hashes[block] = None
+            parent = self._partial_parent.pop(block, None)
+            if parent is not None:
+                del self._partials[parent][block]
+                if not self._partials[parent]:
+                    del self._partials[parent]
             if self._by_hash.get(digest) == block:
                 del self._by_hash[digest]
                 if self.listener is not None:
@@ -399,12 +467,46 @@ class BlockAllocator:
             if block != HOLE and digest not in self._by_hash and self.block_hashes[block] is None:
                 self._by_hash[digest] = block
                 self.block_hashes[block] = digest
+                self._index_partial(parent, block, tuple(state.token_ids[index * size : (index + 1) * size]))
                 run.append(index)
             elif run:
                 self._tell_stored(state, run)
                 run = []
         if run:
             self._tell_stored(state, run)
+
+    def _keep_tail(self, state: SequenceBlocks) -> None:
+        """Register `state`'s partial last block (written, its ids known, held by it alone) under
+        `tail_hash`, so it stays cached when freed and a later prompt that continues the same
+        way attaches its tokens (unless a kept block already starts with them)."""
+        size = self.block_size
+        index, filled = divmod(state.num_tokens, size)
+        if not filled or len(state.token_ids) < state.num_tokens or len(state.hashes) < index:
+            return
+        block = state.table[index]
+        if block == HOLE or self.ref_counts[block] != 1 or self.block_hashes[block] is not None:
+            return
+        parent = state.hashes[index - 1] if index else state.root
+        tokens = tuple(state.token_ids[index * size : state.num_tokens])
+        if any(common_prefix(kept, tokens) == filled for kept in self._partials.get(parent, {}).values()):
+            return
+        self.block_hashes[block] = tail_hash(parent, tokens)
+        self._index_partial(parent, block, tokens)
+
+    def _index_partial(self, parent: bytes, block: int, tokens: tuple[int, ...]) -> None:
+        """List registered `block` (holding `tokens`) under `parent` for `partial_match`, the
+        newest PARTIAL_CANDIDATES per parent; a kept tail pushed out is no longer cached."""
+        children = self._partials.setdefault(parent, OrderedDict())
+        children[block] = tokens
+        self._partial_parent[block] = parent
+        if len(children) > PARTIAL_CANDIDATES:
+            oldest = next(iter(children))
+            del children[oldest], self._partial_parent[oldest]
+            if self._by_hash.get(self.block_hashes[oldest]) != oldest:  # a tail: findable no more
+                self.block_hashes[oldest] = None
+                if self.ref_counts[oldest] == 0:
+                    self._cached.pop(oldest)
+                    self._free.append(oldest)
 
     def _tell_stored(self, state: SequenceBlocks, run: list[int]) -> None:
         """The listener's `stored` for the consecutive blocks `run` (indices) of `state`."""
@@ -437,4 +539,7 @@ class BlockAllocator:
                 assert self.block_hashes[block] is not None, f"cached block {block} not hashed"
         for digest, block in self._by_hash.items():
             assert self.block_hashes[block] == digest, "hash index points at the wrong block"
+        listed = {block: parent for parent, children in self._partials.items() for block in children}
+        assert listed == self._partial_parent and all(children for children in self._partials.values())
+        assert all(self.block_hashes[block] is not None for block in listed), "an unregistered block listed"
         assert self.num_free + self.num_cached + self.num_in_use == self.num_blocks

@@ -38,8 +38,9 @@ def run_to_completion(
 def warm_up(engine) -> None:
     """`Engine.warm_up`: a prompt chunk beside five single tokens, then one row alone, two new
     tokens each, sized to the pool and the context; the store tier off meanwhile; the counters
-    and the step costs anew after."""
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    and the step costs anew after. Under a salt of their own, so no request attaches what they
+    left cached (a token or two of theirs can start a real prompt)."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True, cache_salt="kvcache warm-up")
     room = engine.model.config.max_position_embeddings
     if engine.pool.full_allocator is not None:  # (the batch's blocks: a small pool's quarter)
         room = min(room, engine.num_blocks * engine.limits.block_size // 4)

@@ -100,7 +100,8 @@ class KVPool:
                 if request.digests is None or request.digests[0] != len(request.tokens):
                     digests = self.cache.prefix_digests(request.tokens, request.root)
                     request.digests = (len(request.tokens), digests)
-                prefix, idle = self.cache.prefix_cost(request.tokens, request.digests[1])
+                prefix, idle = self.cache.prefix_cost(request.tokens, request.digests[1], request.root,
+                                                      within_block=self._within_block(request))
             seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
         free = full.num_allocatable if full is not None else 1 << 40
         return running, seen, free
@@ -164,8 +165,10 @@ class KVPool:
         chunk came from the store run nothing this step."""
         attached, loaded = {}, {}
         for request in admitted:
-            request.cached = self.cache.add_sequence(request.tokens, reuse_prefix=self.prefix_caching,
-                                                    root=request.root)
+            request.cached = self.cache.add_sequence(
+                request.tokens, reuse_prefix=self.prefix_caching, root=request.root,
+                within_block=self._within_block(request),
+            )
             attached[request.id] = request.cached
             self.running.append(request)
         rows = {request.id: row for row, request in enumerate(self.running)}
@@ -191,6 +194,14 @@ class KVPool:
         sample = [end == len(self.running[row].tokens) for row, end in zip(batch_rows, ends)]
         batch = PagedBatch(self.cache, batch_rows, tokens, sample)
         return StepWork(batch, [self.running[row] for row in batch_rows], attached, loaded)
+
+    @staticmethod
+    def _within_block(request: Request) -> bool:
+        """Whether `request` (admissible: its store read, if any, answered) may attach part of a
+        cached block after its whole ones: not when the store brought blocks to load, which
+        start at a block boundary."""
+        read = request.store_read
+        return read is None or not read.pending.values()
 
     def _load_from_store(self, request: Request, row: int, end: int) -> int:
         """Load into row `row` the blocks its store read brought, up to position `end` (its chunk

@@ -38,7 +38,8 @@ class WaitingSeq:
     seq_id: int
     arrival: int
     tokens: int
-    prefix: int  # tokens the prefix cache would attach (whole blocks, at most tokens - 1)
+    prefix: int  # tokens the prefix cache would attach (at most tokens - 1; a part of a block
+    # past the whole ones is copied on the first write: it holds prefix // block_size blocks)
     prefix_idle: int  # of those blocks, ones no sequence uses now (attaching takes them)
 
 

@@ -67,8 +67,8 @@ def test_every_row_sees_exactly_its_own_history(data, num_blocks):
         if kind == "add":
             prompt = data.draw(prompts)
             attached = cache.add_sequence(prompt)
-            assert attached % BLOCK == 0 and attached < len(prompt)
-            event(f"prefix attached: {attached > 0}")
+            assert attached < len(prompt)  # (whole blocks, then part of a cached block)
+            event(f"prefix attached: {attached > 0}, within a block: {attached % BLOCK > 0}")
             truth.append(prompt[:attached])
             pending.append(prompt[attached:])
         elif kind == "forward" and rows:

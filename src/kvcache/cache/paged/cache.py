@@ -133,13 +133,14 @@ class PagedCache(Cache):
 
     # ---- rows ----------------------------------------------------------------------------------
     def add_sequence(self, token_ids: Sequence[int] = (), *, reuse_prefix: bool = True,
-                     root: bytes = ROOT_HASH) -> int:
+                     root: bytes = ROOT_HASH, within_block: bool = True) -> int:
         """Add a row, declaring its first `token_ids`; return how many were attached from cache
-        (whole cached blocks matching their start, at most len(token_ids) - 1: run the rest through
-        the model). root: its first block's parent hash (`blocks.salt_root`: roots share nothing)."""
+        (whole cached blocks matching their start, then with within_block the leading tokens of a
+        cached block after them; at most len(token_ids) - 1: run the rest through the model).
+        root: its first block's parent hash (`blocks.salt_root`: roots share nothing)."""
         seq = next(self._seq_ids)
         digests = self.prefix_digests(token_ids, root)
-        attach = self.prefix_cost(token_ids, digests)[0] if reuse_prefix else None
+        attach = self.prefix_cost(token_ids, digests, root, within_block)[0] if reuse_prefix else None
         for allocator in self.allocators:
             attached = allocator.add_sequence(seq, token_ids, reuse_prefix=reuse_prefix, attach=attach,
                                               root=root)
@@ -148,11 +149,12 @@ class PagedCache(Cache):
         return attached
 
     def prefix_cost(
-        self, token_ids: Sequence[int], digests: Sequence[bytes] | None = None
+        self, token_ids: Sequence[int], digests: Sequence[bytes] | None = None, root: bytes = ROOT_HASH,
+        within_block: bool = True,
     ) -> tuple[int, int]:
         """`rows.prefix_cost`: (tokens `add_sequence` would attach, the full-attention blocks of
         those no row uses now). Changes nothing."""
-        return prefix_cost(self, token_ids, digests)
+        return prefix_cost(self, token_ids, digests, root, within_block)
 
     def prefix_digests(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> list[bytes]:
         """The chained hashes of the whole blocks of `token_ids` a prefix hit may cover, from

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.blocks.allocator import ROOT_HASH
+
 from ..errors import CacheShapeError, OutOfBlocksError
 
 
@@ -157,17 +159,30 @@ def prefill_inputs(cache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tenso
     return input_ids, attention_mask
 
 
-def prefix_cost(cache, token_ids: Sequence[int], digests: Sequence[bytes] | None = None) -> tuple[int, int]:
+def prefix_cost(
+    cache, token_ids: Sequence[int], digests: Sequence[bytes] | None = None, root: bytes = ROOT_HASH,
+    within_block: bool = True,
+) -> tuple[int, int]:
     """(tokens `add_sequence` would attach, the full-attention blocks of those that no row uses
     now: attaching takes them from the blocks a new allocation may evict). Every group attaches
     the same tokens: the most whole blocks each can attach (a windowed group needs only the
-    blocks inside the window of the last one). digests: `prefix_digests(token_ids)` when the
-    caller keeps them (they depend on the tokens only). Changes nothing."""
+    blocks inside the window of the last one), then, with within_block, the leading tokens of a
+    cached block after them that every group holds (`BlockAllocator.partial_match`; copied on
+    the first write, so it counts as a new block, not a held one). digests:
+    `prefix_digests(token_ids, root)` when the caller keeps them (they depend on the tokens
+    only). Changes nothing."""
     if digests is None:
-        digests = cache.prefix_digests(token_ids)
+        digests = cache.prefix_digests(token_ids, root)
     count = attachable_blocks(cache, digests)
     full = cache.full_allocator
-    return count * cache.block_size, 0 if full is None else full.idle_blocks(digests, count)
+    idle = 0 if full is None else full.idle_blocks(digests, count)
+    within = 0
+    if within_block:
+        matches = [allocator.partial_match(token_ids, digests, count, root) for allocator in cache.allocators]
+        within = min(matched for _, matched in matches)
+        if within and full is not None:
+            idle += full.ref_counts[full.partial_match(token_ids, digests, count, root)[0]] == 0
+    return count * cache.block_size + within, idle
 
 
 def attachable_blocks(cache, digests: Sequence[bytes]) -> int:
