@@ -38,6 +38,65 @@ def gguf_name(name: str) -> str:
     return f"blk.{index}.{_LAYER[rest]}"
 
 
+def quantize_blocks(values: np.ndarray, kind: str) -> np.ndarray:
+    """values (rows, columns) float32 as ggml blocks of `kind` (rows, row bytes) uint8: the `gguf`
+    package's quantizer where it has one; the K-quants (which it only dequantizes) by a plain
+    min/max rounding here, laid out as the format is (not llama.cpp's search for the best scales:
+    the tests need valid blocks, not the smallest error)."""
+    import gguf
+
+    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+    rows = values.shape[0]
+    blocks = values.astype(np.float32).reshape(-1, 256)
+    packed = _q6_k(blocks) if kind == "Q6_K" else _q45_k(blocks, 31 if kind == "Q5_K" else 15)
+    return packed.reshape(rows, -1)
+
+
+def _q45_k(blocks: np.ndarray, top: int) -> np.ndarray:
+    """Q4_K (top 15) or Q5_K (top 31) blocks of (n, 256) values: d, dmin, 12 bytes of 6-bit scales
+    and minimums, (Q5_K) 32 bytes of fifth bits, 128 bytes of nibbles."""
+    sub = blocks.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0.0)
+    steps, mins = (sub.max(-1) - low) / top, -low
+    d = np.maximum(steps.max(-1), 1e-8) / 63
+    dmin = np.maximum(mins.max(-1), 1e-8) / 63
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    scale = np.clip(np.rint(steps / d[:, None]), 1, 63).astype(np.uint8)
+    minimum = np.clip(np.rint(mins / dmin[:, None]), 0, 63).astype(np.uint8)
+    step = (d[:, None] * scale)[..., None]
+    q = np.clip(np.rint((sub + (dmin[:, None] * minimum)[..., None]) / step), 0, top).astype(np.uint8)
+    scales = np.concatenate([
+        (scale[:, :4] & 63) | ((scale[:, 4:] >> 4) << 6),
+        (minimum[:, :4] & 63) | ((minimum[:, 4:] >> 4) << 6),
+        (scale[:, 4:] & 15) | ((minimum[:, 4:] & 15) << 4),
+    ], axis=1)
+    nibbles = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)  # (n, 4, 32): sub-blocks 2c, 2c + 1
+    parts = [d.astype(np.float16).view(np.uint8).reshape(-1, 2),
+             dmin.astype(np.float16).view(np.uint8).reshape(-1, 2), scales]
+    if top == 31:
+        parts.append(np.bitwise_or.reduce((q >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None],
+                                          axis=1))
+    return np.concatenate([*parts, nibbles.reshape(-1, 128)], axis=1)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of (n, 256) values: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+    scales (one per 16 values), d."""
+    groups = blocks.reshape(-1, 16, 16)
+    steps = np.abs(groups).max(-1) / 31
+    d = (np.maximum(steps.max(-1), 1e-8) / 127).astype(np.float16).astype(np.float32)
+    scale = np.clip(np.rint(steps / d[:, None]), 1, 127).astype(np.int8)
+    step = (d[:, None] * scale)[..., None]
+    q = (np.clip(np.rint(groups / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # half, t, k
+    low = np.empty((len(blocks), 2, 64), np.uint8)
+    low[:, :, :32] = (q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4)
+    low[:, :, 32:] = (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)
+    high = np.bitwise_or.reduce((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2)
+    return np.concatenate([low.reshape(-1, 128), high.reshape(-1, 64), scale.view(np.uint8),
+                           d.astype(np.float16).view(np.uint8).reshape(-1, 2)], axis=1)
+
+
 def interleave(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's permutation: per head, the rows of the two rotary halves interleaved pairwise."""
     rows = weight.shape[0]
@@ -47,7 +106,8 @@ def interleave(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str = "gpt-2",
                arch: str | None = None, fields: dict | None = None) -> Path:
-    """Convert the checkpoint in `folder` to the GGUF file `path`; tensor_type: F32, F16 or Q8_0;
+    """Convert the checkpoint in `folder` to the GGUF file `path`; tensor_type: F32, F16 or a block
+    format (`quantize_blocks`; the K-quants need columns in multiples of 256);
     `fields`: metadata key -> (value, gguf.GGUFValueType[, element type of an array]) written in
     place of the converter's."""
     import gguf
@@ -113,7 +173,7 @@ def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str =
             writer.add_tensor(gguf_name(name), value.astype(np.float16))
         else:
             kind = gguf.GGMLQuantizationType[tensor_type]
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(value, kind), raw_dtype=kind)
+            writer.add_tensor(gguf_name(name), quantize_blocks(value, tensor_type), raw_dtype=kind)
     for key, spec in (fields or {}).items():
         writer.kv_data[0][key] = gguf.GGUFValue(*spec)
     writer.write_header_to_file()

@@ -4,7 +4,9 @@ dequantized copy.
 ggml stores a weight (out, in) row by row, each row `in / 32` blocks of 32 values: Q8_0 a float16
 scale d and 32 int8 (value = d·q); Q4_0 d and 16 bytes of 4-bit q (value = d·(q - 8)); Q4_1 d, a
 float16 minimum m and 4-bit q (d·q + m); Q5_0 and Q5_1 the same with a fifth bit per value in a
-32-bit word. In each byte the low nibble is value j, the high one value j + 16. `BlockWeight`
+32-bit word. In each byte the low nibble is value j, the high one value j + 16. The K-quants
+group 256 values a block: Q4_K and Q5_K as 8 sub-blocks of 32 with 6-bit scales and minimums
+(value = d·scale·q - dmin·min), Q6_K as 16 groups of 16 with int8 scales (d·scale·(q - 32)). `BlockWeight`
 holds such rows; `QuantizedLinear` and `QuantizedEmbedding` stand in for `nn.Linear` and
 `nn.Embedding` over them. Their own forwards dequantize (with the `gguf` package, the format's
 own library) a slice of rows at a time: the exact float path. Inside `block_products(multiply)`
@@ -25,7 +27,8 @@ import torch
 from torch import nn
 
 #: the block formats kept as stored: (values per block, bytes per block)
-STORED_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
+STORED_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 #: rows of a weight dequantized at once by the modules' own forwards (bounds their scratch)
 TILE_ROWS = 4096
 #: multiply(x (N, in) float32, weight) -> (N, out) float32, set by `block_products`

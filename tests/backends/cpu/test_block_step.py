@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
-from gguf_files import write_gguf
+from gguf.quants import dequantize
+from gguf_files import quantize_blocks, write_gguf
+from tiny_models import hf_model, save_checkpoint
 
 from kvcache import generate, load_model
 from kvcache.backends import choose_backend
@@ -24,9 +25,21 @@ KINDS = sorted(STORED_KINDS)
 
 
 def _blocks(rng, kind: str, rows: int, columns: int) -> np.ndarray:
-    blocks = quantize(rng.standard_normal((rows, columns)).astype(np.float32), GGMLQuantizationType[kind])
+    blocks = quantize_blocks(rng.standard_normal((rows, columns)).astype(np.float32), kind)
     blocks.setflags(write=False)  # as a mapped file's are
     return blocks
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_tests_k_quant_blocks_are_the_formats_own(kind):
+    """The K-quants written here (the `gguf` package only reads them) decode, by the format's own
+    library, to the values they were made from within each block's rounding step."""
+    values = np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)
+    blocks = quantize_blocks(values, kind)
+    assert blocks.shape == (3, 2 * STORED_KINDS[kind][1]) and blocks.dtype == np.uint8
+    back = dequantize(blocks, GGMLQuantizationType[kind])
+    levels = 64 if kind == "Q6_K" else 32 if kind == "Q5_K" else 16
+    assert np.abs(back - values).max() <= 2.5 * (values.max() - values.min()) / levels
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -34,7 +47,7 @@ def _blocks(rng, kind: str, rows: int, columns: int) -> np.ndarray:
 def test_a_product_of_blocks_equals_the_dequantized_weights_product(kind, seed):
     rng = np.random.default_rng(seed)
     rows_a, rows_b, blocks, count = (int(n) for n in rng.integers([1, 1, 1, 1], [40, 9, 7, 7]))
-    columns = 32 * blocks
+    columns = STORED_KINDS[kind][0] * blocks
     parts = [_blocks(rng, kind, rows, columns) for rows in (rows_a, rows_b)]
     x = rng.standard_normal((count, columns)).astype(np.float32)
     bias = rng.standard_normal(rows_a + rows_b).astype(np.float32)
@@ -49,8 +62,12 @@ def test_a_product_of_blocks_equals_the_dequantized_weights_product(kind, seed):
 @pytest.fixture(scope="module")
 def block_files(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("blocks")
-    return {kind: write_gguf(checkpoints["llama"][0], root / f"{kind}.gguf", tensor_type=kind)
-            for kind in ("Q8_0", "Q4_1", "Q5_0")}
+    files = {kind: write_gguf(checkpoints["llama"][0], root / f"{kind}.gguf", tensor_type=kind)
+             for kind in ("Q8_0", "Q4_1", "Q5_0")}
+    wide = save_checkpoint(hf_model("llama", hidden_size=256, intermediate_size=512), root / "wide")
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):  # (rows of 256 values: a model 256 wide)
+        files[kind] = write_gguf(wide, root / f"{kind}.gguf", tensor_type=kind)
+    return files
 
 
 def test_a_gguf_keeps_its_quantized_weights_as_mapped_blocks(block_files):
@@ -71,7 +88,7 @@ def test_a_gguf_keeps_its_quantized_weights_as_mapped_blocks(block_files):
         torch.testing.assert_close(model(ids).logits, exact(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_block_step_decodes_as_the_models_own_forward_on_the_same_blocks(block_files, kind):
     model = load_model(block_files[kind])
     backend = choose_backend(model)

@@ -1,7 +1,8 @@
 """The numba kernels' products with weights kept as ggml blocks (`kvcache.model.quantized`): each
-weight row's blocks read from their stored bytes (scales widened from float16 bits), four weight
-rows dotted with one activation row in one pass, the activations float32 (no activation
-quantization: the result is the dequantized weight's product, summed in another order).
+weight row's blocks read from their stored bytes (scales widened from float16 bits, the K-quants'
+6-bit scales unpacked), four weight rows dotted with one activation row in one pass, the
+activations float32 (no activation quantization: the result is the dequantized weight's product,
+summed in another order).
 Imported only with the kernels (numba is loaded then).
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
@@ -18,12 +19,14 @@ from kvcache.backends.cpu.numba_values import FLAGS, float16_widened, prefetch
 from kvcache.model.quantized import STORED_KINDS
 
 #: the block formats' codes, as a product's part carries them: (blocks, code)
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = 0, 1, 2, 3, 4
-CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1}
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 4, 5, 6, 7
+CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
+         "Q6_K": Q6_K}
 #: by code: a block's bytes (`quantized.STORED_KINDS`), and where its q bytes start (after d, m
-#: and the fifth bits' word as the format has them); constants to the compiled kernels
+#: and the fifth bits' word as the format has them; the K-quants': after d, dmin, the 12 bytes of
+#: scales and Q5_K's 32 bytes of fifth bits; Q6_K's low bits come first); constants to the kernels
 BLOCK_BYTES = tuple(STORED_KINDS[kind][1] for kind in CODES)
-QUANTS_AT = (2, 2, 4, 6, 8)
+QUANTS_AT = (2, 2, 4, 6, 8, 16, 48, 0)
 _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
 #: tasks ahead whose weight rows a task asks the CPU to fetch (four rows a task: without it, the
 #: four interleaved streams of rows defeat the hardware's prefetching once a weight is not cached)
@@ -125,9 +128,123 @@ def block_rows(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compil
 
 
 @numba.njit(**_INLINE)
+def k_scale_min(w, i, at, s):  # pragma: no cover (compiled)
+    """Q4_K's and Q5_K's sub-block s (0..7) scale and minimum, 6-bit integers packed in the 12
+    bytes at `at` of row i (s < 4: the low 6 bits of bytes s and s + 4; else 4 bits of byte s + 4
+    and the top 2 of bytes s - 4 and s), as float32."""
+    if s < 4:
+        return np.float32(w[i, at + s] & 63), np.float32(w[i, at + s + 4] & 63)
+    packed = np.int32(w[i, at + s + 4])
+    scale = (packed & 15) | ((np.int32(w[i, at + s - 4]) >> 6) << 4)
+    low = (packed >> 4) | ((np.int32(w[i, at + s]) >> 6) << 4)
+    return np.float32(scale), np.float32(low)
+
+
+@numba.njit(**_INLINE)
+def k_nibble_sums(w, i0, i1, i2, i3, at, shift, x, n, xo):  # pragma: no cover (compiled)
+    """Σ q·x[n, xo + k] over k < 32 for rows i0..i3: q the nibble at `shift` (0: low, 4: high)
+    of byte at + k."""
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for k in range(32):
+        xv = x[n, xo + k]
+        s0 += np.float32((np.int32(w[i0, at + k]) >> shift) & 15) * xv
+        s1 += np.float32((np.int32(w[i1, at + k]) >> shift) & 15) * xv
+        s2 += np.float32((np.int32(w[i2, at + k]) >> shift) & 15) * xv
+        s3 += np.float32((np.int32(w[i3, at + k]) >> shift) & 15) * xv
+    return s0, s1, s2, s3
+
+
+@numba.njit(**_INLINE)
+def k_bit_sums(w, i0, i1, i2, i3, at, bit, x, n, xo):  # pragma: no cover (compiled)
+    """Σ 16·(bit `bit` of byte at + k)·x[xo + k] over k < 32 for rows i0..i3: Q5_K's fifth bits of
+    sub-block `bit`."""
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for k in range(32):
+        xv = x[n, xo + k] * np.float32(16.0)
+        s0 += np.float32((np.int32(w[i0, at + k]) >> bit) & 1) * xv
+        s1 += np.float32((np.int32(w[i1, at + k]) >> bit) & 1) * xv
+        s2 += np.float32((np.int32(w[i2, at + k]) >> bit) & 1) * xv
+        s3 += np.float32((np.int32(w[i3, at + k]) >> bit) & 1) * xv
+    return s0, s1, s2, s3
+
+
+@numba.njit(**_INLINE)
+def k_part(w, i, at, s, sum_qx, sum_x):  # pragma: no cover (compiled)
+    """Sub-block s's share of row i's dot product in the Q4_K/Q5_K block at `at`:
+    d·scale·Σq·x - dmin·min·Σx."""
+    scale, low = k_scale_min(w, i, at + 4, s)
+    return half_at(w, i, at) * scale * sum_qx - half_at(w, i, at + 2) * low * sum_x
+
+
+@numba.njit(**_INLINE)
+def k_block_rows(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compiled)
+    """Rows i0..i3 of a Q4_K or Q5_K weight dotted with x row n (sums (N, in / 32): Σx of each 32
+    values): 256 values a block, 8 sub-blocks of 32, sub-block s the low (s even) or high nibbles
+    of the block's 32 q bytes s // 2 (and Q5_K's fifth bits bit s of its 32 qh bytes)."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    size, quants = BLOCK_BYTES[kind], QUANTS_AT[kind]
+    for b in range(sums.shape[1] // 8):
+        at = b * size
+        for s in range(8):
+            xo, q_at = b * 256 + s * 32, at + quants + (s // 2) * 32
+            s0, s1, s2, s3 = k_nibble_sums(w, i0, i1, i2, i3, q_at, (s % 2) * 4, x, n, xo)
+            if kind == Q5_K:
+                h0, h1, h2, h3 = k_bit_sums(w, i0, i1, i2, i3, at + 16, s, x, n, xo)
+                s0, s1, s2, s3 = s0 + h0, s1 + h1, s2 + h2, s3 + h3
+            total = sums[n, b * 8 + s]
+            a0 += k_part(w, i0, at, s, s0, total)
+            a1 += k_part(w, i1, at, s, s1, total)
+            a2 += k_part(w, i2, at, s, s2, total)
+            a3 += k_part(w, i3, at, s, s3, total)
+    return a0, a1, a2, a3
+
+
+@numba.njit(**_INLINE)
+def q6_value(w, i, at, g, k):  # pragma: no cover (compiled)
+    """Value k (0..31) of 32-value group g (0..7) of the Q6_K block at `at` of row i, before its
+    scale: (low 4 bits | high 2 bits << 4) - 32. Group g = 4·half + t: the low bits are nibble
+    t // 2 of byte 64·half + 32·(t % 2) + k, the high ones bits 2t, 2t + 1 of byte 128 + 32·half + k."""
+    half, t = g // 4, g % 4
+    low = (np.int32(w[i, at + 64 * half + 32 * (t % 2) + k]) >> (4 * (t // 2))) & 15
+    high = (np.int32(w[i, at + 128 + 32 * half + k]) >> (2 * t)) & 3
+    return np.float32((low | (high << 4)) - 32)
+
+
+@numba.njit(**_INLINE)
+def q6_block_rows(w, i0, i1, i2, i3, x, n):  # pragma: no cover (compiled)
+    """Rows i0..i3 of a Q6_K weight dotted with x row n: 256 values a block (210 bytes: 128 of low
+    bits, 64 of high bits, 16 int8 scales, d), scale j for values 16j .. 16j + 15."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    size = BLOCK_BYTES[Q6_K]
+    for b in range(x.shape[1] // 256):
+        at = b * size
+        for g in range(8):
+            for part in range(2):
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for k in range(part * 16, part * 16 + 16):
+                    xv = x[n, b * 256 + g * 32 + k]
+                    s0 += q6_value(w, i0, at, g, k) * xv
+                    s1 += q6_value(w, i1, at, g, k) * xv
+                    s2 += q6_value(w, i2, at, g, k) * xv
+                    s3 += q6_value(w, i3, at, g, k) * xv
+                scale = at + 192 + 2 * g + part
+                a0 += half_at(w, i0, at + 208) * np.float32(np.int8(w[i0, scale])) * s0
+                a1 += half_at(w, i1, at + 208) * np.float32(np.int8(w[i1, scale])) * s1
+                a2 += half_at(w, i2, at + 208) * np.float32(np.int8(w[i2, scale])) * s2
+                a3 += half_at(w, i3, at + 208) * np.float32(np.int8(w[i3, scale])) * s3
+    return a0, a1, a2, a3
+
+
+@numba.njit(**_INLINE)
 def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compiled)
-    """`block_rows` compiled once per format (`kind` a constant in each branch), so each
-    format's inner loops are laid out for it alone."""
+    """`block_rows` (the K-quants': `k_block_rows`, `q6_block_rows`) compiled once per format
+    (`kind` a constant in each branch), so each format's inner loops are laid out for it alone."""
+    if kind == Q4_K:
+        return k_block_rows(w, Q4_K, i0, i1, i2, i3, x, n, sums)
+    if kind == Q5_K:
+        return k_block_rows(w, Q5_K, i0, i1, i2, i3, x, n, sums)
+    if kind == Q6_K:
+        return q6_block_rows(w, i0, i1, i2, i3, x, n)
     if kind == Q8_0:
         return block_rows(w, Q8_0, i0, i1, i2, i3, x, n, sums)
     if kind == Q4_0:
@@ -175,10 +292,41 @@ def dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
 
 
 @numba.njit(**_INLINE)
+def k_dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
+    """out[r] (columns,) float32 = row i of a K-quant weight of `kind` dequantized (`k_block_rows`,
+    `q6_block_rows` say the layouts)."""
+    size, quants = BLOCK_BYTES[kind], QUANTS_AT[kind]
+    for b in range(out.shape[1] // 256):
+        at, column = b * size, b * 256
+        if kind == Q6_K:
+            d = half_at(w, i, at + 208)
+            for g in range(8):
+                for k in range(32):
+                    scale = np.float32(np.int8(w[i, at + 192 + 2 * g + k // 16]))
+                    out[r, column + g * 32 + k] = d * scale * q6_value(w, i, at, g, k)
+            continue
+        d, dmin = half_at(w, i, at), half_at(w, i, at + 2)
+        for s in range(8):
+            scale, low = k_scale_min(w, i, at + 4, s)
+            step, shift = d * scale, dmin * low
+            for k in range(32):
+                q = (np.int32(w[i, at + quants + (s // 2) * 32 + k]) >> ((s % 2) * 4)) & 15
+                if kind == Q5_K:
+                    q |= ((np.int32(w[i, at + 16 + k]) >> s) & 1) << 4
+                out[r, column + s * 32 + k] = step * np.float32(q) - shift
+
+
+@numba.njit(**_INLINE)
 def rows_dequantized(w, kind, i0, i1, i2, i3, out):  # pragma: no cover (compiled)
     """out (4, columns) = rows i0..i3 dequantized, each format's loop compiled apart."""
     for r, i in enumerate((i0, i1, i2, i3)):
-        if kind == Q8_0:
+        if kind == Q4_K:
+            k_dequantized_row(w, Q4_K, i, out, r)
+        elif kind == Q5_K:
+            k_dequantized_row(w, Q5_K, i, out, r)
+        elif kind == Q6_K:
+            k_dequantized_row(w, Q6_K, i, out, r)
+        elif kind == Q8_0:
             dequantized_row(w, Q8_0, i, out, r)
         elif kind == Q4_0:
             dequantized_row(w, Q4_0, i, out, r)
