@@ -32,7 +32,7 @@ def _smollm2_folder(folder: Path) -> Path:
 
     source = smollm2_gguf()
     folder.mkdir(parents=True, exist_ok=True)
-    model = load_model(source)
+    model = load_model(source, dtype="float32")  # (without a dtype its weights would stay blocks)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
              if name != "lm_head.weight"}  # tied
     save_file(state, str(folder / "model.safetensors"))

@@ -10,7 +10,8 @@ conversations of a turn sent together on as many connections. Per later turn: th
 rate (cached prompt tokens over prompt tokens, from `usage`) and the time to first token (from
 the client's streamed request to its first content event). Then the routing overhead: the
 latency of a one-token request whose prompt the replica holds, on `--replicas 2` against a
-single-process `kvcache serve` of the same settings (the difference is what the Ray path adds),
+single-process `kvcache serve` of the same settings, both up at once and asked in turn (the median
+of the paired differences is what the Ray path adds),
 and the router's own decision (block hashes of the prompt and the ranking) timed in process. The
 same conversations on that single process give the ceiling: one engine holds every conversation,
 so its hit rate is the most any routing can reach on this workload (the rest is each turn's new
@@ -119,19 +120,21 @@ def conversations_run(url: str) -> list[dict]:
     return rows
 
 
-def one_token_latency(url: str, count: int = 30) -> list[float]:
-    """Seconds of `count` one-token requests on a prompt the server holds (after one to warm it)."""
+def one_token_latency(urls: tuple[str, str], count: int = 40) -> tuple[list[float], list[float]]:
+    """Seconds of `count` one-token requests on a prompt each server holds (after one to warm
+    it), the two servers side by side: request i goes to both, in an order that alternates."""
     import httpx
 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say yes."}]
-    times = []
+    times: tuple[list[float], list[float]] = ([], [])
     with httpx.Client() as client:
         for index in range(count + 1):
-            started = time.perf_counter()
-            client.post(f"{url}/v1/chat/completions", timeout=120,
-                        json={"messages": messages, "max_tokens": 1, "temperature": 0})
-            if index:
-                times.append(time.perf_counter() - started)
+            for which in ((0, 1) if index % 2 else (1, 0)):
+                started = time.perf_counter()
+                client.post(f"{urls[which]}/v1/chat/completions", timeout=120,
+                            json={"messages": messages, "max_tokens": 1, "temperature": 0})
+                if index:
+                    times[which].append(time.perf_counter() - started)
     return times
 
 
@@ -169,11 +172,10 @@ def main() -> None:
             with Server("--replicas", "2", "--routing", routing) as server:
                 by_routing[routing].append(summary(conversations_run(server.url)))
             print(f"round {round_ + 1} {routing}: {by_routing[routing][-1]}", file=sys.stderr, flush=True)
-    with Server("--replicas", "2") as server:
-        replicated = one_token_latency(server.url)
     with Server() as server:  # one engine holds every conversation: the most any routing can find
         ceiling = summary(conversations_run(server.url))
-        single = one_token_latency(server.url)
+    with Server("--replicas", "2") as replicas, Server() as server:  # (both up: side by side)
+        replicated, single = one_token_latency((replicas.url, server.url))
     decisions = router_decision_s()
     results = {
         "what": "kvcache serve --replicas 2: prefix-aware routing against round-robin (later turns of "
@@ -192,7 +194,7 @@ def main() -> None:
             for p, r in zip(by_routing["prefix"], by_routing["round-robin"])),
         "one_token_request_ms_p50": {"replicas_2": 1000 * statistics.median(replicated),
                                      "single_process": 1000 * statistics.median(single)},
-        "added_latency_ms_p50": 1000 * (statistics.median(replicated) - statistics.median(single)),
+        "added_latency_ms_p50": 1000 * statistics.median(r - s for r, s in zip(replicated, single)),
         "router_decision_ms_p50": 1000 * statistics.median(decisions),
         "note": "one 2-core machine: both replicas share the cores, so more replicas cannot raise "
                 "throughput here; hit rates and latencies are what this measures",
