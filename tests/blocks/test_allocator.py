@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.blocks import ROOT_HASH, BlockAllocator, block_hash
-from kvcache.cache.errors import OutOfBlocksError, UnknownSequenceError
+from kvcache.blocks.allocator import PARTIAL_CANDIDATES
+from kvcache.cache.errors import CacheError, OutOfBlocksError, UnknownSequenceError
 
 
 def test_allocator_runs_where_torch_cannot_be_imported():
@@ -191,6 +192,44 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
     pool.check_invariants()
 
 
+def test_a_kept_block_that_is_the_last_one_allocatable_is_written_in_place_not_copied():
+    pool = BlockAllocator(4, 4)
+    pool.add_sequence("turn", list(range(14)))
+    write(pool, "turn", 14)  # 3 full blocks and a 2-token tail: the whole pool
+    pool.free_sequence("turn")
+    assert pool.add_sequence("next", list(range(15))) == 14 and pool.num_allocatable == 0
+    tail = pool.sequence("next").table[3]
+    assert pool.blocks_needed("next", 15) == 1  # a copy of the kept tail...
+    assert write(pool, "next", 15) == []  # ...which, released first, is the block it gets back
+    assert pool.sequence("next").table[3] == tail and pool.block_hashes[tail] is None
+    pool.check_invariants()
+    with pytest.raises(OutOfBlocksError):  # (and a block more than that is refused as before)
+        pool.reserve(["next"], [17])
+
+
+def test_an_attach_it_cannot_make_changes_nothing():
+    pool = BlockAllocator(8, 4)
+    pool.add_sequence("a", list(range(6)))
+    write(pool, "a", 6)
+    pool.free_sequence("a")
+    with pytest.raises(CacheError, match="2 tokens after 1 blocks of its prefix are not cached"):
+        pool.add_sequence("b", [0, 1, 2, 3, 50, 51, 52], attach=6)
+    assert "b" not in pool.sequences and pool.num_in_use == 0
+    pool.check_invariants()
+
+
+def test_the_newest_blocks_of_a_parent_are_the_ones_matched_within_and_old_tails_leave_the_cache():
+    pool = BlockAllocator(64, 4)
+    for index in range(PARTIAL_CANDIDATES + 1):  # tails [index, index] after the same first block
+        pool.add_sequence(index, [0, 1, 2, 3, 100 + index, 100 + index])
+        write(pool, index, 6)
+        pool.free_sequence(index)
+    assert pool.num_cached == 1 + PARTIAL_CANDIDATES  # the first tail was pushed out: free again
+    assert pool.add_sequence("old", [0, 1, 2, 3, 100, 100, 7]) == 4
+    assert pool.add_sequence("new", [0, 1, 2, 3, 116, 116, 7]) == 6
+    pool.check_invariants()
+
+
 def test_truncate_releases_blocks_and_copies_a_findable_block_before_rewriting_it():
     pool = BlockAllocator(8, 4)
     pool.add_sequence("a", list(range(12)))
@@ -316,7 +355,9 @@ def test_random_operations_keep_counts_consistent_and_hashes_true(operations, nu
                 block = slot // block_size
                 assert pool.ref_counts[block] == 1, "a write landed in a block another sequence holds"
                 assert pool.block_hashes[block] is None, "a write landed in a findable block"
-                content.setdefault(block, [None] * block_size)[slot % block_size] = tokens[position]
+                # a position's row depends on every token up to it (as keys do), not on its own
+                row = tuple(tokens[: position + 1])
+                content.setdefault(block, [None] * block_size)[slot % block_size] = row
             pool.commit(seq, total)
         pool.check_invariants()
         # (a kept tail's hash is registered too, but only full blocks are told: `attachable`)
@@ -329,7 +370,7 @@ def test_random_operations_keep_counts_consistent_and_hashes_true(operations, nu
             expected = true_tokens(seq, state.num_tokens)
             for position in range(state.num_tokens):
                 block, slot = divmod(position, block_size)
-                assert content[state.table[block]][slot] == expected[position]
+                assert content[state.table[block]][slot] == tuple(expected[: position + 1])
 
 
 def attached_tokens(pool: BlockAllocator, tokens: list[int]) -> int:

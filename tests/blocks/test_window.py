@@ -79,6 +79,22 @@ def test_a_sequence_holds_only_what_its_window_needs(window, actions):
         _check(pool, chunk=9)
 
 
+def test_a_turn_that_continues_a_kept_tail_fits_the_pool_the_engine_sizes_for_one_sequence():
+    block, window, chunk = 16, 64, 64  # the engine sizes a window's pool per running sequence
+    pool = WindowedBlockAllocator(window_blocks_per_sequence(window, block, chunk), block, window)
+    turn = list(range(1000, 1100))
+    pool.add_sequence("turn", turn)
+    for end in (64, 100):
+        pool.reserve(["turn"], [end])
+        pool.commit("turn", end)
+    pool.free_sequence("turn")  # 6 whole blocks (the last 2 held) and a 4-token tail
+    attached = pool.add_sequence("next", turn + list(range(200)))
+    assert attached == 100
+    assert sum(b != HOLE for b in pool.sequence("next").table) == window // block + 1  # its window
+    pool.reserve(["next"], [attached + chunk])  # the tail's copy, then the chunk's blocks: they fit
+    pool.check_invariants()
+
+
 def test_a_prefix_hit_takes_only_the_windows_blocks():
     pool = WindowedBlockAllocator(32, SIZE, window=6)
     prompt = list(range(30))
@@ -90,7 +106,10 @@ def test_a_prefix_hit_takes_only_the_windows_blocks():
     attached = pool.add_sequence("b", prompt + [99])  # 7 whole blocks, then a's tail: 30 tokens
     assert attached == 30
     table = pool.sequence("b").table
-    assert len(table) == 8 and table[: max(0, 28 - 6 + 1) // SIZE] == [HOLE] * 5 and HOLE not in table[5:]
+    # the window of position 29 starts at 24: blocks 6 and 7 (a's tail), as a held them
+    assert table == [HOLE] * ((30 - 6 + 1) // SIZE) + pool.sequence("b").table[6:] and HOLE not in table[6:]
     digests = pool.prefix_digests(prompt + [99])
     count = pool.attachable(digests)
-    assert (count * pool.block_size, pool.idle_blocks(digests, count)) == (28, 0)  # its window is held
+    # (whole blocks alone would take block 5 too: the window of position 27 starts at 22)
+    assert (count * pool.block_size, pool.idle_blocks(digests, count)) == (28, 1)
+    pool.check_invariants()

@@ -107,3 +107,27 @@ def test_a_prefix_hit_costs_only_its_idle_blocks():
     waiting = [WaitingSeq(1, 1, 13, 12, 3)]  # 12 tokens attached (3 blocks, all idle), 1 to run
     assert schedule([], waiting, free_blocks=4, limits=limits).prefill == [(1, 1)]
     assert schedule([], waiting, free_blocks=3, limits=limits).admit == []  # 3 idle + 1 new > 3
+
+
+def test_a_prompt_that_continues_a_kept_tail_is_admitted_when_its_cache_fills_the_pool():
+    """A finished turn fills the pool (3 full blocks and a 2-token tail, all cached); the next
+    turn attaches all 14 of its tokens, and the copy of the tail costs no block more than a
+    whole-block attach would: it is planned, and the plan fits `reserve`."""
+    from kvcache.cache import PagedCache
+
+    cache = PagedCache(4, 4, num_layers=1)
+    turn = list(range(100, 114))
+    cache.add_sequence(turn[:10])
+    cache.reserve([0], [14])
+    cache.declare_tokens(0, turn[10:])
+    cache.commit([0], [14])
+    cache.free_rows()
+    prompt = turn + [7]
+    prefix, idle = cache.prefix_cost(prompt)
+    assert (prefix, idle) == (14, 3)
+    plan = schedule([], [WaitingSeq(1, 0, len(prompt), prefix, idle)], cache.allocator.num_allocatable,
+                    Limits(block_size=4, max_running=4, token_budget=64))
+    assert plan.admit == [1] and plan.prefill == [(1, 1)]
+    assert cache.add_sequence(prompt) == 14
+    cache.reserve([0], [15])
+    cache.allocator.check_invariants()

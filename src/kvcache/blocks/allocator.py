@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -202,9 +202,13 @@ class BlockAllocator:
             count, within = divmod(attach, self.block_size)
             if not self.can_attach(digests, count):
                 raise CacheError(f"sequence {seq_id!r}: {count} blocks of its prefix are not all cached")
-            self._attach(state, digests[:count])
+            partial, matched = HOLE, 0
             if within:
-                self._attach_partial(seq_id, state, digests, within)
+                partial, matched = self.partial_match(state.token_ids, digests, count, root)
+            if matched < within:
+                raise CacheError(f"sequence {seq_id!r}: {within} tokens after {count} blocks of its prefix "
+                                 f"are not cached (at most {matched})")
+            self._attach(state, digests[:count], partial, within)
         self.sequences[seq_id] = state
         return state.num_tokens
 
@@ -228,19 +232,6 @@ class BlockAllocator:
             if matched > most:
                 best, most = block, matched
         return best, most
-
-    def _attach_partial(self, seq_id: Hashable, state: SequenceBlocks, digests: Sequence[bytes],
-                        tokens: int) -> None:
-        """Take the block whose first `tokens` positions continue `state`'s attached blocks."""
-        block, matched = self.partial_match(state.token_ids, digests, len(state.table), state.root)
-        if matched < tokens:
-            raise CacheError(
-                f"sequence {seq_id!r}: {tokens} tokens after {len(state.table)} blocks of its prefix "
-                f"are not cached (at most {matched})"
-            )
-        self._take(block)
-        state.table.append(block)
-        state.num_tokens += tokens
 
     def pin(self, digests: Sequence[bytes]) -> None:
         """Keep the blocks of `digests` (a pinned prefix's, `prefix_digests`) when nothing uses
@@ -266,14 +257,23 @@ class BlockAllocator:
         """Of an attached prefix's digests, the ones whose blocks are taken: here, all."""
         return digests
 
-    def _attach(self, state: SequenceBlocks, digests: Sequence[bytes]) -> None:
-        """Take the cached blocks of `digests` as the start of `state`."""
+    def _attach(self, state: SequenceBlocks, digests: Sequence[bytes], partial: int = HOLE,
+                within: int = 0) -> None:
+        """Take the cached blocks of `digests` as the start of `state`, then (within > 0) the
+        first `within` positions of block `partial` (`partial_match`'s)."""
         for digest in digests:
             block = self._by_hash[digest]
             self._take(block)
             state.table.append(block)
             state.hashes.append(digest)
-        state.num_tokens = len(digests) * self.block_size
+        self._attach_part(state, partial, within)
+        state.num_tokens = len(digests) * self.block_size + within
+
+    def _attach_part(self, state: SequenceBlocks, partial: int, within: int) -> None:
+        """`_attach`'s last step: block `partial` after the whole ones, when within > 0."""
+        if within:
+            self._take(partial)
+            state.table.append(partial)
 
     def idle_blocks(self, digests: Sequence[bytes], count: int) -> int:
         """Of the blocks attaching the first `count` of `digests` takes, the ones no sequence uses."""
@@ -351,24 +351,36 @@ class BlockAllocator:
         a shared partial last block is copied on write. Raises `OutOfBlocksError` (changing
         nothing) when the pool cannot supply every block asked for.
         """
+        self.check_reserve(seq_ids, num_tokens)
+        copies: list[tuple[int, int]] = []
+        for seq_id, total in zip(seq_ids, num_tokens):
+            state = self.sequences[seq_id]
+            if self._needs_copy(state, total):
+                index = state.num_tokens // self.block_size
+                source = state.table[index]
+                self._release(source)  # first: when nothing else holds it, it may be the block we get
+                target = self._allocate()
+                state.table[index] = target
+                if target != source:  # (else it was evicted from the cache: written in place)
+                    copies.append((source, target))
+            while len(state.table) < self.blocks_for(total):
+                state.table.append(self._allocate())
+        return copies
+
+    def check_reserve(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> None:
+        """Raise `OutOfBlocksError` unless `reserve(seq_ids, num_tokens)` can supply every block:
+        the new blocks (copies on write included) against the allocatable ones and the blocks
+        whose every holder copies from them here (each released before its copy is taken)."""
         states = [self.sequence(seq_id) for seq_id in seq_ids]
         if len(set(seq_ids)) != len(states) or len(states) != len(num_tokens):
             raise CacheError(f"reserve needs distinct sequences, one total each; got {list(seq_ids)}")
         requested = sum(self.blocks_needed(seq_id, n) for seq_id, n in zip(seq_ids, num_tokens))
-        if requested > self.num_allocatable:
-            raise OutOfBlocksError(requested, self.num_allocatable, self.num_blocks)
-        copies: list[tuple[int, int]] = []
-        for state, total in zip(states, num_tokens):
-            if self._needs_copy(state, total):
-                index = state.num_tokens // self.block_size
-                source = state.table[index]
-                target = self._allocate()
-                self._release(source)
-                state.table[index] = target
-                copies.append((source, target))
-            while len(state.table) < self.blocks_for(total):
-                state.table.append(self._allocate())
-        return copies
+        sources = Counter(state.table[state.num_tokens // self.block_size]
+                          for state, total in zip(states, num_tokens) if self._needs_copy(state, total))
+        available = self.num_allocatable + sum(1 for block, count in sources.items()
+                                               if self.ref_counts[block] == count)
+        if requested > available:
+            raise OutOfBlocksError(requested, available, self.num_blocks)
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """Record that positions up to `num_tokens` are written (after `reserve` made room)."""

@@ -41,8 +41,9 @@ class WindowedBlockAllocator(BlockAllocator):
     def _needed(self, digests: Sequence[bytes]) -> Sequence[bytes]:
         return digests[self._first_needed(len(digests) * self.block_size) :]
 
-    def _attach(self, state: SequenceBlocks, digests: Sequence[bytes]) -> None:
-        first = self._first_needed(len(digests) * self.block_size)
+    def _attach(self, state: SequenceBlocks, digests: Sequence[bytes], partial: int = HOLE,
+                within: int = 0) -> None:
+        first = self._first_needed(len(digests) * self.block_size + within)
         for index, digest in enumerate(digests):
             state.hashes.append(digest)
             if index < first:
@@ -51,7 +52,8 @@ class WindowedBlockAllocator(BlockAllocator):
                 block = self._by_hash[digest]
                 self._take(block)
                 state.table.append(block)
-        state.num_tokens = len(digests) * self.block_size
+        self._attach_part(state, partial, within)
+        state.num_tokens = len(digests) * self.block_size + within
 
     # ---- giving back what the window left behind ------------------------------------------------
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:

@@ -165,10 +165,15 @@ class KVPool:
         chunk came from the store run nothing this step."""
         attached, loaded = {}, {}
         for request in admitted:
+            within_block = self._within_block(request)
             request.cached = self.cache.add_sequence(
                 request.tokens, reuse_prefix=self.prefix_caching, root=request.root,
-                within_block=self._within_block(request),
+                within_block=within_block,
             )
+            if within_block and request.store_read is not None:  # it brought nothing: let go of it
+                if self.store_tier is not None:
+                    self.store_tier.note_missing(request.store_read)
+                request.store_read = None
             attached[request.id] = request.cached
             self.running.append(request)
         rows = {request.id: row for row, request in enumerate(self.running)}

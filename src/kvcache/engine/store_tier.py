@@ -122,10 +122,7 @@ class StoreTier:
         values = read.pending.values()
         if values is None:  # no answer: nothing learned about what it holds
             return 0
-        if not read.missing_forgotten:
-            read.missing_forgotten = True
-            for digest in read.digests[len(values) :]:  # not there (evicted, flushed): offered again
-                self._known.pop(digest, None)
+        self.note_missing(read)
         skip = attached // size - read.start  # < 0: the pool lost blocks the read's run follows
         digests = read.digests[skip : end // size - read.start] if skip >= 0 else []
         loaded = 0
@@ -141,6 +138,16 @@ class StoreTier:
             loaded += 1
         self.store.counters.hit_blocks += loaded
         return loaded * size
+
+    def note_missing(self, read: StoreRead) -> None:
+        """Once `read` is answered: the blocks it asked for and did not get (evicted, flushed) are
+        forgotten as written, so they are offered again."""
+        values = read.pending.values()
+        if values is None or read.missing_forgotten:
+            return
+        read.missing_forgotten = True
+        for digest in read.digests[len(values) :]:
+            self._known.pop(digest, None)
 
     def _decoded(self, digest: bytes, value) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(keys, values) (layers, block_size, H_kv, D) of a block read back, or None when it

@@ -15,7 +15,7 @@ from kvcache.blocks.window import WindowedBlockAllocator
 from ..base import Cache, ForwardPlan, LayerMasks
 from ..checks import check_batch_index, check_crop, check_new_tokens, where
 from ..config import read_cache_geometry
-from ..errors import CacheConfigError, CacheShapeError, OutOfBlocksError
+from ..errors import CacheConfigError, CacheShapeError
 from .formats import checked_kv_dtype
 from .forward import check_windows, first_forward_plan, group_mask, plan_forward
 from .layer import PagedLayer
@@ -338,9 +338,7 @@ class PagedCache(Cache):
         block copied on write. `commit` records what the forward wrote."""
         seqs = [self.rows[row] for row in rows]
         for allocator in self.allocators:
-            needed = sum(allocator.blocks_needed(seq, total) for seq, total in zip(seqs, totals))
-            if needed > allocator.num_allocatable:
-                raise OutOfBlocksError(needed, allocator.num_allocatable, allocator.num_blocks)
+            allocator.check_reserve(seqs, list(totals))
         for group, allocator in enumerate(self.allocators):
             copies = allocator.reserve(seqs, list(totals))
             for layer in self.layers:

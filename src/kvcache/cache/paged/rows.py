@@ -168,21 +168,19 @@ def prefix_cost(
     the same tokens: the most whole blocks each can attach (a windowed group needs only the
     blocks inside the window of the last one), then, with within_block, the leading tokens of a
     cached block after them that every group holds (`BlockAllocator.partial_match`; copied on
-    the first write, so it counts as a new block, not a held one). digests:
+    the first write, so it counts as a new block, not a held one, and not as one taken: it is
+    released before its copy is allocated). digests:
     `prefix_digests(token_ids, root)` when the caller keeps them (they depend on the tokens
-    only). Changes nothing."""
+    only). Changes nothing, but reads the allocators' lists of blocks to match within: call it
+    on the thread that changes the cache (the engine's step), unlike `attachable_blocks`."""
     if digests is None:
         digests = cache.prefix_digests(token_ids, root)
     count = attachable_blocks(cache, digests)
     full = cache.full_allocator
-    idle = 0 if full is None else full.idle_blocks(digests, count)
     within = 0
     if within_block:
-        matches = [allocator.partial_match(token_ids, digests, count, root) for allocator in cache.allocators]
-        within = min(matched for _, matched in matches)
-        if within and full is not None:
-            idle += full.ref_counts[full.partial_match(token_ids, digests, count, root)[0]] == 0
-    return count * cache.block_size + within, idle
+        within = min(group.partial_match(token_ids, digests, count, root)[1] for group in cache.allocators)
+    return count * cache.block_size + within, 0 if full is None else full.idle_blocks(digests, count)
 
 
 def attachable_blocks(cache, digests: Sequence[bytes]) -> int:
