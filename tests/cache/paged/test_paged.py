@@ -287,3 +287,25 @@ def test_numpy_gathers_reuse_one_buffer_per_kind_and_equal_the_tensor_gathers():
             np.testing.assert_array_equal(got[1], want[1].numpy())
             for array, scratch in zip(got, by_arrays.gather_scratch):
                 assert np.shares_memory(array, scratch._memory.numpy())
+
+
+def test_a_forward_the_pool_cannot_hold_reserves_nothing_in_any_group_of_layers():
+    """The sliding group (planned first) has room, the full one not: begin raises and no group's
+    tables change, so a retry after making room reads the rows it attached, copied."""
+    config = dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=2, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"])
+    cache = PagedCache(2, 2, window_blocks=8, config=config, dtype=torch.float32)
+    ones = [torch.ones(3, 1, 2) for _ in range(2)]
+    cache.add_sequence([5, 6, 7])
+    cache.append_to_row(0, ones, ones)
+    cache.free_rows()  # a full block and a kept 1-token tail in each group
+    assert cache.add_sequence([5, 6, 7, 9]) == cache.add_sequence([5, 6, 7, 8]) == 3
+    tables = [[group.sequence(seq).table[:] for seq in cache.rows] for group in cache.allocators]
+    with pytest.raises(OutOfBlocksError):
+        cache.begin(1)  # two copies of the tail, and the full group has no block to give
+    assert [[group.sequence(seq).table for seq in cache.rows] for group in cache.allocators] == tables
+    cache.select([0])
+    cache.begin(1)
+    for layer in cache.layers:
+        slots = torch.tensor(cache.allocators[layer.group].slots(cache.rows[0], 0, 3))
+        assert torch.equal(layer.read_slots(slots)[0], torch.ones(3, 1, 2))

@@ -31,6 +31,18 @@ class ForwardLayout:
     mask: torch.Tensor | None
 
 
+def forward_totals(
+    allocator: BlockAllocator, rows: list[int], columns: int, new_tokens: int,
+    attention_mask: torch.Tensor | None, device: torch.device,
+) -> list[int]:
+    """The tokens each of `rows` holds after a forward of `new_tokens` columns (what
+    `plan_forward` reserves): the same in every group of a cache, whose rows hold the same
+    positions."""
+    lengths = [allocator.sequence(seq).num_tokens for seq in rows]
+    counts = _new_columns(lengths, columns, new_tokens, attention_mask, device)[1]
+    return [held + new for held, new in zip(lengths, counts)]
+
+
 def plan_forward(
     allocator: BlockAllocator,
     rows: list[int],
