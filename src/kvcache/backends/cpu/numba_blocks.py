@@ -141,30 +141,17 @@ def k_scale_min(w, i, at, s):  # pragma: no cover (compiled)
 
 
 @numba.njit(**_INLINE)
-def k_nibble_sums(w, i0, i1, i2, i3, at, shift, x, n, xo):  # pragma: no cover (compiled)
-    """Σ q·x[n, xo + k] over k < 32 for rows i0..i3: q the nibble at `shift` (0: low, 4: high)
-    of byte at + k."""
+def k_bits_sums(w, i0, i1, i2, i3, at, shift, mask, weight, x, n, xo):  # pragma: no cover (compiled)
+    """Σ weight·q·x[n, xo + k] over k < 32 for rows i0..i3, q = (byte at + k >> shift) & mask: a
+    K-quant's nibbles (mask 15, weight 1) or Q5_K's fifth bits of sub-block `shift` (mask 1,
+    weight 16)."""
     s0 = s1 = s2 = s3 = np.float32(0.0)
     for k in range(32):
-        xv = x[n, xo + k]
-        s0 += np.float32((np.int32(w[i0, at + k]) >> shift) & 15) * xv
-        s1 += np.float32((np.int32(w[i1, at + k]) >> shift) & 15) * xv
-        s2 += np.float32((np.int32(w[i2, at + k]) >> shift) & 15) * xv
-        s3 += np.float32((np.int32(w[i3, at + k]) >> shift) & 15) * xv
-    return s0, s1, s2, s3
-
-
-@numba.njit(**_INLINE)
-def k_bit_sums(w, i0, i1, i2, i3, at, bit, x, n, xo):  # pragma: no cover (compiled)
-    """Σ 16·(bit `bit` of byte at + k)·x[xo + k] over k < 32 for rows i0..i3: Q5_K's fifth bits of
-    sub-block `bit`."""
-    s0 = s1 = s2 = s3 = np.float32(0.0)
-    for k in range(32):
-        xv = x[n, xo + k] * np.float32(16.0)
-        s0 += np.float32((np.int32(w[i0, at + k]) >> bit) & 1) * xv
-        s1 += np.float32((np.int32(w[i1, at + k]) >> bit) & 1) * xv
-        s2 += np.float32((np.int32(w[i2, at + k]) >> bit) & 1) * xv
-        s3 += np.float32((np.int32(w[i3, at + k]) >> bit) & 1) * xv
+        xv = x[n, xo + k] * weight
+        s0 += np.float32((np.int32(w[i0, at + k]) >> shift) & mask) * xv
+        s1 += np.float32((np.int32(w[i1, at + k]) >> shift) & mask) * xv
+        s2 += np.float32((np.int32(w[i2, at + k]) >> shift) & mask) * xv
+        s3 += np.float32((np.int32(w[i3, at + k]) >> shift) & mask) * xv
     return s0, s1, s2, s3
 
 
@@ -187,9 +174,9 @@ def k_block_rows(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (comp
         at = b * size
         for s in range(8):
             xo, q_at = b * 256 + s * 32, at + quants + (s // 2) * 32
-            s0, s1, s2, s3 = k_nibble_sums(w, i0, i1, i2, i3, q_at, (s % 2) * 4, x, n, xo)
+            s0, s1, s2, s3 = k_bits_sums(w, i0, i1, i2, i3, q_at, (s % 2) * 4, 15, np.float32(1.0), x, n, xo)
             if kind == Q5_K:
-                h0, h1, h2, h3 = k_bit_sums(w, i0, i1, i2, i3, at + 16, s, x, n, xo)
+                h0, h1, h2, h3 = k_bits_sums(w, i0, i1, i2, i3, at + 16, s, 1, np.float32(16.0), x, n, xo)
                 s0, s1, s2, s3 = s0 + h0, s1 + h1, s2 + h2, s3 + h3
             total = sums[n, b * 8 + s]
             a0 += k_part(w, i0, at, s, s0, total)
