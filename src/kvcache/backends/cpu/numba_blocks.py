@@ -28,6 +28,10 @@ CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "
 BLOCK_BYTES = tuple(STORED_KINDS[kind][1] for kind in CODES)
 QUANTS_AT = (2, 2, 4, 6, 8, 16, 48, 0)
 _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
+#: the K-quants' row loops are called, not inlined: inlined into every format branch of
+#: `blocks_product` (compiled again for each of its callers' signatures) they doubled its compile
+#: time; a call per 4 rows and activation row costs nothing beside the loop it runs
+_CALLED = dict(fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True)
 #: tasks ahead whose weight rows a task asks the CPU to fetch (four rows a task: without it, the
 #: four interleaved streams of rows defeat the hardware's prefetching once a weight is not cached)
 AHEAD = 2
@@ -163,7 +167,7 @@ def k_part(w, i, at, s, sum_qx, sum_x):  # pragma: no cover (compiled)
     return half_at(w, i, at) * scale * sum_qx - half_at(w, i, at + 2) * low * sum_x
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_CALLED)
 def k_block_rows(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compiled)
     """Rows i0..i3 of a Q4_K or Q5_K weight dotted with x row n (sums (N, in / 32): Σx of each 32
     values): 256 values a block, 8 sub-blocks of 32, sub-block s the low (s even) or high nibbles
@@ -197,7 +201,7 @@ def q6_value(w, i, at, g, k):  # pragma: no cover (compiled)
     return np.float32((low | (high << 4)) - 32)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_CALLED)
 def q6_block_rows(w, i0, i1, i2, i3, x, n):  # pragma: no cover (compiled)
     """Rows i0..i3 of a Q6_K weight dotted with x row n: 256 values a block (210 bytes: 128 of low
     bits, 64 of high bits, 16 int8 scales, d), scale j for values 16j .. 16j + 15."""
@@ -278,7 +282,7 @@ def dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
             out[r, column + 16 + j] = d * np.float32(top) + shift
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_CALLED)
 def k_dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
     """out[r] (columns,) float32 = row i of a K-quant weight of `kind` dequantized (`k_block_rows`,
     `q6_block_rows` say the layouts)."""
