@@ -195,16 +195,11 @@ class BlockAllocator:
         state = SequenceBlocks(token_ids=[int(t) for t in token_ids], root=root)
         if reuse_prefix:
             digests = self.prefix_digests(state.token_ids, root)
-            if attach is None:
-                count = self.attachable(digests)
-                within = self.partial_match(state.token_ids, digests, count, root)[1]
-                attach = count * self.block_size + within
-            count, within = divmod(attach, self.block_size)
+            count = self.attachable(digests) if attach is None else attach // self.block_size
             if not self.can_attach(digests, count):
                 raise CacheError(f"sequence {seq_id!r}: {count} blocks of its prefix are not all cached")
-            partial, matched = HOLE, 0
-            if within:
-                partial, matched = self.partial_match(state.token_ids, digests, count, root)
+            partial, matched = self.partial_match(state.token_ids, digests, count, root)
+            within = matched if attach is None else attach % self.block_size
             if matched < within:
                 raise CacheError(f"sequence {seq_id!r}: {within} tokens after {count} blocks of its prefix "
                                  f"are not cached (at most {matched})")
