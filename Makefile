@@ -28,8 +28,10 @@ lab: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# two test processes (pytest-xdist), each test file kept in one: a cold run is mostly numba
+# compiling kernels, which takes one core
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_cache_append.py
