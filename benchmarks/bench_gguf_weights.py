@@ -9,7 +9,10 @@ bench_ggufs.py's). Every round runs, per file and each in its own process: kvcac
 (weights kept as blocks, the block step; load seconds, peak RSS, prompt and decode tokens/s) and
 llama-bench (pp and tg at the same depth); ratios are same-round, the table gives their median.
 Each kvcache run also decodes the same tokens on the file dequantized to float32 (`dtype=float32`,
-its own process) and reports the greedy agreement of the two. Results:
+its own process) and reports the greedy agreement of the two; with llama-server (`--llama-server`,
+default: beside llama-bench) it reports the agreement with llama.cpp's greedy tokens on the same
+file too, and for each prompt where they part, the dequantized float32 path's logit of its own
+token and of llama.cpp's there (a tie in rounding when the two are close). Results:
 benchmarks/results/gguf_weights.json. Not a test.
 """
 
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -64,13 +68,32 @@ def worker(args: argparse.Namespace) -> None:
     }))
 
 
-def run_worker(gguf: str, dtype: str, args, prompts: int = 1) -> dict:
+def margins_worker(args: argparse.Namespace) -> None:
+    """For each (tokens, ours, theirs) read as JSON from stdin: the float32 forward's logits of
+    ours and theirs after `tokens`; prints one JSON line (a list of {ours, theirs, top, spread})."""
+    import kvcache  # noqa: F401, I001 (first: it sets OpenBLAS's spin before numpy loads)
+    import torch
+
+    from kvcache import load_model
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.checkpoint, dtype="float32")
+    found = []
+    for tokens, ours, theirs in json.loads(sys.stdin.read()):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+        found.append({"ours": float(logits[ours]), "theirs": float(logits[theirs]),
+                      "top": float(logits.max()), "spread": float(logits.std())})
+    print(json.dumps(found))
+
+
+def run_worker(gguf: str, dtype: str, args, prompts: int = 1, stdin: str | None = None) -> dict:
     command = [sys.executable, str(Path(__file__)), "--worker", "--checkpoint", gguf, "--dtype", dtype,
                "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-               "--prompts", str(prompts)]
+               "--prompts", str(prompts)] + (["--margins"] if stdin is not None else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, input=stdin)
     if done.returncode != 0:
         raise RuntimeError(f"kvcache on {gguf} ({dtype}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -83,6 +106,64 @@ def agreement(ours: list[list[int]], exact: list[list[int]], prompt_tokens: int)
     before = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in new]
     return {"prompts_identical": sum(a == b for a, b in new) / len(new),
             "tokens_before_first_difference": sum(before) / sum(len(a) for a, _ in new)}
+
+
+def llama_cpp_tokens(binary: str, gguf: str, prompts: list[list[int]], args) -> list[list[int]]:
+    """Each prompt (token ids) followed by llama-server's greedy new tokens on `gguf` (EOS ignored,
+    no prompt cache, no BOS added to a prompt given as ids)."""
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
+               "-c", str(2 * (args.prompt_tokens + args.new_tokens)), "-np", "1"]
+    print(f"waiting for llama-server on {Path(gguf).name} to load…", file=sys.stderr, flush=True)
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+        while not _healthy(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server on {gguf} did not start: {' '.join(command)}")
+            time.sleep(0.3)
+        body = {"n_predict": args.new_tokens, "samplers": ["top_k"], "top_k": 1, "temperature": 0,
+                "cache_prompt": False, "ignore_eos": True, "return_tokens": True}
+        return [prompt + httpx.post(f"{url}/completion", json={**body, "prompt": prompt},
+                                    timeout=600).json()["tokens"] for prompt in prompts]
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def parting(ours: list[list[int]], theirs: list[list[int]], prompt_tokens: int) -> list[tuple]:
+    """(tokens before, our token, theirs) where each pair of sequences first differs after the prompt."""
+    found = []
+    for a, b in zip(ours, theirs):
+        at = next((i for i in range(prompt_tokens, min(len(a), len(b))) if a[i] != b[i]), None)
+        if at is not None:
+            found.append((a[:at], a[at], b[at]))
+    return found
+
+
+def compare_with_llama_cpp(gguf: str, ours: list[list[int]], args) -> dict:
+    """Greedy agreement with llama-server's tokens on the same prompts, and where they part, the
+    float32 path's logits of both tokens (`margins_worker`)."""
+    prompts = [tokens[:args.prompt_tokens] for tokens in ours]
+    theirs = llama_cpp_tokens(args.llama_server, gguf, prompts, args)
+    found = agreement(ours, theirs, args.prompt_tokens)
+    parted = parting(ours, theirs, args.prompt_tokens)
+    if parted:
+        found["where_they_part"] = run_worker(gguf, "float32", args, stdin=json.dumps(parted))
+    return found
 
 
 def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
@@ -98,6 +179,8 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
         if first and args.prompts > 1:
             exact = run_worker(gguf, "float32", args, prompts)
             row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], args.prompt_tokens)
+            if args.llama_server:
+                row["agreement_with_llama_cpp"] = compare_with_llama_cpp(gguf, ours["tokens"], args)
         results[kind] = row
         print(f"{kind}: {json.dumps(row)}", file=sys.stderr, flush=True)
     return results
@@ -114,8 +197,9 @@ def summarise(rounds: list[dict[str, dict]]) -> dict[str, dict]:
             summary["llama_cpp_decode_tokens_per_s"] = statistics.median(
                 r["llama.cpp"]["decode_tokens_per_s"] for r in rows)
             summary["ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
-        if "agreement_with_float32" in rows[0]:
-            summary["agreement_with_float32"] = rows[0]["agreement_with_float32"]
+        for key in ("agreement_with_float32", "agreement_with_llama_cpp"):
+            if key in rows[0]:
+                summary[key] = rows[0][key]
         summary["weights"] = rows[0]["kvcache"]["weights"]
         out[kind] = summary
     return out
@@ -125,6 +209,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", action="append", default=[], help="TYPE=FILE, more files to run")
     parser.add_argument("--llama-bench", help="a llama.cpp llama-bench binary")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server (default: beside --llama-bench)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -135,9 +220,13 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="stored", help=argparse.SUPPRESS)
+    parser.add_argument("--margins", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        return margins_worker(args) if args.margins else worker(args)
+    if args.llama_bench and not args.llama_server:
+        beside = Path(args.llama_bench).with_name("llama-server")
+        args.llama_server = str(beside) if beside.is_file() else None
     files = {"Q4_1": str(smollm2_gguf())}
     for entry in args.gguf:
         kind, _, path = entry.partition("=")
