@@ -58,6 +58,8 @@ def worker(args: argparse.Namespace) -> None:
     run(prompts[0])  # warm-up: kernels compiled or loaded from numba's cache, thread pools
     timed = [run(prompts[0]) for _ in range(args.repeats)]
     best = max(timed, key=lambda r: r.decode_tokens_per_s)
+    if args.prompt_kind == "chat":
+        prompts = chat_prompts(args.checkpoint, args.prompts)
     tokens = [run(prompt).sequences[0].tolist() for prompt in prompts] if args.prompts > 1 else []
     print(json.dumps({
         "load_s": loaded - imported, "import_s": imported - started,
@@ -66,6 +68,37 @@ def worker(args: argparse.Namespace) -> None:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "backend": best.backend, "weights": model.weights_note, "tokens": tokens,
     }))
+
+
+#: the agreement's chat prompts (`--prompt-kind chat`): questions of the kind a user asks, each
+#: rendered with the file's own chat template
+QUESTIONS = [
+    "Why is the sky blue?", "What is a prime number?", "How do plants make food?",
+    "What causes the seasons?", "Explain what a CPU cache is.", "Why do cats purr?",
+    "What is the capital of France?", "How does a refrigerator work?", "What is photosynthesis?",
+    "Give me three tips for sleeping better.", "What is the difference between weather and climate?",
+    "How do vaccines work?", "Write a haiku about the sea.", "What is gravity?",
+    "Why do we have leap years?", "How do airplanes stay in the air?", "What is machine learning?",
+    "Name three famous painters.", "How does the heart pump blood?", "What is a black hole?",
+    "Why is exercise good for you?", "How do I boil an egg?", "What is the water cycle?",
+    "Explain recursion in one paragraph.", "What are the planets of the solar system?",
+    "Why do leaves change colour in autumn?", "What is inflation in economics?",
+    "How do bees make honey?", "What is the speed of light?", "Write a short poem about rain.",
+    "What does DNA do?", "How can I learn a new language quickly?",
+]
+
+
+def chat_prompts(gguf: str, count: int) -> list:
+    """The first `count` QUESTIONS as (1, T) prompt ids, each a user turn in the file's chat
+    template with the assistant's turn opened."""
+    import torch
+
+    from kvcache import load_tokenizer
+
+    tokenizer = load_tokenizer(gguf)
+    return [torch.tensor(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                       add_generation_prompt=True))
+            for question in QUESTIONS[:count]]
 
 
 def margins_worker(args: argparse.Namespace) -> None:
@@ -91,7 +124,8 @@ def run_worker(gguf: str, dtype: str, args, prompts: int = 1, stdin: str | None 
     command = [sys.executable, str(Path(__file__)), "--worker", "--checkpoint", gguf, "--dtype", dtype,
                "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-               "--prompts", str(prompts)] + (["--margins"] if stdin is not None else [])
+               "--prompts", str(prompts), "--prompt-kind", args.prompt_kind] + (
+                   ["--margins"] if stdin is not None else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, input=stdin)
     if done.returncode != 0:
@@ -99,10 +133,11 @@ def run_worker(gguf: str, dtype: str, args, prompts: int = 1, stdin: str | None 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def agreement(ours: list[list[int]], exact: list[list[int]], prompt_tokens: int) -> dict:
-    """Greedy agreement of the block step's new tokens with the dequantized path's: the share of
-    prompts whose tokens all agree, and of tokens before each prompt's first difference."""
-    new = [(a[prompt_tokens:], b[prompt_tokens:]) for a, b in zip(ours, exact)]
+def agreement(ours: list[list[int]], exact: list[list[int]], lengths: list[int]) -> dict:
+    """Greedy agreement of the block step's new tokens with another run's (after each prompt's
+    `lengths`): the share of prompts whose tokens all agree, and of tokens before each prompt's
+    first difference."""
+    new = [(a[length:], b[length:]) for a, b, length in zip(ours, exact, lengths)]
     before = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in new]
     return {"prompts_identical": sum(a == b for a, b in new) / len(new),
             "tokens_before_first_difference": sum(before) / sum(len(a) for a, _ in new)}
@@ -144,11 +179,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def parting(ours: list[list[int]], theirs: list[list[int]], prompt_tokens: int) -> list[tuple]:
-    """(tokens before, our token, theirs) where each pair of sequences first differs after the prompt."""
+def parting(ours: list[list[int]], theirs: list[list[int]], lengths: list[int]) -> list[tuple]:
+    """(tokens before, our token, theirs) where each pair of sequences first differs after its
+    prompt (`lengths`)."""
     found = []
-    for a, b in zip(ours, theirs):
-        at = next((i for i in range(prompt_tokens, min(len(a), len(b))) if a[i] != b[i]), None)
+    for a, b, length in zip(ours, theirs, lengths):
+        at = next((i for i in range(length, min(len(a), len(b))) if a[i] != b[i]), None)
         if at is not None:
             found.append((a[:at], a[at], b[at]))
     return found
@@ -157,10 +193,11 @@ def parting(ours: list[list[int]], theirs: list[list[int]], prompt_tokens: int) 
 def compare_with_llama_cpp(gguf: str, ours: list[list[int]], args) -> dict:
     """Greedy agreement with llama-server's tokens on the same prompts, and where they part, the
     float32 path's logits of both tokens (`margins_worker`)."""
-    prompts = [tokens[:args.prompt_tokens] for tokens in ours]
+    lengths = [len(tokens) - args.new_tokens for tokens in ours]
+    prompts = [tokens[:length] for tokens, length in zip(ours, lengths)]
     theirs = llama_cpp_tokens(args.llama_server, gguf, prompts, args)
-    found = agreement(ours, theirs, args.prompt_tokens)
-    parted = parting(ours, theirs, args.prompt_tokens)
+    found = agreement(ours, theirs, lengths)
+    parted = parting(ours, theirs, lengths)
     if parted:
         found["where_they_part"] = run_worker(gguf, "float32", args, stdin=json.dumps(parted))
     return found
@@ -178,7 +215,8 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
             row["ratio_vs_llama_cpp"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
         if first and args.prompts > 1:
             exact = run_worker(gguf, "float32", args, prompts)
-            row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], args.prompt_tokens)
+            lengths = [len(tokens) - args.new_tokens for tokens in ours["tokens"]]
+            row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], lengths)
             if args.llama_server:
                 row["agreement_with_llama_cpp"] = compare_with_llama_cpp(gguf, ours["tokens"], args)
         results[kind] = row
@@ -216,6 +254,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per process (best kept)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=32, help="prompts of the agreement check (1: none)")
+    parser.add_argument("--prompt-kind", choices=("random", "chat"), default="random",
+                        help="the agreement's prompts: random token ids, or questions in the chat template")
     parser.add_argument("--out", type=Path, default=RESULTS / "gguf_weights.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -236,7 +276,7 @@ def main() -> None:
     rounds = [one_round(files, args, first=index == 0) for index in range(args.rounds)]
     results = {"commit": commit(), "machine": platform.processor() or platform.machine(),
                "threads": args.threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-               "rounds": args.rounds, "types": summarise(rounds)}
+               "rounds": args.rounds, "agreement_prompts": args.prompt_kind, "types": summarise(rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     for kind, row in results["types"].items():
