@@ -138,14 +138,17 @@ def agreement(ours: list[list[int]], exact: list[list[int]], lengths: list[int])
     `lengths`): the share of prompts whose tokens all agree, and of tokens before each prompt's
     first difference."""
     new = [(a[length:], b[length:]) for a, b, length in zip(ours, exact, lengths)]
-    before = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in new]
+    before = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in new]
     return {"prompts_identical": sum(a == b for a, b in new) / len(new),
             "tokens_before_first_difference": sum(before) / sum(len(a) for a, _ in new)}
 
 
 def llama_cpp_tokens(binary: str, gguf: str, prompts: list[list[int]], args) -> list[list[int]]:
-    """Each prompt (token ids) followed by llama-server's greedy new tokens on `gguf` (EOS ignored,
-    no prompt cache, no BOS added to a prompt given as ids)."""
+    """Each prompt (token ids) followed by llama-server's greedy new tokens on `gguf`, up to and
+    including the file's EOS where it stopped there (no prompt cache, no BOS added to a prompt
+    given as ids). EOS is not ignored: llama.cpp's ignore_eos takes EOS out of the choice, so past
+    an EOS it would pick what kvcache's fixed-length run does not."""
     import httpx
 
     with socket.socket() as probe:
@@ -162,12 +165,30 @@ def llama_cpp_tokens(binary: str, gguf: str, prompts: list[list[int]], args) -> 
                 raise RuntimeError(f"llama-server on {gguf} did not start: {' '.join(command)}")
             time.sleep(0.3)
         body = {"n_predict": args.new_tokens, "samplers": ["top_k"], "top_k": 1, "temperature": 0,
-                "cache_prompt": False, "ignore_eos": True, "return_tokens": True}
-        return [prompt + httpx.post(f"{url}/completion", json={**body, "prompt": prompt},
-                                    timeout=600).json()["tokens"] for prompt in prompts]
+                "cache_prompt": False, "return_tokens": True}
+        eos, found = eos_token(gguf), []
+        for prompt in prompts:
+            answer = httpx.post(f"{url}/completion", json={**body, "prompt": prompt}, timeout=600).json()
+            tokens = answer["tokens"]
+            if answer.get("stop_type") == "eos" and tokens[-1:] != [eos]:
+                tokens = [*tokens, eos]
+            found.append(prompt + tokens)
+        return found
     finally:
         server.terminate()
         server.wait(30)
+
+
+def eos_token(gguf: str) -> int:
+    """The file's EOS token id (`tokenizer.ggml.eos_token_id`)."""
+    from gguf import GGUFReader
+
+    return int(GGUFReader(gguf).fields["tokenizer.ggml.eos_token_id"].contents())
+
+
+def up_to_eos(tokens: list[int], length: int, eos: int) -> list[int]:
+    """tokens cut after the first EOS past the prompt's `length` (kvcache's runs go on past it)."""
+    return next((tokens[:i + 1] for i in range(length, len(tokens)) if tokens[i] == eos), tokens)
 
 
 def _healthy(url: str) -> bool:
@@ -196,6 +217,8 @@ def compare_with_llama_cpp(gguf: str, ours: list[list[int]], args) -> dict:
     lengths = [len(tokens) - args.new_tokens for tokens in ours]
     prompts = [tokens[:length] for tokens, length in zip(ours, lengths)]
     theirs = llama_cpp_tokens(args.llama_server, gguf, prompts, args)
+    eos = eos_token(gguf)
+    ours = [up_to_eos(tokens, length, eos) for tokens, length in zip(ours, lengths)]
     found = agreement(ours, theirs, lengths)
     parted = parting(ours, theirs, lengths)
     if parted:
