@@ -17,7 +17,7 @@ from ..checks import check_batch_index, check_crop, check_new_tokens, where
 from ..config import read_cache_geometry
 from ..errors import CacheConfigError, CacheShapeError
 from .formats import checked_kv_dtype
-from .forward import check_windows, first_forward_plan, forward_totals, group_mask, plan_forward
+from .forward import check_windows, first_forward_plan, group_mask, new_columns, plan_forward, row_totals
 from .layer import PagedLayer
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
 from .storage import ScratchBuffer, Step
@@ -262,16 +262,13 @@ class PagedCache(Cache):
             raise CacheShapeError(f"the forward has batch {batch}; the cache holds {len(self.rows)} rows")
         self._step_counter += 1
         columns = self.get_seq_length()
+        new = new_columns(self.allocators[0], self.rows, columns, new_tokens, attention_mask, device)
         if not self._reserved:  # every group's blocks checked first: all of them reserved, or none
-            totals = forward_totals(self.allocators[0], self.rows, columns, new_tokens, attention_mask,
-                                    device)
             for allocator in self.allocators:
-                allocator.check_reserve(self.rows, totals)
+                allocator.check_reserve(self.rows, row_totals(allocator, self.rows, new[1])[1])
         layouts = [
-            plan_forward(
-                allocator, self.rows, columns, new_tokens, attention_mask, device, self._step_counter,
-                reserve=not self._reserved,
-            )
+            plan_forward(allocator, self.rows, new_tokens, new, device, self._step_counter,
+                         reserve=not self._reserved)
             for allocator in self.allocators
         ]
         for layer, group in zip(self.layers, self._groups):

@@ -31,36 +31,41 @@ class ForwardLayout:
     mask: torch.Tensor | None
 
 
-def forward_totals(
+def new_columns(
     allocator: BlockAllocator, rows: list[int], columns: int, new_tokens: int,
     attention_mask: torch.Tensor | None, device: torch.device,
-) -> list[int]:
-    """The tokens each of `rows` holds after a forward of `new_tokens` columns (what
-    `plan_forward` reserves): the same in every group of a cache, whose rows hold the same
-    positions."""
+) -> tuple[torch.Tensor | None, list[int]]:
+    """One forward's new columns over `rows` (which are tokens (B, T_new) bool, None when all
+    are; new tokens per row), the mask checked against the tokens the rows hold in `allocator`:
+    the same in every group of a cache, whose rows hold the same positions. Raises
+    `CacheShapeError` for a mask that does not describe the rows."""
     lengths = [allocator.sequence(seq).num_tokens for seq in rows]
-    counts = _new_columns(lengths, columns, new_tokens, attention_mask, device)[1]
-    return [held + new for held, new in zip(lengths, counts)]
+    return _new_columns(lengths, columns, new_tokens, attention_mask, device)
+
+
+def row_totals(allocator: BlockAllocator, rows: list[int], counts: list[int]) -> tuple[list[int], list[int]]:
+    """(the tokens each of `rows` holds, and holds after a forward adding `counts`): what
+    `plan_forward` reserves."""
+    lengths = [allocator.sequence(seq).num_tokens for seq in rows]
+    return lengths, [held + new for held, new in zip(lengths, counts)]
 
 
 def plan_forward(
     allocator: BlockAllocator,
     rows: list[int],
-    columns: int,
     new_tokens: int,
-    attention_mask: torch.Tensor | None,
+    new: tuple[torch.Tensor | None, list[int]],
     device: torch.device,
     step_id: int,
     reserve: bool = True,
 ) -> ForwardLayout:
     """Reserve the blocks of one forward of `new_tokens` columns over `rows` (allocator sequence
-    ids, one per batch row) and lay it out. Raises `OutOfBlocksError` (nothing reserved) when
-    the pool is short, `CacheShapeError` for a mask that does not describe the rows. reserve=False:
+    ids, one per batch row) and lay it out; `new` is the forward's `new_columns`. Raises
+    `OutOfBlocksError` (nothing reserved) when the pool is short. reserve=False:
     the blocks were reserved before (the engine's pool, `kvcache.engine.pool`); the block tables
     are only read, and a row without its blocks raises `CacheError`."""
-    lengths = [allocator.sequence(seq).num_tokens for seq in rows]
-    real, counts = _new_columns(lengths, columns, new_tokens, attention_mask, device)
-    totals = [held + new for held, new in zip(lengths, counts)]
+    real, counts = new
+    lengths, totals = row_totals(allocator, rows, counts)
     copies = allocator.reserve(rows, totals) if reserve else _check_reserved(allocator, rows, totals)
     firsts, visible = _read_span(allocator, lengths, totals)
     width = -(-visible // allocator.block_size)  # blocks per row in the gather
