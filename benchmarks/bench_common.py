@@ -1,9 +1,11 @@
-"""What the benchmarks share: percentiles of measured latencies and the commit they ran at.
+"""What the benchmarks share: percentiles of measured latencies, the commit they ran at, a free
+loopback port for the servers they start.
 Imported by the scripts beside it (run as `python benchmarks/bench_X.py`, so this folder is on
 the path)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +24,13 @@ def commit(folder: Path = Path(__file__).parent) -> str | None:
     command = ["git", "-C", str(folder), "rev-parse", "--short", "HEAD"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     return done.stdout.strip() or None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class Stamps:

@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_common import commit
+from bench_common import commit, free_port
 from bench_decode import run_llama_bench, smollm2_gguf
 
 RESULTS = Path(__file__).parent / "results"
@@ -151,9 +150,7 @@ def llama_cpp_tokens(binary: str, gguf: str, prompts: list[list[int]], args) -> 
     an EOS it would pick what kvcache's fixed-length run does not."""
     import httpx
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
                "-c", str(2 * (args.prompt_tokens + args.new_tokens)), "-np", "1"]
     print(f"waiting for llama-server on {Path(gguf).name} to load…", file=sys.stderr, flush=True)

