@@ -208,10 +208,10 @@ def parting(ours: list[list[int]], theirs: list[list[int]], lengths: list[int]) 
     return found
 
 
-def compare_with_llama_cpp(gguf: str, ours: list[list[int]], args) -> dict:
-    """Greedy agreement with llama-server's tokens on the same prompts, and where they part, the
-    float32 path's logits of both tokens (`margins_worker`)."""
-    lengths = [len(tokens) - args.new_tokens for tokens in ours]
+def compare_with_llama_cpp(gguf: str, ours: list[list[int]], lengths: list[int], args) -> dict:
+    """Greedy agreement with llama-server's tokens on the same prompts (the first `lengths` of
+    each of ours), and where they part, the float32 path's logits of both tokens
+    (`margins_worker`)."""
     prompts = [tokens[:length] for tokens, length in zip(ours, lengths)]
     theirs = llama_cpp_tokens(args.llama_server, gguf, prompts, args)
     eos = eos_token(gguf)
@@ -238,7 +238,7 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
             lengths = [len(tokens) - args.new_tokens for tokens in ours["tokens"]]
             row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], lengths)
             if args.llama_server:
-                row["agreement_with_llama_cpp"] = compare_with_llama_cpp(gguf, ours["tokens"], args)
+                row["agreement_with_llama_cpp"] = compare_with_llama_cpp(gguf, ours["tokens"], lengths, args)
         results[kind] = row
         print(f"{kind}: {json.dumps(row)}", file=sys.stderr, flush=True)
     return results
