@@ -68,6 +68,8 @@ def run(step, batch) -> torch.Tensor:
     count = len(rows.ids)
     on_kernels = count <= step.kernel_rows
     cache = batch.cache
+    if cache.recent is not None:
+        raise ValueError("the kernels do not read a kv_window yet: run this cache on the torch backend")
     storages = [layer.storage_rows() for layer in cache.layers]
     if any(storage is None for storage in storages):
         raise ValueError("the kernels read a paged cache's blocks in place: its storage must be on the CPU")

@@ -19,6 +19,7 @@ from ..errors import CacheConfigError, CacheShapeError
 from .formats import checked_kv_dtype
 from .forward import check_windows, first_forward_plan, group_mask, new_columns, plan_forward, row_totals
 from .layer import PagedLayer
+from .recent import RecentRows, checked_window
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
 from .storage import ScratchBuffer, Step
 
@@ -51,6 +52,9 @@ class PagedCache(Cache):
             "fp8", "int8", "int4" (reads return them in the forward's dtype, dequantized);
             keys and values apart as "keys/values" ("int8/int4", "bfloat16/int4"); None
             stores them as given.
+        kv_window: with a kv_dtype, keep each row's last kv_window positions also in the
+            forward's dtype and read them from there (`recent`: the full-precision window of
+            recent tokens); 0 (default): every position is read as stored.
     """
 
     def __init__(
@@ -66,11 +70,14 @@ class PagedCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         kv_dtype: str | None = None,
+        kv_window: int = 0,
     ) -> None:
         self.kv_dtype = None if kv_dtype is None else checked_kv_dtype(kv_dtype)
+        window = checked_window(kv_window, self.kv_dtype)
         geometry = read_cache_geometry(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim)
         if geometry.num_layers is None:
             raise CacheConfigError("PagedCache needs the layer count: pass num_layers= or config=")
+        self.recent = RecentRows(window, geometry.num_layers) if window else None
         self.allocators: list[BlockAllocator] = []  # one per group of layers (full; windowed)
         self._groups: list[int] = []  # each layer's group
         by_kind: dict[str, int] = {}
@@ -145,6 +152,8 @@ class PagedCache(Cache):
             attached = allocator.add_sequence(seq, token_ids, reuse_prefix=reuse_prefix, attach=attach,
                                               root=root)
         self.rows.append(seq)
+        if self.recent is not None:
+            self.recent.add(seq, attached)
         self._set_columns(max(self.get_seq_length(), attached))
         return attached
 
@@ -179,6 +188,8 @@ class PagedCache(Cache):
         seq = next(self._seq_ids)
         for allocator in self.allocators:
             allocator.fork(self.sequence_id(row), seq)
+        if self.recent is not None:
+            self.recent.fork(self.sequence_id(row), seq)
         self.rows.append(seq)
         return len(self.rows) - 1
 
@@ -368,7 +379,7 @@ class PagedCache(Cache):
         view.rows = [self.sequence_id(row) for row in rows]
         view._steps, view._step_counter, view._reserved = None, 0, True
         view.gather_scratch = self.gather_scratch  # every view's forwards reuse the same memory
-        view.kv_dtype = self.kv_dtype
+        view.kv_dtype, view.recent = self.kv_dtype, self.recent
         Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):
             mine.share_storage(theirs)
@@ -387,6 +398,9 @@ class PagedCache(Cache):
         for allocator in self.allocators:  # all or nothing: a window may no longer hold what is kept
             for seq, keep in zip(self.rows, keeps):
                 allocator.validate_truncate(seq, keep)
+        if self.recent is not None:
+            for seq, held, keep in zip(self.rows, self.row_lengths, keeps):
+                self.recent.truncate(seq, held, keep)
         for allocator in self.allocators:
             for seq, keep in zip(self.rows, keeps):
                 allocator.truncate(seq, keep)
@@ -404,6 +418,8 @@ class PagedCache(Cache):
                 child = next(self._seq_ids)
                 for allocator in self.allocators:
                     allocator.fork(seq, child)
+                if self.recent is not None:
+                    self.recent.fork(seq, child)
                 kept.append(child)
             else:
                 used.add(seq)
@@ -412,6 +428,8 @@ class PagedCache(Cache):
             if seq not in used:
                 for allocator in self.allocators:
                     allocator.free_sequence(seq)
+                if self.recent is not None:
+                    self.recent.free(seq)
         self.rows = kept
         self._steps = None
 
@@ -426,6 +444,8 @@ class PagedCache(Cache):
         for seq in self.rows:
             for allocator in self.allocators:
                 allocator.free_sequence(seq)
+            if self.recent is not None:
+                self.recent.free(seq)
         self.rows = []
         self._set_columns(0)
         self._steps = None

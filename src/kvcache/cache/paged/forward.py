@@ -82,7 +82,8 @@ def plan_forward(
         source_rows = real.flatten().nonzero().squeeze(1)  # (N_real,) row-major, as write
         query = (past + real.long().cumsum(1) - 1).masked_fill(~real, -1)  # (B, T_new)
     step = Step(
-        step_id, new_tokens, len(rows), totals, write_slots, source_rows, read_blocks, first_block, visible
+        step_id, new_tokens, len(rows), totals, write_slots, source_rows, read_blocks, first_block, visible,
+        lengths, [first * allocator.block_size for first in firsts],
     )
     uniform = real is None and len(set(lengths)) == 1  # every row holds the same keys, all its columns real
     mask = _mask(allocator, firsts, visible, query, uniform, device)

@@ -16,6 +16,7 @@ from ..checks import check_kv_pair, where
 from ..errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 from ..layer import CacheLayer, normal_tensors
 from .formats import RowFormat, row_formats
+from .recent import put_exact_rows
 from .storage import Step, gather_rows, write_and_gather
 
 
@@ -175,10 +176,22 @@ class PagedLayer(CacheLayer):
             key_rows, value_rows = self.formats
             keys = write_and_gather(self._keys, key_rows.pack(k), step, key_scratch)
             values = write_and_gather(self._values, value_rows.pack(v), step, value_scratch)
-            return key_rows.unpack(keys, k.dtype), value_rows.unpack(values, v.dtype)
+            keys, values = key_rows.unpack(keys, k.dtype), value_rows.unpack(values, v.dtype)
+            recent = self._cache.recent
+            if recent is not None and not self._aliases_storage(keys, values):
+                put_exact_rows(recent, self.layer_idx, self._cache.rows, step, (k, v), (keys, values))
+            return keys, values
         return (
             write_and_gather(self._keys, k, step, key_scratch),
             write_and_gather(self._values, v, step, value_scratch),
+        )
+
+    def _aliases_storage(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether gathered rows are the storage itself (a kv_dtype equal to the forward's, read as
+        a view: its rows are exact already, and must not be written over)."""
+        return any(
+            t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+            for t, s in ((keys, self._keys), (values, self._values)) if s is not None
         )
 
     def storage_rows(self):

@@ -134,6 +134,8 @@ def _append(cache, row: int, keys: Sequence[torch.Tensor], values: Sequence[torc
             if layer.group == group:
                 layer.write_slots(slots, k, v)
     cache.commit([row], [total])
+    if cache.recent is not None:  # (rows as stored: no exact copy of them exists)
+        cache.recent.skip(seq, total)
 
 
 def prefill_inputs(cache, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:

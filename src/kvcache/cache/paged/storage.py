@@ -28,6 +28,8 @@ class Step:
     read_blocks: torch.Tensor | None  # (B·n,) blocks each row attends to, padded per row
     first_block: int | None  # one row on consecutive blocks: they start here (no gather)
     visible: int  # T_kv = max(totals)
+    starts: list[int]  # tokens per row before this forward
+    read_from: list[int]  # the position of each row's first gathered key
     pending: bool = True  # layer 0 has not written it yet
 
 
