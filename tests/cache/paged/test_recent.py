@@ -53,8 +53,8 @@ def test_reads_are_exact_in_the_window_and_as_stored_before_it(seed, kv_dtype):
             total = cache.row_lengths[row]
             key_type, value_type = kv_dtype.split("/") if "/" in kv_dtype else (kv_dtype, kv_dtype)
             exact_from = max(0, total - window)
-            for got, rows, kind in ((keys, kept[row][0], key_type), (values, kept[row][1], value_type)):
-                expected = expected_reads(rows, total, exact_from, kind)
+            for got, given, kind in ((keys, kept[row][0], key_type), (values, kept[row][1], value_type)):
+                expected = expected_reads(given, total, exact_from, kind)
                 torch.testing.assert_close(got[row, :, :total], expected, atol=0, rtol=0)
 
 
