@@ -60,11 +60,14 @@ def scenario(seed: int, rows: int, vocab: int) -> list[list[list[int]]]:
     return steps
 
 
-def shuffled_cache(model, rows: int, seed: int, kv_dtype: str | None = None) -> PagedCache:
+def shuffled_cache(model, rows: int, seed: int, kv_dtype: str | None = None, kv_window: int = 0
+                   ) -> PagedCache:
     """A PagedCache of `rows` rows whose free blocks are handed out in a shuffled order (so no
     row's blocks are consecutive): every block taken by a sequence of its own, then given back
-    in a random order. kv_dtype: what its blocks store ("int8", "fp8", "bfloat16" …)."""
-    cache = PagedCache(96, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
+    in a random order. kv_dtype: what its blocks store ("int8", "fp8", "bfloat16" …); kv_window:
+    its full-precision window."""
+    cache = PagedCache(96, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype,
+                       kv_window=kv_window)
     for allocator in cache.allocators:
         spacers = [("spacer", index) for index in range(allocator.num_blocks)]
         for spacer in spacers:
@@ -149,6 +152,32 @@ def test_quantized_blocks_are_read_in_place_as_the_forward_reads_them_dequantize
     assert max(drift["int8"]) > 0
     if kv_dtype == "int4":
         assert sum(drift["int4"]) > 2 * sum(drift["int8"])
+
+
+@pytest.mark.parametrize("family, kv_window", [("llama, 2 groups", 3), ("mistral, window 7", 6),
+                                               ("llama, 2 groups", 64)])
+def test_a_full_precision_window_is_read_on_the_kernels_as_the_seam_reads_it(family, kv_window):
+    """With a kv_window, the kernels keep each row's last positions in the forward's dtype and
+    read them from there, on the kernels alone and with prompt chunks on the products: their
+    logits equal the torch forward's over the same cache; a window wider than every row reads
+    what a float pool reads."""
+    model = random_model(tiny_config(**FAMILIES[family]), 6)
+    ours, theirs = NumpyBackend(model), TorchBackend(model)
+    for kernel_rows in (1 << 30, 4):
+        ours.kernel_rows = kernel_rows
+        caches = [shuffled_cache(model, 3, 8, "int4", kv_window) for _ in range(2)]
+        caches.append(shuffled_cache(model, 3, 8, "int4"))
+        caches.append(shuffled_cache(model, 3, 8))
+        for tokens in scenario(kernel_rows % 89, 3, model.config.vocab_size):
+            got, expected, stored, exact = (
+                step(backend, model, cache, [0, 1, 2], tokens)
+                for backend, cache in zip((ours, theirs, ours, ours), caches)
+            )
+            torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+            if kv_window == 64:
+                torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-4)
+            else:
+                assert not torch.equal(got, stored)
 
 
 def test_a_row_that_does_not_sample_gets_no_logits_and_its_keys_are_stored():

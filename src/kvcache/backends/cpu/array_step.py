@@ -271,7 +271,7 @@ class ArrayStep(DecodeBackend):
                 visible_by_mask[id(given)] = visible
             kernels.layer_output(
                 x, qkv, heads, kv_heads, key_rows, value_rows, *table, layout, visible,
-                numba_products.key_rounding(keys),
+                numba_products.key_rounding(keys), numba_products.NO_RECENT,
                 w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, rounding,
             )
         logits = np.empty((1, numba_products.outputs(head_parts)), np.float32)

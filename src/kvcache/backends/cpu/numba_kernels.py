@@ -208,8 +208,8 @@ def store(qkv, heads, kv_heads, slots, keys, values):  # pragma: no cover (compi
 #: every thread busy whatever the number of kv heads
 CHUNK = 128
 #: where `attend` finds a layout's numbers: (block size, token stride, key head stride, value
-#: head stride, window or 0)
-BLOCK, TOKEN_STRIDE, KEY_HEAD_STRIDE, VALUE_HEAD_STRIDE, WINDOW = 0, 1, 2, 3, 4
+#: head stride, window or 0, positions a full-precision window holds or 0)
+BLOCK, TOKEN_STRIDE, KEY_HEAD_STRIDE, VALUE_HEAD_STRIDE, WINDOW, RECENT = 0, 1, 2, 3, 4, 5
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
@@ -220,7 +220,7 @@ def first_key(length, window):  # pragma: no cover (compiled)
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
 def attend(
-    qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, out
+    qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, recent, out
 ):  # pragma: no cover (compiled)
     """out (N, H·D) = each query head of qkv's rows (N, ...) over its kv head's keys and values:
     softmax(q·kᵀ)·V. Row n sees keys first_key(lengths[n], window) .. lengths[n] - 1 of table
@@ -231,9 +231,14 @@ def attend(
     kv head, CHUNK keys) is one task for the threads, its group of queries scored together; the
     tasks' softmax parts are combined as flash attention combines them. The queries are rounded
     first as `key_rounding` says (the keys' dtype), as the torch forward's attention in that
-    dtype reads them."""
+    dtype reads them. recent: a paged cache's full-precision window (`kvcache.cache.paged.recent`),
+    (keys (R', D), values (R', D_v) in the forward's dtype, exact (N, 2) int64): row n reads
+    positions from exact[n, 0] on there, kv head h of position p at row exact[n, 1] + (p %
+    layout[RECENT])·H_kv + h; exact empty: no window."""
     tokens, dim, group = qkv.shape[0], head_dim_of(qkv, heads, kv_heads), heads // kv_heads
     size, step, window = layout[BLOCK], layout[TOKEN_STRIDE], layout[WINDOW]
+    recent_keys, recent_values, exact = recent
+    windowed = exact.shape[0] > 0
     span = 1
     for n in range(tokens):
         span = max(span, lengths[n] - first_key(lengths[n], window))
@@ -262,30 +267,46 @@ def attend(
             scores, codes = all_scores[task], all_codes[task]
             for t in range(count):  # each key read once for the group's queries
                 at = lo + t
-                if visible.shape[0] == 0 or visible[at]:
+                if windowed and at >= exact[n, 0]:  # (a windowed row attends causally: no mask)
+                    row = exact[n, 1] + at % layout[RECENT] * kv_heads + kv
+                    scored(group_queries, recent_keys[row], group_sums, scores[t], codes)
+                elif visible.shape[0] == 0 or visible[at]:
                     slot = table[at // size] * size + at % size
                     key = keys[slot * step + kv * layout[KEY_HEAD_STRIDE]]
                     scored(group_queries, key, group_sums, scores[t], codes)
                 else:
                     for g in range(group):
                         scores[t, g] = -np.inf
-            for g in range(group):
-                top = np.float32(-np.inf)
-                for t in range(count):
-                    top = max(top, scores[t, g])
-                total = np.float32(0.0)
-                for t in range(count):  # (every key of the chunk masked: weights 0, not nan)
-                    weight = np.exp(scores[t, g] - top) if top != -np.inf else np.float32(0.0)
-                    scores[t, g] = weight
-                    total += weight
-                tops[n, kv, chunk, g] = top
-                sums[n, kv, chunk, g] = total
+            exponentiated(scores, count, tops[n, kv, chunk], sums[n, kv, chunk])
             summed = parts[n, kv, chunk]  # (G, D), zeros
             for t in range(count):  # each value read once for the group's queries
                 at = lo + t  # (a masked key's weight is 0: its value is never read, maybe unwritten)
-                slot = table[at // size] * size + at % size
-                accumulated(summed, scores[t], values[slot * step + kv * layout[VALUE_HEAD_STRIDE]], codes)
+                if windowed and at >= exact[n, 0]:
+                    row = exact[n, 1] + at % layout[RECENT] * kv_heads + kv
+                    accumulated(summed, scores[t], recent_values[row], codes)
+                else:
+                    slot = table[at // size] * size + at % size
+                    row = slot * step + kv * layout[VALUE_HEAD_STRIDE]
+                    accumulated(summed, scores[t], values[row], codes)
     combine(tops, sums, parts, out)
+
+
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def exponentiated(scores, count, tops, sums):  # pragma: no cover (compiled)
+    """scores (≥ count, G) of one task's first `count` keys -> exp(score - top) per query of the
+    group, in place; tops (G,) = each query's top score, sums (G,) = its weights' sum (every key
+    masked: weights 0, not nan)."""
+    for g in range(scores.shape[1]):
+        top = np.float32(-np.inf)
+        for t in range(count):
+            top = max(top, scores[t, g])
+        total = np.float32(0.0)
+        for t in range(count):
+            weight = np.exp(scores[t, g] - top) if top != -np.inf else np.float32(0.0)
+            scores[t, g] = weight
+            total += weight
+        tops[g] = top
+        sums[g] = total
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
@@ -313,15 +334,16 @@ def combine(tops, sums, parts, out):  # pragma: no cover (compiled)
 
 @numba.njit(**KERNEL)
 def attention(
-    qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, out
+    qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, recent, out
 ):  # pragma: no cover (compiled)
     """`attend` on its own (a step whose products another library runs)."""
-    attend(qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, out)
+    attend(qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding,
+           recent, out)
 
 
 @numba.njit(**KERNEL)
 def layer_output(
-    x, qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding,
+    x, qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding, recent,
     o, o_bias, norm, eps, gate_up, gate_up_bias, down, down_bias, rounding,
 ):  # pragma: no cover (compiled)
     """x (N, hidden) += the layer's attention output through o (+ bias), then += the SwiGLU of
@@ -330,7 +352,7 @@ def layer_output(
     tokens, hidden = x.shape
     attended = np.empty((tokens, head_dim_of(qkv, heads, kv_heads) * heads), np.float32)
     attend(qkv, heads, kv_heads, keys, values, tables, token_row, lengths, layout, visible, key_rounding,
-           attended)
+           recent, attended)
     projected = np.empty((tokens, hidden), np.float32)
     product(o, attended, o_bias, rounding, projected)
     x += projected

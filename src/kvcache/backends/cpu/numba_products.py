@@ -215,18 +215,23 @@ _ONE_TABLE = np.zeros((1, 1), np.int64)  # one table row, its one block the buff
 _FIRST_ROW = np.zeros(1, np.int64)
 
 
+#: the kernels' attention's `recent` argument where there is no full-precision window
+NO_RECENT = (np.empty((0, 1), np.float32), np.empty((0, 1), np.float32), np.empty((0, 2), np.int64))
+
+
 def buffer_layout(length: int, key_step: int, value_step: int) -> tuple[tuple, np.ndarray]:
     """How the kernels' attention (`numba_kernels.attend`) finds one row's `length` keys and
     values in rows of a cache buffer (`stored_rows`: kv head h's token t at row h·step + t):
     ((tables, token_row, lengths), layout)."""
     table = (_ONE_TABLE, _FIRST_ROW, np.array([length], np.int64))
-    return table, np.array([WHOLE, 1, key_step, value_step, 0], np.int64)
+    return table, np.array([WHOLE, 1, key_step, value_step, 0, 0], np.int64)
 
 
-def paged_layout(block_size: int, kv_heads: int, window: int | None) -> np.ndarray:
+def paged_layout(block_size: int, kv_heads: int, window: int | None, recent: int = 0) -> np.ndarray:
     """How the kernels' attention finds keys in a paged cache's storage (blocks·S·H_kv, D):
-    slot s's kv head h at row s·H_kv + h; `window` (None: every key) as the layer attends."""
-    return np.array([block_size, kv_heads, 1, 1, window or 0], np.int64)
+    slot s's kv head h at row s·H_kv + h; `window` (None: every key) as the layer attends;
+    `recent`: the positions a full-precision window holds per row (0: none)."""
+    return np.array([block_size, kv_heads, 1, 1, window or 0, recent], np.int64)
 
 
 def stored_rows(stored: np.ndarray) -> tuple[np.ndarray, int]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.rows import rms_norm, swiglu
 from kvcache.backends.cpu.threads import torch_threads
-from kvcache.cache.arrays import tensor_of
+from kvcache.cache.arrays import array_of, tensor_of
 
 _NO_MASK = np.empty(0, np.bool_)  # the kernels' "every key the layout allows"
 
@@ -68,15 +68,14 @@ def run(step, batch) -> torch.Tensor:
     count = len(rows.ids)
     on_kernels = count <= step.kernel_rows
     cache = batch.cache
-    if cache.recent is not None:
-        raise ValueError("the kernels do not read a kv_window yet: run this cache on the torch backend")
     storages = [layer.storage_rows() for layer in cache.layers]
     if any(storage is None for storage in storages):
         raise ValueError("the kernels read a paged cache's blocks in place: its storage must be on the CPU")
     forward_rounding = step.row_layers[2]  # (what the step rounds to: the model's dtype)
     storages = [_kernel_storage(layer, rows, forward_rounding) for rows, layer in zip(storages, cache.layers)]
+    recent = recent_window(cache, batch, rows, step.kv_heads, step.head_dim)
     layouts = [
-        numba_products.paged_layout(cache.block_size, step.kv_heads, window)
+        numba_products.paged_layout(cache.block_size, step.kv_heads, window, recent.length)
         for window in step.config.layer_windows
     ]
     groups = [rows.groups[layer.group] for layer in cache.layers]
@@ -86,8 +85,50 @@ def run(step, batch) -> torch.Tensor:
         x = step.embed_rows(rows.ids)  # (N, hidden)
         cos, signed_sin = step.rope_rows(rows.positions)  # (N, D) each
         layers = _on_kernels if on_kernels else _with_products
-        layers(step, x, cos, signed_sin, rows, storages, layouts, groups)
+        layers(step, x, cos, signed_sin, rows, storages, layouts, groups, recent)
         return torch.from_numpy(_logits(step, x[rows.last]))
+
+
+@dataclass
+class RecentWindow:
+    """A cache's full-precision window (`kvcache.cache.paged.recent`) as one step's kernels
+    write and read it; `length` 0 and no layers where the cache has none."""
+
+    layers: list[tuple[np.ndarray, np.ndarray]]  # per layer: keys (R', D), values, as the kernels read
+    exact: np.ndarray  # (N, 2) int64: each token's row's first exact position and its first storage row
+    kept: np.ndarray  # (K,) the tokens the window keeps (its rows' last `length` positions)
+    places: np.ndarray  # (K,) their places in the storage (row slot·length + position % length)
+    length: int
+
+    def keep(self, layer: int, qkv: np.ndarray, heads: int, kv_heads: int) -> None:
+        """Write the kept tokens' keys and values (of qkv (N, ...)) into layer `layer`'s window."""
+        if self.layers:
+            numba_products.kernels().store(qkv[self.kept], heads, kv_heads, self.places, *self.layers[layer])
+
+    def read(self, layer: int) -> tuple:
+        """The kernels' attention's `recent` argument for layer `layer`."""
+        return (*self.layers[layer], self.exact) if self.layers else numba_products.NO_RECENT
+
+
+def recent_window(cache, batch, rows: TokenRows, kv_heads: int, dim: int) -> RecentWindow:
+    """`batch`'s full-precision window (its storage allocated for every layer first)."""
+    recent = cache.recent
+    if recent is None:
+        none = np.empty(0, np.int64)
+        return RecentWindow([], np.empty((0, 2), np.int64), none, none, 0)
+    for index, layer in enumerate(cache.layers):
+        recent.prepare(index, kv_heads, dim, dim, layer.forward_dtype)
+    seqs = [cache.rows[row] for row in batch.rows]
+    firsts = np.array([recent.exact_from(seq, total) for seq, total in zip(seqs, batch.totals)], np.int64)
+    bases = np.array([recent.base(seq) for seq in seqs], np.int64)
+    exact = np.stack([firsts[rows.table_row], bases[rows.table_row]], axis=1)  # (N, 2)
+    kept = np.flatnonzero(rows.positions >= exact[:, 0])
+    places = exact[kept, 1] // kv_heads + rows.positions[kept] % recent.window
+    layers = [
+        tuple(numba_products.as_kernel_array(array_of(t)) for t in recent.kernel_storage(index))
+        for index in range(len(cache.layers))
+    ]
+    return RecentWindow(layers, exact, kept, places, recent.window)
 
 
 def _kernel_storage(layer, rows, forward_rounding: int) -> tuple:
@@ -102,12 +143,12 @@ def _kernel_storage(layer, rows, forward_rounding: int) -> tuple:
     return keys, values, None, numba_products.key_rounding(keys), None
 
 
-def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups) -> None:
+def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups, recent) -> None:
     """Every layer on the kernels: `attention_inputs`, `store`, `layer_output` (x in place)."""
     kernels = numba_products.kernels()
     heads, kv_heads, dim, eps = step.heads, step.kv_heads, step.head_dim, step.eps
     layers, _, rounding = step.row_layers
-    for w, storage, layout, (tables, slots) in zip(layers, storages, layouts, groups):
+    for index, (w, storage, layout, (tables, slots)) in enumerate(zip(layers, storages, layouts, groups)):
         keys, values, _, key_rounding, _ = storage
         qkv = np.empty((len(x), (heads + 2 * kv_heads) * dim), np.float32)
         kernels.attention_inputs(
@@ -115,37 +156,40 @@ def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, gr
             step.scale, heads, kv_heads, rounding, qkv,
         )
         kernels.store(qkv, heads, kv_heads, slots, keys, values)
+        recent.keep(index, qkv, heads, kv_heads)
         kernels.layer_output(
             x, qkv, heads, kv_heads, keys, values, tables, rows.table_row, rows.lengths, layout,
-            _NO_MASK, key_rounding,
+            _NO_MASK, key_rounding, recent.read(index),
             w.o, w.o_bias, w.norm2, eps, w.gate_up, w.gate_up_bias, w.down, w.down_bias, rounding,
         )
 
 
-def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups) -> None:
+def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups, recent) -> None:
     """Every layer's products on the backend's products for many rows, the kernels between them
     (`rope`, `store`, `attention`), x in place."""
     kernels = numba_products.kernels()
     heads, kv_heads, eps = step.heads, step.kv_heads, step.eps
     kernel_layers, _, _ = step.row_layers
     layers, _, linear = step.products(len(x))
-    for w, norms, storage, layout, (tables, slots) in zip(
+    for index, (w, norms, storage, layout, (tables, slots)) in enumerate(zip(
         layers, kernel_layers, storages, layouts, groups
-    ):
+    )):
         qkv = linear(rms_norm(x, w.norm1, eps), w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
         kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
         kernels.store(qkv, heads, kv_heads, slots, *storage[:2])
-        attended = _attention(step, qkv, rows, storage, tables, layout)
+        recent.keep(index, qkv, heads, kv_heads)
+        attended = _attention(step, qkv, rows, storage, tables, layout, recent.read(index))
         x += linear(attended, w.o, w.o_bias)
         x += linear(swiglu(linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
 
 
-def _attention(step, qkv, rows: TokenRows, storage, tables, layout) -> np.ndarray:
+def _attention(step, qkv, rows: TokenRows, storage, tables, layout, recent: tuple) -> np.ndarray:
     """(N, H·D) attention of every token of a step whose products run elsewhere: the decoding
     rows' single tokens on the kernels' attention (`attend`, in place through the block tables);
     each prompt chunk on torch's fused attention over its own row's keys and values read out of
     their blocks once (a chunk's queries share its keys, which a matrix product reads once for all
-    of them where the kernels would read them once per query). storage: `_kernel_storage`'s."""
+    of them where the kernels would read them once per query), its full-precision window's
+    positions from there. storage: `_kernel_storage`'s; recent: the kernels' argument."""
     heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
     keys, values, _, key_rounding, _ = storage
     attended = np.empty((len(qkv), heads * dim), np.float32)
@@ -154,7 +198,8 @@ def _attention(step, qkv, rows: TokenRows, storage, tables, layout) -> np.ndarra
         out = np.empty((len(singles), heads * dim), np.float32)
         numba_products.kernels().attention(
             qkv[singles], heads, kv_heads, keys, values, tables, rows.table_row[singles],
-            rows.lengths[singles], layout, _NO_MASK, key_rounding, out,
+            rows.lengths[singles], layout, _NO_MASK, key_rounding,
+            recent if not len(recent[2]) else (*recent[:2], recent[2][singles]), out,
         )
         attended[singles] = out
     size = layout[numba_products.kernels().BLOCK]
@@ -165,25 +210,49 @@ def _attention(step, qkv, rows: TokenRows, storage, tables, layout) -> np.ndarra
         start = max(0, int(rows.positions[first]) - window + 1) if window else 0  # its first's
         positions = np.arange(start, end)
         held = tables[row, positions // size] * size + positions % size  # (T,) slots
+        k, v = _chunk_rows(storage, held, kv_heads, dim)
+        if len(recent[2]):
+            _put_recent(k, v, recent, layout, positions, first)
         attended[first : first + count] = _chunk_attention(
-            qkv[first : first + count], storage, held, positions, rows.positions[first : first + count],
+            qkv[first : first + count], k, v, positions, rows.positions[first : first + count],
             window, heads, kv_heads, dim,
         )
     return attended
 
 
-def _chunk_attention(qkv, storage, held, key_positions, query_positions, window, heads, kv_heads, dim):
-    """(n, H·D) attention of one row's n prompt tokens (qkv (n, ...): queries scaled already)
-    over its keys and values (storage: keys, values, packings) at storage slots `held` (T,)
-    (positions key_positions), causal and within `window` (0: none), on torch's fused attention
-    in the storage's dtype (rows in a kv_dtype's format read out once in the forward's, as the
-    seam reads them)."""
+def _chunk_rows(storage, held, kv_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (T, H_kv, D) at storage slots `held` (T,) (storage: `_kernel_storage`'s),
+    read out in the storage's dtype (rows in a kv_dtype's format in the forward's, as the seam
+    reads them)."""
     rows = held[:, None] * kv_heads + np.arange(kv_heads)  # (T, H_kv) storage rows
     k, v = (_tensor(stored[rows.reshape(-1)]) for stored in storage[:2])
     if storage[2] is not None:
         k, v = (row_format.unpack(read, storage[4]) for row_format, read in zip(storage[2], (k, v)))
-    k = k.view(len(held), kv_heads, dim).transpose(0, 1)  # (H_kv, T, D)
-    v = v.view(len(held), kv_heads, dim).transpose(0, 1)
+    return k.view(len(held), kv_heads, dim), v.view(len(held), kv_heads, dim)
+
+
+def _put_recent(k, v, recent: tuple, layout, positions: np.ndarray, token: int) -> None:
+    """Overwrite keys and values k, v (T, H_kv, D) at `positions` (T,) of the row of token index
+    `token` with its full-precision window's rows where that holds them (recent: the kernels'
+    argument), in place."""
+    kv_heads = k.shape[1]
+    first, base = recent[2][token]
+    exact = np.flatnonzero(positions >= first)
+    if not len(exact):
+        return
+    length = layout[numba_products.kernels().RECENT]
+    rows = (base + positions[exact] % length * kv_heads)[:, None] + np.arange(kv_heads)  # (E, H_kv)
+    for target, stored in zip((k, v), recent[:2]):
+        target[torch.from_numpy(exact)] = _tensor(stored[rows.reshape(-1)]).view(len(exact), kv_heads, -1).to(
+            target.dtype
+        )
+
+
+def _chunk_attention(qkv, k, v, key_positions, query_positions, window, heads, kv_heads, dim):
+    """(n, H·D) attention of one row's n prompt tokens (qkv (n, ...): queries scaled already)
+    over its keys and values k, v (T, H_kv, D) at key_positions (T,), causal and within
+    `window` (0: none), on torch's fused attention in their dtype."""
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # (H_kv, T, D)
     q = torch.from_numpy(qkv[:, : heads * dim]).view(len(qkv), heads, dim).transpose(0, 1)  # (H, n, D)
     if k.dtype != torch.float32:
         q = q.to(k.dtype)

@@ -94,7 +94,7 @@ class RecentRows:
         begin = max(start, total - self.window)
         if begin >= total:
             return
-        self._allocate(layer, keys, values)
+        self.prepare(layer, keys.shape[1], keys.shape[2], values.shape[2], keys.dtype, keys.device)
         slot, places = self._slots[seq], torch.arange(begin, total) % self.window
         stored_keys, stored_values = self.keys[layer], self.values[layer]
         assert stored_keys is not None and stored_values is not None
@@ -120,17 +120,17 @@ class RecentRows:
             return None
         return keys.view(-1, keys.shape[-1]), values.view(-1, values.shape[-1])
 
-    def prepare(self, layer: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
-        """Allocate layer `layer`'s storage for rows like like_keys (…, H_kv, D) and like_values
-        (…, H_kv, D_v) (the kernels write into it before any seam write could)."""
-        self._allocate(layer, like_keys, like_values)
-
-    def _allocate(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def prepare(
+        self, layer: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device=None
+    ) -> None:
+        """Allocate layer `layer`'s storage (kv_heads of key_dim, value_dim in `dtype`, on `device`)
+        for every live row, before the kernels write into it."""
         if self.keys[layer] is None:
             capacity = max(1, len(self._slots) + len(self._free))
+            shape = (capacity, self.window, kv_heads)
             with normal_tensors():
-                self.keys[layer] = keys.new_zeros((capacity, self.window, *keys.shape[-2:]))
-                self.values[layer] = values.new_zeros((capacity, self.window, *values.shape[-2:]))
+                self.keys[layer] = torch.zeros((*shape, key_dim), dtype=dtype, device=device)
+                self.values[layer] = torch.zeros((*shape, value_dim), dtype=dtype, device=device)
         self._grow(len(self._slots) + len(self._free))
 
     def _grow(self, slots: int) -> None:
