@@ -285,6 +285,14 @@ def _kv_row_bytes(head_dim: int, dtype: str) -> int:
     return sum(paged_row_bytes(head_dim, part) for part in kv_dtype_pair(dtype))
 
 
+def kv_window_bytes(shape: KVShape, window: int, dtype: str = "float32", sequences: int = 1) -> int:
+    """Bytes of a paged cache's full-precision window (`PagedCache(kv_window=)`): the last
+    `window` tokens' keys and values of every layer of `sequences` sequences, kept in the
+    forward's `dtype` beside their blocks."""
+    _check_sizes(window=window, sequences=sequences)
+    return 2 * shape.layers * shape.kv_heads * window * shape.head_dim * dtype_bits(dtype) // 8 * sequences
+
+
 def paged_kv_cache_bytes(
     shape: KVShape, seq_len: int, block_size: int, batch: int = 1, dtype: str = "float16"
 ) -> int:

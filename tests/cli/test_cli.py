@@ -285,3 +285,39 @@ def test_the_kv_dtype_flags_name_one_packing_of_keys_and_values(flags, expected)
             kv_dtype_of(args)
     else:
         assert kv_dtype_of(args) == expected
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], 0),
+    (["--kv-cache-dtype", "int4", "--kv-window", "32"], 32),
+    (["--kv-window", "32"], ValueError),
+    (["--kv-cache-dtype", "int8", "--kv-window", "-1"], SystemExit),
+])
+def test_the_kv_window_flag_needs_a_kv_dtype_and_a_count(flags, expected, capsys):
+    import argparse
+
+    from kvcache.cli._args import add_kv_cache_dtype, kv_window_of
+
+    parser = argparse.ArgumentParser()
+    add_kv_cache_dtype(parser)
+    if expected is SystemExit:
+        with pytest.raises(SystemExit):
+            parser.parse_args(flags)
+        assert "--kv-window" in capsys.readouterr().err
+        return
+    args = parser.parse_args(flags)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="--kv-window 32 keeps recent tokens"):
+            kv_window_of(args)
+    else:
+        assert kv_window_of(args) == expected
+
+
+def test_generate_with_a_kv_window_wider_than_the_run_answers_as_a_float_paged_cache(capsys):
+    found = []
+    for flags in (["--cache", "paged"], ["--kv-cache-dtype", "int4", "--kv-window", "128"]):
+        run = ["generate", "--prompt", "Once upon a time", "--max-new-tokens", "24", "--json", *flags]
+        assert main(run) == 0
+        reply = json.loads(capsys.readouterr().out)
+        found.append(reply["tokens"])
+    assert found[0] == found[1] and reply["kv_window"] == 128

@@ -427,3 +427,39 @@ def test_quantized_blocks_give_a_solo_run_on_a_quantized_cache_through_preemptio
         assert result.tokens == solo_quantized(prompt, 14)
     assert engine.pool.cache.layers[0].storage_rows()[0].dtype == key_rows  # (bfloat16 as its bits)
     _assert_baseline(engine)
+
+
+def test_a_full_precision_window_wider_than_every_request_answers_as_full_precision(model, solo):
+    """kv_window: each running row's last tokens kept in the model's dtype beside int4 blocks.
+    A window wider than every request reads none of them as stored: through preemption (rows
+    recomputed, without prefix caching) the greedy tokens equal a full-precision solo run; the
+    same int4 pool without the window changes some."""
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 1024, (n,), generator=generator).tolist() for n in (12, 23, 17, 10, 29)]
+    answers = {}
+    for window in (0, 48):
+        engine = Engine(model, num_blocks=24, block_size=4, max_running=4, token_budget=16, kv_dtype="int4",
+                        kv_window=window, prefix_caching=False)
+        handles = [engine.submit(prompt, max_tokens=14, ignore_eos=True) for prompt in prompts]
+        answers[window] = [handle.result().tokens for handle in handles]
+        assert engine.metrics.preemptions > 0
+        _assert_baseline(engine)
+    expected = [solo(prompt, 14) for prompt in prompts]
+    assert answers[48] == expected
+    assert answers[0] != expected
+
+
+def test_a_full_precision_windows_bytes_come_out_of_the_budget(model):
+    plain = Engine(model, kv_budget="1MiB", block_size=4, max_running=4, kv_dtype="int8")
+    windowed = Engine(model, kv_budget="1MiB", block_size=4, max_running=4, kv_dtype="int8", kv_window=32)
+    config = model.config
+    window_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * 32 * (
+        config.hidden_size // config.num_attention_heads) * 4 * 4  # (float32, 4 rows)
+    assert windowed.num_blocks == (2**20 - window_bytes) // plain.pool.block_bytes
+    assert plain.num_blocks == 2**20 // plain.pool.block_bytes
+    with pytest.raises(RequestError, match="kv_window"):
+        Engine(model, num_blocks=8, kv_window=8)
+    with pytest.raises(RequestError, match="kv_window"):
+        Engine(model, num_blocks=8, kv_dtype="int8", kv_window=-1)
+    with pytest.raises(RequestError, match="kv_window"):
+        Engine(model, kv_budget=window_bytes, max_running=4, kv_dtype="int8", kv_window=32)

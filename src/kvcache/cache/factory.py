@@ -35,6 +35,7 @@ def make_cache(
     block_size: int = 16,
     compiled: bool = False,
     kv_dtype: str | None = None,
+    kv_window: int = 0,
     **quantization: Any,
 ) -> Cache:
     """A cache of the given kind for a model described by `config` and/or explicit sizes.
@@ -51,13 +52,14 @@ def make_cache(
 
     "paged" is a `PagedCache` of `num_blocks` blocks of `block_size` tokens (default: enough
     blocks for max_batch_size sequences of max_cache_len tokens), its rows stored as kv_dtype
-    says ("bfloat16", "fp8", "int8", "int8/int4" …: `PagedCache`; paged only).
+    says ("bfloat16", "fp8", "int8", "int8/int4" …: `PagedCache`; paged only), each row's last
+    kv_window tokens also kept in the forward's dtype (`PagedCache`'s full-precision window).
     compiled: for "static" and "sliding", layers made for torch.compile (whole buffers, the
     length in a tensor; `CompiledStaticLayer`).
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
-    _check_options(kind, quantization, kv_dtype, compiled)
+    _check_options(kind, quantization, kv_dtype or kv_window, compiled)
     if kind == "quantized":
         return QuantizedCache(
             num_layers, config=config, window=window, device=device, max_rollback=max_rollback,
@@ -82,18 +84,19 @@ def make_cache(
             num_blocks = (max_batch_size or 1) * -(-max_cache_len // block_size)
         return PagedCache(
             num_blocks, block_size, config=config, num_layers=num_layers, dtype=dtype, device=device,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, kv_window=kv_window,
         )
     if kind == "none":
         return NoCache(config=config, num_layers=num_layers, window=window, device=device)
     raise CacheConfigError(f"cache kind must be one of {KINDS}, got {kind!r}")
 
 
-def _check_options(kind: str, quantization: dict, kv_dtype: str | None, compiled: bool) -> None:
-    """Raise `CacheConfigError` for an option given to a kind it does not apply to."""
+def _check_options(kind: str, quantization: dict, paged_rows, compiled: bool) -> None:
+    """Raise `CacheConfigError` for an option given to a kind it does not apply to (paged_rows:
+    kv_dtype or kv_window, when given)."""
     if quantization and kind != "quantized":
         raise CacheConfigError(f"{sorted(quantization)} apply to kind 'quantized' only, not {kind!r}")
-    if kv_dtype is not None and kind != "paged":
-        raise CacheConfigError(f"kv_dtype applies to kind 'paged' only, not {kind!r}")
+    if paged_rows and kind != "paged":
+        raise CacheConfigError(f"kv_dtype and kv_window apply to kind 'paged' only, not {kind!r}")
     if compiled and kind not in ("static", "sliding"):
         raise CacheConfigError(f"compiled=True applies to kinds 'static' and 'sliding', not {kind!r}")

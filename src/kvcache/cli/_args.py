@@ -31,6 +31,12 @@ def add_kv_cache_dtype(parser) -> None:
             help=f"the {'keys' if kind == 'k' else 'values'}' dtype apart (default: --kv-cache-dtype's; "
             "give both, e.g. --kv-k-dtype bfloat16 --kv-v-dtype int4)",
         )
+    parser.add_argument(
+        "--kv-window", type=nonnegative_int, default=0, metavar="TOKENS",
+        help="with --kv-cache-dtype: keep each sequence's last TOKENS tokens also in the model's dtype "
+        "and read them from there (a full-precision window of recent tokens, as KIVI and transformers' "
+        "QuantizedCache keep; its bytes come out of the KV budget); default 0: none",
+    )
 
 
 def kv_dtype_of(args) -> str | None:
@@ -44,6 +50,15 @@ def kv_dtype_of(args) -> str | None:
         raise ValueError(f"{given} sets one of keys and values apart: give the other's dtype too "
                          f"(--kv-k-dtype/--kv-v-dtype, e.g. the model's own) or --kv-cache-dtype")
     return None if keys is None else kv_dtype_name(keys, values)
+
+
+def kv_window_of(args) -> int:
+    """--kv-window's tokens, after checking that a kv dtype gives it something to keep apart
+    (ValueError naming the flags)."""
+    if args.kv_window and kv_dtype_of(args) is None:
+        raise ValueError(f"--kv-window {args.kv_window} keeps recent tokens in full precision beside blocks "
+                         f"stored in another dtype: give --kv-cache-dtype (or --kv-k-dtype and --kv-v-dtype)")
+    return args.kv_window
 
 
 def _int_at_least(text: str, minimum: int, expected: str) -> int:

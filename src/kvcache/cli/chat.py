@@ -16,7 +16,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, add_kv_cache_dtype, kv_dtype_of, positive_int, size_argument
+from kvcache.cli._args import (
+    WEIGHTS_HELD_TWICE,
+    add_kv_cache_dtype,
+    kv_dtype_of,
+    kv_window_of,
+    positive_int,
+    size_argument,
+)
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import resolve_model_dir
 from kvcache.memory import parse_size
@@ -96,6 +103,7 @@ class _Chat:
         self.session = ChatSession(
             self.model, self.tokenizer, num_blocks=-(-self.args.ctx_size // BLOCK), block_size=BLOCK,
             system=self.system, kv_store=self.store, kv_dtype=kv_dtype_of(self.args),
+            kv_window=kv_window_of(self.args),
         )
 
     def warm_up(self) -> None:

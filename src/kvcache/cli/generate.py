@@ -14,7 +14,14 @@ import secrets
 import sys
 from pathlib import Path
 
-from kvcache.cli._args import WEIGHTS_HELD_TWICE, add_kv_cache_dtype, kv_dtype_of, positive_int, size_argument
+from kvcache.cli._args import (
+    WEIGHTS_HELD_TWICE,
+    add_kv_cache_dtype,
+    kv_dtype_of,
+    kv_window_of,
+    positive_int,
+    size_argument,
+)
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, CACHE_KINDS, resolve_model_dir
 from kvcache.memory import parse_size
@@ -172,6 +179,7 @@ def _load(args: argparse.Namespace):
     if args.kv_disk and args.cache != "paged":
         raise ValueError(f"--kv-disk keeps a paged cache's blocks: give --cache paged (or none), not "
                          f"{args.cache}")
+    kv_window_of(args)  # (refused without a kv dtype)
     if kv_dtype_of(args) and args.cache != "paged":
         raise ValueError(f"--kv-cache-dtype {kv_dtype_of(args)} sets a paged cache's blocks' dtype: give "
                          f"--cache paged (or none), not {args.cache}")
@@ -240,7 +248,8 @@ class _Runs:
 
             length = input_ids.shape[1] + changes.get("max_new_tokens", self.options["max_new_tokens"])
             cache = make_cache("paged", config=self.model.config, dtype=self.model.dtype, max_batch_size=1,
-                               max_cache_len=length, kv_dtype=kv_dtype_of(self.args))
+                               max_cache_len=length, kv_dtype=kv_dtype_of(self.args),
+                               kv_window=kv_window_of(self.args))
         return generate(
             self.model, input_ids, cache=cache, backend=backend,
             streamer=streamer, generator=torch.Generator().manual_seed(self.seed),
@@ -265,7 +274,7 @@ class _Runs:
         total = self.input_ids.shape[1] + self.args.max_new_tokens
         options = {name: value for name, value in self.options.items() if name != "tokenizer"}
         session = ChatSession(self.model, self.tokenizer, kv_store=store, num_blocks=-(-total // 16) + 1,
-                              kv_dtype=kv_dtype_of(self.args), **options)
+                              kv_dtype=kv_dtype_of(self.args), kv_window=kv_window_of(self.args), **options)
         started = time.perf_counter()
         try:
             session.send_ids(self.input_ids[0].tolist(), streamer=streamer, backend=self.args.backend,
@@ -298,7 +307,8 @@ class _Runs:
         return (
             f"[{len(result.new_tokens[0])} new tokens after a {self.input_ids.shape[1]}-token prompt; "
             f"stopped by {result.stop_reasons[0]}; cache {self.args.cache}"
-            f"{'' if kv_dtype_of(self.args) is None else ' ' + kv_dtype_of(self.args)}; "
+            f"{'' if kv_dtype_of(self.args) is None else ' ' + kv_dtype_of(self.args)}"
+            f"{f' (last {self.args.kv_window} tokens exact)' if self.args.kv_window else ''}; "
             f"{self.model.dtype}; "
             f"decode step {result.backend}; {how}"
             + (f"; {self.tokens_from_disk} prompt tokens read from --kv-disk]" if self.args.kv_disk else "]")
@@ -310,6 +320,7 @@ class _Runs:
         return {"text": self.tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
                 "prompt_tokens": int(self.input_ids.shape[1]), "stop_reason": result.stop_reasons[0],
                 "cache": self.args.cache, "kv_cache_dtype": kv_dtype_of(self.args) or "auto",
+                "kv_window": self.args.kv_window,
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "decode_step": result.backend, "seed": self.seed, **self.sampling,
                 "time_to_first_token_s": result.time_to_first_token_s,

@@ -20,13 +20,14 @@ from kvcache.cli._args import (
     WEIGHTS_HELD_TWICE,
     add_kv_cache_dtype,
     kv_dtype_of,
+    kv_window_of,
     nonnegative_int,
     positive_int,
     size_argument,
 )
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
-from kvcache.memory import format_bytes, parse_size
+from kvcache.memory import format_bytes, kv_window_bytes, parse_size
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SOCKET_BACKLOG = 2048  # (uvicorn's own)
@@ -345,7 +346,7 @@ def _engine_arguments(args: argparse.Namespace) -> dict:
     return {"backend": args.backend, "kv_budget": args.kv_budget, "block_size": args.block_size,
             "max_running": args.max_running, "token_budget": args.token_budget,
             "prefill_slowdown": args.prefill_slowdown or None, "kv_dtype": kv_dtype_of(args),
-            "kv_drift_sample": args.kv_drift_sample}
+            "kv_drift_sample": args.kv_drift_sample, "kv_window": kv_window_of(args)}
 
 
 def _event_publisher(args: argparse.Namespace):
@@ -371,6 +372,7 @@ def _engine(args: argparse.Namespace, events=None):
     from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
 
+    kv_window_of(args)  # (a flag refused before the model loads)
     folder = Path(resolve_model_dir(args.model))
     model = load_model(folder, dtype=args.dtype,
                        progress=ProgressBar("kvcache serve: loading the model", after_s=BAR_AFTER_S))
@@ -460,6 +462,12 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
           f"http://{host}:{port}/v1", flush=True)
     context = settings.context
     stored = "" if kv_dtype_of(args) is None else f", keys/values stored as {kv_dtype_of(args)}"
+    recent = engine.pool.cache.recent
+    if recent is not None:
+        pool = engine.pool
+        window_bytes = kv_window_bytes(pool.shape, recent.window, pool.model_dtype, args.max_running)
+        stored += (f", the last {recent.window} tokens of each running sequence also in {model.dtype} "
+                   f"({format_bytes(window_bytes)}, --kv-window)")
     print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
           f"({format_bytes(engine.pool.cache.nbytes)}{stored}): {engine.capacity(context)} sequences of "
           f"{context} tokens (--ctx-size), {args.max_running} running at once", flush=True)

@@ -90,6 +90,9 @@ class Engine:
             full-precision shadow pool of a quarter of the pool's bytes, measuring at each of their
             positions how far the stored blocks moved the next-token distribution (`drift_probe`;
             each Completion's `kv_drift`, `stats()["kv_drift"]`); 0: no probe.
+        kv_window: with kv_dtype, each running row's last kv_window tokens also kept in the
+            model's dtype and read from there (`PagedCache`'s full-precision window; its bytes
+            for max_running rows come out of kv_budget); 0: none.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class Engine:
         kv_events=None,
         kv_dtype: str | None = None,
         kv_drift_sample: float = 0.0,
+        kv_window: int = 0,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         if max_running < 1 or token_budget < max_running:
@@ -117,7 +121,9 @@ class Engine:
             )
         self.limits = Limits(block_size, max_running, token_budget)
         store = None if kv_store is None else open_store(kv_store)
-        self.pool = KVPool(model, self.limits, kv_budget, num_blocks, prefix_caching, store, kv_dtype)
+        self.pool = KVPool(
+            model, self.limits, kv_budget, num_blocks, prefix_caching, store, kv_dtype, kv_window
+        )
         self.kv_events = KVEventPublisher(kv_events) if isinstance(kv_events, str) else kv_events
         if self.kv_events is not None:
             self.kv_events.attach(self.pool.cache.allocator)  # (the full layers', or the window's)

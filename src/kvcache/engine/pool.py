@@ -26,6 +26,7 @@ from kvcache.geometry import read_geometry
 from kvcache.memory import (
     PAGED_KV_DTYPES,
     KVShape,
+    kv_window_bytes,
     paged_block_bytes,
     paged_kv_dtype,
     paged_pool,
@@ -58,10 +59,13 @@ class KVPool:
         prefix_caching: bool,
         store=None,
         kv_dtype: str | None = None,
+        kv_window: int = 0,
     ) -> None:
         self.shape = KVShape.from_geometry(read_geometry(model.config))  # (what kvcache.memory counts)
         self.model_dtype = str(model.dtype).removeprefix("torch.")
-        self.cache, self.block_bytes = build_cache(model, self.shape, limits, kv_budget, num_blocks, kv_dtype)
+        self.cache, self.block_bytes = build_cache(
+            model, self.shape, limits, kv_budget, num_blocks, kv_dtype, kv_window
+        )
         self.block_size = limits.block_size
         self.prefix_caching = prefix_caching
         self.store_tier = None if store is None else StoreTier(store, model, self.cache)
@@ -238,6 +242,7 @@ class KVPool:
 def build_cache(
     model, shape: KVShape, limits: Limits, kv_budget: int | str | None, num_blocks: int | None,
     kv_dtype: str | None = None,
+    kv_window: int = 0,
 ) -> tuple[PagedCache, int]:
     """The PagedCache for `model` (its KV `shape`) and the bytes of one full-attention block.
 
@@ -245,19 +250,22 @@ def build_cache(
     blocks for `limits.max_running` rows of any length, the full layers as many whole blocks as
     the rest holds (`kvcache.memory.paged_pool`). num_blocks: the full layers' size in blocks
     instead. kv_dtype: what the rows are stored as ("bfloat16", "int8", "int8/int4" …: `PagedCache`;
-    quantized rows' scales counted), None in the model's dtype. Raises RequestError for a budget
-    that holds no block or an unknown kv_dtype."""
-    if kv_dtype is not None and not paged_kv_dtype(kv_dtype):
-        raise RequestError(f"kv_dtype must be None, one of {PAGED_KV_DTYPES} or a keys/values pair of them "
-                           f"such as 'int8/int4', got {kv_dtype!r}")
+    quantized rows' scales counted), None in the model's dtype. kv_window: with a kv_dtype, each
+    row's last kv_window tokens also kept in the model's dtype (`PagedCache`), their bytes for
+    `limits.max_running` rows taken from the budget first. Raises RequestError for a budget
+    that holds no block, an unknown kv_dtype or a window without one."""
+    window_bytes = _checked_window(kv_window, kv_dtype, shape, model, limits.max_running)
     dtype_name = kv_dtype or str(model.dtype).removeprefix("torch.")
     block_bytes = paged_block_bytes(shape, limits.block_size, dtype_name)
     budget = 0
     if num_blocks is None:
         budget = parse_size(kv_budget) if isinstance(kv_budget, str) else kv_budget
+        if isinstance(budget, int) and not isinstance(budget, bool):
+            budget -= window_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < block_bytes:
+            beside = f" beside the kv_window's {window_bytes} bytes" if window_bytes else ""
             raise RequestError(
-                f"kv_budget must hold at least one block of {block_bytes} bytes, got {kv_budget!r}"
+                f"kv_budget must hold at least one block of {block_bytes} bytes{beside}, got {kv_budget!r}"
             )
     elif not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
         raise RequestError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
@@ -277,5 +285,21 @@ def build_cache(
         dtype=model.dtype,
         device=model.device,
         kv_dtype=kv_dtype,
+        kv_window=kv_window,
     )
     return cache, block_bytes
+
+
+def _checked_window(kv_window: int, kv_dtype: str | None, shape: KVShape, model, rows: int) -> int:
+    """The bytes of `rows` rows' full-precision window (`kvcache.memory.kv_window_bytes`), after
+    checking kv_dtype and kv_window (RequestError)."""
+    if kv_dtype is not None and not paged_kv_dtype(kv_dtype):
+        raise RequestError(f"kv_dtype must be None, one of {PAGED_KV_DTYPES} or a keys/values pair of them "
+                           f"such as 'int8/int4', got {kv_dtype!r}")
+    if isinstance(kv_window, bool) or not isinstance(kv_window, int) or kv_window < 0:
+        raise RequestError(f"kv_window must be an int >= 0 (tokens), got {kv_window!r}")
+    if kv_window and kv_dtype is None:
+        raise RequestError("kv_window keeps the last tokens in full precision beside blocks stored in a "
+                           "kv_dtype: give kv_dtype too")
+    model_dtype = str(model.dtype).removeprefix("torch.")
+    return kv_window_bytes(shape, kv_window, model_dtype, rows) if kv_window else 0

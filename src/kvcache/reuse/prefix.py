@@ -41,11 +41,14 @@ class PrefixResult:
         return self.result.new_tokens[0]
 
 
-def new_cache(model, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None) -> PagedCache:
+def new_cache(
+    model, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None, kv_window: int = 0
+) -> PagedCache:
     """A PagedCache for `model` (its layers, heads, dtype and device), its rows stored as kv_dtype
-    says ("bfloat16", "int8", "int4" …: `PagedCache`; None: in the model's dtype)."""
+    says ("bfloat16", "int8", "int4" …: `PagedCache`; None: in the model's dtype), the last
+    kv_window tokens also in the model's dtype (`PagedCache`)."""
     return PagedCache(num_blocks, block_size, config=model.config, dtype=model.dtype, device=model.device,
-                      kv_dtype=kv_dtype)
+                      kv_dtype=kv_dtype, kv_window=kv_window)
 
 
 class PrefixCache:
@@ -117,16 +120,19 @@ class ChatSession:
         kv_store: a tier below the cache (`kvcache.engine.disk_store.DiskBlockStore`, …): a turn's
             prefix blocks the cache lacks are read from it, and the conversation's blocks written
             to it, so a conversation that starts the same way in a later process reuses them.
-        kv_dtype: what the made cache stores rows as ("bfloat16", "int8", "int4" …; `PagedCache`).
+        kv_dtype: what the made cache stores rows as ("bfloat16", "int8", "int4" …; `PagedCache`);
+            kv_window: its full-precision window of recent tokens (`PagedCache`).
         options: defaults for `kvcache.generate` (max_new_tokens, eos_token_id, …).
     """
 
     def __init__(self, model, tokenizer=None, *, cache: PagedCache | None = None, num_blocks: int = 256,
                  block_size: int = 16, system: str | None = None, kv_store=None, kv_dtype: str | None = None,
-                 **options: Any) -> None:
+                 kv_window: int = 0, **options: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.cache = cache if cache is not None else new_cache(model, num_blocks, block_size, kv_dtype)
+        if cache is None:
+            cache = new_cache(model, num_blocks, block_size, kv_dtype, kv_window)
+        self.cache = cache
         if self.cache.rows:
             raise ValueError("ChatSession needs a cache with no rows (it owns row 0)")
         self.cache.add_sequence()
