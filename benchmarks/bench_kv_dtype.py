@@ -15,6 +15,8 @@ float32 activations, 2 threads.
   full-precision pool's greedy token; greedy agreement is the share of positions where a
   quantized pool's argmax equals full precision's, and KL(p_full || p_quantized) of the next-token
   distributions is averaged over positions (p99 too);
+- with `--kv-windows W …`, each dtype also with a full-precision window of its rows' last W
+  tokens (`--kv-window`), named "int4, window 32" (its bytes for 16 rows out of the budget);
 - the drift probe's cost: the int8 engine on `--probe-requests` requests (16 at once) with
   `--kv-drift-sample` 0.01 against without, alternating in each round; the probe's draws seeded
   so that exactly the expected share of requests is probed (1 of 100), as a long-running server
@@ -52,6 +54,15 @@ def name(kv_dtype: str | None) -> str:
     return kv_dtype or "float32"
 
 
+def pool_of(setting: str | None) -> dict:
+    """The pool arguments of a setting: None (float32), a kv_dtype ("int4"), or a kv_dtype with a
+    full-precision window ("int4, window 32")."""
+    if setting is None:
+        return {"kv_dtype": None}
+    kv_dtype, _, window = setting.partition(", window ")
+    return {"kv_dtype": kv_dtype, "kv_window": int(window or 0)}
+
+
 def gguf_path() -> Path:
     """SmolLM2-135M-Instruct's Q4_1 GGUF, as `kvcache generate -m smollm2` finds it."""
     from kvcache.defaults import resolve_model_dir
@@ -85,7 +96,7 @@ def sizes(model, dtypes: tuple = DTYPES) -> dict:
 
     found = {}
     for kv_dtype in dtypes:
-        engine = Engine(model, kv_budget="256MiB", block_size=BLOCK, kv_dtype=kv_dtype)
+        engine = Engine(model, kv_budget="256MiB", block_size=BLOCK, **pool_of(kv_dtype))
         found[name(kv_dtype)] = {"bytes_per_token": engine.pool.block_bytes / BLOCK,
                                  "sequences_of_1024_in_256MiB": engine.capacity(1024)}
         engine.close()
@@ -99,7 +110,7 @@ def throughput(model, prompts: list[list[int]], new_tokens: int, rounds: int, dt
     from kvcache.engine import Engine
 
     engines = {  # (no prefix caching: every round prefills its prompts again)
-        kv_dtype: Engine(model, kv_budget="512MiB", block_size=BLOCK, max_running=16, kv_dtype=kv_dtype,
+        kv_dtype: Engine(model, kv_budget="512MiB", block_size=BLOCK, max_running=16, **pool_of(kv_dtype),
                          prefix_caching=False)
         for kv_dtype in dtypes
     }
@@ -186,7 +197,7 @@ def lockstep_drift(model, prompts: list[list[int]], positions: int, dtypes: tupl
     backend = choose_backend(model, "auto")
     rows = len(prompts)
     blocks = sum(-(-(len(prompt) + positions + 1) // BLOCK) for prompt in prompts) + rows
-    caches = {kv_dtype: PagedCache(blocks, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
+    caches = {kv_dtype: PagedCache(blocks, BLOCK, config=model.config, dtype=model.dtype, **pool_of(kv_dtype))
               for kv_dtype in dtypes}
     for cache in caches.values():
         for _ in range(rows):
@@ -255,10 +266,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", nargs="+", choices=KV_DTYPES, default=KV_DTYPES,
                         help="the KV dtypes measured beside float32 (default all)")
+    parser.add_argument("--kv-windows", nargs="+", type=int, default=[],
+                        help="also each dtype with a full-precision window of this many recent tokens "
+                             "(--kv-window; the setting named 'int4, window 32')")
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_dtype.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtypes = (None, *args.dtypes)
+    windowed = tuple(f"{kv_dtype}, window {window}" for kv_dtype in args.dtypes for window in args.kv_windows)
+    dtypes = (None, *args.dtypes, *windowed)
     import kvcache
 
     path = gguf_path()
