@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvcache.cli import main
 from kvcache.memory import (
     KVShape,
     blocks_for_tokens,
+    kv_window_bytes,
     max_paged_sequences,
     max_sequences,
     paged_block_bytes,
@@ -124,3 +126,20 @@ def test_cli_memory_block_size(capsys):
     assert "sequences of 1,000 tokens: 260" in text
     assert main([*argv[:-2], "--window", "8", "--block-size", "16"]) == 2
     assert "sliding-window layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_full_precision_windows_bytes_are_what_a_paged_cache_holds_for_its_rows(dtype):
+    from kvcache.cache import PagedCache
+
+    shape = KVShape(layers=3, kv_heads=2, head_dim=8)
+    cache = PagedCache(16, 4, num_layers=3, kv_heads=2, head_dim=8, dtype=dtype, kv_dtype="int8", kv_window=5)
+    for _ in range(3):
+        cache.add_sequence()
+    cache.begin(2)
+    for layer in cache.layers:
+        layer.update(torch.randn(3, 2, 2, 8, dtype=dtype), torch.randn(3, 2, 2, 8, dtype=dtype))
+    name = str(dtype).removeprefix("torch.")
+    assert cache.recent.nbytes == kv_window_bytes(shape, 5, name, sequences=3)
+    with pytest.raises(ValueError, match="window"):
+        kv_window_bytes(shape, -1, name)

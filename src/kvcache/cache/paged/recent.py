@@ -11,8 +11,8 @@ never existed here. So a decode step reads the current token and the W - 1 befor
 a prompt chunk reads its own last W positions exactly and the rest as stored.
 
 Storage: per layer, keys (capacity·W·H_kv, D) and values (…, D_v) in the forward's dtype; row
-seq's position p, kv head h at row (slot(seq)·W + p % W)·H_kv + h. A slot per live row, grown
-by doubling when rows outnumber it.
+seq's position p, kv head h at row (slot(seq)·W + p % W)·H_kv + h. A slot per live row (a freed
+row's slot reused), grown when more rows are live than ever before.
 """
 
 from __future__ import annotations
@@ -134,12 +134,14 @@ class RecentRows:
         self._grow(len(self._slots) + len(self._free))
 
     def _grow(self, slots: int) -> None:
-        """Every allocated layer's storage holds at least `slots` slots (doubling)."""
+        """Every allocated layer's storage holds at least `slots` slots: exactly that many, so its
+        bytes are those of the most rows ever live at once (what the engine budgets for), the
+        copy paid once per new high."""
         for stores in (self.keys, self.values):
             for index, stored in enumerate(stores):
                 if stored is not None and stored.shape[0] < slots:
                     with normal_tensors():
-                        grown = stored.new_zeros((max(slots, 2 * stored.shape[0]), *stored.shape[1:]))
+                        grown = stored.new_zeros((slots, *stored.shape[1:]))
                     grown[: stored.shape[0]] = stored
                     stores[index] = grown
 
