@@ -58,12 +58,13 @@ def test_reads_are_exact_in_the_window_and_as_stored_before_it(seed, kv_dtype):
                 torch.testing.assert_close(got[row, :, :total], expected, atol=0, rtol=0)
 
 
-def test_a_window_wider_than_the_rows_reads_what_a_float_pool_reads():
-    sizes = dict(num_layers=1, kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_window_wider_than_the_rows_reads_what_a_float_pool_reads(dtype):
+    sizes = dict(num_layers=1, kv_heads=HEADS, head_dim=DIM, dtype=dtype)
     windowed = PagedCache(32, BLOCK, **sizes, kv_dtype="int4", kv_window=64)
     plain = PagedCache(32, BLOCK, **sizes)
     for new in (5, 1, 1, 9, 1):
-        k, v = torch.randn(2, HEADS, new, DIM), torch.randn(2, HEADS, new, DIM)
+        k, v = (torch.randn(2, HEADS, new, DIM).to(dtype) for _ in range(2))
         got, expected = (cache.layers[0].update(k, v) for cache in (windowed, plain))
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
