@@ -59,7 +59,7 @@ def make_cache(
 
     Raises `CacheConfigError` for an unknown kind or a missing/contradictory size.
     """
-    _check_options(kind, quantization, kv_dtype or kv_window, compiled)
+    _check_options(kind, quantization, kv_dtype is not None or bool(kv_window), compiled)
     if kind == "quantized":
         return QuantizedCache(
             num_layers, config=config, window=window, device=device, max_rollback=max_rollback,
@@ -91,9 +91,9 @@ def make_cache(
     raise CacheConfigError(f"cache kind must be one of {KINDS}, got {kind!r}")
 
 
-def _check_options(kind: str, quantization: dict, paged_rows, compiled: bool) -> None:
+def _check_options(kind: str, quantization: dict, paged_rows: bool, compiled: bool) -> None:
     """Raise `CacheConfigError` for an option given to a kind it does not apply to (paged_rows:
-    kv_dtype or kv_window, when given)."""
+    whether kv_dtype or kv_window was given)."""
     if quantization and kind != "quantized":
         raise CacheConfigError(f"{sorted(quantization)} apply to kind 'quantized' only, not {kind!r}")
     if paged_rows and kind != "paged":

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache.cache import OutOfBlocksError, PagedBatch, PagedCache
+from kvcache.cache import CacheConfigError, OutOfBlocksError, PagedBatch, PagedCache
+from kvcache.cache.paged.recent import checked_window
 from kvcache.cache.paged.rows import attachable_blocks
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq
@@ -287,6 +288,10 @@ def build_cache(
         kv_dtype=kv_dtype,
         kv_window=kv_window,
     )
+    if cache.recent is not None:  # (its bytes for max_running rows taken now, as budgeted)
+        for layer in range(shape.layers):
+            sizes = (shape.kv_heads, shape.head_dim, shape.head_dim)
+            cache.recent.prepare(layer, *sizes, model.dtype, model.device, rows=limits.max_running)
     return cache, block_bytes
 
 
@@ -296,10 +301,9 @@ def _checked_window(kv_window: int, kv_dtype: str | None, shape: KVShape, model,
     if kv_dtype is not None and not paged_kv_dtype(kv_dtype):
         raise RequestError(f"kv_dtype must be None, one of {PAGED_KV_DTYPES} or a keys/values pair of them "
                            f"such as 'int8/int4', got {kv_dtype!r}")
-    if isinstance(kv_window, bool) or not isinstance(kv_window, int) or kv_window < 0:
-        raise RequestError(f"kv_window must be an int >= 0 (tokens), got {kv_window!r}")
-    if kv_window and kv_dtype is None:
-        raise RequestError("kv_window keeps the last tokens in full precision beside blocks stored in a "
-                           "kv_dtype: give kv_dtype too")
+    try:
+        checked_window(kv_window, kv_dtype)
+    except CacheConfigError as error:
+        raise RequestError(str(error)) from None
     model_dtype = str(model.dtype).removeprefix("torch.")
     return kv_window_bytes(shape, kv_window, model_dtype, rows) if kv_window else 0

@@ -105,7 +105,7 @@ def test_forked_rows_keep_their_exact_rows_and_a_crop_keeps_what_the_window_held
     for row in range(2):
         torch.testing.assert_close(keys[row, :, 6:10], k[0, :, 6:10], atol=0, rtol=0)
         torch.testing.assert_close(keys[row, :, 10:], k2[row], atol=0, rtol=0)
-    cache.crop(8)  # the window held 5..10: 5..7 stay exact; after one more token 3, 4 are in it too
+    cache.crop(8)  # the window held 5..10: 5..7 stay exact; 3, 4 are inside the next window, as stored
     k3, v3 = torch.randn(2, HEADS, 1, DIM), torch.randn(2, HEADS, 1, DIM)
     keys, _ = cache.layers[0].update(k3, v3)
     torch.testing.assert_close(keys[0, :, 5:8], k[0, :, 5:8], atol=0, rtol=0)
@@ -118,3 +118,20 @@ def test_a_window_needs_a_kv_dtype_and_a_count():
     for bad in (-1, 2.5, True):
         with pytest.raises(CacheConfigError, match="kv_window"):
             PagedCache(8, 4, num_layers=1, kv_dtype="int8", kv_window=bad)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16/int4", "bfloat16"])
+def test_a_side_stored_in_the_forwards_dtype_still_keeps_its_window(kv_dtype):
+    """One row on consecutive blocks reads a side stored in the forward's dtype as a view of the
+    storage (exact already, never written over); the window still keeps that forward's rows, so
+    a later forward of several rows reads them exactly."""
+    sizes = dict(num_layers=1, kv_heads=HEADS, head_dim=DIM, dtype=torch.bfloat16)
+    windowed = PagedCache(32, BLOCK, **sizes, kv_dtype=kv_dtype, kv_window=64)
+    plain = PagedCache(32, BLOCK, **sizes)
+    k, v = (torch.randn(1, HEADS, 5, DIM).to(torch.bfloat16) for _ in range(2))
+    for cache in (windowed, plain):
+        cache.layers[0].update(k, v)
+        cache.repeat_interleave(2)
+    k2, v2 = (torch.randn(2, HEADS, 1, DIM).to(torch.bfloat16) for _ in range(2))
+    got, expected = (cache.layers[0].update(k2, v2) for cache in (windowed, plain))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -178,21 +178,21 @@ class PagedLayer(CacheLayer):
             values = write_and_gather(self._values, value_rows.pack(v), step, value_scratch)
             keys, values = key_rows.unpack(keys, k.dtype), value_rows.unpack(values, v.dtype)
             recent = self._cache.recent
-            if recent is not None and not self._aliases_storage(keys, values):
-                put_exact_rows(recent, self.layer_idx, self._cache.rows, step, (k, v), (keys, values))
+            if recent is not None:
+                copies = tuple(None if self._is_storage(t) else t for t in (keys, values))
+                put_exact_rows(recent, self.layer_idx, self._cache.rows, step, (k, v), copies)
             return keys, values
         return (
             write_and_gather(self._keys, k, step, key_scratch),
             write_and_gather(self._values, v, step, value_scratch),
         )
 
-    def _aliases_storage(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether gathered rows are the storage itself (a kv_dtype equal to the forward's, read as
-        a view: its rows are exact already, and must not be written over)."""
-        return any(
-            t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
-            for t, s in ((keys, self._keys), (values, self._values)) if s is not None
-        )
+    def _is_storage(self, rows: torch.Tensor) -> bool:
+        """Whether gathered rows are a view of this layer's storage (a side stored in the forward's
+        dtype, one row on consecutive blocks: exact already, and never to be written over)."""
+        pointer = rows.untyped_storage().data_ptr()
+        stored = (s for s in (self._keys, self._values) if s is not None)
+        return any(s.untyped_storage().data_ptr() == pointer for s in stored)
 
     def storage_rows(self):
         """The layer's whole storage as numpy rows, views: keys (blocks·S·H_kv, D) and values

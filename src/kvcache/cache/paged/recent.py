@@ -5,7 +5,9 @@ from their blocks. The blocks stay as they are (each row written once, quantized
 is), so prefix sharing, the tiers and prompt-cache files are unchanged.
 
 Which positions are exact is decided per forward: those at or after `total - W`, where total is
-the row's length after the forward, and only those the row wrote itself. A prefix attached from
+the row's length after the forward, and only those the row wrote itself. What a forward reads
+is exact there; what reads a row out as stored (the `keys` / `values` properties, `row_state`,
+the block store) reads its blocks. A prefix attached from
 the cache, rows loaded from a store or a prompt-cache file, come as stored: their float rows
 never existed here. So a decode step reads the current token and the W - 1 before it exactly;
 a prompt chunk reads its own last W positions exactly and the rest as stored.
@@ -21,6 +23,7 @@ import torch
 
 from ..errors import CacheConfigError
 from ..layer import normal_tensors
+from .storage import Step
 
 
 def checked_window(kv_window: int, kv_dtype: str | None) -> int:
@@ -121,12 +124,13 @@ class RecentRows:
         return keys.view(-1, keys.shape[-1]), values.view(-1, values.shape[-1])
 
     def prepare(
-        self, layer: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device=None
+        self, layer: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device=None,
+        rows: int = 1,
     ) -> None:
         """Allocate layer `layer`'s storage (kv_heads of key_dim, value_dim in `dtype`, on `device`)
-        for every live row, before the kernels write into it."""
+        for every live row and at least `rows` rows, before the kernels write into it."""
         if self.keys[layer] is None:
-            capacity = max(1, len(self._slots) + len(self._free))
+            capacity = max(rows, len(self._slots) + len(self._free))
             shape = (capacity, self.window, kv_heads)
             with normal_tensors():
                 self.keys[layer] = torch.zeros((*shape, key_dim), dtype=dtype, device=device)
@@ -152,15 +156,16 @@ class RecentRows:
 
 
 def put_exact_rows(
-    recent: RecentRows, layer: int, seqs: list[int], step, new: tuple[torch.Tensor, torch.Tensor],
-    gathered: tuple[torch.Tensor, torch.Tensor],
+    recent: RecentRows, layer: int, seqs: list[int], step: Step, new: tuple[torch.Tensor, torch.Tensor],
+    gathered: tuple[torch.Tensor | None, torch.Tensor | None],
 ) -> None:
     """The seam's part of the window for one layer's forward (`step`, over rows `seqs`): keep
     each row's new keys and values (`new`: (B, H_kv, T_new, D), (…, D_v), padding columns
     included, as the forward gave them), then overwrite each row's exact positions in its
-    `gathered` keys and values (B, H_kv, T_kv, D), (…, D_v), in place."""
-    batch, _, new_tokens, _ = new[0].shape
-    flat = [rows.transpose(1, 2).reshape(batch * new_tokens, *rows.shape[1:2], rows.shape[3]) for rows in new]
+    `gathered` keys and values (B, H_kv, T_kv, D), (…, D_v), in place (a side given as None is
+    left: read in the forward's dtype already, as the storage itself)."""
+    batch, heads, new_tokens, _ = new[0].shape
+    flat = [rows.transpose(1, 2).reshape(batch * new_tokens, heads, rows.shape[3]) for rows in new]
     if step.source_rows is not None:  # (the real tokens only, row-major)
         flat = [rows.index_select(0, step.source_rows) for rows in flat]
     offset = 0
@@ -174,5 +179,6 @@ def put_exact_rows(
         if first < total:
             at = slice(first - step.read_from[row], total - step.read_from[row])
             skip = first - positions.start
-            gathered[0][row, :, at] = keys[skip:].transpose(0, 1).to(gathered[0].dtype)
-            gathered[1][row, :, at] = values[skip:].transpose(0, 1).to(gathered[1].dtype)
+            for target, exact in zip(gathered, (keys, values)):
+                if target is not None:
+                    target[row, :, at] = exact[skip:].transpose(0, 1).to(target.dtype)
