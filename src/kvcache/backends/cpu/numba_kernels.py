@@ -265,29 +265,29 @@ def attend(
             group_queries = queries[n].reshape(heads, dim)[kv * group:(kv + 1) * group]  # (G, D)
             group_sums = query_sums[n, kv * group:(kv + 1) * group]
             scores, codes = all_scores[task], all_codes[task]
-            for t in range(count):  # each key read once for the group's queries
+            # keys from the blocks, then (a windowed row's last ones) from its window: no branch per key
+            stored = count if not windowed else min(count, max(0, exact[n, 0] - lo))
+            for t in range(stored):  # each key read once for the group's queries
                 at = lo + t
-                if windowed and at >= exact[n, 0]:  # (a windowed row attends causally: no mask)
-                    row = exact[n, 1] + at % layout[RECENT] * kv_heads + kv
-                    scored(group_queries, recent_keys[row], group_sums, scores[t], codes)
-                elif visible.shape[0] == 0 or visible[at]:
+                if visible.shape[0] == 0 or visible[at]:
                     slot = table[at // size] * size + at % size
                     key = keys[slot * step + kv * layout[KEY_HEAD_STRIDE]]
                     scored(group_queries, key, group_sums, scores[t], codes)
                 else:
                     for g in range(group):
                         scores[t, g] = -np.inf
+            for t in range(stored, count):  # (a windowed row attends causally: no mask)
+                row = exact[n, 1] + (lo + t) % layout[RECENT] * kv_heads + kv
+                scored(group_queries, recent_keys[row], group_sums, scores[t], codes)
             exponentiated(scores, count, tops[n, kv, chunk], sums[n, kv, chunk])
             summed = parts[n, kv, chunk]  # (G, D), zeros
-            for t in range(count):  # each value read once for the group's queries
+            for t in range(stored):  # each value read once for the group's queries
                 at = lo + t  # (a masked key's weight is 0: its value is never read, maybe unwritten)
-                if windowed and at >= exact[n, 0]:
-                    row = exact[n, 1] + at % layout[RECENT] * kv_heads + kv
-                    accumulated(summed, scores[t], recent_values[row], codes)
-                else:
-                    slot = table[at // size] * size + at % size
-                    row = slot * step + kv * layout[VALUE_HEAD_STRIDE]
-                    accumulated(summed, scores[t], values[row], codes)
+                slot = table[at // size] * size + at % size
+                accumulated(summed, scores[t], values[slot * step + kv * layout[VALUE_HEAD_STRIDE]], codes)
+            for t in range(stored, count):
+                row = exact[n, 1] + (lo + t) % layout[RECENT] * kv_heads + kv
+                accumulated(summed, scores[t], recent_values[row], codes)
     combine(tops, sums, parts, out)
 
 
