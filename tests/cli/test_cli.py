@@ -262,6 +262,17 @@ def test_the_help_of_a_command_that_runs_a_model_says_why_weights_are_held_twice
     assert "held twice" in " ".join(capsys.readouterr().out.split())
 
 
+def kv_flags():
+    """A parser of the KV cache flags the model-running commands share."""
+    import argparse
+
+    from kvcache.cli._args import add_kv_cache_dtype
+
+    parser = argparse.ArgumentParser()
+    add_kv_cache_dtype(parser)
+    return parser
+
+
 @pytest.mark.parametrize("flags, expected", [
     ([], None),
     (["--kv-cache-dtype", "int8"], "int8"),
@@ -273,13 +284,9 @@ def test_the_help_of_a_command_that_runs_a_model_says_why_weights_are_held_twice
     (["--kv-cache-dtype", "float16", "--kv-v-dtype", "float16"], "float16"),
 ])
 def test_the_kv_dtype_flags_name_one_packing_of_keys_and_values(flags, expected):
-    import argparse
+    from kvcache.cli._args import kv_dtype_of
 
-    from kvcache.cli._args import add_kv_cache_dtype, kv_dtype_of
-
-    parser = argparse.ArgumentParser()
-    add_kv_cache_dtype(parser)
-    args = parser.parse_args(flags)
+    args = kv_flags().parse_args(flags)
     if expected is ValueError:
         with pytest.raises(ValueError, match="--kv-v-dtype sets one of keys and values apart"):
             kv_dtype_of(args)
@@ -294,12 +301,9 @@ def test_the_kv_dtype_flags_name_one_packing_of_keys_and_values(flags, expected)
     (["--kv-cache-dtype", "int8", "--kv-window", "-1"], SystemExit),
 ])
 def test_the_kv_window_flag_needs_a_kv_dtype_and_a_count(flags, expected, capsys):
-    import argparse
+    from kvcache.cli._args import kv_window_of
 
-    from kvcache.cli._args import add_kv_cache_dtype, kv_window_of
-
-    parser = argparse.ArgumentParser()
-    add_kv_cache_dtype(parser)
+    parser = kv_flags()
     if expected is SystemExit:
         with pytest.raises(SystemExit):
             parser.parse_args(flags)
