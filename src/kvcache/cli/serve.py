@@ -27,7 +27,7 @@ from kvcache.cli._args import (
 )
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
-from kvcache.memory import format_bytes, kv_window_bytes, parse_size
+from kvcache.memory import format_bytes, parse_size
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SOCKET_BACKLOG = 2048  # (uvicorn's own)
@@ -463,11 +463,9 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
     context = settings.context
     stored = "" if kv_dtype_of(args) is None else f", keys/values stored as {kv_dtype_of(args)}"
     recent = engine.pool.cache.recent
-    if recent is not None:
-        pool = engine.pool
-        window_bytes = kv_window_bytes(pool.shape, recent.window, pool.model_dtype, args.max_running)
+    if recent is not None:  # (its slots for --max-running rows are allocated with the engine)
         stored += (f", the last {recent.window} tokens of each running sequence also in {model.dtype} "
-                   f"({format_bytes(window_bytes)}, --kv-window)")
+                   f"({format_bytes(recent.nbytes)}, --kv-window)")
     print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
           f"({format_bytes(engine.pool.cache.nbytes)}{stored}): {engine.capacity(context)} sequences of "
           f"{context} tokens (--ctx-size), {args.max_running} running at once", flush=True)

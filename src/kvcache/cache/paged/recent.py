@@ -7,10 +7,10 @@ is), so prefix sharing, the tiers and prompt-cache files are unchanged.
 Which positions are exact is decided per forward: those at or after `total - W`, where total is
 the row's length after the forward, and only those the row wrote itself. What a forward reads
 is exact there; what reads a row out as stored (the `keys` / `values` properties, `row_state`,
-the block store) reads its blocks. A prefix attached from
-the cache, rows loaded from a store or a prompt-cache file, come as stored: their float rows
-never existed here. So a decode step reads the current token and the W - 1 before it exactly;
-a prompt chunk reads its own last W positions exactly and the rest as stored.
+the block store) reads its blocks. A prefix attached from the cache, rows loaded from a store or
+a prompt-cache file, come as stored: their float rows never existed here. So a decode step reads
+the current token and the W - 1 before it exactly; a prompt chunk reads its own last W positions
+exactly and the rest as stored.
 
 Storage: per layer, keys (capacity·W·H_kv, D) and values (…, D_v) in the forward's dtype; row
 seq's position p, kv head h at row (slot(seq)·W + p % W)·H_kv + h. A slot per live row (a freed
