@@ -8,12 +8,13 @@ adds others (made with llama.cpp's llama-quantize from an F32 GGUF of the same w
 bench_ggufs.py's). Every round runs, per file and each in its own process: kvcache `generate`
 (weights kept as blocks, the block step; load seconds, peak RSS, prompt and decode tokens/s) and
 llama-bench (pp and tg at the same depth); ratios are same-round, the table gives their median.
-Each kvcache run also decodes the same tokens on the file dequantized to float32 (`dtype=float32`,
-its own process) and reports the greedy agreement of the two; with llama-server (`--llama-server`,
-default: beside llama-bench) it reports the agreement with llama.cpp's greedy tokens on the same
-file too, and for each prompt where they part, the dequantized float32 path's logit of its own
-token and of llama.cpp's there (a tie in rounding when the two are close). Results:
-benchmarks/results/gguf_weights.json. Not a test.
+kvcache reads activations as `--activations` says (default q8: rounded to 8 bits as llama.cpp's
+are, the same arithmetic). Each kvcache run also decodes the same tokens on the file dequantized
+to float32 (`dtype=float32`, its own process) and reports the greedy agreement of the two; with
+llama-server (`--llama-server`, default: beside llama-bench) it reports the agreement with
+llama.cpp's greedy tokens on the same file too, and for each prompt where they part, the
+dequantized float32 path's logit of its own token and of llama.cpp's there (a tie in rounding
+when the two are close). Results: benchmarks/results/gguf_weights.json. Not a test.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     imported = time.perf_counter()
-    model = load_model(args.checkpoint, dtype=None if args.dtype == "stored" else args.dtype)
+    stored = args.dtype == "stored"
+    model = load_model(args.checkpoint, dtype=None if stored else args.dtype,
+                       activations=args.activations if stored else "float32")
     loaded = time.perf_counter()
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_tokens),
                             generator=torch.Generator().manual_seed(1))
@@ -123,8 +126,8 @@ def run_worker(gguf: str, dtype: str, args, prompts: int = 1, stdin: str | None 
     command = [sys.executable, str(Path(__file__)), "--worker", "--checkpoint", gguf, "--dtype", dtype,
                "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-               "--prompts", str(prompts), "--prompt-kind", args.prompt_kind] + (
-                   ["--margins"] if stdin is not None else [])
+               "--prompts", str(prompts), "--prompt-kind", args.prompt_kind,
+               "--activations", args.activations] + (["--margins"] if stdin is not None else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, input=stdin)
     if done.returncode != 0:
@@ -276,6 +279,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts of the agreement check (1: none)")
     parser.add_argument("--prompt-kind", choices=("random", "chat"), default="random",
                         help="the agreement's prompts: random token ids, or questions in the chat template")
+    parser.add_argument("--activations", choices=("q8", "float32"), default="q8",
+                        help="how kvcache's products with the blocks read activations: q8 (default), "
+                        "rounded to 8 bits as llama.cpp's are (--q8-activations: the same arithmetic as "
+                        "llama.cpp), or float32 (exact)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gguf_weights.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -296,7 +303,8 @@ def main() -> None:
     rounds = [one_round(files, args, first=index == 0) for index in range(args.rounds)]
     results = {"commit": commit(), "machine": platform.processor() or platform.machine(),
                "threads": args.threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-               "rounds": args.rounds, "agreement_prompts": args.prompt_kind, "types": summarise(rounds)}
+               "rounds": args.rounds, "agreement_prompts": args.prompt_kind, "activations": args.activations,
+               "command": " ".join(sys.argv), "types": summarise(rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     for kind, row in results["types"].items():

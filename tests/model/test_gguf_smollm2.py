@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_files import close_to_the_float_path
 
 from kvcache import generate, load_model, load_tokenizer
 from kvcache.defaults import resolve_model_dir
@@ -46,6 +47,16 @@ def test_greedy_answer_equals_transformers_and_names_paris(both):
     width = min(ours.shape[1], reference.shape[1])
     assert torch.equal(ours[:, :width], reference[:, :width])
     assert "Paris" in tokenizer.decode(ours[0, ids.shape[1] :].tolist())
+
+
+def test_with_q8_activations_the_logits_stay_within_the_stated_tolerance(both):
+    """Its blocks multiplied as llama.cpp multiplies them (activations rounded to 8 bits): the
+    chat prompt's logits within the stated KL tolerance of transformers' (the float path)."""
+    (_, tokenizer), (theirs, _) = both
+    ids = torch.tensor([tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)])
+    rounded = load_model(GGUF, activations="q8")
+    with torch.no_grad():
+        close_to_the_float_path(rounded(ids).logits, theirs(ids).logits)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "paged", "sliding"])

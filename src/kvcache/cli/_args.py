@@ -15,6 +15,27 @@ WEIGHTS_HELD_TWICE = (
 )
 
 
+def add_q8_activations(parser) -> None:
+    """--q8-activations: a GGUF's blocks multiplied as llama.cpp multiplies them
+    (`kvcache.model.load_model`'s activations="q8"); `activations_of` reads it."""
+    parser.add_argument(
+        "--q8-activations", action="store_true",
+        help="multiply a GGUF's Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (kept as blocks) by activations "
+        "rounded to 8 bits each 32 values, as llama.cpp's CPU products do: its arithmetic and about its "
+        "speed, an approximation of the exact float path (answers can part from it at near-ties); "
+        "default: float32 activations, exact",
+    )
+
+
+def activations_of(args) -> str:
+    """`load_model`'s activations argument that --q8-activations gives (ValueError naming the
+    flags with --dtype, which dequantizes every weight: no blocks are left to read them)."""
+    if args.q8_activations and getattr(args, "dtype", None):
+        raise ValueError(f"--q8-activations multiplies a GGUF's weights kept as blocks; --dtype {args.dtype} "
+                         "dequantizes them all: give one of the two")
+    return "q8" if args.q8_activations else "float32"
+
+
 def add_kv_cache_dtype(parser) -> None:
     """--kv-cache-dtype: the KV cache's keys and values stored as the model computes them (auto)
     or in a dtype of their own in a paged cache (`kvcache.cache.paged.formats`)."""

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from kvcache.cli._args import (
     WEIGHTS_HELD_TWICE,
+    activations_of,
     add_kv_cache_dtype,
+    add_q8_activations,
     kv_dtype_of,
     kv_window_of,
     positive_int,
@@ -60,6 +62,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-disk-size", type=size_argument, default=parse_size("8GiB"),
                         help="the most --kv-disk's blocks take (default 8GiB)")
     add_kv_cache_dtype(parser)
+    add_q8_activations(parser)
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
 
@@ -182,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         folder = Path(resolve_model_dir(args.model))
         bar = ProgressBar("kvcache chat: loading the model", after_s=BAR_AFTER_S)
-        model = load_model(folder, progress=bar)
+        model = load_model(folder, progress=bar, activations=activations_of(args))
         say_weights("chat", model)
         tokenizer = load_tokenizer(folder)
         args.ctx_size = _context(args.ctx_size, model.config.max_position_embeddings)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from kvcache.cli._args import (
     WEIGHTS_HELD_TWICE,
+    activations_of,
     add_kv_cache_dtype,
+    add_q8_activations,
     kv_dtype_of,
     kv_window_of,
     positive_int,
@@ -62,6 +64,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="also generate without a cache; report whether the tokens are identical and the speed ratio",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
+    add_q8_activations(parser)
     parser.add_argument("--prefill-chunk", type=positive_int, help="prefill this many tokens at a time")
     parser.add_argument("--sample", action="store_true",
                         help="sample instead of greedy decoding (default: the checkpoint's "
@@ -186,7 +189,8 @@ def _load(args: argparse.Namespace):
     folder = Path(resolve_model_dir(args.model))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = _sampling(args, folder)
-    model = load_model(folder, dtype=args.dtype, progress=ProgressBar(LOADING, after_s=BAR_AFTER_S))
+    model = load_model(folder, dtype=args.dtype, progress=ProgressBar(LOADING, after_s=BAR_AFTER_S),
+                       activations=activations_of(args))
     say_weights("generate", model)
     tokenizer = load_tokenizer(folder)
     if args.chat is not None:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from kvcache.cli._args import (
     WEIGHTS_HELD_TWICE,
+    activations_of,
     add_kv_cache_dtype,
+    add_q8_activations,
     kv_dtype_of,
     kv_window_of,
     nonnegative_int,
@@ -180,6 +182,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="the Ray cluster for --replicas (default: start a local one)",
     )
     engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
+    add_q8_activations(engine)
     engine.add_argument("--threads", type=positive_int, help="torch CPU threads")
     limits = parser.add_argument_group("limits")
     limits.add_argument(
@@ -335,7 +338,8 @@ def _replica_set(args: argparse.Namespace):
     folder = Path(resolve_model_dir(args.model))
     tokenizer = load_tokenizer(folder)
     engine = {**_engine_arguments(args), "kv_store": args.kv_store}
-    settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine)
+    settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine,
+                               activations_of(args))
     return start_replicas(settings, args.replicas, address=args.ray_address,
                           policy=args.routing.replace("-", "_"),
                           max_ongoing=args.max_running + args.max_waiting), tokenizer
@@ -374,7 +378,7 @@ def _engine(args: argparse.Namespace, events=None):
 
     kv_window_of(args)  # (a flag refused before the model loads)
     folder = Path(resolve_model_dir(args.model))
-    model = load_model(folder, dtype=args.dtype,
+    model = load_model(folder, dtype=args.dtype, activations=activations_of(args),
                        progress=ProgressBar("kvcache serve: loading the model", after_s=BAR_AFTER_S))
     say_weights("serve", model)
     tokenizer = load_tokenizer(folder)

@@ -22,7 +22,14 @@ from kvcache.model.errors import CheckpointError
 from kvcache.model.gguf_file import open_gguf
 from kvcache.model.heap import release_freed_memory
 from kvcache.model.llama import LlamaForCausalLM
-from kvcache.model.quantized import BlockWeight, QuantizedEmbedding, QuantizedLinear, stored_summary
+from kvcache.model.quantized import (
+    ACTIVATIONS,
+    BlockWeight,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    read_q8_activations,
+    stored_summary,
+)
 from kvcache.model.safetensors_read import header_entry, read_header, read_tensors
 
 SINGLE_FILE = "model.safetensors"
@@ -240,6 +247,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     progress: Callable[[float, str], None] | None = None,
+    activations: str = "float32",
 ) -> LlamaForCausalLM:
     """Load a local checkpoint folder (a family of SUPPORTED_MODEL_TYPES), or a llama.cpp
     GGUF file of a llama, qwen2 or qwen3 model, strictly, in eval mode.
@@ -250,7 +258,13 @@ def load_model(
     dequantized to float32); otherwise every tensor is converted to it (a GGUF's dequantized).
     progress: called as progress(fraction of the tensors read, label) while reading, and with
     (1.0, "done") at the end (a `kvcache.report.progress.ProgressBar` draws it).
+    activations: how products with weights kept as blocks read their input: "float32" (exact:
+    the dequantized weight's product) or "q8" (rounded to 8 bits as llama.cpp's CPU products
+    round them: its arithmetic and speed, an approximation; `quantized.read_q8_activations`).
+    "q8" needs a GGUF loaded without a dtype (ValueError otherwise).
     """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     resolved = resolve_model_dir(path)
     dtype = resolve_dtype(dtype)
     say = progress or (lambda fraction, label: None)
@@ -260,8 +274,14 @@ def load_model(
             Path(resolved).expanduser(), say, keep_blocks=dtype is None
         )
         model = _build(config, state, dtype or torch.float32, device, blocks)
+        if activations == "q8" and not read_q8_activations(model):
+            raise ValueError(f"activations='q8' reads a GGUF's Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 weights "
+                             f"kept as blocks: {resolved} has none kept (load it without a dtype)")
         model.weights_note = gguf_file.weights_note(stored_summary(model), dequantized)
     else:
+        if activations == "q8":
+            raise ValueError(f"activations='q8' reads a GGUF file's weights kept as blocks; {resolved} is "
+                             "a folder")
         folder = checkpoint_folder(resolved)
         config = ModelConfig.from_file(folder)
         wanted = _check_names_and_shapes(config, tensor_files(folder))

@@ -8,10 +8,19 @@ float16 minimum m and 4-bit q (d·q + m); Q5_0 and Q5_1 the same with a fifth bi
 group 256 values a block: Q4_K and Q5_K as 8 sub-blocks of 32 with 6-bit scales and minimums
 (value = d·scale·q - dmin·min), Q6_K as 16 groups of 16 with int8 scales (d·scale·(q - 32)). `BlockWeight`
 holds such rows; `QuantizedLinear` and `QuantizedEmbedding` stand in for `nn.Linear` and
-`nn.Embedding` over them. Their own forwards dequantize (with the `gguf` package, the format's
-own library) a slice of rows at a time: the exact float path. Inside `block_products(multiply)`
-their products run on `multiply` instead: how the CPU block step (`kvcache.backends.cpu.
-block_step`, which multiplies by the blocks directly) runs a prompt's forward on its kernels.
+`nn.Embedding` over them.
+
+A product reads its activations as float32: the dequantized weight's product, exact. A weight
+whose `activations` is "q8" (`read_q8_activations`; a 32-value format) reads them as llama.cpp's
+CPU products do (`q8_activations`): each 32 values as int8 with a float16 scale (Q8_0; Q8_1, for
+the formats with a minimum, also a float16 of the scale times the int8s' sum, which the minimum
+multiplies). That is llama.cpp's arithmetic on the same file, and the kernels then dot integers
+(faster); it is an approximation, and rounding is a step function, so answers then move with
+summation order (a cache or not, a batch's size) at near-ties, as llama.cpp's do. The modules'
+own forwards dequantize (with the `gguf` package, the format's own library) a slice of rows at a
+time; inside `block_products(multiply)` their products run on `multiply` instead: how the CPU
+block step (`kvcache.backends.cpu.block_step`, which multiplies by the blocks directly) runs a
+prompt's forward on its kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import contextlib
 import contextvars
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -29,6 +38,10 @@ from torch import nn
 #: the block formats kept as stored: (values per block, bytes per block)
 STORED_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                 "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+#: the formats whose products can read Q8_0 activations, and Q8_1's (a float16 minimum in each block)
+Q8_0_KINDS, Q8_1_KINDS = ("Q8_0", "Q4_0", "Q5_0"), ("Q4_1", "Q5_1")
+#: how a BlockWeight's products read their activations
+ACTIVATIONS = ("float32", "q8")
 #: rows of a weight dequantized at once by the modules' own forwards (bounds their scratch)
 TILE_ROWS = 4096
 #: multiply(x (N, in) float32, weight) -> (N, out) float32, set by `block_products`
@@ -56,8 +69,15 @@ class BlockWeight:
     rows: int
     columns: int
     blocks: np.ndarray
+    #: "float32", or "q8": as llama.cpp's products read them (a 32-value format only)
+    activations: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.activations not in ACTIVATIONS or (
+            self.activations == "q8" and self.kind not in Q8_0_KINDS + Q8_1_KINDS
+        ):
+            raise ValueError(f"{self.kind} blocks read activations as one of {ACTIVATIONS} ('q8': "
+                             f"{', '.join(Q8_0_KINDS + Q8_1_KINDS)} only), got {self.activations!r}")
         values, size = STORED_KINDS[self.kind]
         expected = (self.rows, self.columns // values * size)
         if self.columns % values or self.blocks.shape != expected or self.blocks.dtype != np.uint8:
@@ -83,11 +103,47 @@ class BlockWeight:
 
         return np.ascontiguousarray(dequantize(self.blocks[ids], GGMLQuantizationType[self.kind]), np.float32)
 
+    def times(self, rows: np.ndarray) -> np.ndarray:
+        """rows (N, columns) float32 times this weight, transposed -> (N, rows) float32: the rows
+        (quantized as llama.cpp's are where `activations` is "q8": `q8_activations`) times the
+        weight dequantized TILE_ROWS rows at a time (float32 products)."""
+        if self.activations == "float32":
+            read, gaps = rows, None
+        else:
+            read, gaps = q8_activations(rows, self.kind)
+        out = np.empty((rows.shape[0], self.rows), np.float32)
+        for start in range(0, self.rows, TILE_ROWS):
+            tile = self.dequantized(start, start + TILE_ROWS)
+            np.matmul(read, tile.T, out=out[:, start : start + len(tile)])
+        if gaps is not None and self.kind in Q8_1_KINDS:  # a minimum times Q8_1's float16 sum
+            size = STORED_KINDS[self.kind][1]
+            minimums = self.blocks.reshape(self.rows, -1, size)[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+            out += gaps @ minimums.T.astype(np.float32)
+        return out
+
     def permuted_rows(self, order: np.ndarray) -> BlockWeight:
         """The same weight with its rows in `order` (a read-only copy: rows are whole blocks)."""
         blocks = np.ascontiguousarray(self.blocks[order])
         blocks.setflags(write=False)
-        return BlockWeight(self.kind, self.rows, self.columns, blocks)
+        return BlockWeight(self.kind, self.rows, self.columns, blocks, self.activations)
+
+
+def q8_activations(rows: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(read, gaps): what a product with a weight of `kind` (a 32-value format) reads of rows
+    (N, in) float32 as llama.cpp's CPU products quantize it: each 32 values q = round(x · 127 /
+    max|x|) (ties to even) times d = max|x| / 127 rounded to float16, read (N, in) float32; for
+    Q4_1 and Q5_1 gaps (N, in / 32) = Q8_1's float16 of (unrounded d)·Σq minus Σ read, what a
+    block's minimum multiplies beyond the read values' sum (else empty)."""
+    blocks = rows.reshape(len(rows), -1, 32)
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.divide(np.float32(127.0), largest, out=np.zeros_like(largest), where=largest != 0)
+    quants = np.rint(blocks * inverse)
+    scale = largest / np.float32(127.0)
+    read = quants * scale.astype(np.float16).astype(np.float32)
+    if kind not in Q8_1_KINDS:
+        return read.reshape(rows.shape), np.empty((len(rows), 0), np.float32)
+    sums = (scale[..., 0] * quants.sum(axis=-1)).astype(np.float16).astype(np.float32)
+    return read.reshape(rows.shape), sums - read.sum(axis=-1)
 
 
 class QuantizedLinear(nn.Module):
@@ -100,17 +156,11 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out) in x's dtype: x times the dequantized weight, TILE_ROWS rows of
-        it at a time (float32 products), or on `block_products`' multiply inside one."""
+        """x (..., in) -> (..., out) in x's dtype: `BlockWeight.times`, or on `block_products`'
+        multiply inside one."""
         rows = np.ascontiguousarray(x.reshape(-1, self.in_features).detach().float().numpy())
         multiply = _MULTIPLY.get()
-        if multiply is not None:
-            out = multiply(rows, self.weight_blocks)
-        else:
-            out = np.empty((rows.shape[0], self.out_features), np.float32)
-            for start in range(0, self.out_features, TILE_ROWS):
-                tile = self.weight_blocks.dequantized(start, start + TILE_ROWS)
-                np.matmul(rows, tile.T, out=out[:, start : start + len(tile)])
+        out = multiply(rows, self.weight_blocks) if multiply is not None else self.weight_blocks.times(rows)
         result = torch.from_numpy(out).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             result += self.bias.float()
@@ -153,10 +203,26 @@ def block_weights(model: nn.Module) -> dict[str, BlockWeight]:
 def stored_summary(model: nn.Module) -> str | None:
     """A line for a start-up message: how many weights are kept as which blocks and their bytes,
     e.g. "211 weights kept as stored blocks (Q4_1 ×210, Q8_0 ×1; 96.1 MB)"; None when none is."""
-    unique = {id(weight): weight for weight in block_weights(model).values()}
+    weights = block_weights(model).values()
+    unique = {id(weight.blocks): weight for weight in weights}  # (a tied head's blocks once)
     if not unique:
         return None
     kinds = Counter(weight.kind for weight in unique.values())
     listed = ", ".join(f"{kind} ×{count}" for kind, count in kinds.most_common())
     total = sum(weight.nbytes for weight in unique.values())
-    return f"{len(unique)} weights kept as stored blocks ({listed}; {total / 1e6:.1f} MB)"
+    q8 = sum(weight.activations == "q8" for weight in weights)
+    rounded = f", {q8} of their products reading activations rounded to 8 bits as llama.cpp's" if q8 else ""
+    return f"{len(unique)} weights kept as stored blocks ({listed}; {total / 1e6:.1f} MB){rounded}"
+
+
+def read_q8_activations(model: nn.Module) -> int:
+    """Make every QuantizedLinear of `model` over a 32-value format read its activations as
+    llama.cpp's products do (`BlockWeight.activations` "q8"; the blocks shared, not copied);
+    return how many now do. K-quant weights keep float32 activations."""
+    changed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight_blocks", None)
+        if isinstance(module, QuantizedLinear) and weight.kind in Q8_0_KINDS + Q8_1_KINDS:
+            module.weight_blocks = replace(weight, activations="q8")
+            changed += 1
+    return changed

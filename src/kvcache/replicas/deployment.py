@@ -14,12 +14,14 @@ from kvcache.generation.params import SamplingParams
 @dataclass(frozen=True)
 class ReplicaSettings:
     """What every replica is built from: the model's folder or GGUF file (a path each Ray node
-    can read), its dtype, torch threads per replica, and the Engine's keyword arguments."""
+    can read), its dtype, torch threads per replica, the Engine's keyword arguments, and how
+    products with GGUF blocks read activations (`load_model`'s activations)."""
 
     model: str
     dtype: str | None = None
     threads: int = 1
     engine: dict = field(default_factory=dict)
+    activations: str = "float32"
 
 
 class EngineReplica:
@@ -33,7 +35,7 @@ class EngineReplica:
         from kvcache.text.tokenizer import load_tokenizer
 
         torch.set_num_threads(settings.threads)
-        model = load_model(settings.model, dtype=settings.dtype)
+        model = load_model(settings.model, dtype=settings.dtype, activations=settings.activations)
         self.engine = Engine(model, load_tokenizer(settings.model), **settings.engine)
         self.engine.warm_up()
         self.engine.start()

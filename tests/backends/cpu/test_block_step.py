@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from gguf_files import quantize_blocks, write_gguf
+from gguf_files import close_to_the_float_path, quantize_blocks, write_gguf
 from tiny_models import hf_model, save_checkpoint
 
 from kvcache import generate, load_model
@@ -18,7 +18,13 @@ from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.block_step import BlockBackend
 from kvcache.cache.factory import make_cache
 from kvcache.model.gguf_file import held_bytes
-from kvcache.model.quantized import STORED_KINDS, QuantizedEmbedding, QuantizedLinear, block_weights
+from kvcache.model.quantized import (
+    STORED_KINDS,
+    BlockWeight,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    block_weights,
+)
 
 pytestmark = pytest.mark.skipif(not numba_products.available(), reason="numba with OpenMP/TBB threads")
 KINDS = sorted(STORED_KINDS)
@@ -42,21 +48,78 @@ def test_the_tests_k_quant_blocks_are_the_formats_own(kind):
     assert np.abs(back - values).max() <= 2.5 * (values.max() - values.min()) / levels
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("seed", range(4))
-def test_a_product_of_blocks_equals_the_dequantized_weights_product(kind, seed):
+Q8_KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+def _as_llama_cpp_reads(x: np.ndarray, parts: list[np.ndarray], kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x as llama.cpp's CPU products read it, float64; what each block's float16 minimum adds to
+    the product, (N, out) float64), from the formats' rules: a 32-value format's activations are
+    Q8_0 (Q8_1 for Q4_1, Q5_1): each 32 values q = round(x · 127 / max|x|), d = max|x| / 127
+    stored as float16; Q8_1 also s = float16(d · Σq), which the minimum multiplies."""
+    groups = x.astype(np.float32).reshape(len(x), -1, 32)
+    largest = np.abs(groups).max(axis=2, keepdims=True)
+    safe = np.where(largest > 0, largest, np.float32(1.0))
+    q = np.where(largest > 0, np.rint(groups * (np.float32(127.0) / safe)), 0.0)
+    d = largest / np.float32(127.0)
+    read = (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+    if kind not in ("Q4_1", "Q5_1"):
+        return read, 0.0
+    s = (d[:, :, 0] * q.sum(axis=2)).astype(np.float16).astype(np.float64)  # (N, blocks)
+    size = STORED_KINDS[kind][1]
+    minimums = np.concatenate([p.reshape(len(p), -1, size)[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+                               for p in parts]).astype(np.float64)  # (out, blocks)
+    return read, (s - read.reshape(len(x), -1, 32).sum(axis=2)) @ minimums.T
+
+
+def _products_against(kind: str, seed: int, q8: bool) -> None:
+    """A random product of two stacked parts, on the kernels (the seed's count of activation
+    rows: one row's dots or many rows' tiles) and on the modules' own numpy path, against the
+    `gguf` package's dequantized weight times x (q8: x as llama.cpp reads it, plus m·s)."""
     rng = np.random.default_rng(seed)
     rows_a, rows_b, blocks, count = (int(n) for n in rng.integers([1, 1, 1, 1], [40, 9, 7, 7]))
     columns = STORED_KINDS[kind][0] * blocks
     parts = [_blocks(rng, kind, rows, columns) for rows in (rows_a, rows_b)]
     x = rng.standard_normal((count, columns)).astype(np.float32)
+    x[0, :32] = 0.0  # (a block of zeros: Q8's scale 0)
     bias = rng.standard_normal(rows_a + rows_b).astype(np.float32)
     weight = np.concatenate([dequantize(p, GGMLQuantizationType[kind]) for p in parts]).astype(np.float64)
-    expected = x.astype(np.float64) @ weight.T + bias
-    ours = numba_products.product(x, tuple(numba_products.block_part_of(p, kind) for p in parts), bias)
+    read, minimum_shares = _as_llama_cpp_reads(x, parts, kind) if q8 else (x.astype(np.float64), 0.0)
+    expected = read @ weight.T + minimum_shares + bias
+    ours = numba_products.product(x, tuple(numba_products.block_part_of(p, kind, q8) for p in parts), bias)
+    activations = "q8" if q8 else "float32"
+    numpy_path = np.concatenate(
+        [BlockWeight(kind, len(p), columns, p, activations).times(x) for p in parts], axis=1
+    ) + bias
     scale = np.abs(x).astype(np.float64) @ np.abs(weight).T + np.abs(bias)  # error bound's scale
-    assert ours.shape == expected.shape
-    assert np.all(np.abs(ours - expected) <= 1e-5 * scale + 1e-6), np.abs(ours - expected).max()
+    for got in (ours, numpy_path):
+        assert got.shape == expected.shape
+        assert np.all(np.abs(got - expected) <= 1e-5 * scale + 1e-6), np.abs(got - expected).max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_a_product_of_blocks_equals_the_dequantized_weights_product(kind, seed):
+    _products_against(kind, seed, q8=False)
+
+
+@pytest.mark.parametrize("kind", Q8_KINDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_with_q8_activations_a_product_is_llama_cpps(kind, seed):
+    """x read as llama.cpp's CPU products read it (integer dots on the kernels), times the
+    dequantized weight."""
+    _products_against(kind, seed, q8=True)
+
+
+def test_q8_activations_are_refused_where_they_do_not_apply(block_files, checkpoints):
+    blocks = np.zeros((2, 144), np.uint8)
+    with pytest.raises(ValueError, match="q8"):
+        BlockWeight("Q4_K", 2, 256, blocks, "q8")
+    with pytest.raises(ValueError, match="activations"):
+        load_model(block_files["Q4_1"], activations="int4")
+    with pytest.raises(ValueError, match="without a dtype"):
+        load_model(block_files["Q4_1"], dtype="float32", activations="q8")
+    with pytest.raises(ValueError, match="folder"):
+        load_model(checkpoints["llama"][0], activations="q8")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +149,9 @@ def test_a_gguf_keeps_its_quantized_weights_as_mapped_blocks(block_files):
     ids = torch.tensor([[1, 5, 77, 200, 3, 9]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, exact(ids).logits, atol=1e-4, rtol=1e-4)
+        rounded = load_model(block_files["Q4_1"], activations="q8")
+        assert "rounded to 8 bits as llama.cpp's" in rounded.weights_note
+        close_to_the_float_path(rounded(ids).logits, exact(ids).logits)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])

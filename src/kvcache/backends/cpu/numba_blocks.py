@@ -1,9 +1,9 @@
 """The numba kernels' products with weights kept as ggml blocks (`kvcache.model.quantized`): each
 weight row's blocks read from their stored bytes (scales widened from float16 bits, the K-quants'
 6-bit scales unpacked), four weight rows dotted with one activation row in one pass, the
-activations float32 (no activation quantization: the result is the dequantized weight's product,
-summed in another order).
-Imported only with the kernels (numba is loaded then).
+activations float32 (the dequantized weight's product, summed in another order); or, for a
+32-value format whose code is past Q8_READS, the activations quantized as llama.cpp's products
+read them (integer dots, `numba_q8`). Imported only with the kernels.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 numba_blocks.py.
@@ -15,6 +15,14 @@ import numba
 import numpy as np
 from numba import prange
 
+from kvcache.backends.cpu.numba_q8 import (
+    q4_0_rows,
+    q4_1_rows,
+    q5_0_rows,
+    q5_1_rows,
+    q8_0_rows,
+    q8_activations,
+)
 from kvcache.backends.cpu.numba_values import FLAGS, float16_widened, prefetch
 from kvcache.model.quantized import STORED_KINDS
 
@@ -22,6 +30,9 @@ from kvcache.model.quantized import STORED_KINDS
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 4, 5, 6, 7
 CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
          "Q6_K": Q6_K}
+#: added to a 32-value format's code: its products read the activations quantized as llama.cpp's
+#: (`numba_q8`) instead of float32
+Q8_READS = 8
 #: by code: a block's bytes (`quantized.STORED_KINDS`), and where its q bytes start (after d, m
 #: and the fifth bits' word as the format has them; the K-quants': after d, dmin, the 12 bytes of
 #: scales and Q5_K's 32 bytes of fifth bits; Q6_K's low bits come first); constants to the kernels
@@ -227,9 +238,13 @@ def q6_block_rows(w, i0, i1, i2, i3, x, n):  # pragma: no cover (compiled)
 
 
 @numba.njit(**_INLINE)
-def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (compiled)
-    """`block_rows` (the K-quants': `k_block_rows`, `q6_block_rows`) compiled once per format
-    (`kind` a constant in each branch), so each format's inner loops are laid out for it alone."""
+def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations):  # pragma: no cover (compiled)
+    """Rows i0..i3 of a weight of `kind` dotted with x row n (sums (N, in / 32): each 32 values'
+    Σx), each format's loops compiled apart (`kind` a constant in each branch): a code past
+    Q8_READS on `numba_q8`'s integer dots with its Q8 activations (the four arrays of
+    `q8_activations`), the others on `block_rows`, `k_block_rows` and `q6_block_rows`."""
+    if kind >= Q8_READS:
+        return q8_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, n, activations)
     if kind == Q4_K:
         return k_block_rows(w, Q4_K, i0, i1, i2, i3, x, n, sums)
     if kind == Q5_K:
@@ -245,6 +260,42 @@ def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums):  # pragma: no cover (comp
     if kind == Q5_0:
         return block_rows(w, Q5_0, i0, i1, i2, i3, x, n, sums)
     return block_rows(w, Q5_1, i0, i1, i2, i3, x, n, sums)
+
+
+@numba.njit(**_INLINE)
+def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cover (compiled)
+    """Rows i0..i3 of a 32-value format's weight dotted with row n of Q8 activations."""
+    quants, scales, counts, shifts = (activations[0][n], activations[1][n], activations[2][n],
+                                      activations[3][n])
+    if kind == Q8_0:
+        return q8_0_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+    if kind == Q4_0:
+        return q4_0_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+    if kind == Q4_1:
+        return q4_1_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+    if kind == Q5_0:
+        return q5_0_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+    return q5_1_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+
+
+@numba.njit(**_INLINE)
+def read_activations(x, kind):  # pragma: no cover (compiled)
+    """(what the products of a weight of code `kind` read of x (N, in): past Q8_READS x quantized
+    as llama.cpp's Q8_0 or Q8_1 (as float32, q·scale), else x itself; the four arrays of
+    `q8_activations`, empty below Q8_READS)."""
+    tokens, columns = x.shape
+    blocks = columns // 32 if kind >= Q8_READS else 0
+    quants = np.empty((tokens, blocks * 32), np.int8)
+    scales = np.empty((tokens, blocks), np.float32)
+    counts, shifts = np.empty_like(scales), np.empty_like(scales)
+    if kind < Q8_READS:
+        return x, (quants, scales, counts, shifts)
+    q8_activations(x, quants, scales, counts, shifts)
+    read = np.empty((tokens, columns), np.float32)
+    for n in range(tokens):
+        for j in range(columns):
+            read[n, j] = np.float32(quants[n, j]) * scales[n, j // 32]
+    return read, (quants, scales, counts, shifts)
 
 
 @numba.njit(**_INLINE)
@@ -377,34 +428,94 @@ def put(out, n, start, i0, i1, i2, i3, sums):  # pragma: no cover (compiled)
     out[n, start + i0], out[n, start + i1], out[n, start + i2], out[n, start + i3] = sums
 
 
+@numba.njit(**_INLINE)
+def minimum_shares(w, kind, i0, i1, i2, i3, out, start, sums, shifts):  # pragma: no cover (compiled)
+    """For Q4_1 and Q5_1 read with Q8 activations, out[n, start + i] += Σ_b m_b·(shifts[n, b] -
+    sums[n, b]) for rows i0..i3: a block's minimum times Q8_1's float16 sum (`q8_activations`)
+    where a dequantized row's product with the activations read (sums: their Σ each 32) gave it
+    times their exact sum; so products through dequantized rows equal the one-row dots'. Nothing
+    for the other codes."""
+    if kind != Q8_READS + Q4_1 and kind != Q8_READS + Q5_1:
+        return
+    size = BLOCK_BYTES[kind - Q8_READS]
+    for n in range(sums.shape[0]):
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for b in range(sums.shape[1]):
+            gap, at = shifts[n, b] - sums[n, b], b * size + 2
+            a0 += half_at(w, i0, at) * gap
+            a1 += half_at(w, i1, at) * gap
+            a2 += half_at(w, i2, at) * gap
+            a3 += half_at(w, i3, at) * gap
+        # (a repeated last row is written once more: its share added once to its own)
+        out[n, start + i0] += a0
+        if i1 != i0:
+            out[n, start + i1] += a1
+        if i2 != i1:
+            out[n, start + i2] += a2
+        if i3 != i2:
+            out[n, start + i3] += a3
+
+
 #: from this many activation rows a task dequantizes its four weight rows once and dots the float
 #: rows with each activation row (unpacking blocks once per activation row costs more past it)
 MANY_ROWS = 4
 
 
+#: the most parts one `blocks_product` runs in one parallel loop (q, k and v)
+MOST_PARTS = 3
+
+
+@numba.njit(**_INLINE)
+def part_tasks(w0, w1, w2, count):  # pragma: no cover (compiled)
+    """(firsts (count + 1,): each part's first task, four rows a task, and the total last;
+    starts (count,): each part's first output column)."""
+    firsts = np.zeros(count + 1, np.int64)
+    starts = np.zeros(count, np.int64)
+    for p in range(count):
+        rows = (w0 if p == 0 else w1 if p == 1 else w2).shape[0]
+        firsts[p + 1] = firsts[p] + (rows + 3) // 4
+        if p + 1 < count:
+            starts[p + 1] = starts[p] + rows
+    return firsts, starts
+
+
 @numba.njit(parallel=True, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True)
-def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
-    """out[:, start : start + rows] = x (N, in) times the weight w (rows, row bytes) of `kind`,
-    transposed: four weight rows a task, each read once for every row of x, the tasks split
-    between the threads (the last task's missing rows repeat its last row, written once), each
-    task first asking for the rows of the task AHEAD of it; from MANY_ROWS rows of x, the task's
-    weight rows dequantized once into a scratch of its own first. A kernel of its own, called from the
-    layer kernels (inlined there, its five formats' loops made their compile time explode)."""
-    sums = block_sums(x)
-    rows, width = w.shape
-    flat = w.reshape(w.size)
-    for task in prange((rows + 3) // 4):
-        i0 = task * 4
-        ahead = (i0 + 4 * AHEAD) * width
-        if ahead + 4 * width <= flat.shape[0]:
-            for line in range(0, 4 * width, _LINE):
+def blocks_product(w0, kind0, w1, kind1, w2, kind2, count, x, start, out):  # pragma: no cover (compiled)
+    """out[:, start : start + Σ rows] = x (N, in) times the first `count` (1 to MOST_PARTS) of
+    the weights w0, w1, w2 (rows, row bytes) of codes kind0..kind2 stacked along out,
+    transposed, each reading x as `read_activations` says (Q8 activations made once for every
+    part that reads them): four weight rows a task, every part's tasks in one parallel loop (one
+    hand-off between the threads for a whole product), each row read once for every row of x
+    (a part's last task's missing rows repeat its last row, written once), each task first
+    asking for the rows of the task AHEAD of it; from MANY_ROWS rows of x, the task's weight rows
+    dequantized once into a scratch of its own first. The parts come apart, not as a tuple: a
+    parallel loop takes arrays, not tuples of them. A kernel of its own, called from the layer
+    kernels (inlined there, its formats' loops made their compile time explode)."""
+    firsts, starts = part_tasks(w0, w1, w2, count)
+    q8 = kind0 >= Q8_READS or (count > 1 and kind1 >= Q8_READS) or (count > 2 and kind2 >= Q8_READS)
+    read, activations = read_activations(x, Q8_READS if q8 else 0)
+    sums, read_sums = block_sums(x), block_sums(read)
+    for task in prange(firsts[count]):
+        p = 0 if task < firsts[1] else 1 if task < firsts[2] else 2
+        w = w0 if p == 0 else w1 if p == 1 else w2
+        kind = kind0 if p == 0 else kind1 if p == 1 else kind2
+        rows, width = w.shape
+        i0 = (task - firsts[p]) * 4
+        if i0 + 4 * AHEAD < rows:  # (the part's own rows ahead)
+            flat = w.reshape(w.size)
+            ahead = (i0 + 4 * AHEAD) * width
+            for line in range(0, min(4 * width, flat.shape[0] - ahead), _LINE):
                 prefetch(flat, ahead + line)
         i1, i2, i3 = min(i0 + 1, rows - 1), min(i0 + 2, rows - 1), min(i0 + 3, rows - 1)
+        at = start + starts[p]
+        x_read = read if kind >= Q8_READS else x
         if x.shape[0] >= MANY_ROWS:
             scratch = np.empty((4, x.shape[1]), np.float32)  # the task's rows, dequantized
-            rows_dequantized(w, kind, i0, i1, i2, i3, scratch)
-            for n in range(float_tiles(scratch, x, out, start, i0, i1, i2, i3), x.shape[0]):
-                put(out, n, start, i0, i1, i2, i3, float_rows(scratch, x, n))
+            rows_dequantized(w, kind % Q8_READS, i0, i1, i2, i3, scratch)
+            for n in range(float_tiles(scratch, x_read, out, at, i0, i1, i2, i3), x.shape[0]):
+                put(out, n, at, i0, i1, i2, i3, float_rows(scratch, x_read, n))
+            minimum_shares(w, kind, i0, i1, i2, i3, out, at, read_sums, activations[3])
         else:
             for n in range(x.shape[0]):
-                put(out, n, start, i0, i1, i2, i3, rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums))
+                found = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations)
+                put(out, n, at, i0, i1, i2, i3, found)

@@ -154,18 +154,19 @@ def outputs(parts: tuple) -> int:
 
 def block_part(weight) -> tuple[np.ndarray, int]:
     """A `kvcache.model.quantized.BlockWeight` as a product's part (`block_part_of`)."""
-    return block_part_of(weight.blocks, weight.kind)
+    return block_part_of(weight.blocks, weight.kind, weight.activations == "q8")
 
 
-def block_part_of(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int]:
+def block_part_of(blocks: np.ndarray, kind: str, q8: bool = False) -> tuple[np.ndarray, int]:
     """ggml blocks (rows, row bytes) uint8 of `kind` ("Q8_0", ...) as a product's part: (the
-    blocks, read-only as a mapped file's are, and the format's code in `numba_blocks.CODES`)."""
-    from kvcache.backends.cpu.numba_blocks import CODES
+    blocks, read-only as a mapped file's are, and the format's code in `numba_blocks.CODES`,
+    plus `numba_blocks.Q8_READS` when q8: its products read activations as llama.cpp's)."""
+    from kvcache.backends.cpu.numba_blocks import CODES, Q8_READS
 
     if blocks.flags.writeable:  # (one array type for every part: the kernels compile once)
         blocks = blocks.view()
         blocks.setflags(write=False)
-    return blocks, CODES[kind]
+    return blocks, CODES[kind] + (Q8_READS if q8 else 0)
 
 
 def row_product(parts: tuple, bias: np.ndarray | None) -> tuple[tuple, np.ndarray]:

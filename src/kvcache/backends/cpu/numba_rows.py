@@ -11,7 +11,14 @@ import numba
 import numpy as np
 from numba.extending import overload
 
-from kvcache.backends.cpu.numba_values import FLAGS, float16_rounded, float16_widened, narrowed, widened
+from kvcache.backends.cpu.numba_values import (
+    FLAGS,
+    float16_rounded,
+    float16_widened,
+    narrowed,
+    quotient,
+    widened,
+)
 from kvcache.memory import PACKED_SCALE_BYTES  # (bytes after a packed row's codes: scale, zero)
 
 _INLINE = dict(inline="always", jit_options=dict(fastmath=FLAGS, error_model="numpy"))
@@ -51,14 +58,6 @@ def stored(source, row):  # typed by the overload below
     raise NotImplementedError
 
 
-@numba.njit(fastmath=False, error_model="numpy")
-def _quotient(numerator, denominator):  # pragma: no cover (compiled)
-    """numerator / denominator rounded once, as IEEE (and torch) divide. Compiled without the
-    kernels' fast-math: its reciprocal (x · (1 / s)) would move a code or a scale one step from
-    the seam's at a rounding tie; LLVM keeps these flags per instruction, inlined or not."""
-    return numerator / denominator
-
-
 @numba.njit(inline="always")
 def _half_at(row, at):  # pragma: no cover (compiled)
     """The float16 stored little-endian at bytes at, at + 1 of a packed row, as float32."""
@@ -92,7 +91,7 @@ def _half_toward(value, up):  # pragma: no cover (compiled)
 @numba.njit(inline="always")
 def _code(value, zero, scale, levels):  # pragma: no cover (compiled)
     """value's code: round((value - zero) / scale), ties to even as torch rounds, within 0 .. levels."""
-    return np.uint8(min(max(np.rint(_quotient(value - zero, scale)), np.float32(0.0)), levels))
+    return np.uint8(min(max(np.rint(quotient(value - zero, scale)), np.float32(0.0)), levels))
 
 
 @numba.njit(inline="always")
@@ -210,7 +209,7 @@ def _stored(source, row):  # pragma: no cover (compiled)
             low, high = min(low, source[d]), max(high, source[d])
         zero_bits = _half_toward(low, False)
         zero = float16_widened(zero_bits)
-        scale_bits = _half_toward(_quotient(high - zero, levels), True)
+        scale_bits = _half_toward(quotient(high - zero, levels), True)
         scale = float16_widened(scale_bits)
         if not scale > 0:  # a constant row: codes 0, scale 1 (as `quantize`)
             scale_bits, scale = np.uint16(0x3C00), np.float32(1.0)
@@ -235,11 +234,11 @@ def _stored_fp8(source, row):  # pragma: no cover (compiled: `stored` of an fp8 
     largest = np.float32(0.0)
     for d in range(dim):
         largest = max(largest, abs(source[d]))
-    scale_bits = _half_toward(_quotient(largest, _FP8_MAX), True)
+    scale_bits = _half_toward(quotient(largest, _FP8_MAX), True)
     scale = float16_widened(scale_bits)
     if not scale > 0:
         scale_bits, scale = np.uint16(0x3C00), np.float32(1.0)
     for d in range(dim):
-        row[d] = _fp8_code(_quotient(source[d], scale))
+        row[d] = _fp8_code(quotient(source[d], scale))
     _put_half(row, dim, scale_bits)
     _put_half(row, dim + 2, np.uint16(0))

@@ -30,6 +30,15 @@ _HIGH = np.uint32(0xFFFF0000)
 NONE, BFLOAT16, FLOAT16 = 0, 1, 2
 
 
+@numba.njit(fastmath=False, error_model="numpy")
+def quotient(numerator, denominator):  # pragma: no cover (compiled)
+    """numerator / denominator rounded once, as IEEE (and torch) divide. Compiled without the
+    kernels' fast-math: its reciprocal (x · (1 / s)) would move a code or a scale one step from
+    the seam's (or llama.cpp's) at a rounding tie; LLVM keeps these flags per instruction,
+    inlined or not."""
+    return numerator / denominator
+
+
 @intrinsic
 def float16_widened(typingctx, half):  # pragma: no cover (compiled)
     """A float16 given as its bits (uint16 or int16) as float32, exactly (one instruction)."""

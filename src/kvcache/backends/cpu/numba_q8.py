@@ -1,0 +1,183 @@
+"""Activations quantized as llama.cpp quantizes them for its products with ggml blocks (Q8_0 and
+Q8_1: each 32 values as int8 with a float16 scale), and four weight rows of a 32-value format
+dotted with one such row as integer vectors: a block's 32 products summed pairwise in 16 int32
+lanes, widened to float32 once a block and scaled by both scales. The dots are LLVM vector IR
+(numba intrinsics): numba's own integer arithmetic widens to 64 bits, which vector units
+multiply slowly. Imported only with the kernels.
+
+The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
+numba_q8.py.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kvcache.backends.cpu.numba_values import FLAGS, float16_rounded, float16_widened, quotient
+
+_INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
+#: the 32-value formats, by their codes in `numba_blocks.CODES`: (block bytes, where the q bytes
+#: start, the float16 minimum's byte or -1, the fifth bits' byte or -1, the offset q carries)
+LAYOUTS = {0: (34, 2, -1, -1, 0), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
+           4: (24, 8, 2, 4, 0)}
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_LANES = ir.VectorType(_F32, 16)  # a row's running sums, a pair of values a lane
+_FAST = tuple(sorted(FLAGS))  # (the kernels' fast-math: no "nnan"/"ninf")
+
+
+@numba.njit(**_INLINE)
+def q8_activations(x, quants, scales, counts, shifts):  # pragma: no cover (compiled)
+    """Each 32 values of each row of x (N, in) as llama.cpp's Q8_0 and Q8_1 hold them: quants
+    (N, in) int8 = round(x · 127 / max|x|) (ties to even), scales (N, in / 32) the float16 of
+    max|x| / 127 widened, counts the sum of the 32 quants, shifts Q8_1's float16 of the unrounded
+    scale times that sum (widened); all float32."""
+    for n in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            largest = np.float32(0.0)
+            for j in range(b * 32, b * 32 + 32):
+                largest = max(largest, abs(x[n, j]))
+            scale = quotient(largest, np.float32(127.0))
+            inverse = quotient(np.float32(127.0), largest) if largest != 0 else np.float32(0.0)
+            total = 0
+            for j in range(b * 32, b * 32 + 32):
+                q = np.int8(np.rint(x[n, j] * inverse))
+                quants[n, j] = q
+                total += q
+            scales[n, b] = float16_widened(float16_rounded(scale))
+            counts[n, b] = np.float32(total)
+            shifts[n, b] = float16_widened(float16_rounded(scale * np.float32(total)))
+
+
+def _splat(builder, value, lanes: int):
+    """<lanes x value's type>, every lane `value`."""
+    vector = ir.VectorType(value.type, lanes)
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    zeros = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
+
+
+def _at(builder, pointer, offset):
+    """pointer + offset elements (offset an int or an i64 value)."""
+    return builder.gep(pointer, [ir.Constant(_I64, offset) if isinstance(offset, int) else offset])
+
+
+def _load(builder, pointer, element, count: int | None = None):
+    """The `count` elements (a vector; None: one value) at byte pointer `pointer`, unaligned."""
+    kind = element if count is None else ir.VectorType(element, count)
+    loaded = builder.load(builder.bitcast(pointer, kind.as_pointer()))
+    loaded.align = 1
+    return loaded
+
+
+def _half(builder, pointer):
+    return builder.fpext(_load(builder, pointer, ir.HalfType()), _F32)
+
+
+def _block_values(builder, block, kind: int):
+    """A block's 32 q values as <32 x i32> in their order (Q8_0's signed; the others' without
+    their offset: nibbles, and the fifth bits above them)."""
+    _, quants, _, fifth, _ = LAYOUTS[kind]
+    at = _at(builder, block, quants)
+    if kind == 0:
+        return builder.sext(_load(builder, at, _I8, 32), ir.VectorType(_I32, 32))
+    packed = _load(builder, at, _I8, 16)
+    low = builder.and_(packed, ir.Constant(packed.type, [15] * 16))
+    high = builder.lshr(packed, ir.Constant(packed.type, [4] * 16))
+    both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    values = builder.zext(both, ir.VectorType(_I32, 32))
+    if fifth < 0:
+        return values
+    bits = _splat(builder, _load(builder, _at(builder, block, fifth), _I32), 32)
+    lanes = ir.VectorType(_I32, 32)
+    bits = builder.and_(builder.lshr(bits, ir.Constant(lanes, list(range(32)))), ir.Constant(lanes, [1] * 32))
+    return builder.or_(values, builder.shl(bits, ir.Constant(lanes, [4] * 32)))
+
+
+def _pair_sums(builder, values, quants):
+    """<16 x i32>: lane j = values[2j]·quants[2j] + values[2j + 1]·quants[2j + 1] (the shape
+    a vector unit's multiply-add of 16-bit pairs computes)."""
+    lanes = ir.VectorType(_I32, 16)
+    even, odd = (ir.Constant(lanes, list(range(first, 32, 2))) for first in (0, 1))
+    products = [builder.mul(builder.shuffle_vector(values, values, pick),
+                            builder.shuffle_vector(quants, quants, pick)) for pick in (even, odd)]
+    return builder.add(*products)
+
+
+def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
+    """One block of one row into its sums: sums (<16 x float>*) += the block's pair sums times
+    d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (Q4_0, Q5_0)."""
+    quants, x_scale, x_offset, x_shift = activations
+    scale = builder.fmul(_half(builder, block), x_scale, flags=_FAST)
+    pairs = _pair_sums(builder, _block_values(builder, block, kind), quants)
+    pairs = builder.sitofp(pairs, _LANES)
+    scaled = builder.fmul(pairs, _splat(builder, scale, 16), flags=_FAST)
+    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
+    minimum = LAYOUTS[kind][2]
+    if minimum >= 0:
+        part = builder.fmul(_half(builder, _at(builder, block, minimum)), x_shift, flags=_FAST)
+    else:
+        part = builder.fmul(scale, x_offset, flags=_FAST)
+    builder.store(builder.fadd(builder.load(extra), part, flags=_FAST), extra)
+
+
+def _rows_codegen(kind: int):
+    size, offset = LAYOUTS[kind][0], LAYOUTS[kind][4]
+
+    def codegen(context, builder, signature, args):
+        weight = context.make_array(signature.args[0])(context, builder, args[0])
+        quants, scales, counts, shifts = (
+            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[5:], args[5:])
+        )
+        stride = builder.extract_value(weight.strides, 0)
+        rows = [builder.gep(weight.data, [builder.mul(i, stride)]) for i in args[1:5]]
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * 16)) for _ in rows]
+        extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
+        with cgutils.for_range(builder, builder.extract_value(scales.shape, 0)) as loop:
+            b = loop.index
+            x = _load(builder, _at(builder, quants.data, builder.mul(b, ir.Constant(_I64, 32))), _I8, 32)
+            count = builder.load(_at(builder, counts.data, b))
+            activations = (
+                builder.sext(x, ir.VectorType(_I32, 32)),
+                builder.load(_at(builder, scales.data, b)),
+                builder.fmul(count, ir.Constant(_F32, -offset), flags=_FAST),
+                builder.load(_at(builder, shifts.data, b)),
+            )
+            for row, row_sums, extra in zip(rows, sums, extras):
+                block = _at(builder, row, builder.mul(b, ir.Constant(_I64, size)))
+                _add_block(builder, kind, block, activations, row_sums, extra)
+        results = []
+        for row_sums, extra in zip(sums, extras):
+            lanes, result = builder.load(row_sums), builder.load(extra)
+            for lane in range(16):
+                value = builder.extract_element(lanes, ir.Constant(_I32, lane))
+                result = builder.fadd(result, value, flags=_FAST)
+            results.append(result)
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
+
+
+def _rows_intrinsic(kind: int):
+    """The intrinsic dotting four rows of a weight of `kind` (a 32-value format) with one row
+    of Q8 activations: (w, i0, i1, i2, i3, quants, scales, counts, shifts) -> four float32
+    (w (rows, row bytes) uint8; the activations one row of `q8_activations`' arrays)."""
+
+    def rows(typingctx, w, i0, i1, i2, i3, quants, scales, counts, shifts):
+        indices = (i0, i1, i2, i3)
+        if not all(isinstance(i, numba.types.Integer) for i in indices):
+            return None
+        index = numba.types.int64
+        signature = numba.types.UniTuple(numba.types.float32, 4)(
+            w, index, index, index, index, quants, scales, counts, shifts
+        )
+        return signature, _rows_codegen(kind)
+
+    rows.__name__ = f"q8_rows_{kind}"
+    return intrinsic(rows)
+
+
+q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows = (_rows_intrinsic(kind) for kind in range(5))
