@@ -262,9 +262,10 @@ def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations):  # pragma: n
     return block_rows(w, Q5_1, i0, i1, i2, i3, x, n, sums)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_CALLED)
 def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cover (compiled)
-    """Rows i0..i3 of a 32-value format's weight dotted with row n of Q8 activations."""
+    """Rows i0..i3 of a 32-value format's weight dotted with row n of Q8 activations (called,
+    not inlined, as the K-quants' loops are: compiled once, not inside every `blocks_product`)."""
     quants, scales, counts, shifts = (activations[0][n], activations[1][n], activations[2][n],
                                       activations[3][n])
     if kind == Q8_0:
@@ -461,61 +462,33 @@ def minimum_shares(w, kind, i0, i1, i2, i3, out, start, sums, shifts):  # pragma
 MANY_ROWS = 4
 
 
-#: the most parts one `blocks_product` runs in one parallel loop (q, k and v)
-MOST_PARTS = 3
-
-
-@numba.njit(**_INLINE)
-def part_tasks(w0, w1, w2, count):  # pragma: no cover (compiled)
-    """(firsts (count + 1,): each part's first task, four rows a task, and the total last;
-    starts (count,): each part's first output column)."""
-    firsts = np.zeros(count + 1, np.int64)
-    starts = np.zeros(count, np.int64)
-    for p in range(count):
-        rows = (w0 if p == 0 else w1 if p == 1 else w2).shape[0]
-        firsts[p + 1] = firsts[p] + (rows + 3) // 4
-        if p + 1 < count:
-            starts[p + 1] = starts[p] + rows
-    return firsts, starts
-
-
 @numba.njit(parallel=True, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True)
-def blocks_product(w0, kind0, w1, kind1, w2, kind2, count, x, start, out):  # pragma: no cover (compiled)
-    """out[:, start : start + Σ rows] = x (N, in) times the first `count` (1 to MOST_PARTS) of
-    the weights w0, w1, w2 (rows, row bytes) of codes kind0..kind2 stacked along out,
-    transposed, each reading x as `read_activations` says (Q8 activations made once for every
-    part that reads them): four weight rows a task, every part's tasks in one parallel loop (one
-    hand-off between the threads for a whole product), each row read once for every row of x
-    (a part's last task's missing rows repeat its last row, written once), each task first
-    asking for the rows of the task AHEAD of it; from MANY_ROWS rows of x, the task's weight rows
-    dequantized once into a scratch of its own first. The parts come apart, not as a tuple: a
-    parallel loop takes arrays, not tuples of them. A kernel of its own, called from the layer
-    kernels (inlined there, its formats' loops made their compile time explode)."""
-    firsts, starts = part_tasks(w0, w1, w2, count)
-    q8 = kind0 >= Q8_READS or (count > 1 and kind1 >= Q8_READS) or (count > 2 and kind2 >= Q8_READS)
-    read, activations = read_activations(x, Q8_READS if q8 else 0)
-    sums, read_sums = block_sums(x), block_sums(read)
-    for task in prange(firsts[count]):
-        p = 0 if task < firsts[1] else 1 if task < firsts[2] else 2
-        w = w0 if p == 0 else w1 if p == 1 else w2
-        kind = kind0 if p == 0 else kind1 if p == 1 else kind2
-        rows, width = w.shape
-        i0 = (task - firsts[p]) * 4
-        if i0 + 4 * AHEAD < rows:  # (the part's own rows ahead)
-            flat = w.reshape(w.size)
-            ahead = (i0 + 4 * AHEAD) * width
-            for line in range(0, min(4 * width, flat.shape[0] - ahead), _LINE):
+def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
+    """out[:, start : start + rows] = x (N, in) times the weight w (rows, row bytes) of code
+    `kind`, transposed, x read as `read_activations` says: four weight rows a task, each read
+    once for every row of x, the tasks split between the threads (the last task's missing rows
+    repeat its last row, written once), each task first asking for the rows of the task AHEAD of
+    it; from MANY_ROWS rows of x, the task's weight rows dequantized once into a scratch of its
+    own first. A kernel of its own, called from the layer kernels (inlined there, its formats'
+    loops made their compile time explode)."""
+    read, activations = read_activations(x, kind)
+    sums = block_sums(read)
+    rows, width = w.shape
+    flat = w.reshape(w.size)
+    for task in prange((rows + 3) // 4):
+        i0 = task * 4
+        ahead = (i0 + 4 * AHEAD) * width
+        if ahead + 4 * width <= flat.shape[0]:
+            for line in range(0, 4 * width, _LINE):
                 prefetch(flat, ahead + line)
         i1, i2, i3 = min(i0 + 1, rows - 1), min(i0 + 2, rows - 1), min(i0 + 3, rows - 1)
-        at = start + starts[p]
-        x_read = read if kind >= Q8_READS else x
         if x.shape[0] >= MANY_ROWS:
             scratch = np.empty((4, x.shape[1]), np.float32)  # the task's rows, dequantized
             rows_dequantized(w, kind % Q8_READS, i0, i1, i2, i3, scratch)
-            for n in range(float_tiles(scratch, x_read, out, at, i0, i1, i2, i3), x.shape[0]):
-                put(out, n, at, i0, i1, i2, i3, float_rows(scratch, x_read, n))
-            minimum_shares(w, kind, i0, i1, i2, i3, out, at, read_sums, activations[3])
+            for n in range(float_tiles(scratch, read, out, start, i0, i1, i2, i3), x.shape[0]):
+                put(out, n, start, i0, i1, i2, i3, float_rows(scratch, read, n))
+            minimum_shares(w, kind, i0, i1, i2, i3, out, start, sums, activations[3])
         else:
             for n in range(x.shape[0]):
                 found = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations)
-                put(out, n, at, i0, i1, i2, i3, found)
+                put(out, n, start, i0, i1, i2, i3, found)

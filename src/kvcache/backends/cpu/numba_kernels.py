@@ -52,8 +52,7 @@ _PARALLEL_INLINE = dict(parallel=PARALLEL, fastmath=FLAGS, error_model="numpy")
 def _part_product(part, x, start, out):  # pragma: no cover (compiled)
     if isinstance(part, types.BaseTuple):
         def blocks(part, x, start, out):
-            w, kind = part
-            blocks_product(w, kind, w, kind, w, kind, 1, x, start, out)
+            blocks_product(part[0], part[1], x, start, out)
         return blocks
 
     def array(part, x, start, out):
@@ -82,35 +81,6 @@ def _part_product(part, x, start, out):  # pragma: no cover (compiled)
     return array
 
 
-def parts_product(parts, x, out):  # typed by the overload below
-    """out (N, Σ out_i) = x (N, in) times the parts stacked along out, transposed: two or three
-    parts all of ggml blocks in one `blocks_product` (one parallel loop for them all), else part
-    by part."""
-    raise NotImplementedError
-
-
-@overload(parts_product, inline="always", jit_options=_PARALLEL_INLINE)
-def _parts_product(parts, x, out):  # pragma: no cover (compiled)
-    if isinstance(parts, types.UniTuple) and isinstance(parts.dtype, types.BaseTuple):
-        if parts.count == 2:
-            def two(parts, x, out):
-                (w0, kind0), (w1, kind1) = parts
-                blocks_product(w0, kind0, w1, kind1, w1, kind1, 2, x, 0, out)
-            return two
-        if parts.count == 3:
-            def three(parts, x, out):
-                (w0, kind0), (w1, kind1), (w2, kind2) = parts
-                blocks_product(w0, kind0, w1, kind1, w2, kind2, 3, x, 0, out)
-            return three
-
-    def each(parts, x, out):
-        start = 0
-        for part in parts:
-            part_product(part, x, start, out)
-            start += part_rows(part)
-    return each
-
-
 def part_rows(part):  # typed by the overload below
     """The outputs of one part of a product (see `part_product`)."""
     raise NotImplementedError
@@ -131,7 +101,10 @@ def product(parts, x, bias, rounding, out):  # pragma: no cover (compiled)
     if rounding != NONE:
         x = x.copy()
         round_in_place(x.reshape(x.size), rounding)
-    parts_product(parts, x, out)
+    start = 0
+    for part in parts:
+        part_product(part, x, start, out)
+        start += part_rows(part)
     if bias.shape[0]:
         for n in range(x.shape[0]):
             for i in range(out.shape[1]):
