@@ -9,13 +9,17 @@ import weakref
 
 import torch
 
+from kvcache.model.quantized import block_weights
+
 _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its fingerprint
 
 
 def model_fingerprint(model) -> str:
     """A 32-hex-digit blake2b digest of `model`'s config and of all its parameters (names,
-    shapes, dtypes and bytes). Hashing reads every weight once, so it is computed once per model
-    object and remembered (weights changed in place afterwards are not seen)."""
+    shapes, dtypes and bytes) and of the weights it keeps as GGUF blocks (names, kinds, shapes,
+    how their products read activations, and bytes: a q8 run's keys and values are not a float
+    run's). Hashing reads every weight once, so it is computed once per model object and
+    remembered (weights changed in place afterwards are not seen)."""
     known = _DIGESTS.get(model)
     if known is not None:
         return known
@@ -26,5 +30,8 @@ def model_fingerprint(model) -> str:
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
             data = param.detach().contiguous().cpu()
             digest.update(data.view(torch.uint8).numpy().data if data.numel() else b"")
+    for name, weight in block_weights(model).items():  # a GGUF's kept blocks, and how they read x
+        digest.update(f"{name}{weight.kind}{weight.rows}x{weight.columns}{weight.activations}".encode())
+        digest.update(weight.blocks.data if weight.blocks.flags.c_contiguous else weight.blocks.tobytes())
     _DIGESTS[model] = fingerprint = digest.hexdigest()
     return fingerprint

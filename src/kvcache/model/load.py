@@ -265,6 +265,9 @@ def load_model(
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations == "q8" and dtype is not None:
+        raise ValueError(f"activations='q8' reads a GGUF's weights kept as blocks; dtype={dtype} dequantizes "
+                         "them all (load it without a dtype)")
     resolved = resolve_model_dir(path)
     dtype = resolve_dtype(dtype)
     say = progress or (lambda fraction, label: None)

@@ -17,6 +17,7 @@ from kvcache.backends import choose_backend
 from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.block_step import BlockBackend
 from kvcache.cache.factory import make_cache
+from kvcache.model.fingerprint import model_fingerprint
 from kvcache.model.gguf_file import held_bytes
 from kvcache.model.quantized import (
     STORED_KINDS,
@@ -76,7 +77,8 @@ def _products_against(kind: str, seed: int, q8: bool) -> None:
     rows: one row's dots or many rows' tiles) and on the modules' own numpy path, against the
     `gguf` package's dequantized weight times x (q8: x as llama.cpp reads it, plus m·s)."""
     rng = np.random.default_rng(seed)
-    rows_a, rows_b, blocks, count = (int(n) for n in rng.integers([1, 1, 1, 1], [40, 9, 7, 7]))
+    rows_a, rows_b, blocks, _ = (int(n) for n in rng.integers([1, 1, 1, 1], [40, 9, 7, 7]))
+    count = (1, 5, 3, 6)[seed % 4]  # activation rows: one row's dots (below MANY_ROWS) and tiles
     columns = STORED_KINDS[kind][0] * blocks
     parts = [_blocks(rng, kind, rows, columns) for rows in (rows_a, rows_b)]
     x = rng.standard_normal((count, columns)).astype(np.float32)
@@ -118,6 +120,8 @@ def test_q8_activations_are_refused_where_they_do_not_apply(block_files, checkpo
         load_model(block_files["Q4_1"], activations="int4")
     with pytest.raises(ValueError, match="without a dtype"):
         load_model(block_files["Q4_1"], dtype="float32", activations="q8")
+    with pytest.raises(ValueError, match="Q4_K"):
+        numba_products.block_part_of(blocks, "Q4_K", q8=True)
     with pytest.raises(ValueError, match="folder"):
         load_model(checkpoints["llama"][0], activations="q8")
 
@@ -151,7 +155,11 @@ def test_a_gguf_keeps_its_quantized_weights_as_mapped_blocks(block_files):
         torch.testing.assert_close(model(ids).logits, exact(ids).logits, atol=1e-4, rtol=1e-4)
         rounded = load_model(block_files["Q4_1"], activations="q8")
         assert "rounded to 8 bits as llama.cpp's" in rounded.weights_note
-        close_to_the_float_path(rounded(ids).logits, exact(ids).logits)
+        close_to_the_float_path(rounded(ids).logits, exact(ids).logits)  # the modules' numpy path
+        with choose_backend(rounded).prompt_products():  # the kernels' integer dots
+            close_to_the_float_path(rounded(ids).logits, exact(ids).logits)
+    # keys and values a q8 run saves are never read by a float run of the same file
+    assert len({model_fingerprint(m) for m in (model, rounded, exact)}) == 3
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
