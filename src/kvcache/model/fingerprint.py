@@ -30,8 +30,11 @@ def model_fingerprint(model) -> str:
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
             data = param.detach().contiguous().cpu()
             digest.update(data.view(torch.uint8).numpy().data if data.numel() else b"")
+    hashed = set()  # (a tied head shares the embedding's blocks: their bytes are read once)
     for name, weight in block_weights(model).items():  # a GGUF's kept blocks, and how they read x
         digest.update(f"{name}{weight.kind}{weight.rows}x{weight.columns}{weight.activations}".encode())
-        digest.update(weight.blocks.data if weight.blocks.flags.c_contiguous else weight.blocks.tobytes())
+        if id(weight.blocks) not in hashed:
+            hashed.add(id(weight.blocks))
+            digest.update(weight.blocks.data if weight.blocks.flags.c_contiguous else weight.blocks.tobytes())
     _DIGESTS[model] = fingerprint = digest.hexdigest()
     return fingerprint

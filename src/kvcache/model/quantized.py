@@ -221,8 +221,7 @@ def read_q8_activations(model: nn.Module) -> int:
     return how many now do. K-quant weights keep float32 activations."""
     changed = 0
     for module in model.modules():
-        weight = getattr(module, "weight_blocks", None)
-        if isinstance(module, QuantizedLinear) and weight.kind in Q8_0_KINDS + Q8_1_KINDS:
-            module.weight_blocks = replace(weight, activations="q8")
+        if isinstance(module, QuantizedLinear) and module.weight_blocks.kind in Q8_0_KINDS + Q8_1_KINDS:
+            module.weight_blocks = replace(module.weight_blocks, activations="q8")
             changed += 1
     return changed
