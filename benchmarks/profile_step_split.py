@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/profile_step_split.py --model 100m --context 128
     .venv/bin/python benchmarks/profile_step_split.py --model smollm2 --context 2048
+    .venv/bin/python benchmarks/profile_step_split.py --model smollm2 --activations q8
 
 The step as `choose_backend` picks it (float32: the numpy step; bfloat16: the half step) is
 timed in a loop on a dynamic cache of `--context` tokens (cropped back after each step); then
@@ -35,7 +36,7 @@ def median_ms(function, runs: int = 40) -> float:
     return sorted(times)[runs // 2] * 1000
 
 
-def build(name: str):
+def build(name: str, activations: str = "float32"):
     import torch
 
     from kvcache import load_model
@@ -44,7 +45,7 @@ def build(name: str):
     if name == "smollm2":
         from bench_decode import smollm2_gguf
 
-        return load_model(smollm2_gguf())
+        return load_model(smollm2_gguf(), activations=activations)  # its weights kept as blocks
     config = ModelConfig.from_dict(dict(
         model_type="llama", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=4, intermediate_size=2048, vocab_size=32000, max_position_embeddings=8192))
@@ -64,21 +65,21 @@ def products(backend):
     config = backend.config
     dtype = getattr(backend, "dtype", torch.float32)
     width = torch.finfo(dtype).bits // 8
-    if backend._numba_step(1):
-        layers, (head, head_bias), _ = backend.row_layers
-        calls = [(getattr(w, name), getattr(w, f"{name}_bias"))
-                 for w in layers for name in ("qkv", "o", "gate_up", "down")]
-        calls.append((head, head_bias))
-        rows = [np.ones(parts[0].shape[1], np.float32) for parts, _ in calls]
-        read = sum(part.shape[0] * row.shape[0] * width for (parts, _), row in zip(calls, rows)
-                   for part in parts)
-        return (lambda: [numba_products.product(row, parts, bias, dtype)
-                         for (parts, bias), row in zip(calls, rows)]), read
     sizes = {"hidden": config.hidden_size, "heads": config.num_attention_heads * config.head_dim,
              "inner": config.intermediate_size}
+    ins = {"qkv": "hidden", "o": "heads", "gate_up": "hidden", "down": "inner"}
+    if backend._numba_step(1):
+        layers, (head, head_bias), _ = backend.row_layers
+        calls = [(getattr(w, name), getattr(w, f"{name}_bias"), sizes[ins[name]])
+                 for w in layers for name in ins]
+        calls.append((head, head_bias, sizes["hidden"]))
+        rows = [np.ones(columns, np.float32) for _, _, columns in calls]
+        read = sum(part[0].nbytes if isinstance(part, tuple) else part.shape[0] * columns * width
+                   for parts, _, columns in calls for part in parts)
+        return (lambda: [numba_products.product(row, parts, bias, dtype)
+                         for (parts, bias, _), row in zip(calls, rows)]), read
     outs = {"qkv": (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim,
             "o": config.hidden_size, "gate_up": 2 * config.intermediate_size, "down": config.hidden_size}
-    ins = {"qkv": "hidden", "o": "heads", "gate_up": "hidden", "down": "inner"}
     layers, lm_head, linear = backend.products(1)
     calls = [(getattr(w, name), sizes[ins[name]], outs[name]) for w in layers for name in outs]
     calls.append((lm_head, sizes["hidden"], config.vocab_size))
@@ -179,10 +180,13 @@ def main() -> None:
     parser.add_argument("--model", default="100m", choices=("100m", "smollm2"))
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--activations", choices=("float32", "q8"), default="float32",
+                        help="smollm2's block products: float32 activations, or rounded to 8 bits")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = build(args.model)
-    for dtype in (torch.float32, torch.bfloat16):
+    model = build(args.model, args.activations)
+    dtypes = (torch.float32,) if args.model == "smollm2" else (torch.float32, torch.bfloat16)
+    for dtype in dtypes:  # (smollm2's blocks run as stored: float32 around them)
         print(f"{args.model}, {args.context} tokens, {measure(model, dtype, args.context)}")
 
 

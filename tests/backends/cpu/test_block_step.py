@@ -4,6 +4,11 @@ against the model's exact float path on the same blocks."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -110,6 +115,65 @@ def test_with_q8_activations_a_product_is_llama_cpps(kind, seed):
     """x read as llama.cpp's CPU products read it (integer dots on the kernels), times the
     dequantized weight."""
     _products_against(kind, seed, q8=True)
+
+
+def q8_dots_against_llama_cpps_rules() -> bool:
+    """Each 32-value format's four-row dot (`numba_q8`'s intrinsics, as the target CPU compiles
+    them) on random blocks against x as llama.cpp reads it times the dequantized rows; returns
+    whether they ran on VNNI."""
+    import numba
+
+    from kvcache.backends.cpu import numba_q8
+
+    dots = {"Q8_0": numba_q8.q8_0_rows, "Q4_0": numba_q8.q4_0_rows, "Q4_1": numba_q8.q4_1_rows,
+            "Q5_0": numba_q8.q5_0_rows, "Q5_1": numba_q8.q5_1_rows}
+    rng = np.random.default_rng(7)
+    for kind, dot in dots.items():
+        def four(w, quants, scales, counts, shifts, dot=dot):
+            return dot(w, np.int64(0), np.int64(1), np.int64(2), np.int64(3), quants, scales, counts, shifts)
+
+        w = _blocks(rng, kind, 4, 32 * 5)
+        x = rng.standard_normal((1, 32 * 5)).astype(np.float32)
+        quants = np.empty(x.shape, np.int8)
+        scales, counts, shifts = (np.empty((1, 5), np.float32) for _ in range(3))
+        numba_q8.q8_activations(x, quants, scales, counts, shifts)
+        got = np.array(numba.njit(four)(w, quants[0], scales[0], counts[0], shifts[0]), np.float64)
+        read, minimum_shares = _as_llama_cpp_reads(x, [w], kind)
+        weight = dequantize(w, GGMLQuantizationType[kind]).astype(np.float64)
+        expected = (read @ weight.T + minimum_shares)[0]
+        scale = np.abs(x[0]).astype(np.float64) @ np.abs(weight).T
+        assert np.all(np.abs(got - expected) <= 1e-5 * scale + 1e-6), (kind, got, expected)
+    return numba_q8.VNNI
+
+
+def test_q8_dots_match_llama_cpps_rules_with_and_without_vnni():
+    """The dots as this CPU compiles them, and again for a CPU without VNNI (numba told it is a
+    Haswell, in a child process: the 16-bit pair sums), both against the formats' rules."""
+    q8_dots_against_llama_cpps_rules()
+    here = Path(__file__).parent
+    script = "import test_block_step as t; print('VNNI', t.q8_dots_against_llama_cpps_rules())"
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "",
+             "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])])},
+        capture_output=True, text=True, timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split()[-2:] == ["VNNI", "False"]
+
+
+def test_vnni_is_read_from_the_features_numba_compiles_for(monkeypatch):
+    from kvcache.backends.cpu import numba_q8
+
+    monkeypatch.setattr(numba_q8.numba.config, "CPU_FEATURES", "+avx2,+avxvnni")
+    assert numba_q8.target_has_vnni()
+    monkeypatch.setattr(numba_q8.numba.config, "CPU_FEATURES", "+avx2,+avx512vnni")  # no AVX512VL
+    assert not numba_q8.target_has_vnni()
+    monkeypatch.setattr(numba_q8.numba.config, "CPU_FEATURES", "+avx512vl,+avx512vnni")
+    assert numba_q8.target_has_vnni()
+    monkeypatch.setattr(numba_q8.numba.config, "CPU_FEATURES", None)
+    monkeypatch.setattr(numba_q8.numba.config, "CPU_NAME", "haswell")
+    assert not numba_q8.target_has_vnni()
 
 
 def test_q8_activations_are_refused_where_they_do_not_apply(block_files, checkpoints):

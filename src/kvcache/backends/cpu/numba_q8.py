@@ -1,9 +1,10 @@
 """Activations quantized as llama.cpp quantizes them for its products with ggml blocks (Q8_0 and
 Q8_1: each 32 values as int8 with a float16 scale), and four weight rows of a 32-value format
-dotted with one such row as integer vectors: a block's 32 products summed pairwise in 16 int32
-lanes, widened to float32 once a block and scaled by both scales. The dots are LLVM vector IR
-(numba intrinsics): numba's own integer arithmetic widens to 64 bits, which vector units
-multiply slowly. Imported only with the kernels.
+dotted with one such row as integer vectors: a block's 32 products summed in int32 lanes (in
+fours by VNNI's vpdpbusd where the target CPU has it, else in pairs), widened to float32 once a
+block and scaled by both scales. The dots are LLVM vector IR (numba intrinsics): numba's own
+integer arithmetic widens to 64 bits, which vector units multiply slowly. Imported only with
+the kernels.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 numba_q8.py.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -25,8 +26,26 @@ _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
 LAYOUTS = {0: (34, 2, -1, -1, 0), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
            4: (24, 8, 2, 4, 0)}
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-_LANES = ir.VectorType(_F32, 16)  # a row's running sums, a pair of values a lane
 _FAST = tuple(sorted(FLAGS))  # (the kernels' fast-math: no "nnan"/"ninf")
+
+
+def target_has_vnni() -> bool:
+    """Whether the CPU numba compiles for has 256-bit VNNI (AVX-VNNI, or AVX512-VNNI with
+    AVX512VL): its features as numba is told them (NUMBA_CPU_FEATURES), else the host's unless
+    numba is told another CPU by name."""
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        if numba.config.CPU_NAME not in (None, "host"):
+            return False
+        features = binding.get_host_cpu_features().flatten()
+    named = set(features.split(","))
+    return "+avxvnni" in named or {"+avx512vnni", "+avx512vl"} <= named
+
+
+#: the dots' integer sums: vpdpbusd's four products a lane (8 int32 lanes a block), or pairs
+#: (16 lanes: the shape of a 16-bit multiply-add) where the target has no VNNI
+VNNI = target_has_vnni()
+_LANES = ir.VectorType(_F32, 8 if VNNI else 16)  # a row's running sums, one block's lanes
 
 
 @numba.njit(**_INLINE)
@@ -78,23 +97,45 @@ def _half(builder, pointer):
 
 
 def _block_values(builder, block, kind: int):
-    """A block's 32 q values as <32 x i32> in their order (Q8_0's signed; the others' without
-    their offset: nibbles, and the fifth bits above them)."""
+    """`_block_bytes` widened to <32 x i32> (Q8_0's as signed)."""
+    values, wide = _block_bytes(builder, block, kind), ir.VectorType(_I32, 32)
+    return builder.sext(values, wide) if kind == 0 else builder.zext(values, wide)
+
+
+def _block_bytes(builder, block, kind: int):
+    """A block's 32 q values as <32 x i8> in their order: Q8_0's signed, the others' unsigned
+    without their offset (nibbles, and the fifth bits above them)."""
     _, quants, _, fifth, _ = LAYOUTS[kind]
     at = _at(builder, block, quants)
     if kind == 0:
-        return builder.sext(_load(builder, at, _I8, 32), ir.VectorType(_I32, 32))
+        return _load(builder, at, _I8, 32)
     packed = _load(builder, at, _I8, 16)
     low = builder.and_(packed, ir.Constant(packed.type, [15] * 16))
     high = builder.lshr(packed, ir.Constant(packed.type, [4] * 16))
-    both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-    values = builder.zext(both, ir.VectorType(_I32, 32))
+    values = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
     if fifth < 0:
         return values
     bits = _splat(builder, _load(builder, _at(builder, block, fifth), _I32), 32)
     lanes = ir.VectorType(_I32, 32)
     bits = builder.and_(builder.lshr(bits, ir.Constant(lanes, list(range(32)))), ir.Constant(lanes, [1] * 32))
-    return builder.or_(values, builder.shl(bits, ir.Constant(lanes, [4] * 32)))
+    return builder.or_(values, builder.trunc(builder.shl(bits, ir.Constant(lanes, [4] * 32)), values.type))
+
+
+def _quad_sums(builder, values, quants, signed: bool):
+    """<8 x i32>: lane j = Σ values[4j..4j+3]·quants[4j..4j+3] (values, quants <32 x i8>), by
+    vpdpbusd, which multiplies unsigned bytes by signed ones: signed values (Q8_0) become their
+    magnitudes, their signs moved onto the quants (no quant is -128, so none overflows)."""
+    if signed:
+        zeros = ir.Constant(values.type, [0] * 32)
+        negative = builder.icmp_signed("<", values, zeros)
+        quants = builder.select(negative, builder.sub(zeros, quants), quants)
+        values = builder.select(negative, builder.sub(zeros, values), values)  # -(-128): 128 unsigned
+    lanes = ir.VectorType(_I32, 8)
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(lanes, [lanes, values.type, quants.type]),
+        "llvm.x86.avx512.vpdpbusd.256",  # (AVX-VNNI's encoding where that is what the CPU has)
+    )
+    return builder.call(function, [ir.Constant(lanes, [0] * 8), values, quants])
 
 
 def _pair_sums(builder, values, quants):
@@ -108,13 +149,17 @@ def _pair_sums(builder, values, quants):
 
 
 def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
-    """One block of one row into its sums: sums (<16 x float>*) += the block's pair sums times
+    """One block of one row into its sums: sums (`_LANES`*) += the block's integer sums times
     d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (Q4_0, Q5_0)."""
     quants, x_scale, x_offset, x_shift = activations
     scale = builder.fmul(_half(builder, block), x_scale, flags=_FAST)
-    pairs = _pair_sums(builder, _block_values(builder, block, kind), quants)
-    pairs = builder.sitofp(pairs, _LANES)
-    scaled = builder.fmul(pairs, _splat(builder, scale, 16), flags=_FAST)
+    if VNNI:
+        sums_of_block = _quad_sums(builder, _block_bytes(builder, block, kind), quants, kind == 0)
+    else:
+        wide = builder.sext(quants, ir.VectorType(_I32, 32))
+        sums_of_block = _pair_sums(builder, _block_values(builder, block, kind), wide)
+    lanes = _LANES.count
+    scaled = builder.fmul(builder.sitofp(sums_of_block, _LANES), _splat(builder, scale, lanes), flags=_FAST)
     builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
     minimum = LAYOUTS[kind][2]
     if minimum >= 0:
@@ -134,14 +179,14 @@ def _rows_codegen(kind: int):
         )
         stride = builder.extract_value(weight.strides, 0)
         rows = [builder.gep(weight.data, [builder.mul(i, stride)]) for i in args[1:5]]
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * 16)) for _ in rows]
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * _LANES.count)) for _ in rows]
         extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
         with cgutils.for_range(builder, builder.extract_value(scales.shape, 0)) as loop:
             b = loop.index
             x = _load(builder, _at(builder, quants.data, builder.mul(b, ir.Constant(_I64, 32))), _I8, 32)
             count = builder.load(_at(builder, counts.data, b))
             activations = (
-                builder.sext(x, ir.VectorType(_I32, 32)),
+                x,
                 builder.load(_at(builder, scales.data, b)),
                 builder.fmul(count, ir.Constant(_F32, -offset), flags=_FAST),
                 builder.load(_at(builder, shifts.data, b)),
@@ -152,7 +197,7 @@ def _rows_codegen(kind: int):
         results = []
         for row_sums, extra in zip(sums, extras):
             lanes, result = builder.load(row_sums), builder.load(extra)
-            for lane in range(16):
+            for lane in range(_LANES.count):
                 value = builder.extract_element(lanes, ir.Constant(_I32, lane))
                 result = builder.fadd(result, value, flags=_FAST)
             results.append(result)
