@@ -115,27 +115,31 @@ def _block_bytes(builder, block, kind: int):
     values = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
     if fifth < 0:
         return values
-    bits = _splat(builder, _load(builder, _at(builder, block, fifth), _I32), 32)
-    lanes = ir.VectorType(_I32, 32)
-    bits = builder.and_(builder.lshr(bits, ir.Constant(lanes, list(range(32)))), ir.Constant(lanes, [1] * 32))
-    return builder.or_(values, builder.trunc(builder.shl(bits, ir.Constant(lanes, [4] * 32)), values.type))
+    # value j's fifth bit is bit j of the little-endian word: byte j // 8, bit j % 8 (each byte
+    # spread over 8 lanes and tested there, as llama.cpp's bytes_from_bits_32)
+    word = _load(builder, _at(builder, block, fifth), _I8, 4)
+    byte_of = ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)])
+    bit = builder.and_(builder.shuffle_vector(word, word, byte_of),
+                       ir.Constant(values.type, [1 << (j % 8) for j in range(32)]))
+    sixteens, zeros = ir.Constant(values.type, [16] * 32), ir.Constant(values.type, [0] * 32)
+    return builder.or_(values, builder.select(builder.icmp_unsigned("!=", bit, zeros), sixteens, zeros))
 
 
-def _quad_sums(builder, values, quants, signed: bool):
-    """<8 x i32>: lane j = Σ values[4j..4j+3]·quants[4j..4j+3] (values, quants <32 x i8>), by
-    vpdpbusd, which multiplies unsigned bytes by signed ones: signed values (Q8_0) become their
-    magnitudes, their signs moved onto the quants (no quant is -128, so none overflows)."""
-    if signed:
-        zeros = ir.Constant(values.type, [0] * 32)
-        negative = builder.icmp_signed("<", values, zeros)
-        quants = builder.select(negative, builder.sub(zeros, quants), quants)
-        values = builder.select(negative, builder.sub(zeros, values), values)  # -(-128): 128 unsigned
+def _quad_sums(builder, values, quants):
+    """<8 x i32>: lane j = Σ values[4j..4j+3]·quants[4j..4j+3] (values <32 x i8> taken as
+    unsigned, quants <32 x i8> signed), by vpdpbusd."""
     lanes = ir.VectorType(_I32, 8)
     function = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(lanes, [lanes, values.type, quants.type]),
         "llvm.x86.avx512.vpdpbusd.256",  # (AVX-VNNI's encoding where that is what the CPU has)
     )
     return builder.call(function, [ir.Constant(lanes, [0] * 8), values, quants])
+
+
+def _offset(kind: int) -> int:
+    """The offset a block's values as dotted carry (taken off as -offset·Σq_x·d·d_x): on VNNI,
+    which multiplies unsigned bytes, Q8_0's are stored + 128; else the format's own."""
+    return 128 if kind == 0 and VNNI else LAYOUTS[kind][4]
 
 
 def _pair_sums(builder, values, quants):
@@ -150,11 +154,14 @@ def _pair_sums(builder, values, quants):
 
 def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
     """One block of one row into its sums: sums (`_LANES`*) += the block's integer sums times
-    d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (Q4_0, Q5_0)."""
+    d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (the others, `_offset`)."""
     quants, x_scale, x_offset, x_shift = activations
     scale = builder.fmul(_half(builder, block), x_scale, flags=_FAST)
     if VNNI:
-        sums_of_block = _quad_sums(builder, _block_bytes(builder, block, kind), quants, kind == 0)
+        values = _block_bytes(builder, block, kind)
+        if kind == 0:  # signed: flipping the top bit gives q + 128 as unsigned bytes
+            values = builder.xor(values, ir.Constant(values.type, [128] * 32))
+        sums_of_block = _quad_sums(builder, values, quants)
     else:
         wide = builder.sext(quants, ir.VectorType(_I32, 32))
         sums_of_block = _pair_sums(builder, _block_values(builder, block, kind), wide)
@@ -170,7 +177,7 @@ def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
 
 
 def _rows_codegen(kind: int):
-    size, offset = LAYOUTS[kind][0], LAYOUTS[kind][4]
+    size, offset = LAYOUTS[kind][0], _offset(kind)
 
     def codegen(context, builder, signature, args):
         weight = context.make_array(signature.args[0])(context, builder, args[0])
