@@ -283,10 +283,10 @@ def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cove
 
 
 @numba.njit(**_INLINE)
-def read_activations(x, kind):  # pragma: no cover (compiled)
+def read_activations(x, kind, tiles):  # pragma: no cover (compiled)
     """(what the products of a weight of code `kind` read of x (N, in): past Q8_READS x quantized
-    as llama.cpp's Q8_0 or Q8_1 (as float32, q·scale), else x itself; the four arrays of
-    `q8_activations`, empty below Q8_READS)."""
+    as llama.cpp's Q8_0 or Q8_1, as float32 (q·scale) where `tiles` multiply dequantized rows
+    by it, else x itself; the four arrays of `q8_activations`, empty below Q8_READS)."""
     tokens, columns = x.shape
     blocks = columns // 32 if kind >= Q8_READS else 0
     quants = np.empty((tokens, blocks * 32), np.int8)
@@ -295,6 +295,8 @@ def read_activations(x, kind):  # pragma: no cover (compiled)
     if kind < Q8_READS:
         return x, (quants, scales, counts, shifts)
     q8_activations(x, quants, scales, counts, shifts)
+    if not tiles:  # (the one-row dots read the quants)
+        return x, (quants, scales, counts, shifts)
     read = np.empty((tokens, columns), np.float32)
     for n in range(tokens):
         for j in range(columns):
@@ -474,8 +476,10 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
     it; from MANY_ROWS rows of x, the task's weight rows dequantized once into a scratch of its
     own first. A kernel of its own, called from the layer kernels (inlined there, its formats'
     loops made their compile time explode)."""
-    read, activations = read_activations(x, kind)
-    sums = block_sums(read)
+    tiles = x.shape[0] >= MANY_ROWS
+    read, activations = read_activations(x, kind, tiles)
+    # each 32 values' Σ of x as read: the float formats' one-row dots and Q8_1's tiles need them
+    sums = block_sums(read) if (kind >= Q8_READS) == tiles else np.empty((x.shape[0], 0), np.float32)
     rows, width = w.shape
     flat = w.reshape(w.size)
     for task in prange((rows + 3) // 4):
@@ -485,7 +489,7 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
             for line in range(0, 4 * width, _LINE):
                 prefetch(flat, ahead + line)
         i1, i2, i3 = min(i0 + 1, rows - 1), min(i0 + 2, rows - 1), min(i0 + 3, rows - 1)
-        if x.shape[0] >= MANY_ROWS:
+        if tiles:
             scratch = np.empty((4, x.shape[1]), np.float32)  # the task's rows, dequantized
             rows_dequantized(w, kind % Q8_READS, i0, i1, i2, i3, scratch)
             for n in range(float_tiles(scratch, read, out, start, i0, i1, i2, i3), x.shape[0]):
