@@ -11,10 +11,11 @@ holds such rows; `QuantizedLinear` and `QuantizedEmbedding` stand in for `nn.Lin
 `nn.Embedding` over them.
 
 A product reads its activations as float32: the dequantized weight's product, exact. A weight
-whose `activations` is "q8" (`read_q8_activations`; a 32-value format) reads them as llama.cpp's
-CPU products do (`q8_activations`): each 32 values as int8 with a float16 scale (Q8_0; Q8_1, for
+whose `activations` is "q8" (`read_q8_activations`) reads them as llama.cpp's CPU products do
+(`q8_activations`): a 32-value format each 32 values as int8 with a float16 scale (Q8_0; Q8_1, for
 the formats with a minimum, also a float16 of the scale times the int8s' sum, which the minimum
-multiplies). That is llama.cpp's arithmetic on the same file, and the kernels then dot integers
+multiplies), a K-quant each 256 as int8 with a float32 scale (Q8_K). That is llama.cpp's
+arithmetic on the same file, and the kernels then dot integers
 (faster); it is an approximation, and rounding is a step function, so answers then move with
 summation order (a cache or not, a batch's size) at near-ties, as llama.cpp's do. The modules'
 own forwards dequantize (with the `gguf` package, the format's own library) a slice of rows at a
@@ -38,8 +39,9 @@ from torch import nn
 #: the block formats kept as stored: (values per block, bytes per block)
 STORED_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                 "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-#: the formats whose products can read Q8_0 activations, and Q8_1's (a float16 minimum in each block)
-Q8_0_KINDS, Q8_1_KINDS = ("Q8_0", "Q4_0", "Q5_0"), ("Q4_1", "Q5_1")
+#: the formats whose products read Q8_0 activations, Q8_1's (a float16 minimum in each block) and
+#: Q8_K's (256 values a block) when they read them as llama.cpp's
+Q8_0_KINDS, Q8_1_KINDS, Q8_K_KINDS = ("Q8_0", "Q4_0", "Q5_0"), ("Q4_1", "Q5_1"), ("Q4_K", "Q5_K", "Q6_K")
 #: how a BlockWeight's products read their activations
 ACTIVATIONS = ("float32", "q8")
 #: rows of a weight dequantized at once by the modules' own forwards (bounds their scratch)
@@ -69,15 +71,13 @@ class BlockWeight:
     rows: int
     columns: int
     blocks: np.ndarray
-    #: "float32", or "q8": as llama.cpp's products read them (a 32-value format only)
+    #: "float32", or "q8": as llama.cpp's products read them
     activations: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.activations not in ACTIVATIONS or (
-            self.activations == "q8" and self.kind not in Q8_0_KINDS + Q8_1_KINDS
-        ):
-            raise ValueError(f"{self.kind} blocks read activations as one of {ACTIVATIONS} ('q8': "
-                             f"{', '.join(Q8_0_KINDS + Q8_1_KINDS)} only), got {self.activations!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"{self.kind} blocks read activations as one of {ACTIVATIONS}, "
+                             f"got {self.activations!r}")
         values, size = STORED_KINDS[self.kind]
         expected = (self.rows, self.columns // values * size)
         if self.columns % values or self.blocks.shape != expected or self.blocks.dtype != np.uint8:
@@ -129,11 +129,14 @@ class BlockWeight:
 
 
 def q8_activations(rows: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """(read, gaps): what a product with a weight of `kind` (a 32-value format) reads of rows
-    (N, in) float32 as llama.cpp's CPU products quantize it: each 32 values q = round(x · 127 /
-    max|x|) (ties to even) times d = max|x| / 127 rounded to float16, read (N, in) float32; for
-    Q4_1 and Q5_1 gaps (N, in / 32) = Q8_1's float16 of (unrounded d)·Σq minus Σ read, what a
-    block's minimum multiplies beyond the read values' sum (else empty)."""
+    """(read, gaps): what a product with a weight of `kind` reads of rows (N, in) float32 as
+    llama.cpp's CPU products quantize it: a 32-value format's each 32 values q = round(x · 127 /
+    max|x|) (ties to even) times d = max|x| / 127 rounded to float16, a K-quant's as
+    `q8_k_activations` says; read (N, in) float32; for Q4_1 and Q5_1 gaps (N, in / 32) = Q8_1's
+    float16 of (unrounded d)·Σq minus Σ read, what a block's minimum multiplies beyond the read
+    values' sum (else empty)."""
+    if kind in Q8_K_KINDS:
+        return q8_k_activations(rows), np.empty((len(rows), 0), np.float32)
     blocks = rows.reshape(len(rows), -1, 32)
     largest = np.abs(blocks).max(axis=-1, keepdims=True)
     inverse = np.divide(np.float32(127.0), largest, out=np.zeros_like(largest), where=largest != 0)
@@ -144,6 +147,19 @@ def q8_activations(rows: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]
         return read.reshape(rows.shape), np.empty((len(rows), 0), np.float32)
     sums = (scale[..., 0] * quants.sum(axis=-1)).astype(np.float16).astype(np.float32)
     return read.reshape(rows.shape), sums - read.sum(axis=-1)
+
+
+def q8_k_activations(rows: np.ndarray) -> np.ndarray:
+    """rows (N, in) float32 as llama.cpp's Q8_K holds them, read back (N, in) float32: each 256
+    values q = min(127, round(x · s)) (ties to even), s = -127 / m with m the first value of the
+    largest magnitude, times d = 1 / s (float32; all 0 where every value is)."""
+    blocks = rows.reshape(len(rows), -1, 256)
+    first = np.abs(blocks).argmax(axis=-1)[..., None]  # (argmax: the first, as llama.cpp's strict >)
+    largest = np.take_along_axis(blocks, first, axis=-1)
+    scale = np.divide(np.float32(-127.0), largest, out=np.zeros_like(largest), where=largest != 0)
+    quants = np.minimum(np.rint(blocks * scale), np.float32(127.0))
+    step = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale != 0)
+    return (quants * step).reshape(rows.shape)
 
 
 class QuantizedLinear(nn.Module):
@@ -216,12 +232,11 @@ def stored_summary(model: nn.Module) -> str | None:
 
 
 def read_q8_activations(model: nn.Module) -> int:
-    """Make every QuantizedLinear of `model` over a 32-value format read its activations as
-    llama.cpp's products do (`BlockWeight.activations` "q8"; the blocks shared, not copied);
-    return how many now do. K-quant weights keep float32 activations."""
+    """Make every QuantizedLinear of `model` read its activations as llama.cpp's products do
+    (`BlockWeight.activations` "q8"; the blocks shared, not copied); return how many now do."""
     changed = 0
     for module in model.modules():
-        if isinstance(module, QuantizedLinear) and module.weight_blocks.kind in Q8_0_KINDS + Q8_1_KINDS:
+        if isinstance(module, QuantizedLinear):
             module.weight_blocks = replace(module.weight_blocks, activations="q8")
             changed += 1
     return changed

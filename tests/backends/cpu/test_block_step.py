@@ -54,14 +54,24 @@ def test_the_tests_k_quant_blocks_are_the_formats_own(kind):
     assert np.abs(back - values).max() <= 2.5 * (values.max() - values.min()) / levels
 
 
-Q8_KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+Q8_KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _as_llama_cpp_reads(x: np.ndarray, parts: list[np.ndarray], kind: str) -> tuple[np.ndarray, np.ndarray]:
     """(x as llama.cpp's CPU products read it, float64; what each block's float16 minimum adds to
     the product, (N, out) float64), from the formats' rules: a 32-value format's activations are
     Q8_0 (Q8_1 for Q4_1, Q5_1): each 32 values q = round(x · 127 / max|x|), d = max|x| / 127
-    stored as float16; Q8_1 also s = float16(d · Σq), which the minimum multiplies."""
+    stored as float16; Q8_1 also s = float16(d · Σq), which the minimum multiplies. A K-quant's
+    are Q8_K: each 256 values q = min(127, round(x · -127 / m)), m the first value of the largest
+    magnitude, d = 1 / (-127 / m) as float32."""
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        read = []
+        for block in x.astype(np.float32).reshape(-1, 256):
+            m = block[np.argmax(np.abs(block))]
+            s = np.float32(-127.0) / m if m != 0 else np.float32(0.0)
+            q = np.minimum(np.rint(block * s), 127.0)
+            read.append(q.astype(np.float64) * (np.float64(np.float32(1.0) / s) if m != 0 else 0.0))
+        return np.concatenate(read).reshape(x.shape), 0.0
     groups = x.astype(np.float32).reshape(len(x), -1, 32)
     largest = np.abs(groups).max(axis=2, keepdims=True)
     safe = np.where(largest > 0, largest, np.float32(1.0))
@@ -126,17 +136,23 @@ def q8_dots_against_llama_cpps_rules() -> bool:
     from kvcache.backends.cpu import numba_q8
 
     dots = {"Q8_0": numba_q8.q8_0_rows, "Q4_0": numba_q8.q4_0_rows, "Q4_1": numba_q8.q4_1_rows,
-            "Q5_0": numba_q8.q5_0_rows, "Q5_1": numba_q8.q5_1_rows}
+            "Q5_0": numba_q8.q5_0_rows, "Q5_1": numba_q8.q5_1_rows, "Q4_K": numba_q8.q4_k_rows,
+            "Q5_K": numba_q8.q5_k_rows, "Q6_K": numba_q8.q6_k_rows}
     rng = np.random.default_rng(7)
     for kind, dot in dots.items():
         def four(w, quants, scales, counts, shifts, dot=dot):
             return dot(w, np.int64(0), np.int64(1), np.int64(2), np.int64(3), quants, scales, counts, shifts)
 
-        w = _blocks(rng, kind, 4, 32 * 5)
-        x = rng.standard_normal((1, 32 * 5)).astype(np.float32)
+        columns = STORED_KINDS[kind][0] * 2
+        w = _blocks(rng, kind, 4, columns)
+        x = rng.standard_normal((1, columns)).astype(np.float32)
         quants = np.empty(x.shape, np.int8)
-        scales, counts, shifts = (np.empty((1, 5), np.float32) for _ in range(3))
-        numba_q8.q8_activations(x, quants, scales, counts, shifts)
+        if kind.endswith("_K"):
+            scales, counts, shifts = (np.empty((1, columns // n), np.float32) for n in (256, 16, 1 << 30))
+            numba_q8.q8_k_activations(x, quants, scales, counts)
+        else:
+            scales, counts, shifts = (np.empty((1, columns // 32), np.float32) for _ in range(3))
+            numba_q8.q8_activations(x, quants, scales, counts, shifts)
         got = np.array(numba.njit(four)(w, quants[0], scales[0], counts[0], shifts[0]), np.float64)
         read, minimum_shares = _as_llama_cpp_reads(x, [w], kind)
         weight = dequantize(w, GGMLQuantizationType[kind]).astype(np.float64)
@@ -179,13 +195,11 @@ def test_vnni_is_read_from_the_features_numba_compiles_for(monkeypatch):
 def test_q8_activations_are_refused_where_they_do_not_apply(block_files, checkpoints):
     blocks = np.zeros((2, 144), np.uint8)
     with pytest.raises(ValueError, match="q8"):
-        BlockWeight("Q4_K", 2, 256, blocks, "q8")
+        BlockWeight("Q4_K", 2, 256, blocks, "int4")
     with pytest.raises(ValueError, match="activations"):
         load_model(block_files["Q4_1"], activations="int4")
     with pytest.raises(ValueError, match="without a dtype"):
         load_model(block_files["Q4_1"], dtype="float32", activations="q8")
-    with pytest.raises(ValueError, match="Q4_K"):
-        numba_products.block_part_of(blocks, "Q4_K", q8=True)
     with pytest.raises(ValueError, match="folder"):
         load_model(checkpoints["llama"][0], activations="q8")
 

@@ -2,8 +2,8 @@
 weight row's blocks read from their stored bytes (scales widened from float16 bits, the K-quants'
 6-bit scales unpacked), four weight rows dotted with one activation row in one pass, the
 activations float32 (the dequantized weight's product, summed in another order); or, for a
-32-value format whose code is past Q8_READS, the activations quantized as llama.cpp's products
-read them (integer dots, `numba_q8`). Imported only with the kernels.
+code past Q8_READS, the activations quantized as llama.cpp's products read them (integer dots,
+`numba_q8`). Imported only with the kernels.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 numba_blocks.py.
@@ -17,14 +17,18 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: Q8_0 as unsigned bytes + 128 on VNNI)
+# checkout to recompile them (the last such change: the K-quants' Q8_K dots)
 from kvcache.backends.cpu.numba_q8 import (
     q4_0_rows,
     q4_1_rows,
+    q4_k_rows,
     q5_0_rows,
     q5_1_rows,
+    q5_k_rows,
+    q6_k_rows,
     q8_0_rows,
     q8_activations,
+    q8_k_activations,
 )
 from kvcache.backends.cpu.numba_values import FLAGS, float16_widened, prefetch
 from kvcache.model.quantized import STORED_KINDS
@@ -267,10 +271,17 @@ def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations):  # pragma: n
 
 @numba.njit(**_CALLED)
 def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cover (compiled)
-    """Rows i0..i3 of a 32-value format's weight dotted with row n of Q8 activations (called,
-    not inlined, as the K-quants' loops are: compiled once, not inside every `blocks_product`)."""
+    """Rows i0..i3 of a weight of `kind` dotted with row n of Q8 activations (Q8_K's for a
+    K-quant; called, not inlined, as the K-quants' float loops are: compiled once, not inside
+    every `blocks_product`)."""
     quants, scales, counts, shifts = (activations[0][n], activations[1][n], activations[2][n],
                                       activations[3][n])
+    if kind == Q4_K:
+        return q4_k_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+    if kind == Q5_K:
+        return q5_k_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+    if kind == Q6_K:
+        return q6_k_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
     if kind == Q8_0:
         return q8_0_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
     if kind == Q4_0:
@@ -285,22 +296,29 @@ def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cove
 @numba.njit(**_INLINE)
 def read_activations(x, kind, tiles):  # pragma: no cover (compiled)
     """(what the products of a weight of code `kind` read of x (N, in): past Q8_READS x quantized
-    as llama.cpp's Q8_0 or Q8_1, as float32 (q·scale) where `tiles` multiply dequantized rows
-    by it, else x itself; the four arrays of `q8_activations`, empty below Q8_READS)."""
+    as llama.cpp's Q8_0 or Q8_1 (Q8_K for a K-quant), as float32 (q·scale) where `tiles`
+    multiply dequantized rows by it, else x itself; the four arrays of `q8_activations` (of
+    `q8_k_activations` and an empty one for a K-quant), empty below Q8_READS)."""
     tokens, columns = x.shape
-    blocks = columns // 32 if kind >= Q8_READS else 0
-    quants = np.empty((tokens, blocks * 32), np.int8)
+    k_quant = kind >= Q8_READS + Q4_K
+    group = 256 if k_quant else 32
+    blocks = columns // group if kind >= Q8_READS else 0
+    quants = np.empty((tokens, blocks * group), np.int8)
     scales = np.empty((tokens, blocks), np.float32)
-    counts, shifts = np.empty_like(scales), np.empty_like(scales)
+    counts = np.empty((tokens, columns // 16 if k_quant else blocks), np.float32)
+    shifts = np.empty((tokens, 0 if k_quant else blocks), np.float32)
     if kind < Q8_READS:
         return x, (quants, scales, counts, shifts)
-    q8_activations(x, quants, scales, counts, shifts)
+    if k_quant:
+        q8_k_activations(x, quants, scales, counts)
+    else:
+        q8_activations(x, quants, scales, counts, shifts)
     if not tiles:  # (the one-row dots read the quants)
         return x, (quants, scales, counts, shifts)
     read = np.empty((tokens, columns), np.float32)
     for n in range(tokens):
         for j in range(columns):
-            read[n, j] = np.float32(quants[n, j]) * scales[n, j // 32]
+            read[n, j] = np.float32(quants[n, j]) * scales[n, j // group]
     return read, (quants, scales, counts, shifts)
 
 

@@ -162,11 +162,7 @@ def block_part_of(blocks: np.ndarray, kind: str, q8: bool = False) -> tuple[np.n
     blocks, read-only as a mapped file's are, and the format's code in `numba_blocks.CODES`,
     plus `numba_blocks.Q8_READS` when q8: its products read activations as llama.cpp's)."""
     from kvcache.backends.cpu.numba_blocks import CODES, Q8_READS
-    from kvcache.model.quantized import Q8_0_KINDS, Q8_1_KINDS
 
-    if q8 and kind not in Q8_0_KINDS + Q8_1_KINDS:
-        readers = ", ".join(Q8_0_KINDS + Q8_1_KINDS)
-        raise ValueError(f"Q8 activations are read by {readers} blocks, not {kind}")
     if blocks.flags.writeable:  # (one array type for every part: the kernels compile once)
         blocks = blocks.view()
         blocks.setflags(write=False)

@@ -71,6 +71,29 @@ def q8_activations(x, quants, scales, counts, shifts):  # pragma: no cover (comp
             shifts[n, b] = float16_widened(float16_rounded(scale * np.float32(total)))
 
 
+@numba.njit(**_INLINE)
+def q8_k_activations(x, quants, scales, counts):  # pragma: no cover (compiled)
+    """Each 256 values of each row of x (N, in) as llama.cpp's Q8_K holds them: quants (N, in)
+    int8 = min(127, round(x · s)) (ties to even), s = -127 / m with m the first value of the
+    largest magnitude; scales (N, in / 256) 1 / s (0 where every value is); counts (N, in / 16)
+    the sum of each 16 quants; float32."""
+    for n in range(x.shape[0]):
+        for b in range(x.shape[1] // 256):
+            largest, signed = np.float32(0.0), np.float32(0.0)
+            for j in range(b * 256, b * 256 + 256):
+                if abs(x[n, j]) > largest:
+                    largest, signed = abs(x[n, j]), x[n, j]
+            inverse = quotient(np.float32(-127.0), signed) if largest != 0 else np.float32(0.0)
+            scales[n, b] = quotient(np.float32(1.0), inverse) if largest != 0 else np.float32(0.0)
+            for g in range(b * 16, b * 16 + 16):
+                total = 0
+                for j in range(g * 16, g * 16 + 16):
+                    q = np.int8(min(np.rint(x[n, j] * inverse), np.float32(127.0)))
+                    quants[n, j] = q
+                    total += q
+                counts[n, g] = np.float32(total)
+
+
 def _splat(builder, value, lanes: int):
     """<lanes x value's type>, every lane `value`."""
     vector = ir.VectorType(value.type, lanes)
@@ -152,6 +175,15 @@ def _pair_sums(builder, values, quants):
     return builder.add(*products)
 
 
+def _integer_sums(builder, values, quants):
+    """<_LANES x i32>: values <32 x i8> (unsigned) times quants <32 x i8> (signed), summed in
+    fours (VNNI) or in pairs; either way the lanes in the values' order."""
+    if VNNI:
+        return _quad_sums(builder, values, quants)
+    wide = ir.VectorType(_I32, 32)
+    return _pair_sums(builder, builder.zext(values, wide), builder.sext(quants, wide))
+
+
 def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
     """One block of one row into its sums: sums (`_LANES`*) += the block's integer sums times
     d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (the others, `_offset`)."""
@@ -176,8 +208,109 @@ def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
     builder.store(builder.fadd(builder.load(extra), part, flags=_FAST), extra)
 
 
+def _const(value: int, lanes: int | None = None, kind=_I8):
+    """An integer constant of `kind`: one value, or a vector of `lanes` of it."""
+    if lanes is None:
+        return ir.Constant(kind, value)
+    return ir.Constant(ir.VectorType(kind, lanes), [value] * lanes)
+
+
+def _byte(builder, block, at: int):
+    """The byte at block + at as an i32 (unsigned)."""
+    return builder.zext(_load(builder, _at(builder, block, at), _I8), _I32)
+
+
+def _k_scale_min(builder, block, s: int):
+    """Q4_K's and Q5_K's sub-block s scale and minimum (i32), 6-bit integers packed in the 12
+    bytes after d and dmin (s < 4: the low 6 bits of bytes s and s + 4; else 4 bits of byte
+    s + 4 and the top 2 of bytes s - 4 and s)."""
+    if s < 4:
+        return (builder.and_(_byte(builder, block, 4 + s), _const(63, kind=_I32)),
+                builder.and_(_byte(builder, block, 8 + s), _const(63, kind=_I32)))
+    packed, six = _byte(builder, block, 8 + s), _const(6, kind=_I32)
+    top_scale = builder.shl(builder.lshr(_byte(builder, block, s), six), _const(4, kind=_I32))
+    top_minimum = builder.shl(builder.lshr(_byte(builder, block, 4 + s), six), _const(4, kind=_I32))
+    return (builder.or_(builder.and_(packed, _const(15, kind=_I32)), top_scale),
+            builder.or_(builder.lshr(packed, _const(4, kind=_I32)), top_minimum))
+
+
+def _nibbles(builder, packed, high: bool):
+    """The low (or high) 4 bits of each byte of packed <32 x i8>."""
+    return builder.lshr(packed, _const(4, 32)) if high else builder.and_(packed, _const(15, 32))
+
+
+def _scaled_into(builder, sums, integers, scale) -> None:
+    """sums (`_LANES`*) += the integer lanes as float32 times scale."""
+    scaled = builder.fmul(builder.sitofp(integers, _LANES), _splat(builder, scale, _LANES.count), flags=_FAST)
+    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
+
+
+def _k4_block(builder, kind: int, block, quants, x_scale, counts, sums, extra) -> None:
+    """A Q4_K or Q5_K block (256 values) of one row into its sums: d·d_x·Σ_s scale_s·Σq·q_x in
+    integers, and extra -= dmin·d_x·Σ_s min_s·Σq_x (the sub-block's two counts of 16)."""
+    integers = ir.Constant(ir.VectorType(_I32, _LANES.count), [0] * _LANES.count)
+    minimum = ir.Constant(_F32, 0.0)
+    fifth = _load(builder, _at(builder, block, 16), _I8, 32) if kind == 6 else None
+    for s in range(8):
+        scale, low = _k_scale_min(builder, block, s)
+        packed = _load(builder, _at(builder, block, (48 if kind == 6 else 16) + (s // 2) * 32), _I8, 32)
+        values = _nibbles(builder, packed, s % 2 == 1)
+        if fifth is not None:  # bit s of each of the 32 bytes: the values' fifth bits
+            bit = builder.and_(builder.lshr(fifth, _const(s, 32)), _const(1, 32))
+            values = builder.or_(values, builder.shl(bit, _const(4, 32)))
+        x = _load(builder, _at(builder, quants, s * 32), _I8, 32)
+        dots = _integer_sums(builder, values, x)
+        integers = builder.add(integers, builder.mul(dots, _splat(builder, scale, _LANES.count)))
+        count = builder.fadd(builder.load(_at(builder, counts, 2 * s)),
+                             builder.load(_at(builder, counts, 2 * s + 1)), flags=_FAST)
+        share = builder.fmul(builder.sitofp(low, _F32), count, flags=_FAST)
+        minimum = builder.fadd(minimum, share, flags=_FAST)
+    _scaled_into(builder, sums, integers, builder.fmul(_half(builder, block), x_scale, flags=_FAST))
+    shift = builder.fmul(builder.fmul(_half(builder, _at(builder, block, 2)), x_scale, flags=_FAST), minimum,
+                         flags=_FAST)
+    builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
+
+
+def _q6_block(builder, block, quants, x_scale, counts, sums, extra) -> None:
+    """A Q6_K block (256 values; 128 bytes of low bits, 64 of high, 16 int8 scales, d) of one row
+    into its sums: d·d_x·Σ_j scale_j·Σ q·q_x over its groups of 16 in integers (q unsigned, 0..63),
+    and extra -= 32·d·d_x·Σ_j scale_j·Σq_x (the offset q carries)."""
+    lanes = _LANES.count
+    integers = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
+    offsets = ir.Constant(_F32, 0.0)
+    halves = ir.Constant(ir.VectorType(_I32, lanes), [0] * (lanes // 2) + [lanes] * (lanes // 2))
+    for half in range(2):
+        low_bits = [_load(builder, _at(builder, block, 64 * half + 32 * t), _I8, 32) for t in range(2)]
+        high_bits = _load(builder, _at(builder, block, 128 + 32 * half), _I8, 32)
+        for t in range(4):
+            g = 4 * half + t
+            high = builder.and_(builder.lshr(high_bits, _const(2 * t, 32)), _const(3, 32))
+            values = builder.or_(_nibbles(builder, low_bits[t % 2], t >= 2), builder.shl(high, _const(4, 32)))
+            dots = _integer_sums(builder, values, _load(builder, _at(builder, quants, g * 32), _I8, 32))
+            first, second = (builder.sext(_load(builder, _at(builder, block, 192 + 2 * g + j), _I8), _I32)
+                             for j in range(2))
+            scales = builder.shuffle_vector(
+                _splat(builder, first, lanes), _splat(builder, second, lanes), halves)
+            integers = builder.add(integers, builder.mul(dots, scales))
+            for j, scale in enumerate((first, second)):
+                count = builder.load(_at(builder, counts, 2 * g + j))
+                offsets = builder.fadd(offsets, builder.fmul(builder.sitofp(scale, _F32), count, flags=_FAST),
+                                       flags=_FAST)
+    step = builder.fmul(_half(builder, _at(builder, block, 208)), x_scale, flags=_FAST)
+    _scaled_into(builder, sums, integers, step)
+    shift = builder.fmul(builder.fmul(step, ir.Constant(_F32, 32.0), flags=_FAST), offsets, flags=_FAST)
+    builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
+
+
+#: the K-quants' block bytes, by their codes in `numba_blocks.CODES` (Q4_K, Q5_K, Q6_K)
+K_BLOCK_BYTES = {5: 144, 6: 176, 7: 210}
+
+
 def _rows_codegen(kind: int):
-    size, offset = LAYOUTS[kind][0], _offset(kind)
+    """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
+    of 32 a step (`_add_block`), the K-quants a block of 256 (`_k4_block`, `_q6_block`)."""
+    k_quant = kind in K_BLOCK_BYTES
+    size, group = (K_BLOCK_BYTES[kind], 256) if k_quant else (LAYOUTS[kind][0], 32)
 
     def codegen(context, builder, signature, args):
         weight = context.make_array(signature.args[0])(context, builder, args[0])
@@ -190,33 +323,46 @@ def _rows_codegen(kind: int):
         extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
         with cgutils.for_range(builder, builder.extract_value(scales.shape, 0)) as loop:
             b = loop.index
-            x = _load(builder, _at(builder, quants.data, builder.mul(b, ir.Constant(_I64, 32))), _I8, 32)
-            count = builder.load(_at(builder, counts.data, b))
-            activations = (
-                x,
-                builder.load(_at(builder, scales.data, b)),
-                builder.fmul(count, ir.Constant(_F32, -offset), flags=_FAST),
-                builder.load(_at(builder, shifts.data, b)),
-            )
+            x_quants = _at(builder, quants.data, builder.mul(b, ir.Constant(_I64, group)))
+            x_scale = builder.load(_at(builder, scales.data, b))
+            if not k_quant:
+                count = builder.load(_at(builder, counts.data, b))
+                activations = (
+                    _load(builder, x_quants, _I8, 32), x_scale,
+                    builder.fmul(count, ir.Constant(_F32, -_offset(kind)), flags=_FAST),
+                    builder.load(_at(builder, shifts.data, b)),
+                )
+            x_counts = _at(builder, counts.data, builder.mul(b, ir.Constant(_I64, 16)))
             for row, row_sums, extra in zip(rows, sums, extras):
                 block = _at(builder, row, builder.mul(b, ir.Constant(_I64, size)))
-                _add_block(builder, kind, block, activations, row_sums, extra)
-        results = []
-        for row_sums, extra in zip(sums, extras):
-            lanes, result = builder.load(row_sums), builder.load(extra)
-            for lane in range(_LANES.count):
-                value = builder.extract_element(lanes, ir.Constant(_I32, lane))
-                result = builder.fadd(result, value, flags=_FAST)
-            results.append(result)
-        return context.make_tuple(builder, signature.return_type, results)
+                if kind == 7:
+                    _q6_block(builder, block, x_quants, x_scale, x_counts, row_sums, extra)
+                elif k_quant:
+                    _k4_block(builder, kind, block, x_quants, x_scale, x_counts, row_sums, extra)
+                else:
+                    _add_block(builder, kind, block, activations, row_sums, extra)
+        return context.make_tuple(builder, signature.return_type, _reduced(builder, sums, extras))
 
     return codegen
 
 
+def _reduced(builder, sums, extras) -> list:
+    """Each row's float lanes summed, plus its extra: four float32."""
+    results = []
+    for row_sums, extra in zip(sums, extras):
+        lanes, result = builder.load(row_sums), builder.load(extra)
+        for lane in range(_LANES.count):
+            value = builder.extract_element(lanes, ir.Constant(_I32, lane))
+            result = builder.fadd(result, value, flags=_FAST)
+        results.append(result)
+    return results
+
+
 def _rows_intrinsic(kind: int):
-    """The intrinsic dotting four rows of a weight of `kind` (a 32-value format) with one row
-    of Q8 activations: (w, i0, i1, i2, i3, quants, scales, counts, shifts) -> four float32
-    (w (rows, row bytes) uint8; the activations one row of `q8_activations`' arrays)."""
+    """The intrinsic dotting four rows of a weight of `kind` with one row of Q8 activations:
+    (w, i0, i1, i2, i3, quants, scales, counts, shifts) -> four float32 (w (rows, row bytes)
+    uint8; the activations one row of `q8_activations`' arrays, or of `q8_k_activations`' for a
+    K-quant, whose shifts are not read)."""
 
     def rows(typingctx, w, i0, i1, i2, i3, quants, scales, counts, shifts):
         indices = (i0, i1, i2, i3)
@@ -232,4 +378,6 @@ def _rows_intrinsic(kind: int):
     return intrinsic(rows)
 
 
-q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows = (_rows_intrinsic(kind) for kind in range(5))
+q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows, q4_k_rows, q5_k_rows, q6_k_rows = (
+    _rows_intrinsic(kind) for kind in range(8)
+)
