@@ -20,8 +20,8 @@ def add_q8_activations(parser) -> None:
     (`kvcache.model.load_model`'s activations="q8"); `activations_of` reads it."""
     parser.add_argument(
         "--q8-activations", action="store_true",
-        help="multiply a GGUF's Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (kept as blocks) by activations "
-        "rounded to 8 bits each 32 values, as llama.cpp's CPU products do: its arithmetic and about its "
+        help="multiply a GGUF's weights kept as blocks by activations rounded to 8 bits (each 32 values; "
+        "each 256 for the K-quants), as llama.cpp's CPU products do: its arithmetic and about its "
         "speed, an approximation of the exact float path (answers can part from it at near-ties); "
         "default: float32 activations, exact",
     )

@@ -1,10 +1,10 @@
 """Activations quantized as llama.cpp quantizes them for its products with ggml blocks (Q8_0 and
-Q8_1: each 32 values as int8 with a float16 scale), and four weight rows of a 32-value format
-dotted with one such row as integer vectors: a block's 32 products summed in int32 lanes (in
-fours by VNNI's vpdpbusd where the target CPU has it, else in pairs), widened to float32 once a
-block and scaled by both scales. The dots are LLVM vector IR (numba intrinsics): numba's own
-integer arithmetic widens to 64 bits, which vector units multiply slowly. Imported only with
-the kernels.
+Q8_1: each 32 values as int8 with a float16 scale; Q8_K, for the K-quants: each 256 with a
+float32 one), and four weight rows dotted with one such row as integer vectors: each 32 products
+summed in int32 lanes (in fours by VNNI's vpdpbusd where the target CPU has it, else in pairs),
+a K-quant's times its sub-blocks' integer scales, widened to float32 once a block and scaled by
+both scales. The dots are LLVM vector IR (numba intrinsics): numba's own integer arithmetic
+widens to 64 bits, which vector units multiply slowly. Imported only with the kernels.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 numba_q8.py.
@@ -19,8 +19,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvcache.backends.cpu.numba_values import FLAGS, float16_rounded, float16_widened, quotient
+from kvcache.model.quantized import STORED_KINDS
 
 _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
+#: the K-quants' codes in `numba_blocks.CODES`
+_Q4_K, _Q5_K, _Q6_K = 5, 6, 7
 #: the 32-value formats, by their codes in `numba_blocks.CODES`: (block bytes, where the q bytes
 #: start, the float16 minimum's byte or -1, the fifth bits' byte or -1, the offset q carries)
 LAYOUTS = {0: (34, 2, -1, -1, 0), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
@@ -250,10 +253,10 @@ def _k4_block(builder, kind: int, block, quants, x_scale, counts, sums, extra) -
     integers, and extra -= dmin·d_x·Σ_s min_s·Σq_x (the sub-block's two counts of 16)."""
     integers = ir.Constant(ir.VectorType(_I32, _LANES.count), [0] * _LANES.count)
     minimum = ir.Constant(_F32, 0.0)
-    fifth = _load(builder, _at(builder, block, 16), _I8, 32) if kind == 6 else None
+    fifth = _load(builder, _at(builder, block, 16), _I8, 32) if kind == _Q5_K else None
     for s in range(8):
         scale, low = _k_scale_min(builder, block, s)
-        packed = _load(builder, _at(builder, block, (48 if kind == 6 else 16) + (s // 2) * 32), _I8, 32)
+        packed = _load(builder, _at(builder, block, (48 if kind == _Q5_K else 16) + (s // 2) * 32), _I8, 32)
         values = _nibbles(builder, packed, s % 2 == 1)
         if fifth is not None:  # bit s of each of the 32 bytes: the values' fifth bits
             bit = builder.and_(builder.lshr(fifth, _const(s, 32)), _const(1, 32))
@@ -302,8 +305,9 @@ def _q6_block(builder, block, quants, x_scale, counts, sums, extra) -> None:
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
-#: the K-quants' block bytes, by their codes in `numba_blocks.CODES` (Q4_K, Q5_K, Q6_K)
-K_BLOCK_BYTES = {5: 144, 6: 176, 7: 210}
+#: the K-quants' block bytes, by their codes in `numba_blocks.CODES`
+K_BLOCK_BYTES = {code: STORED_KINDS[kind][1]
+                 for code, kind in ((_Q4_K, "Q4_K"), (_Q5_K, "Q5_K"), (_Q6_K, "Q6_K"))}
 
 
 def _rows_codegen(kind: int):
@@ -335,7 +339,7 @@ def _rows_codegen(kind: int):
             x_counts = _at(builder, counts.data, builder.mul(b, ir.Constant(_I64, 16)))
             for row, row_sums, extra in zip(rows, sums, extras):
                 block = _at(builder, row, builder.mul(b, ir.Constant(_I64, size)))
-                if kind == 7:
+                if kind == _Q6_K:
                     _q6_block(builder, block, x_quants, x_scale, x_counts, row_sums, extra)
                 elif k_quant:
                     _k4_block(builder, kind, block, x_quants, x_scale, x_counts, row_sums, extra)
