@@ -453,31 +453,38 @@ def put(out, n, start, i0, i1, i2, i3, sums):  # pragma: no cover (compiled)
 
 
 @numba.njit(**_INLINE)
-def minimum_shares(w, kind, i0, i1, i2, i3, out, start, sums, shifts):  # pragma: no cover (compiled)
-    """For Q4_1 and Q5_1 read with Q8 activations, out[n, start + i] += Σ_b m_b·(shifts[n, b] -
-    sums[n, b]) for rows i0..i3: a block's minimum times Q8_1's float16 sum (`q8_activations`)
-    where a dequantized row's product with the activations read (sums: their Σ each 32) gave it
-    times their exact sum; so products through dequantized rows equal the one-row dots'. Nothing
-    for the other codes."""
+def minimum_gaps(kind, sums, shifts):  # pragma: no cover (compiled)
+    """(in / 32, N) float32: for Q4_1 and Q5_1 read with Q8 activations, Q8_1's float16 sum of
+    each 32 values (shifts, `q8_activations`) minus the sum of the values as read (sums), which
+    a block's minimum multiplies beyond what a dequantized row's product gives it; transposed, so
+    a task's loop over the activation rows reads it in order. Empty for the other codes."""
     if kind != Q8_READS + Q4_1 and kind != Q8_READS + Q5_1:
+        return np.empty((0, sums.shape[0]), np.float32)
+    return np.ascontiguousarray((shifts - sums).T)
+
+
+@numba.njit(**_INLINE)
+def minimum_shares(w, kind, i0, i1, i2, i3, out, start, gaps):  # pragma: no cover (compiled)
+    """out[n, start + i] += Σ_b m_b·gaps[b, n] for rows i0..i3 (`minimum_gaps`; nothing where
+    they are empty): a block's minimum times Q8_1's float16 sum where the product of a dequantized
+    row gave it times the exact sum, so products through dequantized rows equal the one-row dots'."""
+    if gaps.shape[0] == 0:
         return
-    size = BLOCK_BYTES[kind - Q8_READS]
-    for n in range(sums.shape[0]):
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for b in range(sums.shape[1]):
-            gap, at = shifts[n, b] - sums[n, b], b * size + 2
-            a0 += half_at(w, i0, at) * gap
-            a1 += half_at(w, i1, at) * gap
-            a2 += half_at(w, i2, at) * gap
-            a3 += half_at(w, i3, at) * gap
-        # (a repeated last row is written once more: its share added once to its own)
-        out[n, start + i0] += a0
+    size, tokens = BLOCK_BYTES[kind - Q8_READS], gaps.shape[1]
+    shares = np.zeros((4, tokens), np.float32)
+    for r, i in enumerate((i0, i1, i2, i3)):
+        for b in range(gaps.shape[0]):
+            minimum = half_at(w, i, b * size + 2)
+            for n in range(tokens):
+                shares[r, n] += minimum * gaps[b, n]
+    for n in range(tokens):  # (a repeated last row is written once more: its share added once)
+        out[n, start + i0] += shares[0, n]
         if i1 != i0:
-            out[n, start + i1] += a1
+            out[n, start + i1] += shares[1, n]
         if i2 != i1:
-            out[n, start + i2] += a2
+            out[n, start + i2] += shares[2, n]
         if i3 != i2:
-            out[n, start + i3] += a3
+            out[n, start + i3] += shares[3, n]
 
 
 #: from this many activation rows a task dequantizes its four weight rows once and dots the float
@@ -498,6 +505,7 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
     read, activations = read_activations(x, kind, tiles)
     # each 32 values' Σ of x as read: the float formats' one-row dots and Q8_1's tiles need them
     sums = block_sums(read) if (kind >= Q8_READS) == tiles else np.empty((x.shape[0], 0), np.float32)
+    gaps = minimum_gaps(kind, sums, activations[3]) if tiles else np.empty((0, 0), np.float32)
     rows, width = w.shape
     flat = w.reshape(w.size)
     for task in prange((rows + 3) // 4):
@@ -512,7 +520,7 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
             rows_dequantized(w, kind % Q8_READS, i0, i1, i2, i3, scratch)
             for n in range(float_tiles(scratch, read, out, start, i0, i1, i2, i3), x.shape[0]):
                 put(out, n, start, i0, i1, i2, i3, float_rows(scratch, read, n))
-            minimum_shares(w, kind, i0, i1, i2, i3, out, start, sums, activations[3])
+            minimum_shares(w, kind, i0, i1, i2, i3, out, start, gaps)
         else:
             for n in range(x.shape[0]):
                 found = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations)
