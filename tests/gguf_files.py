@@ -83,11 +83,13 @@ def _q45_k(blocks: np.ndarray, top: int) -> np.ndarray:
 
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
     """Q6_K blocks of (n, 256) values: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
-    scales (one per 16 values), d."""
+    scales (one per 16 values), d; every other block with d and its scales negative, as
+    llama.cpp's own files mostly have them."""
     groups = blocks.reshape(-1, 16, 16)
     steps = np.abs(groups).max(-1) / 31
-    d = (np.maximum(steps.max(-1), 1e-8) / 127).astype(np.float16).astype(np.float32)
-    scale = np.clip(np.rint(steps / d[:, None]), 1, 127).astype(np.int8)
+    sign = np.where(np.arange(len(groups)) % 2 == 1, -1.0, 1.0).astype(np.float32)
+    d = (sign * np.maximum(steps.max(-1), 1e-8) / 127).astype(np.float16).astype(np.float32)
+    scale = (sign[:, None] * np.clip(np.rint(np.abs(steps / d[:, None])), 1, 127)).astype(np.int8)
     step = (d[:, None] * scale)[..., None]
     q = (np.clip(np.rint(groups / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # half, t, k
     low = np.empty((len(blocks), 2, 64), np.uint8)

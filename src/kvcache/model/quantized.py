@@ -39,9 +39,9 @@ from torch import nn
 #: the block formats kept as stored: (values per block, bytes per block)
 STORED_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                 "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-#: the formats whose products read Q8_0 activations, Q8_1's (a float16 minimum in each block) and
-#: Q8_K's (256 values a block) when they read them as llama.cpp's
-Q8_0_KINDS, Q8_1_KINDS, Q8_K_KINDS = ("Q8_0", "Q4_0", "Q5_0"), ("Q4_1", "Q5_1"), ("Q4_K", "Q5_K", "Q6_K")
+#: the formats whose products read Q8_1 activations (a float16 minimum in each block) and Q8_K's
+#: (256 values a block) when they read them as llama.cpp's; the others read Q8_0's
+Q8_1_KINDS, Q8_K_KINDS = ("Q4_1", "Q5_1"), ("Q4_K", "Q5_K", "Q6_K")
 #: how a BlockWeight's products read their activations
 ACTIVATIONS = ("float32", "q8")
 #: rows of a weight dequantized at once by the modules' own forwards (bounds their scratch)

@@ -17,7 +17,7 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: the K-quants' Q8_K dots)
+# checkout to recompile them (the last such change: vpdpbusd declared with i32 operands)
 from kvcache.backends.cpu.numba_q8 import (
     q4_0_rows,
     q4_1_rows,
@@ -247,9 +247,10 @@ def q6_block_rows(w, i0, i1, i2, i3, x, n):  # pragma: no cover (compiled)
 @numba.njit(**_INLINE)
 def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations):  # pragma: no cover (compiled)
     """Rows i0..i3 of a weight of `kind` dotted with x row n (sums (N, in / 32): each 32 values'
-    Σx), each format's loops compiled apart (`kind` a constant in each branch): a code past
-    Q8_READS on `numba_q8`'s integer dots with its Q8 activations (the four arrays of
-    `q8_activations`), the others on `block_rows`, `k_block_rows` and `q6_block_rows`."""
+    Σx, read by the float formats only), each format's loops compiled apart (`kind` a constant
+    in each branch): a code past Q8_READS on `numba_q8`'s integer dots with its Q8 activations
+    (the four arrays of `read_activations`), the others on `block_rows`, `k_block_rows` and
+    `q6_block_rows`."""
     if kind >= Q8_READS:
         return q8_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, n, activations)
     if kind == Q4_K:
@@ -504,7 +505,9 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
     tiles = x.shape[0] >= MANY_ROWS
     read, activations = read_activations(x, kind, tiles)
     # each 32 values' Σ of x as read: the float formats' one-row dots and Q8_1's tiles need them
-    sums = block_sums(read) if (kind >= Q8_READS) == tiles else np.empty((x.shape[0], 0), np.float32)
+    q8_1 = kind == Q8_READS + Q4_1 or kind == Q8_READS + Q5_1
+    needed = q8_1 if tiles else kind < Q8_READS
+    sums = block_sums(read) if needed else np.empty((x.shape[0], 0), np.float32)
     gaps = minimum_gaps(kind, sums, activations[3]) if tiles else np.empty((0, 0), np.float32)
     rows, width = w.shape
     flat = w.reshape(w.size)

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import binding, ir
+from llvmlite import ir
 from numba.core import cgutils
+from numba.core.codegen import get_host_cpu_features as host_cpu_features
 from numba.extending import intrinsic
 
 from kvcache.backends.cpu.numba_values import FLAGS, float16_rounded, float16_widened, quotient
 from kvcache.model.quantized import STORED_KINDS
 
 _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
-#: the K-quants' codes in `numba_blocks.CODES`
-_Q4_K, _Q5_K, _Q6_K = 5, 6, 7
+#: the K-quants' codes in `numba_blocks.CODES` (the formats' order in STORED_KINDS)
+_Q4_K, _Q5_K, _Q6_K = (list(STORED_KINDS).index(kind) for kind in ("Q4_K", "Q5_K", "Q6_K"))
 #: the 32-value formats, by their codes in `numba_blocks.CODES`: (block bytes, where the q bytes
 #: start, the float16 minimum's byte or -1, the fifth bits' byte or -1, the offset q carries)
 LAYOUTS = {0: (34, 2, -1, -1, 0), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
@@ -34,13 +35,11 @@ _FAST = tuple(sorted(FLAGS))  # (the kernels' fast-math: no "nnan"/"ninf")
 
 def target_has_vnni() -> bool:
     """Whether the CPU numba compiles for has 256-bit VNNI (AVX-VNNI, or AVX512-VNNI with
-    AVX512VL): its features as numba is told them (NUMBA_CPU_FEATURES), else the host's unless
-    numba is told another CPU by name."""
+    AVX512VL), by the features numba hands LLVM: NUMBA_CPU_FEATURES where set, else the host's
+    as numba reads them (without AVX where NUMBA_ENABLE_AVX is off), whatever the CPU's name."""
     features = numba.config.CPU_FEATURES
     if features is None:
-        if numba.config.CPU_NAME not in (None, "host"):
-            return False
-        features = binding.get_host_cpu_features().flatten()
+        features = host_cpu_features()
     named = set(features.split(","))
     return "+avxvnni" in named or {"+avx512vnni", "+avx512vl"} <= named
 
@@ -153,13 +152,15 @@ def _block_bytes(builder, block, kind: int):
 
 def _quad_sums(builder, values, quants):
     """<8 x i32>: lane j = Σ values[4j..4j+3]·quants[4j..4j+3] (values <32 x i8> taken as
-    unsigned, quants <32 x i8> signed), by vpdpbusd."""
+    unsigned, quants <32 x i8> signed), by vpdpbusd. Declared with its operands as <8 x i32>, as
+    LLVM before 22 types them (LLVM 22 reads that declaration as its own <32 x i8> one)."""
     lanes = ir.VectorType(_I32, 8)
     function = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(lanes, [lanes, values.type, quants.type]),
+        builder.module, ir.FunctionType(lanes, [lanes, lanes, lanes]),
         "llvm.x86.avx512.vpdpbusd.256",  # (AVX-VNNI's encoding where that is what the CPU has)
     )
-    return builder.call(function, [ir.Constant(lanes, [0] * 8), values, quants])
+    words = [builder.bitcast(values, lanes), builder.bitcast(quants, lanes)]
+    return builder.call(function, [ir.Constant(lanes, [0] * 8), *words])
 
 
 def _offset(kind: int) -> int:
@@ -248,14 +249,14 @@ def _scaled_into(builder, sums, integers, scale) -> None:
     builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
 
 
-def _k4_block(builder, kind: int, block, quants, x_scale, counts, sums, extra) -> None:
+def _q45_k_block(builder, kind: int, block, quants, x_scale, counts, sums, extra) -> None:
     """A Q4_K or Q5_K block (256 values) of one row into its sums: d·d_x·Σ_s scale_s·Σq·q_x in
     integers, and extra -= dmin·d_x·Σ_s min_s·Σq_x (the sub-block's two counts of 16)."""
     integers = ir.Constant(ir.VectorType(_I32, _LANES.count), [0] * _LANES.count)
-    minimum = ir.Constant(_F32, 0.0)
+    minimum_sum = ir.Constant(_F32, 0.0)
     fifth = _load(builder, _at(builder, block, 16), _I8, 32) if kind == _Q5_K else None
     for s in range(8):
-        scale, low = _k_scale_min(builder, block, s)
+        scale, sub_minimum = _k_scale_min(builder, block, s)
         packed = _load(builder, _at(builder, block, (48 if kind == _Q5_K else 16) + (s // 2) * 32), _I8, 32)
         values = _nibbles(builder, packed, s % 2 == 1)
         if fifth is not None:  # bit s of each of the 32 bytes: the values' fifth bits
@@ -266,11 +267,11 @@ def _k4_block(builder, kind: int, block, quants, x_scale, counts, sums, extra) -
         integers = builder.add(integers, builder.mul(dots, _splat(builder, scale, _LANES.count)))
         count = builder.fadd(builder.load(_at(builder, counts, 2 * s)),
                              builder.load(_at(builder, counts, 2 * s + 1)), flags=_FAST)
-        share = builder.fmul(builder.sitofp(low, _F32), count, flags=_FAST)
-        minimum = builder.fadd(minimum, share, flags=_FAST)
+        share = builder.fmul(builder.sitofp(sub_minimum, _F32), count, flags=_FAST)
+        minimum_sum = builder.fadd(minimum_sum, share, flags=_FAST)
     _scaled_into(builder, sums, integers, builder.fmul(_half(builder, block), x_scale, flags=_FAST))
-    shift = builder.fmul(builder.fmul(_half(builder, _at(builder, block, 2)), x_scale, flags=_FAST), minimum,
-                         flags=_FAST)
+    step = builder.fmul(_half(builder, _at(builder, block, 2)), x_scale, flags=_FAST)  # dmin·d_x
+    shift = builder.fmul(step, minimum_sum, flags=_FAST)
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
@@ -312,7 +313,7 @@ K_BLOCK_BYTES = {code: STORED_KINDS[kind][1]
 
 def _rows_codegen(kind: int):
     """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
-    of 32 a step (`_add_block`), the K-quants a block of 256 (`_k4_block`, `_q6_block`)."""
+    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`)."""
     k_quant = kind in K_BLOCK_BYTES
     size, group = (K_BLOCK_BYTES[kind], 256) if k_quant else (LAYOUTS[kind][0], 32)
 
@@ -342,7 +343,7 @@ def _rows_codegen(kind: int):
                 if kind == _Q6_K:
                     _q6_block(builder, block, x_quants, x_scale, x_counts, row_sums, extra)
                 elif k_quant:
-                    _k4_block(builder, kind, block, x_quants, x_scale, x_counts, row_sums, extra)
+                    _q45_k_block(builder, kind, block, x_quants, x_scale, x_counts, row_sums, extra)
                 else:
                     _add_block(builder, kind, block, activations, row_sums, extra)
         return context.make_tuple(builder, signature.return_type, _reduced(builder, sums, extras))
