@@ -249,7 +249,7 @@ def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations):  # pragma: n
     """Rows i0..i3 of a weight of `kind` dotted with x row n (sums (N, in / 32): each 32 values'
     Σx, read by the float formats only), each format's loops compiled apart (`kind` a constant
     in each branch): a code past Q8_READS on `numba_q8`'s integer dots with its Q8 activations
-    (the four arrays of `read_activations`), the others on `block_rows`, `k_block_rows` and
+    (the four arrays of `activation_arrays`), the others on `block_rows`, `k_block_rows` and
     `q6_block_rows`."""
     if kind >= Q8_READS:
         return q8_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, n, activations)
@@ -295,11 +295,10 @@ def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cove
 
 
 @numba.njit(**_INLINE)
-def read_activations(x, kind, tiles):  # pragma: no cover (compiled)
-    """(what the products of a weight of code `kind` read of x (N, in): past Q8_READS x quantized
-    as llama.cpp's Q8_0 or Q8_1 (Q8_K for a K-quant), as float32 (q·scale) where `tiles`
-    multiply dequantized rows by it, else x itself; the four arrays of `q8_activations` (of
-    `q8_k_activations` and an empty one for a K-quant), empty below Q8_READS)."""
+def activation_arrays(x, kind):  # pragma: no cover (compiled)
+    """The four arrays a product of code `kind` reads x (N, in) quantized into: past Q8_READS
+    those of `q8_activations` (of `q8_k_activations` and an empty one for a K-quant); empty
+    below Q8_READS. Not filled (`quantize_row`)."""
     tokens, columns = x.shape
     k_quant = kind >= Q8_READS + Q4_K
     group = 256 if k_quant else 32
@@ -308,19 +307,24 @@ def read_activations(x, kind, tiles):  # pragma: no cover (compiled)
     scales = np.empty((tokens, blocks), np.float32)
     counts = np.empty((tokens, columns // 16 if k_quant else blocks), np.float32)
     shifts = np.empty((tokens, 0 if k_quant else blocks), np.float32)
-    if kind < Q8_READS:
-        return x, (quants, scales, counts, shifts)
-    if k_quant:
-        q8_k_activations(x, quants, scales, counts)
+    return quants, scales, counts, shifts
+
+
+@numba.njit(**_INLINE)
+def quantize_row(x, kind, n, activations, read):  # pragma: no cover (compiled)
+    """Row n of x quantized as llama.cpp's Q8_0 or Q8_1 (Q8_K for a K-quant) into row n of
+    `activations` (`activation_arrays`), and read[n] = it as float32 (q·scale) where read has
+    rows (the tiles multiply dequantized rows by it)."""
+    quants, scales, counts, shifts = activations
+    group = 256 if kind >= Q8_READS + Q4_K else 32
+    row = slice(n, n + 1)
+    if group == 256:
+        q8_k_activations(x[row], quants[row], scales[row], counts[row])
     else:
-        q8_activations(x, quants, scales, counts, shifts)
-    if not tiles:  # (the one-row dots read the quants)
-        return x, (quants, scales, counts, shifts)
-    read = np.empty((tokens, columns), np.float32)
-    for n in range(tokens):
-        for j in range(columns):
+        q8_activations(x[row], quants[row], scales[row], counts[row], shifts[row])
+    if read.shape[0] > n:
+        for j in range(x.shape[1]):
             read[n, j] = np.float32(quants[n, j]) * scales[n, j // group]
-    return read, (quants, scales, counts, shifts)
 
 
 @numba.njit(**_INLINE)
@@ -496,14 +500,24 @@ MANY_ROWS = 4
 @numba.njit(parallel=True, fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True)
 def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
     """out[:, start : start + rows] = x (N, in) times the weight w (rows, row bytes) of code
-    `kind`, transposed, x read as `read_activations` says: four weight rows a task, each read
+    `kind`, transposed, x read as `quantize_row` says past Q8_READS: four weight rows a task, each read
     once for every row of x, the tasks split between the threads (the last task's missing rows
     repeat its last row, written once), each task first asking for the rows of the task AHEAD of
     it; from MANY_ROWS rows of x, the task's weight rows dequantized once into a scratch of its
     own first. A kernel of its own, called from the layer kernels (inlined there, its formats'
     loops made their compile time explode)."""
     tiles = x.shape[0] >= MANY_ROWS
-    read, activations = read_activations(x, kind, tiles)
+    activations = activation_arrays(x, kind)
+    # x as the products read it: quantized and read back where the tiles multiply it, else x
+    read = np.empty((x.shape[0] if tiles and kind >= Q8_READS else 0, x.shape[1]), np.float32)
+    if kind >= Q8_READS and tiles:
+        for n in prange(x.shape[0]):  # (many rows: quantized in parallel)
+            quantize_row(x, kind, n, activations, read)
+    elif kind >= Q8_READS:
+        for n in range(x.shape[0]):
+            quantize_row(x, kind, n, activations, read)
+    if read.shape[0] == 0:
+        read = x
     # each 32 values' Σ of x as read: the float formats' one-row dots and Q8_1's tiles need them
     q8_1 = kind == Q8_READS + Q4_1 or kind == Q8_READS + Q5_1
     needed = q8_1 if tiles else kind < Q8_READS
