@@ -26,8 +26,9 @@ _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
 #: the K-quants' codes in `numba_blocks.CODES` (the formats' order in STORED_KINDS)
 _Q4_K, _Q5_K, _Q6_K = (list(STORED_KINDS).index(kind) for kind in ("Q4_K", "Q5_K", "Q6_K"))
 #: the 32-value formats, by their codes in `numba_blocks.CODES`: (block bytes, where the q bytes
-#: start, the float16 minimum's byte or -1, the fifth bits' byte or -1, the offset q carries)
-LAYOUTS = {0: (34, 2, -1, -1, 0), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
+#: start, the float16 minimum's byte or -1, the fifth bits' byte or -1, the offset q carries as
+#: dotted: Q8_0's signed q are read + 128, unsigned bytes, as the others' are)
+LAYOUTS = {0: (34, 2, -1, -1, 128), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
            4: (24, 8, 2, 4, 0)}
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _FAST = tuple(sorted(FLAGS))  # (the kernels' fast-math: no "nnan"/"ninf")
@@ -121,19 +122,13 @@ def _half(builder, pointer):
     return builder.fpext(_load(builder, pointer, ir.HalfType()), _F32)
 
 
-def _block_values(builder, block, kind: int):
-    """`_block_bytes` widened to <32 x i32> (Q8_0's as signed)."""
-    values, wide = _block_bytes(builder, block, kind), ir.VectorType(_I32, 32)
-    return builder.sext(values, wide) if kind == 0 else builder.zext(values, wide)
-
-
 def _block_bytes(builder, block, kind: int):
-    """A block's 32 q values as <32 x i8> in their order: Q8_0's signed, the others' unsigned
-    without their offset (nibbles, and the fifth bits above them)."""
+    """A block's 32 q values as unsigned <32 x i8> in their order, without the offset LAYOUTS
+    gives: Q8_0's + 128 (its top bit flipped), the others' nibbles and the fifth bits above them."""
     _, quants, _, fifth, _ = LAYOUTS[kind]
     at = _at(builder, block, quants)
     if kind == 0:
-        return _load(builder, at, _I8, 32)
+        return builder.xor(_load(builder, at, _I8, 32), _const(128, 32))
     packed = _load(builder, at, _I8, 16)
     low = builder.and_(packed, ir.Constant(packed.type, [15] * 16))
     high = builder.lshr(packed, ir.Constant(packed.type, [4] * 16))
@@ -163,12 +158,6 @@ def _quad_sums(builder, values, quants):
     return builder.call(function, [ir.Constant(lanes, [0] * 8), *words])
 
 
-def _offset(kind: int) -> int:
-    """The offset a block's values as dotted carry (taken off as -offset·Σq_x·d·d_x): on VNNI,
-    which multiplies unsigned bytes, Q8_0's are stored + 128; else the format's own."""
-    return 128 if kind == 0 and VNNI else LAYOUTS[kind][4]
-
-
 def _pair_sums(builder, values, quants):
     """<16 x i32>: lane j = values[2j]·quants[2j] + values[2j + 1]·quants[2j + 1] (the shape
     a vector unit's multiply-add of 16-bit pairs computes)."""
@@ -190,20 +179,10 @@ def _integer_sums(builder, values, quants):
 
 def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
     """One block of one row into its sums: sums (`_LANES`*) += the block's integer sums times
-    d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (the others, `_offset`)."""
+    d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (the others, LAYOUTS)."""
     quants, x_scale, x_offset, x_shift = activations
     scale = builder.fmul(_half(builder, block), x_scale, flags=_FAST)
-    if VNNI:
-        values = _block_bytes(builder, block, kind)
-        if kind == 0:  # signed: flipping the top bit gives q + 128 as unsigned bytes
-            values = builder.xor(values, ir.Constant(values.type, [128] * 32))
-        sums_of_block = _quad_sums(builder, values, quants)
-    else:
-        wide = builder.sext(quants, ir.VectorType(_I32, 32))
-        sums_of_block = _pair_sums(builder, _block_values(builder, block, kind), wide)
-    lanes = _LANES.count
-    scaled = builder.fmul(builder.sitofp(sums_of_block, _LANES), _splat(builder, scale, lanes), flags=_FAST)
-    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
+    _scaled_into(builder, sums, _integer_sums(builder, _block_bytes(builder, block, kind), quants), scale)
     minimum = LAYOUTS[kind][2]
     if minimum >= 0:
         part = builder.fmul(_half(builder, _at(builder, block, minimum)), x_shift, flags=_FAST)
@@ -334,7 +313,7 @@ def _rows_codegen(kind: int):
                 count = builder.load(_at(builder, counts.data, b))
                 activations = (
                     _load(builder, x_quants, _I8, 32), x_scale,
-                    builder.fmul(count, ir.Constant(_F32, -_offset(kind)), flags=_FAST),
+                    builder.fmul(count, ir.Constant(_F32, -LAYOUTS[kind][4]), flags=_FAST),
                     builder.load(_at(builder, shifts.data, b)),
                 )
             x_counts = _at(builder, counts.data, builder.mul(b, ir.Constant(_I64, 16)))
