@@ -38,7 +38,8 @@ class ReplicaHandle(ReplyReader):
         return self._completion is not None
 
     async def updates(self):
-        """`ReplyReader.updates`, as the replica sends them."""
+        """`ReplyReader.updates`, as the replica sends them. The reply ends at its "done" item:
+        Ray's end of the stream, a round trip later, is not waited for."""
         try:
             async for item in self._response:
                 for token, piece in item[1]:
@@ -46,6 +47,7 @@ class ReplicaHandle(ReplyReader):
                     yield token, piece
                 if item[0] == "done":
                     self._end(item[2], item[3])
+                    return
         except Exception as error:  # noqa: BLE001 (the replica died, or its engine refused)
             self._end(self._failed(f"the replica failed: {type(error).__name__}: {error}"), None)
         if self._completion is None:
@@ -82,7 +84,9 @@ class ReplicaSet:
     """The replicas' deployment seen as one engine by the server's app (`build_app`)."""
 
     def __init__(self, handle, config, block_size: int, first_stats: dict) -> None:
-        self.handle = handle.options(stream=True)
+        # requests and replies over Serve's gRPC channel to the replicas, not Ray's object store:
+        # a round trip less per request (the latency the Ray path adds, in docs/scale-out.md)
+        self.handle = handle.options(stream=True, _by_reference=False)
         self.model = SimpleNamespace(config=config)  # what the app reads of the model
         self.limits = SimpleNamespace(block_size=block_size)
         self.store_tier = None  # (each replica has its own; their counters stay in the replicas)
