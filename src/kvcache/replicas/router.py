@@ -6,10 +6,14 @@ handle is (the server's process); imports Ray."""
 
 from __future__ import annotations
 
+import logging
+
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvcache.blocks import prefix_digests, salt_root
 from kvcache.replicas.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -35,7 +39,17 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        """The candidates ranked, best first (see the module docstring)."""
+        """The candidates ranked, best first (see the module docstring). Should the ranking fail,
+        every candidate is ranked alike (Ray then takes the least loaded) and the error is logged:
+        a router that raises leaves Ray Serve's request waiting for ever."""
+        try:
+            return self._ranked(candidate_replicas, pending_request)
+        except Exception:  # noqa: BLE001 (logged; the request is still routed)
+            logger.exception("kvcache's prefix router failed; this request is routed by load alone")
+            return [list(candidate_replicas)]
+
+    def _ranked(self, candidate_replicas: list[RunningReplica],
+                pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         ids = sorted(by_id, key=lambda r: r.to_full_id_str())
         digests = self._digests(pending_request)
