@@ -19,7 +19,8 @@ question, and answers whose tokens the chat template's rendering does not reprod
 
 On one 2-core machine more replicas cannot raise throughput: both replicas share the cores, so
 the figures here are hit rates and latencies, not throughput. Results:
-benchmarks/results/replicas.json (replicas_system_xN.json with --system-repeat N). Not a test.
+benchmarks/results/replicas.json (replicas_system_xN.json with --system-repeat N, ..._imbalance_M.json with
+--routing-imbalance M). Not a test.
 """
 
 from __future__ import annotations
@@ -169,12 +170,12 @@ def main() -> None:
     for round_ in range(ARGS.rounds):
         order = ROUTINGS if round_ % 2 == 0 else ROUTINGS[::-1]
         for routing in order:
-            with Server("--replicas", "2", "--routing", routing) as server:
+            with Server("--replicas", "2", "--routing", routing, *IMBALANCE) as server:
                 by_routing[routing].append(summary(conversations_run(server.url)))
             print(f"round {round_ + 1} {routing}: {by_routing[routing][-1]}", file=sys.stderr, flush=True)
     with Server() as server:  # one engine holds every conversation: the most any routing can find
         ceiling = summary(conversations_run(server.url))
-    with Server("--replicas", "2") as replicas, Server() as server:  # (both up: side by side)
+    with Server("--replicas", "2", *IMBALANCE) as replicas, Server() as server:  # (both up: side by side)
         replicated, single = one_token_latency((replicas.url, server.url))
     decisions = router_decision_s()
     results = {
@@ -200,7 +201,8 @@ def main() -> None:
                 "throughput here; hit rates and latencies are what this measures",
     }
     RESULTS.mkdir(exist_ok=True)
-    name = "replicas.json" if ARGS.system_repeat == 1 else f"replicas_system_x{ARGS.system_repeat}.json"
+    name = "replicas" + (f"_system_x{ARGS.system_repeat}" if ARGS.system_repeat != 1 else "") + (
+        f"_imbalance_{ARGS.routing_imbalance}" if ARGS.routing_imbalance is not None else "") + ".json"
     (RESULTS / name).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k not in ("by_routing", "settings")}, indent=2))
     for routing, data in results["by_routing"].items():
@@ -216,5 +218,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--system-repeat", type=int, default=1,
                         help="the shared system prompt this many times over (default 1: ~140 tokens)")
+    parser.add_argument("--routing-imbalance", type=int,
+                        help="the servers' --routing-imbalance (default: theirs)")
     ARGS = parser.parse_args()
+    IMBALANCE = () if ARGS.routing_imbalance is None else ("--routing-imbalance", str(ARGS.routing_imbalance))
     main()

@@ -8,6 +8,7 @@ import re
 import signal
 
 import httpx
+import pytest
 from serve_process import start_serve, stop_serve
 from waiting import wait_for
 
@@ -137,3 +138,21 @@ def test_per_process_flags_with_replicas_are_refused_by_name(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "--kv-events, --kv-disk cannot be used with --replicas" in err and "--kv-store" in err
+
+
+def test_routing_imbalance_reaches_the_router_and_a_negative_one_is_refused(monkeypatch, capsys):
+    asked = {}
+
+    def start_replicas(settings, replicas, **options):
+        asked.update(options, replicas=replicas)
+        raise ValueError("no cluster in this test")
+
+    monkeypatch.setattr("kvcache.replicas.replica_set.start_replicas", start_replicas)
+    assert main(["serve", "--port", "0", "--replicas", "3", "--routing-imbalance", "2"]) == 2
+    assert asked["replicas"] == 3 and asked["imbalance"] == 2 and asked["policy"] == "prefix"
+    assert "no cluster in this test" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", "0", "--replicas", "2", "--routing-imbalance", "-1"])
+    assert exit_.value.code == 2
+    assert "argument --routing-imbalance: expected an integer >= 0, got -1" in capsys.readouterr().err

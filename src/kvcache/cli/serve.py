@@ -178,6 +178,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "in turn (what prefix routing is measured against)",
     )
     engine.add_argument(
+        "--routing-imbalance", type=nonnegative_int, default=8, metavar="N",
+        help="with --routing prefix: requests a replica holding the prompt's prefix may have over "
+        "the least loaded one's before load decides (default 8; lower spreads the load, for "
+        "sooner first tokens, higher keeps conversations on their replica, for more cache hits)",
+    )
+    engine.add_argument(
         "--ray-address", metavar="ADDR",
         help="the Ray cluster for --replicas (default: start a local one)",
     )
@@ -311,8 +317,9 @@ def _run_replicas(args: argparse.Namespace, sock) -> int:
     settings = _settings(args, context)
     sock.listen(SOCKET_BACKLOG)
     host, port = sock.getsockname()[:2]
+    routing = f"prefix, imbalance {args.routing_imbalance}" if args.routing == "prefix" else args.routing
     print(f"kvcache serve: {settings.model_name} on {args.replicas} replicas (Ray Serve, routed by "
-          f"{args.routing}) on http://{host}:{port}/v1", flush=True)
+          f"{routing}) on http://{host}:{port}/v1", flush=True)
     print(f"  KV pool per replica: {replicas.num_blocks} blocks of {args.block_size} tokens", flush=True)
     _log_requests(args.access_log)
     try:
@@ -341,7 +348,7 @@ def _replica_set(args: argparse.Namespace):
     settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine,
                                activations_of(args))
     return start_replicas(settings, args.replicas, address=args.ray_address,
-                          policy=args.routing.replace("-", "_"),
+                          policy=args.routing.replace("-", "_"), imbalance=args.routing_imbalance,
                           max_ongoing=args.max_running + args.max_waiting), tokenizer
 
 

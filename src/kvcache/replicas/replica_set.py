@@ -178,14 +178,16 @@ class ReplicaSet:
 
 
 def start_replicas(settings: ReplicaSettings, replicas: int, *, address: str | None = None,
-                   max_ongoing: int = 256, policy: str = "prefix") -> ReplicaSet:
+                   max_ongoing: int = 256, policy: str = "prefix", imbalance: int = 8) -> ReplicaSet:
     """Connect to the Ray cluster at `address` (None: start a local one), deploy `replicas`
     engine replicas built from `settings` and wait until they answer. policy: the router's
-    ("prefix" or "round_robin")."""
+    ("prefix" or "round_robin"); imbalance: requests a prefix match may add over the least loaded
+    replica's (`PrefixIndex.rank`)."""
     block_size = settings.engine.get("block_size", 16)
     ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"location": "NoServer"})  # the server is kvcache's own
-    deployment = replica_deployment(replicas, max_ongoing, {"block_size": block_size, "policy": policy})
+    router = {"block_size": block_size, "policy": policy, "imbalance": imbalance}
+    deployment = replica_deployment(replicas, max_ongoing, router)
     print(f"kvcache serve: starting {replicas} replicas on Ray Serve (each loads the model)…",
           file=sys.stderr, flush=True)
     handle = serve.run(deployment.bind(settings), name=APP, route_prefix=None)
