@@ -30,6 +30,7 @@ from kvcache.cli._args import (
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
+from kvcache.replicas.prefix_index import IMBALANCE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SOCKET_BACKLOG = 2048  # (uvicorn's own)
@@ -178,9 +179,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "in turn (what prefix routing is measured against)",
     )
     engine.add_argument(
-        "--routing-imbalance", type=nonnegative_int, default=8, metavar="N",
+        "--routing-imbalance", type=nonnegative_int, default=IMBALANCE, metavar="N",
         help="with --routing prefix: requests a replica holding the prompt's prefix may have over "
-        "the least loaded one's before load decides (default 8; lower spreads the load, for "
+        f"the least loaded one's before load decides (default {IMBALANCE}; lower spreads the load, for "
         "sooner first tokens, higher keeps conversations on their replica, for more cache hits)",
     )
     engine.add_argument(

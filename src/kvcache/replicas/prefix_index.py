@@ -9,6 +9,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+#: requests a replica holding a prompt's prefix may have over the least loaded one's (`rank`'s
+#: imbalance) by default: with more, conversations sharing only a system prompt gather on one
+#: replica while another idles (benchmarks/results/replicas*.json compare 2 and 8)
+IMBALANCE = 2
+
 
 class PrefixIndex:
     """Block hashes per replica, at most `capacity` each (the oldest used forgotten first)."""

@@ -16,6 +16,7 @@ from kvcache.engine.engine import check_request
 from kvcache.engine.request import Completion, ReplyReader, Usage
 from kvcache.generation.params import SamplingParams
 from kvcache.replicas.deployment import ReplicaSettings, replica_deployment
+from kvcache.replicas.prefix_index import IMBALANCE
 
 APP = "kvcache"
 #: the stats a replica reports that the server's gauges sum over replicas
@@ -178,7 +179,7 @@ class ReplicaSet:
 
 
 def start_replicas(settings: ReplicaSettings, replicas: int, *, address: str | None = None,
-                   max_ongoing: int = 256, policy: str = "prefix", imbalance: int = 8) -> ReplicaSet:
+                   max_ongoing: int = 256, policy: str = "prefix", imbalance: int = IMBALANCE) -> ReplicaSet:
     """Connect to the Ray cluster at `address` (None: start a local one), deploy `replicas`
     engine replicas built from `settings` and wait until they answer. policy: the router's
     ("prefix" or "round_robin"); imbalance: requests a prefix match may add over the least loaded

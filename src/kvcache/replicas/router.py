@@ -11,7 +11,7 @@ import logging
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvcache.blocks import prefix_digests, salt_root
-from kvcache.replicas.prefix_index import PrefixIndex
+from kvcache.replicas.prefix_index import IMBALANCE, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ class PrefixAffinityRouter(RequestRouter):
     """Set on the replicas' deployment (`RequestRouterConfig`); `initialize_state` takes its
     `request_router_kwargs`."""
 
-    def initialize_state(self, block_size: int = 16, imbalance: int = 8, capacity: int = 65536,
+    def initialize_state(self, block_size: int = 16, imbalance: int = IMBALANCE, capacity: int = 65536,
                          policy: str = "prefix", **kwargs) -> None:
         """block_size: the replicas' pool's; imbalance: queued requests a prefix match may add
         over the lightest replica's; capacity: block hashes kept per replica; policy: "prefix"
