@@ -10,9 +10,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 #: requests a replica holding a prompt's prefix may have over the least loaded one's (`rank`'s
-#: imbalance) by default: with more, conversations sharing only a system prompt gather on one
-#: replica while another idles (benchmarks/results/replicas*.json compare 2 and 8)
-IMBALANCE = 2
+#: imbalance) by default: enough that a conversation's next turn stays with its replica when
+#: turns come together; lower spreads new conversations that share only a system prompt sooner,
+#: at the price of later turns that move (docs/scale-out.md compares 2 and 8)
+IMBALANCE = 8
 
 
 class PrefixIndex:
