@@ -54,3 +54,17 @@ def test_without_a_match_the_least_loaded_goes_first_and_a_forgotten_replica_mat
     assert index.matched("b", digests(prompt)) == 0
     with pytest.raises(ValueError, match="capacity"):
         PrefixIndex(0)
+
+
+@pytest.mark.parametrize("load_of_a, expected", [(2, "a"), (3, "b")])
+def test_a_shared_prefix_holds_a_new_prompt_only_while_the_loads_are_near(load_of_a, expected):
+    index = PrefixIndex()
+    system = list(range(8))  # two blocks every conversation starts with
+    index.record("a", digests(system + [20, 21, 22, 23, 24]))  # (a prompt's last token is not hashed)
+    index.record("a", digests(system + [30, 31, 32, 33, 34]))
+    new = digests(system + [40, 41, 42, 43, 44])
+    assert index.matched("a", new) == 2
+    assert index.rank(["a", "b"], new, {"a": load_of_a, "b": 0}, imbalance=8)[0] == [expected]
+    # the next turn of a conversation on "a" stays there at the same load: its match is its own
+    next_turn = digests(system + [20, 21, 22, 23, 24, 25, 26, 27, 28])
+    assert index.rank(["a", "b"], next_turn, {"a": 3, "b": 0}, imbalance=8)[0] == ["a"]
