@@ -170,12 +170,13 @@ def main() -> None:
     for round_ in range(ARGS.rounds):
         order = ROUTINGS if round_ % 2 == 0 else ROUTINGS[::-1]
         for routing in order:
-            with Server("--replicas", "2", "--routing", routing, *IMBALANCE) as server:
+            with Server("--replicas", "2", "--routing", routing, *IMBALANCE_FLAGS) as server:
                 by_routing[routing].append(summary(conversations_run(server.url)))
             print(f"round {round_ + 1} {routing}: {by_routing[routing][-1]}", file=sys.stderr, flush=True)
     with Server() as server:  # one engine holds every conversation: the most any routing can find
         ceiling = summary(conversations_run(server.url))
-    with Server("--replicas", "2", *IMBALANCE) as replicas, Server() as server:  # (both up: side by side)
+    # (both up: side by side)
+    with Server("--replicas", "2", *IMBALANCE_FLAGS) as replicas, Server() as server:
         replicated, single = one_token_latency((replicas.url, server.url))
     decisions = router_decision_s()
     results = {
@@ -221,5 +222,6 @@ if __name__ == "__main__":
     parser.add_argument("--routing-imbalance", type=int,
                         help="the servers' --routing-imbalance (default: theirs)")
     ARGS = parser.parse_args()
-    IMBALANCE = () if ARGS.routing_imbalance is None else ("--routing-imbalance", str(ARGS.routing_imbalance))
+    IMBALANCE_FLAGS = () if ARGS.routing_imbalance is None else (
+        "--routing-imbalance", str(ARGS.routing_imbalance))
     main()

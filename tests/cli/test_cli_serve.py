@@ -140,7 +140,7 @@ def test_per_process_flags_with_replicas_are_refused_by_name(tmp_path, capsys):
     assert "--kv-events, --kv-disk cannot be used with --replicas" in err and "--kv-store" in err
 
 
-def test_routing_imbalance_reaches_the_router_and_a_negative_one_is_refused(monkeypatch, capsys):
+def test_routing_imbalance_reaches_start_replicas_and_a_negative_one_is_refused(monkeypatch, capsys):
     asked = {}
 
     def start_replicas(settings, replicas, **options):

@@ -18,8 +18,10 @@ class Deployment:
 
     def __init__(self, items: list) -> None:
         self.items, self.generate = items, self
+        self.options_asked: dict = {}
 
     def options(self, **options):
+        self.options_asked = options
         return self
 
     def remote(self, ids, params):
@@ -37,7 +39,7 @@ def read(replicas: ReplicaSet, ids: list[int]):
         pieces = [piece async for piece in handle.updates()]
         return pieces, handle.result()
 
-    return asyncio.run(asyncio.wait_for(whole(), 120))  # a reply waiting on the end of the stream hangs
+    return asyncio.run(asyncio.wait_for(whole(), 60))  # a reply waiting on the end of the stream hangs
 
 
 def test_a_reply_ends_at_its_done_item_without_waiting_for_the_end_of_the_stream(monkeypatch):
@@ -53,3 +55,4 @@ def test_a_reply_ends_at_its_done_item_without_waiting_for_the_end_of_the_stream
     assert result is completion
     assert replicas.stats()["blocks_used"] == 2 and replicas.stats()["running"] == 0
     assert replicas.queue_depth == 0
+    assert deployment.options_asked == {"stream": True, "_by_reference": False}  # Serve's gRPC channel

@@ -30,7 +30,7 @@ from kvcache.cli._args import (
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
-from kvcache.replicas.prefix_index import IMBALANCE
+from kvcache.replicas.prefix_index import IMBALANCE, SHARED_IMBALANCE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SOCKET_BACKLOG = 2048  # (uvicorn's own)
@@ -180,9 +180,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--routing-imbalance", type=nonnegative_int, default=IMBALANCE, metavar="N",
-        help="with --routing prefix: requests a replica holding the prompt's prefix may have over "
-        f"the least loaded one's before load decides (default {IMBALANCE}; lower spreads the load, for "
-        "sooner first tokens, higher keeps conversations on their replica, for more cache hits)",
+        help="with --routing prefix: requests a replica holding a conversation's earlier turns may "
+        f"have over the least loaded one's before load decides (default {IMBALANCE}; a prefix "
+        f"conversations share, such as a system prompt, holds only up to min(N, {SHARED_IMBALANCE}); "
+        "lower spreads the load, higher keeps conversations on their replica, for more cache hits)",
     )
     engine.add_argument(
         "--ray-address", metavar="ADDR",

@@ -40,7 +40,8 @@ class ReplicaHandle(ReplyReader):
 
     async def updates(self):
         """`ReplyReader.updates`, as the replica sends them. The reply ends at its "done" item:
-        Ray's end of the stream, a round trip later, is not waited for."""
+        Ray's end of the stream, a round trip later, is not waited for (Serve's router, on its
+        own loop, reads the call to its end and then counts the request finished)."""
         try:
             async for item in self._response:
                 for token, piece in item[1]:
@@ -182,8 +183,9 @@ def start_replicas(settings: ReplicaSettings, replicas: int, *, address: str | N
                    max_ongoing: int = 256, policy: str = "prefix", imbalance: int = IMBALANCE) -> ReplicaSet:
     """Connect to the Ray cluster at `address` (None: start a local one), deploy `replicas`
     engine replicas built from `settings` and wait until they answer. policy: the router's
-    ("prefix" or "round_robin"); imbalance: requests a prefix match may add over the least loaded
-    replica's (`PrefixIndex.rank`)."""
+    ("prefix" or "round_robin"); imbalance: requests a replica holding a conversation's earlier
+    turns may have over the least loaded replica's (`PrefixIndex.rank`: a shared prefix holds
+    only up to min(imbalance, SHARED_IMBALANCE))."""
     block_size = settings.engine.get("block_size", 16)
     ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"location": "NoServer"})  # the server is kvcache's own

@@ -1,7 +1,8 @@
 """Ray Serve's request router for engine replicas: a prompt goes to the replica that holds the
 longest run of its leading blocks (`prefix_index`), so a conversation's next turn finds its
 earlier turns in that replica's pool; requests queued on each replica break ties, and past
-`imbalance` more than the lightest one's they override a match. Runs where the deployment's
+`imbalance` more than the lightest one's (SHARED_IMBALANCE for a prefix conversations share)
+they override a match. Runs where the deployment's
 handle is (the server's process); imports Ray."""
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ class PrefixAffinityRouter(RequestRouter):
 
     def initialize_state(self, block_size: int = 16, imbalance: int = IMBALANCE, capacity: int = 65536,
                          policy: str = "prefix", **kwargs) -> None:
-        """block_size: the replicas' pool's; imbalance: queued requests a prefix match may add
-        over the lightest replica's; capacity: block hashes kept per replica; policy: "prefix"
-        or "round_robin" (what the benchmark compares against)."""
+        """block_size: the replicas' pool's; imbalance: queued requests a conversation's earlier
+        turns may add over the lightest replica's (`PrefixIndex.rank`); capacity: block hashes
+        kept per replica; policy: "prefix" or "round_robin" (what the benchmark compares
+        against)."""
         self.block_size, self.imbalance, self.policy = block_size, imbalance, policy
         self.index = PrefixIndex(capacity)
         self.turn = 0
