@@ -2,8 +2,8 @@
 longest run of its leading blocks (`prefix_index`), so a conversation's next turn finds its
 earlier turns in that replica's pool; requests queued on each replica break ties, and past
 `imbalance` more than the lightest one's (SHARED_IMBALANCE for a prefix conversations share)
-they override a match. Runs where the deployment's
-handle is (the server's process); imports Ray."""
+they override a match. Runs where the deployment's handle is (the server's process); imports
+Ray."""
 
 from __future__ import annotations
 
