@@ -14,7 +14,11 @@ to float32 (`dtype=float32`, its own process) and reports the greedy agreement o
 llama-server (`--llama-server`, default: beside llama-bench) it reports the agreement with
 llama.cpp's greedy tokens on the same file too, and for each prompt where they part, the
 dequantized float32 path's logit of its own token and of llama.cpp's there (a tie in rounding
-when the two are close). Results: benchmarks/results/gguf_weights.json. Not a test.
+when the two are close), and teacher-forced: the share of llama.cpp's new tokens that kvcache's
+path picks given llama.cpp's tokens before each. The floor for both: the path's agreement with
+itself in another summation order (each prompt run a token at a time, one-row products instead
+of the prompt's tiles; `agreement_with_itself_reordered`). Results:
+benchmarks/results/gguf_weights.json. Not a test.
 """
 
 from __future__ import annotations
@@ -63,12 +67,17 @@ def worker(args: argparse.Namespace) -> None:
     if args.prompt_kind == "chat":
         prompts = chat_prompts(args.checkpoint, args.prompts)
     tokens = [run(prompt).sequences[0].tolist() for prompt in prompts] if args.prompts > 1 else []
+    # the same arithmetic in another order: each prompt run a token at a time (one-row products)
+    reordered = [generate(model, prompt[None], max_new_tokens=args.new_tokens, eos_token_id=(),
+                          prefill_chunk_size=1).sequences[0].tolist()
+                 for prompt in prompts] if args.prompts > 1 and stored else []
     print(json.dumps({
         "load_s": loaded - imported, "import_s": imported - started,
         "decode_tokens_per_s": best.decode_tokens_per_s,
         "prompt_tokens_per_s": args.prompt_tokens / best.time_to_first_token_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "backend": best.backend, "weights": model.weights_note, "tokens": tokens,
+        "tokens_reordered": reordered,
     }))
 
 
@@ -122,12 +131,40 @@ def margins_worker(args: argparse.Namespace) -> None:
     print(json.dumps(found))
 
 
-def run_worker(gguf: str, dtype: str, args, prompts: int = 1, stdin: str | None = None) -> dict:
+def teacher_forced_worker(args: argparse.Namespace) -> None:
+    """For each (sequence, length) read as JSON from stdin: the stored path's logits over the
+    sequence in one forward, and at each of its new tokens (past `length`) whether that token is
+    the path's top one given the tokens before it; where not, the path's logit gap between its
+    top token and that one. Prints one JSON line: {tokens, agreeing (share), gaps (sorted)}."""
+    import kvcache  # noqa: F401, I001 (first: it sets OpenBLAS's spin before numpy loads)
+    import torch
+
+    from kvcache import load_model
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.checkpoint, activations=args.activations)
+    total, gaps = 0, []
+    for sequence, length in json.loads(sys.stdin.read()):
+        if len(sequence) <= length:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence[:-1]])).logits[0, length - 1:].float()
+        for row, token in zip(logits, sequence[length:]):
+            total += 1
+            if int(row.argmax()) != token:
+                gaps.append(float(row.max() - row[token]))
+    print(json.dumps({"tokens": total, "agreeing": 1 - len(gaps) / max(total, 1), "gaps": sorted(gaps)}))
+
+
+def run_worker(gguf: str, dtype: str, args, prompts: int = 1, stdin: str | None = None,
+               mode: str = "--margins") -> dict:
+    """One worker process on `gguf`: a timed run (and `prompts` prompts' tokens), or with
+    `stdin`, `mode`'s (--margins or --teacher-forced) answer for it."""
     command = [sys.executable, str(Path(__file__)), "--worker", "--checkpoint", gguf, "--dtype", dtype,
                "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
                "--prompts", str(prompts), "--prompt-kind", args.prompt_kind,
-               "--activations", args.activations] + (["--margins"] if stdin is not None else [])
+               "--activations", args.activations] + ([mode] if stdin is not None else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, input=stdin)
     if done.returncode != 0:
@@ -223,7 +260,16 @@ def compare_with_llama_cpp(gguf: str, ours: list[list[int]], lengths: list[int],
     parted = parting(ours, theirs, lengths)
     if parted:
         found["where_they_part"] = run_worker(gguf, "float32", args, stdin=json.dumps(parted))
+    found["teacher_forced"] = teacher_forced(gguf, theirs, lengths, args)
     return found
+
+
+def teacher_forced(gguf: str, sequences: list[list[int]], lengths: list[int], args) -> dict:
+    """The share of another run's new tokens (`sequences` past `lengths`) that kvcache's stored
+    path picks given that run's tokens before each (`teacher_forced_worker`), and the gaps where
+    it does not."""
+    stdin = json.dumps([[sequence, length] for sequence, length in zip(sequences, lengths)])
+    return run_worker(gguf, "stored", args, stdin=stdin, mode="--teacher-forced")
 
 
 def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
@@ -232,7 +278,7 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
         prompts = args.prompts if first else 1
         ours = run_worker(gguf, "stored", args, prompts)
         theirs = run_llama_bench(args.llama_bench, gguf, kind, args) if args.llama_bench else None
-        row = {"kvcache": {k: v for k, v in ours.items() if k != "tokens"}, "llama.cpp": theirs,
+        row = {"kvcache": {k: v for k, v in ours.items() if not k.startswith("tokens")}, "llama.cpp": theirs,
                "file_mb": Path(gguf).stat().st_size / 1e6}
         if theirs:
             row["ratio_vs_llama_cpp"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
@@ -240,6 +286,10 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
             exact = run_worker(gguf, "float32", args, prompts)
             lengths = [len(tokens) - args.new_tokens for tokens in ours["tokens"]]
             row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], lengths)
+            # the floor for any other program's agreement: this path's with itself in another order
+            row["agreement_with_itself_reordered"] = {
+                **agreement(ours["tokens"], ours["tokens_reordered"], lengths),
+                "teacher_forced": teacher_forced(gguf, ours["tokens_reordered"], lengths, args)}
             if args.llama_server:
                 row["agreement_with_llama_cpp"] = compare_with_llama_cpp(gguf, ours["tokens"], lengths, args)
         results[kind] = row
@@ -258,7 +308,7 @@ def summarise(rounds: list[dict[str, dict]]) -> dict[str, dict]:
             summary["llama_cpp_decode_tokens_per_s"] = statistics.median(
                 r["llama.cpp"]["decode_tokens_per_s"] for r in rows)
             summary["ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
-        for key in ("agreement_with_float32", "agreement_with_llama_cpp"):
+        for key in ("agreement_with_float32", "agreement_with_itself_reordered", "agreement_with_llama_cpp"):
             if key in rows[0]:
                 summary[key] = rows[0][key]
         summary["weights"] = rows[0]["kvcache"]["weights"]
@@ -288,9 +338,11 @@ def main() -> None:
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="stored", help=argparse.SUPPRESS)
     parser.add_argument("--margins", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher-forced", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return margins_worker(args) if args.margins else worker(args)
+        chosen = margins_worker if args.margins else teacher_forced_worker if args.teacher_forced else worker
+        return chosen(args)
     if args.llama_bench and not args.llama_server:
         beside = Path(args.llama_bench).with_name("llama-server")
         args.llama_server = str(beside) if beside.is_file() else None
