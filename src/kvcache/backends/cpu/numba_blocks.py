@@ -17,16 +17,32 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: Q8_0 read + 128 on both integer paths)
+# checkout to recompile them (the last such change: the dots read unpacked values too)
 from kvcache.backends.cpu.numba_q8 import (
     q4_0_rows,
+    q4_0_unpack,
+    q4_0_unpacked_rows,
     q4_1_rows,
+    q4_1_unpack,
+    q4_1_unpacked_rows,
     q4_k_rows,
+    q4_k_unpack,
+    q4_k_unpacked_rows,
     q5_0_rows,
+    q5_0_unpack,
+    q5_0_unpacked_rows,
     q5_1_rows,
+    q5_1_unpack,
+    q5_1_unpacked_rows,
     q5_k_rows,
+    q5_k_unpack,
+    q5_k_unpacked_rows,
     q6_k_rows,
+    q6_k_unpack,
+    q6_k_unpacked_rows,
     q8_0_rows,
+    q8_0_unpack,
+    q8_0_unpacked_rows,
     q8_activations,
     q8_k_activations,
 )
@@ -295,6 +311,50 @@ def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cove
 
 
 @numba.njit(**_INLINE)
+def q8_unpacked_rows_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  # pragma: no cover (compiled)
+    """`q8_rows_of_kind`'s four dots, the rows' values read from `values` (4, in) uint8 as
+    `unpack_rows_of_kind` wrote them: the same float32 to the bit."""
+    quants, scales, counts, shifts = (activations[0][n], activations[1][n], activations[2][n],
+                                      activations[3][n])
+    if kind == Q4_K:
+        return q4_k_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+    if kind == Q5_K:
+        return q5_k_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+    if kind == Q6_K:
+        return q6_k_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+    if kind == Q8_0:
+        return q8_0_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+    if kind == Q4_0:
+        return q4_0_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+    if kind == Q4_1:
+        return q4_1_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+    if kind == Q5_0:
+        return q5_0_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+    return q5_1_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
+
+
+@numba.njit(**_CALLED)
+def unpack_rows_of_kind(w, kind, i0, i1, i2, i3, values):  # pragma: no cover (compiled)
+    """Rows i0..i3 of a weight of `kind` into values (4, in) uint8 as the Q8 dots multiply them."""
+    if kind == Q4_K:
+        q4_k_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q5_K:
+        q5_k_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q6_K:
+        q6_k_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q8_0:
+        q8_0_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q4_0:
+        q4_0_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q4_1:
+        q4_1_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q5_0:
+        q5_0_unpack(w, i0, i1, i2, i3, values)
+    else:
+        q5_1_unpack(w, i0, i1, i2, i3, values)
+
+
+@numba.njit(**_INLINE)
 def activation_arrays(x, kind):  # pragma: no cover (compiled)
     """The four arrays a product of code `kind` reads x (N, in) quantized into: past Q8_READS
     those of `q8_activations` (of `q8_k_activations` and an empty one for a K-quant); empty
@@ -311,20 +371,15 @@ def activation_arrays(x, kind):  # pragma: no cover (compiled)
 
 
 @numba.njit(**_INLINE)
-def quantize_row(x, kind, n, activations, read):  # pragma: no cover (compiled)
+def quantize_row(x, kind, n, activations):  # pragma: no cover (compiled)
     """Row n of x quantized as llama.cpp's Q8_0 or Q8_1 (Q8_K for a K-quant) into row n of
-    `activations` (`activation_arrays`), and read[n] = it as float32 (q·scale) where read has
-    rows (the tiles multiply dequantized rows by it)."""
+    `activations` (`activation_arrays`)."""
     quants, scales, counts, shifts = activations
-    group = 256 if kind >= Q8_READS + Q4_K else 32
     row = slice(n, n + 1)
-    if group == 256:
+    if kind >= Q8_READS + Q4_K:
         q8_k_activations(x[row], quants[row], scales[row], counts[row])
     else:
         q8_activations(x[row], quants[row], scales[row], counts[row], shifts[row])
-    if read.shape[0] > n:
-        for j in range(x.shape[1]):
-            read[n, j] = np.float32(quants[n, j]) * scales[n, j // group]
 
 
 @numba.njit(**_INLINE)
@@ -457,43 +512,9 @@ def put(out, n, start, i0, i1, i2, i3, sums):  # pragma: no cover (compiled)
     out[n, start + i0], out[n, start + i1], out[n, start + i2], out[n, start + i3] = sums
 
 
-@numba.njit(**_INLINE)
-def minimum_gaps(kind, sums, shifts):  # pragma: no cover (compiled)
-    """(in / 32, N) float32: for Q4_1 and Q5_1 read with Q8 activations, Q8_1's float16 sum of
-    each 32 values (shifts, `q8_activations`) minus the sum of the values as read (sums), which
-    a block's minimum multiplies beyond what a dequantized row's product gives it; transposed, so
-    a task's loop over the activation rows reads it in order. Empty for the other codes."""
-    if kind != Q8_READS + Q4_1 and kind != Q8_READS + Q5_1:
-        return np.empty((0, sums.shape[0]), np.float32)
-    return np.ascontiguousarray((shifts - sums).T)
-
-
-@numba.njit(**_INLINE)
-def minimum_shares(w, kind, i0, i1, i2, i3, out, start, gaps):  # pragma: no cover (compiled)
-    """out[n, start + i] += Σ_b m_b·gaps[b, n] for rows i0..i3 (`minimum_gaps`; nothing where
-    they are empty): a block's minimum times Q8_1's float16 sum where the product of a dequantized
-    row gave it times the exact sum, so products through dequantized rows equal the one-row dots'."""
-    if gaps.shape[0] == 0:
-        return
-    size, tokens = BLOCK_BYTES[kind - Q8_READS], gaps.shape[1]
-    shares = np.zeros((4, tokens), np.float32)
-    for r, i in enumerate((i0, i1, i2, i3)):
-        for b in range(gaps.shape[0]):
-            minimum = half_at(w, i, b * size + 2)
-            for n in range(tokens):
-                shares[r, n] += minimum * gaps[b, n]
-    for n in range(tokens):  # (a repeated last row is written once more: its share added once)
-        out[n, start + i0] += shares[0, n]
-        if i1 != i0:
-            out[n, start + i1] += shares[1, n]
-        if i2 != i1:
-            out[n, start + i2] += shares[2, n]
-        if i3 != i2:
-            out[n, start + i3] += shares[3, n]
-
-
-#: from this many activation rows a task dequantizes its four weight rows once and dots the float
-#: rows with each activation row (unpacking blocks once per activation row costs more past it)
+#: from this many activation rows a task unpacks its four weight rows once (float32, or the Q8
+#: dots' values) and dots each activation row with them (unpacking blocks once per activation row
+#: costs more past it)
 MANY_ROWS = 4
 
 
@@ -503,26 +524,21 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
     `kind`, transposed, x read as `quantize_row` says past Q8_READS: four weight rows a task, each read
     once for every row of x, the tasks split between the threads (the last task's missing rows
     repeat its last row, written once), each task first asking for the rows of the task AHEAD of
-    it; from MANY_ROWS rows of x, the task's weight rows dequantized once into a scratch of its
-    own first. A kernel of its own, called from the layer kernels (inlined there, its formats'
-    loops made their compile time explode)."""
-    tiles = x.shape[0] >= MANY_ROWS
+    it. From MANY_ROWS rows of x the task's weight rows are unpacked once into a scratch of its
+    own first: dequantized to float32 tiles (float activations), or past Q8_READS to the values
+    the integer dots multiply, each row of x then dotted exactly as one row alone is (a row's
+    outputs do not depend on the rows beside it). A kernel of its own, called from the layer
+    kernels (inlined there, its formats' loops made their compile time explode)."""
+    tiles, q8 = x.shape[0] >= MANY_ROWS, kind >= Q8_READS
     activations = activation_arrays(x, kind)
-    # x as the products read it: quantized and read back where the tiles multiply it, else x
-    read = np.empty((x.shape[0] if tiles and kind >= Q8_READS else 0, x.shape[1]), np.float32)
-    if kind >= Q8_READS and tiles:
+    if q8 and tiles:
         for n in prange(x.shape[0]):  # (many rows: quantized in parallel)
-            quantize_row(x, kind, n, activations, read)
-    elif kind >= Q8_READS:
+            quantize_row(x, kind, n, activations)
+    elif q8:
         for n in range(x.shape[0]):
-            quantize_row(x, kind, n, activations, read)
-    if read.shape[0] == 0:
-        read = x
-    # each 32 values' Σ of x as read: the float formats' one-row dots and Q8_1's tiles need them
-    q8_1 = kind == Q8_READS + Q4_1 or kind == Q8_READS + Q5_1
-    needed = q8_1 if tiles else kind < Q8_READS
-    sums = block_sums(read) if needed else np.empty((x.shape[0], 0), np.float32)
-    gaps = minimum_gaps(kind, sums, activations[3]) if tiles else np.empty((0, 0), np.float32)
+            quantize_row(x, kind, n, activations)
+    # each 32 values' Σx: the float formats' one-row dots read them
+    sums = block_sums(x) if not q8 and not tiles else np.empty((x.shape[0], 0), np.float32)
     rows, width = w.shape
     flat = w.reshape(w.size)
     for task in prange((rows + 3) // 4):
@@ -532,12 +548,17 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
             for line in range(0, 4 * width, _LINE):
                 prefetch(flat, ahead + line)
         i1, i2, i3 = min(i0 + 1, rows - 1), min(i0 + 2, rows - 1), min(i0 + 3, rows - 1)
-        if tiles:
+        if tiles and q8:
+            values = np.empty((4, x.shape[1]), np.uint8)  # the task's rows' values, unpacked
+            unpack_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, values)
+            for n in range(x.shape[0]):
+                found = q8_unpacked_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, values, n, activations)
+                put(out, n, start, i0, i1, i2, i3, found)
+        elif tiles:
             scratch = np.empty((4, x.shape[1]), np.float32)  # the task's rows, dequantized
-            rows_dequantized(w, kind % Q8_READS, i0, i1, i2, i3, scratch)
-            for n in range(float_tiles(scratch, read, out, start, i0, i1, i2, i3), x.shape[0]):
-                put(out, n, start, i0, i1, i2, i3, float_rows(scratch, read, n))
-            minimum_shares(w, kind, i0, i1, i2, i3, out, start, gaps)
+            rows_dequantized(w, kind, i0, i1, i2, i3, scratch)
+            for n in range(float_tiles(scratch, x, out, start, i0, i1, i2, i3), x.shape[0]):
+                put(out, n, start, i0, i1, i2, i3, float_rows(scratch, x, n))
         else:
             for n in range(x.shape[0]):
                 found = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations)

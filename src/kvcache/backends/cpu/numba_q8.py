@@ -30,6 +30,9 @@ _Q4_K, _Q5_K, _Q6_K = (list(STORED_KINDS).index(kind) for kind in ("Q4_K", "Q5_K
 #: dotted: Q8_0's signed q are read + 128, unsigned bytes, as the others' are)
 LAYOUTS = {0: (34, 2, -1, -1, 128), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
            4: (24, 8, 2, 4, 0)}
+#: the K-quants' block bytes, by their codes in `numba_blocks.CODES`
+K_BLOCK_BYTES = {code: STORED_KINDS[kind][1]
+                 for code, kind in ((_Q4_K, "Q4_K"), (_Q5_K, "Q5_K"), (_Q6_K, "Q6_K"))}
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _FAST = tuple(sorted(FLAGS))  # (the kernels' fast-math: no "nnan"/"ninf")
 
@@ -177,12 +180,13 @@ def _integer_sums(builder, values, quants):
     return _pair_sums(builder, builder.zext(values, wide), builder.sext(quants, wide))
 
 
-def _add_block(builder, kind: int, block, activations, sums, extra) -> None:
-    """One block of one row into its sums: sums (`_LANES`*) += the block's integer sums times
-    d·d_x; extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (the others, LAYOUTS)."""
+def _add_block(builder, kind: int, block, values_of, activations, sums, extra) -> None:
+    """One block of one row into its sums: sums (`_LANES`*) += the integer sums of its values
+    (`values_of(0)`, as `_block_bytes` gives them) times d·d_x; extra (float*) += m·s (Q4_1,
+    Q5_1) or -offset·Σq·d·d_x (the others, LAYOUTS)."""
     quants, x_scale, x_offset, x_shift = activations
     scale = builder.fmul(_half(builder, block), x_scale, flags=_FAST)
-    _scaled_into(builder, sums, _integer_sums(builder, _block_bytes(builder, block, kind), quants), scale)
+    _scaled_into(builder, sums, _integer_sums(builder, values_of(0), quants), scale)
     minimum = LAYOUTS[kind][2]
     if minimum >= 0:
         part = builder.fmul(_half(builder, _at(builder, block, minimum)), x_shift, flags=_FAST)
@@ -228,21 +232,48 @@ def _scaled_into(builder, sums, integers, scale) -> None:
     builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
 
 
-def _q45_k_block(builder, kind: int, block, quants, x_scale, counts, sums, extra) -> None:
-    """A Q4_K or Q5_K block (256 values) of one row into its sums: d·d_x·Σ_s scale_s·Σq·q_x in
-    integers, and extra -= dmin·d_x·Σ_s min_s·Σq_x (the sub-block's two counts of 16)."""
+def _k_values(builder, kind: int, block, s: int):
+    """Q4_K's or Q5_K's sub-block s (values 32·s..32·s + 31) as unsigned <32 x i8>: nibbles of
+    the packed bytes, Q5_K's fifth bits (bit s of each of its 32 bytes) above them."""
+    packed = _load(builder, _at(builder, block, (48 if kind == _Q5_K else 16) + (s // 2) * 32), _I8, 32)
+    values = _nibbles(builder, packed, s % 2 == 1)
+    if kind == _Q5_K:
+        fifth = _load(builder, _at(builder, block, 16), _I8, 32)
+        bit = builder.and_(builder.lshr(fifth, _const(s, 32)), _const(1, 32))
+        values = builder.or_(values, builder.shl(bit, _const(4, 32)))
+    return values
+
+
+def _q6_values(builder, block, g: int):
+    """Q6_K's group g of 32 values (values 32·g..32·g + 31) as unsigned <32 x i8> (0..63): four
+    bits of the low bytes, two of the high ones above them."""
+    half, t = divmod(g, 4)
+    low_bits = _load(builder, _at(builder, block, 64 * half + 32 * (t % 2)), _I8, 32)
+    high_bits = _load(builder, _at(builder, block, 128 + 32 * half), _I8, 32)
+    high = builder.and_(builder.lshr(high_bits, _const(2 * t, 32)), _const(3, 32))
+    return builder.or_(_nibbles(builder, low_bits, t >= 2), builder.shl(high, _const(4, 32)))
+
+
+def _group_values(builder, kind: int, block, index: int):
+    """The values of a block's 32-value group `index` (0 for the 32-value formats) as unsigned
+    <32 x i8>, what the dots multiply: `_block_bytes`, `_k_values` or `_q6_values`."""
+    if kind == _Q6_K:
+        return _q6_values(builder, block, index)
+    if kind in K_BLOCK_BYTES:
+        return _k_values(builder, kind, block, index)
+    return _block_bytes(builder, block, kind)
+
+
+def _q45_k_block(builder, kind: int, block, values_of, quants, x_scale, counts, sums, extra) -> None:
+    """A Q4_K or Q5_K block (256 values; sub-block s's values `values_of(s)`) of one row into
+    its sums: d·d_x·Σ_s scale_s·Σq·q_x in integers, and extra -= dmin·d_x·Σ_s min_s·Σq_x (the
+    sub-block's two counts of 16)."""
     integers = ir.Constant(ir.VectorType(_I32, _LANES.count), [0] * _LANES.count)
     minimum_sum = ir.Constant(_F32, 0.0)
-    fifth = _load(builder, _at(builder, block, 16), _I8, 32) if kind == _Q5_K else None
     for s in range(8):
         scale, sub_minimum = _k_scale_min(builder, block, s)
-        packed = _load(builder, _at(builder, block, (48 if kind == _Q5_K else 16) + (s // 2) * 32), _I8, 32)
-        values = _nibbles(builder, packed, s % 2 == 1)
-        if fifth is not None:  # bit s of each of the 32 bytes: the values' fifth bits
-            bit = builder.and_(builder.lshr(fifth, _const(s, 32)), _const(1, 32))
-            values = builder.or_(values, builder.shl(bit, _const(4, 32)))
         x = _load(builder, _at(builder, quants, s * 32), _I8, 32)
-        dots = _integer_sums(builder, values, x)
+        dots = _integer_sums(builder, values_of(s), x)
         integers = builder.add(integers, builder.mul(dots, _splat(builder, scale, _LANES.count)))
         count = builder.fadd(builder.load(_at(builder, counts, 2 * s)),
                              builder.load(_at(builder, counts, 2 * s + 1)), flags=_FAST)
@@ -254,78 +285,129 @@ def _q45_k_block(builder, kind: int, block, quants, x_scale, counts, sums, extra
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
-def _q6_block(builder, block, quants, x_scale, counts, sums, extra) -> None:
-    """A Q6_K block (256 values; 128 bytes of low bits, 64 of high, 16 int8 scales, d) of one row
-    into its sums: d·d_x·Σ_j scale_j·Σ q·q_x over its groups of 16 in integers (q unsigned, 0..63),
-    and extra -= 32·d·d_x·Σ_j scale_j·Σq_x (the offset q carries)."""
+def _q6_block(builder, block, values_of, quants, x_scale, counts, sums, extra) -> None:
+    """A Q6_K block (256 values; 128 bytes of low bits, 64 of high, 16 int8 scales, d; group g's
+    values `values_of(g)`) of one row into its sums: d·d_x·Σ_j scale_j·Σ q·q_x over its groups of
+    16 in integers (q unsigned, 0..63), and extra -= 32·d·d_x·Σ_j scale_j·Σq_x (the offset q
+    carries)."""
     lanes = _LANES.count
     integers = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
     offsets = ir.Constant(_F32, 0.0)
     halves = ir.Constant(ir.VectorType(_I32, lanes), [0] * (lanes // 2) + [lanes] * (lanes // 2))
-    for half in range(2):
-        low_bits = [_load(builder, _at(builder, block, 64 * half + 32 * t), _I8, 32) for t in range(2)]
-        high_bits = _load(builder, _at(builder, block, 128 + 32 * half), _I8, 32)
-        for t in range(4):
-            g = 4 * half + t
-            high = builder.and_(builder.lshr(high_bits, _const(2 * t, 32)), _const(3, 32))
-            values = builder.or_(_nibbles(builder, low_bits[t % 2], t >= 2), builder.shl(high, _const(4, 32)))
-            dots = _integer_sums(builder, values, _load(builder, _at(builder, quants, g * 32), _I8, 32))
-            first, second = (builder.sext(_load(builder, _at(builder, block, 192 + 2 * g + j), _I8), _I32)
-                             for j in range(2))
-            scales = builder.shuffle_vector(
-                _splat(builder, first, lanes), _splat(builder, second, lanes), halves)
-            integers = builder.add(integers, builder.mul(dots, scales))
-            for j, scale in enumerate((first, second)):
-                count = builder.load(_at(builder, counts, 2 * g + j))
-                offsets = builder.fadd(offsets, builder.fmul(builder.sitofp(scale, _F32), count, flags=_FAST),
-                                       flags=_FAST)
+    for g in range(8):
+        dots = _integer_sums(builder, values_of(g), _load(builder, _at(builder, quants, g * 32), _I8, 32))
+        first, second = (builder.sext(_load(builder, _at(builder, block, 192 + 2 * g + j), _I8), _I32)
+                         for j in range(2))
+        scales = builder.shuffle_vector(_splat(builder, first, lanes), _splat(builder, second, lanes), halves)
+        integers = builder.add(integers, builder.mul(dots, scales))
+        for j, scale in enumerate((first, second)):
+            count = builder.load(_at(builder, counts, 2 * g + j))
+            offsets = builder.fadd(offsets, builder.fmul(builder.sitofp(scale, _F32), count, flags=_FAST),
+                                   flags=_FAST)
     step = builder.fmul(_half(builder, _at(builder, block, 208)), x_scale, flags=_FAST)
     _scaled_into(builder, sums, integers, step)
     shift = builder.fmul(builder.fmul(step, ir.Constant(_F32, 32.0), flags=_FAST), offsets, flags=_FAST)
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
-#: the K-quants' block bytes, by their codes in `numba_blocks.CODES`
-K_BLOCK_BYTES = {code: STORED_KINDS[kind][1]
-                 for code, kind in ((_Q4_K, "Q4_K"), (_Q5_K, "Q5_K"), (_Q6_K, "Q6_K"))}
-
-
-def _rows_codegen(kind: int):
+def _rows_codegen(kind: int, unpacked: bool):
     """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
-    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`)."""
-    k_quant = kind in K_BLOCK_BYTES
-    size, group = (K_BLOCK_BYTES[kind], 256) if k_quant else (LAYOUTS[kind][0], 32)
+    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`); the
+    rows' values unpacked from their blocks, or with `unpacked` read from (4, in) uint8 values
+    `_unpack_codegen` wrote (the same integers, so the same sums to the bit)."""
+    size, group = (K_BLOCK_BYTES[kind], 256) if kind in K_BLOCK_BYTES else (LAYOUTS[kind][0], 32)
 
     def codegen(context, builder, signature, args):
-        weight = context.make_array(signature.args[0])(context, builder, args[0])
-        quants, scales, counts, shifts = (
-            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[5:], args[5:])
-        )
-        stride = builder.extract_value(weight.strides, 0)
-        rows = [builder.gep(weight.data, [builder.mul(i, stride)]) for i in args[1:5]]
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[5:], args[5:])]
+        values = arrays.pop(0) if unpacked else None
+        quants, scales, counts, shifts = arrays
+        rows = _row_pointers(context, builder, signature.args[0], args[0], args[1:5])
         sums = [cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * _LANES.count)) for _ in rows]
         extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
         with cgutils.for_range(builder, builder.extract_value(scales.shape, 0)) as loop:
             b = loop.index
-            x_quants = _at(builder, quants.data, builder.mul(b, ir.Constant(_I64, group)))
-            x_scale = builder.load(_at(builder, scales.data, b))
-            if not k_quant:
-                count = builder.load(_at(builder, counts.data, b))
-                activations = (
-                    _load(builder, x_quants, _I8, 32), x_scale,
-                    builder.fmul(count, ir.Constant(_F32, -LAYOUTS[kind][4]), flags=_FAST),
-                    builder.load(_at(builder, shifts.data, b)),
-                )
-            x_counts = _at(builder, counts.data, builder.mul(b, ir.Constant(_I64, 16)))
-            for row, row_sums, extra in zip(rows, sums, extras):
+            first = builder.mul(b, ir.Constant(_I64, group))  # the block's first value
+            x = _block_activations(builder, kind, b, first, quants, scales, counts, shifts)
+            for r, (row, row_sums, extra) in enumerate(zip(rows, sums, extras)):
                 block = _at(builder, row, builder.mul(b, ir.Constant(_I64, size)))
-                if kind == _Q6_K:
-                    _q6_block(builder, block, x_quants, x_scale, x_counts, row_sums, extra)
-                elif k_quant:
-                    _q45_k_block(builder, kind, block, x_quants, x_scale, x_counts, row_sums, extra)
-                else:
-                    _add_block(builder, kind, block, activations, row_sums, extra)
+                _block_into(builder, kind, block, _values_of(builder, kind, block, values, r, first), x,
+                            row_sums, extra)
         return context.make_tuple(builder, signature.return_type, _reduced(builder, sums, extras))
+
+    return codegen
+
+
+def _block_activations(builder, kind: int, b, first, quants, scales, counts, shifts) -> tuple:
+    """What block b's dots read of a row of Q8 activations (b and its first value `first`
+    i64 values): (its quants' pointer, its scale, its counts' pointer, and for a 32-value format
+    `_add_block`'s four activations, else None)."""
+    x_quants = _at(builder, quants.data, first)
+    x_scale = builder.load(_at(builder, scales.data, b))
+    activations = None
+    if kind not in K_BLOCK_BYTES:
+        count = builder.load(_at(builder, counts.data, b))
+        activations = (
+            _load(builder, x_quants, _I8, 32), x_scale,
+            builder.fmul(count, ir.Constant(_F32, -LAYOUTS[kind][4]), flags=_FAST),
+            builder.load(_at(builder, shifts.data, b)),
+        )
+    return x_quants, x_scale, _at(builder, counts.data, builder.mul(b, ir.Constant(_I64, 16))), activations
+
+
+def _block_into(builder, kind: int, block, values_of, x: tuple, sums, extra) -> None:
+    """One block of one row (its values `values_of`) dotted with x (`_block_activations`) into
+    the row's sums and extra, as its format's dots do."""
+    x_quants, x_scale, x_counts, activations = x
+    if kind == _Q6_K:
+        _q6_block(builder, block, values_of, x_quants, x_scale, x_counts, sums, extra)
+    elif kind in K_BLOCK_BYTES:
+        _q45_k_block(builder, kind, block, values_of, x_quants, x_scale, x_counts, sums, extra)
+    else:
+        _add_block(builder, kind, block, values_of, activations, sums, extra)
+
+
+def _row_pointers(context, builder, weight_type, weight, indices) -> list:
+    """Byte pointers to rows `indices` (i64 values) of the weight (rows, row bytes) uint8."""
+    array = context.make_array(weight_type)(context, builder, weight)
+    stride = builder.extract_value(array.strides, 0)
+    return [builder.gep(array.data, [builder.mul(i, stride)]) for i in indices]
+
+
+def _values_of(builder, kind: int, block, values, r: int, start):
+    """values_of(index): the <32 x i8> values of group `index` of a row's block, unpacked from
+    the block (values None) or read from row r of `values` at start + 32·index (start: the
+    block's first value, an i64)."""
+    if values is None:
+        return lambda index: _group_values(builder, kind, block, index)
+    stride = builder.extract_value(values.strides, 0)
+    row = builder.gep(values.data, [builder.mul(ir.Constant(_I64, r), stride)])
+    return lambda index: _load(builder, _at(builder, row, builder.add(start, ir.Constant(_I64, 32 * index))),
+                               _I8, 32)
+
+
+def _unpack_codegen(kind: int):
+    """Codegen writing four rows' values, as the dots multiply them (`_group_values`), into
+    (4, in) uint8 values: row r's value j at [r, j]."""
+    k_quant = kind in K_BLOCK_BYTES
+    size, group = (K_BLOCK_BYTES[kind], 256) if k_quant else (LAYOUTS[kind][0], 32)
+
+    def codegen(context, builder, signature, args):
+        rows = _row_pointers(context, builder, signature.args[0], args[0], args[1:5])
+        values = context.make_array(signature.args[5])(context, builder, args[5])
+        stride = builder.extract_value(values.strides, 0)
+        blocks = builder.sdiv(builder.extract_value(values.shape, 1), ir.Constant(_I64, group))
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            for r, row in enumerate(rows):
+                block = _at(builder, row, builder.mul(b, ir.Constant(_I64, size)))
+                target = builder.gep(values.data, [builder.mul(ir.Constant(_I64, r), stride)])
+                for index in range(group // 32):
+                    vector = _group_values(builder, kind, block, index)
+                    at = _at(builder, target, builder.add(builder.mul(b, ir.Constant(_I64, group)),
+                                                          ir.Constant(_I64, 32 * index)))
+                    stored = builder.store(vector, builder.bitcast(at, vector.type.as_pointer()))
+                    stored.align = 1
+        return context.get_dummy_value()
 
     return codegen
 
@@ -342,26 +424,54 @@ def _reduced(builder, sums, extras) -> list:
     return results
 
 
-def _rows_intrinsic(kind: int):
+def _rows_intrinsic(kind: int, unpacked: bool = False):
     """The intrinsic dotting four rows of a weight of `kind` with one row of Q8 activations:
     (w, i0, i1, i2, i3, quants, scales, counts, shifts) -> four float32 (w (rows, row bytes)
     uint8; the activations one row of `q8_activations`' arrays, or of `q8_k_activations`' for a
-    K-quant, whose shifts are not read)."""
+    K-quant, whose shifts are not read). With `unpacked`, (w, i0, i1, i2, i3, values, quants,
+    scales, counts, shifts): the rows' values read from `values` (4, in) uint8, as the
+    `_unpack_intrinsic` of the kind wrote them for these rows; the same four float32."""
 
-    def rows(typingctx, w, i0, i1, i2, i3, quants, scales, counts, shifts):
-        indices = (i0, i1, i2, i3)
+    def typed(w, indices, arrays):
         if not all(isinstance(i, numba.types.Integer) for i in indices):
             return None
         index = numba.types.int64
-        signature = numba.types.UniTuple(numba.types.float32, 4)(
-            w, index, index, index, index, quants, scales, counts, shifts
-        )
-        return signature, _rows_codegen(kind)
+        signature = numba.types.UniTuple(numba.types.float32, 4)(w, index, index, index, index, *arrays)
+        return signature, _rows_codegen(kind, unpacked)
 
-    rows.__name__ = f"q8_rows_{kind}"
-    return intrinsic(rows)
+    def rows(typingctx, w, i0, i1, i2, i3, quants, scales, counts, shifts):
+        return typed(w, (i0, i1, i2, i3), (quants, scales, counts, shifts))
+
+    def unpacked_rows(typingctx, w, i0, i1, i2, i3, values, quants, scales, counts, shifts):
+        return typed(w, (i0, i1, i2, i3), (values, quants, scales, counts, shifts))
+
+    chosen = unpacked_rows if unpacked else rows
+    chosen.__name__ = f"q8_{'unpacked_' if unpacked else ''}rows_{kind}"
+    return intrinsic(chosen)
+
+
+def _unpack_intrinsic(kind: int):
+    """The intrinsic (w, i0, i1, i2, i3, values) writing rows i0..i3 of a weight of `kind` (w
+    (rows, row bytes) uint8) into values (4, in) uint8 as its dots multiply them: unsigned, the
+    format's offset left in (Q8_0's + 128), in the values' order."""
+
+    def unpack(typingctx, w, i0, i1, i2, i3, values):
+        if not all(isinstance(i, numba.types.Integer) for i in (i0, i1, i2, i3)):
+            return None
+        index = numba.types.int64
+        return numba.types.none(w, index, index, index, index, values), _unpack_codegen(kind)
+
+    unpack.__name__ = f"q8_unpack_{kind}"
+    return intrinsic(unpack)
 
 
 q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows, q4_k_rows, q5_k_rows, q6_k_rows = (
     _rows_intrinsic(kind) for kind in range(8)
+)
+(q8_0_unpacked_rows, q4_0_unpacked_rows, q4_1_unpacked_rows, q5_0_unpacked_rows, q5_1_unpacked_rows,
+ q4_k_unpacked_rows, q5_k_unpacked_rows, q6_k_unpacked_rows) = (
+    _rows_intrinsic(kind, unpacked=True) for kind in range(8)
+)
+q8_0_unpack, q4_0_unpack, q4_1_unpack, q5_0_unpack, q5_1_unpack, q4_k_unpack, q5_k_unpack, q6_k_unpack = (
+    _unpack_intrinsic(kind) for kind in range(8)
 )
