@@ -17,30 +17,38 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: the dots read unpacked values too)
+# checkout to recompile them (the last such change: the dots four activation rows at a time)
 from kvcache.backends.cpu.numba_q8 import (
     q4_0_rows,
+    q4_0_tile,
     q4_0_unpack,
     q4_0_unpacked_rows,
     q4_1_rows,
+    q4_1_tile,
     q4_1_unpack,
     q4_1_unpacked_rows,
     q4_k_rows,
+    q4_k_tile,
     q4_k_unpack,
     q4_k_unpacked_rows,
     q5_0_rows,
+    q5_0_tile,
     q5_0_unpack,
     q5_0_unpacked_rows,
     q5_1_rows,
+    q5_1_tile,
     q5_1_unpack,
     q5_1_unpacked_rows,
     q5_k_rows,
+    q5_k_tile,
     q5_k_unpack,
     q5_k_unpacked_rows,
     q6_k_rows,
+    q6_k_tile,
     q6_k_unpack,
     q6_k_unpacked_rows,
     q8_0_rows,
+    q8_0_tile,
     q8_0_unpack,
     q8_0_unpacked_rows,
     q8_activations,
@@ -333,6 +341,29 @@ def q8_unpacked_rows_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  
     return q5_1_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
 
 
+@numba.njit(**_INLINE)
+def q8_tile_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  # pragma: no cover (compiled)
+    """Rows n..n + 3 of Q8 activations dotted with rows i0..i3 of a weight of `kind`, their
+    values read from `values` (`unpack_rows_of_kind`): 16 float32, row n's four first, each what
+    `q8_unpacked_rows_of_kind` gives for that row alone, to the bit."""
+    quants, scales, counts, shifts = activations
+    if kind == Q4_K:
+        return q4_k_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    if kind == Q5_K:
+        return q5_k_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    if kind == Q6_K:
+        return q6_k_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    if kind == Q8_0:
+        return q8_0_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    if kind == Q4_0:
+        return q4_0_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    if kind == Q4_1:
+        return q4_1_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    if kind == Q5_0:
+        return q5_0_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    return q5_1_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+
+
 @numba.njit(**_CALLED)
 def unpack_rows_of_kind(w, kind, i0, i1, i2, i3, values):  # pragma: no cover (compiled)
     """Rows i0..i3 of a weight of `kind` into values (4, in) uint8 as the Q8 dots multiply them."""
@@ -507,6 +538,20 @@ def float_tiles(rows, x, out, start, i0, i1, i2, i3):  # pragma: no cover (compi
 
 
 @numba.njit(**_INLINE)
+def q8_tiles(w, kind, i0, i1, i2, i3, values, activations, out, start):  # pragma: no cover (compiled)
+    """out[n, start + i] for rows i0..i3 (their values unpacked) and the Q8 activations' rows
+    four at a time (`q8_tile_of_kind`); returns the rows done (a multiple of 4)."""
+    done = 0
+    while done + 4 <= activations[0].shape[0]:
+        found = q8_tile_of_kind(w, kind, i0, i1, i2, i3, values, done, activations)
+        for t in range(4):
+            put(out, done + t, start, i0, i1, i2, i3, (found[4 * t], found[4 * t + 1], found[4 * t + 2],
+                                                       found[4 * t + 3]))
+        done += 4
+    return done
+
+
+@numba.njit(**_INLINE)
 def put(out, n, start, i0, i1, i2, i3, sums):  # pragma: no cover (compiled)
     """out[n, start + i] = the four sums of rows i0..i3."""
     out[n, start + i0], out[n, start + i1], out[n, start + i2], out[n, start + i3] = sums
@@ -551,7 +596,8 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
         if tiles and q8:
             values = np.empty((4, x.shape[1]), np.uint8)  # the task's rows' values, unpacked
             unpack_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, values)
-            for n in range(x.shape[0]):
+            for n in range(q8_tiles(w, kind - Q8_READS, i0, i1, i2, i3, values, activations, out, start),
+                           x.shape[0]):
                 found = q8_unpacked_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, values, n, activations)
                 put(out, n, start, i0, i1, i2, i3, found)
         elif tiles:

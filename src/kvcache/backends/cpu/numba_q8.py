@@ -310,48 +310,67 @@ def _q6_block(builder, block, values_of, quants, x_scale, counts, sums, extra) -
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
-def _rows_codegen(kind: int, unpacked: bool):
+def _rows_codegen(kind: int, unpacked: bool, tokens: int = 1):
     """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
     of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`); the
     rows' values unpacked from their blocks, or with `unpacked` read from (4, in) uint8 values
-    `_unpack_codegen` wrote (the same integers, so the same sums to the bit)."""
+    `_unpack_codegen` wrote (the same integers, so the same sums to the bit). With `tokens` 4,
+    the activations are (N, ...) arrays and a last argument n: rows n..n + 3 of them, each pair of
+    rows dotted in the same operations as one row is (16 results, activation row major)."""
     size, group = (K_BLOCK_BYTES[kind], 256) if kind in K_BLOCK_BYTES else (LAYOUTS[kind][0], 32)
 
     def codegen(context, builder, signature, args):
-        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[5:], args[5:])]
+        last = 9 + unpacked  # (the arrays' arguments end there; a tile's n follows them)
+        arrays = [context.make_array(t)(context, builder, a)
+                  for t, a in zip(signature.args[5:last], args[5:last])]
         values = arrays.pop(0) if unpacked else None
         quants, scales, counts, shifts = arrays
+        if tokens == 1:
+            x_rows = [tuple(array.data for array in (quants, scales, counts, shifts))]
+        else:
+            x_rows = [tuple(_row_of(builder, array, builder.add(args[-1], ir.Constant(_I64, t)))
+                            for array in (quants, scales, counts, shifts)) for t in range(tokens)]
         rows = _row_pointers(context, builder, signature.args[0], args[0], args[1:5])
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * _LANES.count)) for _ in rows]
-        extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
-        with cgutils.for_range(builder, builder.extract_value(scales.shape, 0)) as loop:
+        sums = [[cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * _LANES.count)) for _ in rows]
+                for _ in x_rows]
+        extras = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows] for _ in x_rows]
+        blocks = builder.extract_value(scales.shape, 0 if tokens == 1 else 1)  # (1-D, or (N, blocks))
+        with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
             first = builder.mul(b, ir.Constant(_I64, group))  # the block's first value
-            x = _block_activations(builder, kind, b, first, quants, scales, counts, shifts)
-            for r, (row, row_sums, extra) in enumerate(zip(rows, sums, extras)):
+            xs = [_block_activations(builder, kind, b, first, *x_row) for x_row in x_rows]
+            for r, row in enumerate(rows):
                 block = _at(builder, row, builder.mul(b, ir.Constant(_I64, size)))
-                _block_into(builder, kind, block, _values_of(builder, kind, block, values, r, first), x,
-                            row_sums, extra)
-        return context.make_tuple(builder, signature.return_type, _reduced(builder, sums, extras))
+                values_of = _values_of(builder, kind, block, values, r, first)
+                for t, x in enumerate(xs):
+                    _block_into(builder, kind, block, values_of, x, sums[t][r], extras[t][r])
+        found = [value for t in range(len(x_rows)) for value in _reduced(builder, sums[t], extras[t])]
+        return context.make_tuple(builder, signature.return_type, found)
 
     return codegen
 
 
+def _row_of(builder, array, n):
+    """A pointer to row n (an i64) of a C-contiguous 2-D array's data."""
+    return builder.gep(array.data, [builder.mul(n, builder.extract_value(array.shape, 1))])
+
+
 def _block_activations(builder, kind: int, b, first, quants, scales, counts, shifts) -> tuple:
-    """What block b's dots read of a row of Q8 activations (b and its first value `first`
-    i64 values): (its quants' pointer, its scale, its counts' pointer, and for a 32-value format
-    `_add_block`'s four activations, else None)."""
-    x_quants = _at(builder, quants.data, first)
-    x_scale = builder.load(_at(builder, scales.data, b))
+    """What block b's dots read of a row of Q8 activations (pointers to the row's quants, scales,
+    counts and shifts; b and its first value `first` i64 values): (its quants' pointer, its
+    scale, its counts' pointer, and for a 32-value format `_add_block`'s four activations, else
+    None)."""
+    x_quants = _at(builder, quants, first)
+    x_scale = builder.load(_at(builder, scales, b))
     activations = None
     if kind not in K_BLOCK_BYTES:
-        count = builder.load(_at(builder, counts.data, b))
+        count = builder.load(_at(builder, counts, b))
         activations = (
             _load(builder, x_quants, _I8, 32), x_scale,
             builder.fmul(count, ir.Constant(_F32, -LAYOUTS[kind][4]), flags=_FAST),
-            builder.load(_at(builder, shifts.data, b)),
+            builder.load(_at(builder, shifts, b)),
         )
-    return x_quants, x_scale, _at(builder, counts.data, builder.mul(b, ir.Constant(_I64, 16))), activations
+    return x_quants, x_scale, _at(builder, counts, builder.mul(b, ir.Constant(_I64, 16))), activations
 
 
 def _block_into(builder, kind: int, block, values_of, x: tuple, sums, extra) -> None:
@@ -450,6 +469,25 @@ def _rows_intrinsic(kind: int, unpacked: bool = False):
     return intrinsic(chosen)
 
 
+def _tile_intrinsic(kind: int):
+    """The intrinsic (w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n) dotting four
+    rows of a weight of `kind`, their values read from `values` as the unpacked rows' intrinsic
+    reads them, with rows n..n + 3 of Q8 activations (the (N, ...) arrays of `q8_activations`
+    or `q8_k_activations`): 16 float32, row n's four first, each equal to the bit to what the
+    unpacked rows' intrinsic gives for that row alone."""
+
+    def tile(typingctx, w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n):
+        if not all(isinstance(i, numba.types.Integer) for i in (i0, i1, i2, i3, n)):
+            return None
+        index = numba.types.int64
+        signature = numba.types.UniTuple(numba.types.float32, 16)(
+            w, index, index, index, index, values, quants, scales, counts, shifts, index)
+        return signature, _rows_codegen(kind, True, tokens=4)
+
+    tile.__name__ = f"q8_tile_{kind}"
+    return intrinsic(tile)
+
+
 def _unpack_intrinsic(kind: int):
     """The intrinsic (w, i0, i1, i2, i3, values) writing rows i0..i3 of a weight of `kind` (w
     (rows, row bytes) uint8) into values (4, in) uint8 as its dots multiply them: unsigned, the
@@ -474,4 +512,7 @@ q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows, q4_k_rows, q5_k_rows, q6_
 )
 q8_0_unpack, q4_0_unpack, q4_1_unpack, q5_0_unpack, q5_1_unpack, q4_k_unpack, q5_k_unpack, q6_k_unpack = (
     _unpack_intrinsic(kind) for kind in range(8)
+)
+q8_0_tile, q4_0_tile, q4_1_tile, q5_0_tile, q5_1_tile, q4_k_tile, q5_k_tile, q6_k_tile = (
+    _tile_intrinsic(kind) for kind in range(8)
 )
