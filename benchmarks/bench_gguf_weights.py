@@ -19,8 +19,7 @@ path picks given llama.cpp's tokens before each. And the path's agreement with i
 prompt run a token at a time (`agreement_with_itself_in_chunks`: a decode step's one-row dots
 instead of the prompt's tiles, which compute the same to the bit, so 1.0 unless that broke; at
 3795f8f the tiles summed in another order, and this measured the floor that order sets).
-Results:
-benchmarks/results/gguf_weights.json. Not a test.
+Results: benchmarks/results/gguf_weights.json. Not a test.
 """
 
 from __future__ import annotations
@@ -135,21 +134,24 @@ def margins_worker(args: argparse.Namespace) -> None:
 
 def teacher_forced_worker(args: argparse.Namespace) -> None:
     """For each (sequence, length) read as JSON from stdin: the stored path's logits over the
-    sequence in one forward, and at each of its new tokens (past `length`) whether that token is
-    the path's top one given the tokens before it; where not, the path's logit gap between its
-    top token and that one. Prints one JSON line: {tokens, agreeing (share), gaps (sorted)}."""
+    sequence in one forward on the block step's kernels (as `generate`'s prompt runs), and at
+    each of its new tokens (past `length`) whether that token is the path's top one given the
+    tokens before it; where not, the path's logit gap between its top token and that one.
+    Prints one JSON line: {tokens, agreeing (share), gaps (sorted)}."""
     import kvcache  # noqa: F401, I001 (first: it sets OpenBLAS's spin before numpy loads)
     import torch
 
     from kvcache import load_model
+    from kvcache.backends import choose_backend
 
     torch.set_num_threads(args.threads)
     model = load_model(args.checkpoint, activations=args.activations)
+    backend = choose_backend(model)
     total, gaps = 0, []
     for sequence, length in json.loads(sys.stdin.read()):
         if len(sequence) <= length:
             continue
-        with torch.no_grad():
+        with torch.no_grad(), backend.prompt_products():  # the kernels' products, as `generate`'s
             logits = model(torch.tensor([sequence[:-1]])).logits[0, length - 1:].float()
         for row, token in zip(logits, sequence[length:]):
             total += 1

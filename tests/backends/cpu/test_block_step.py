@@ -176,7 +176,41 @@ def q8_dots_against_llama_cpps_rules() -> bool:
         expected = (read @ weight.T + minimum_shares)[0]
         scale = np.abs(x[0]).astype(np.float64) @ np.abs(weight).T
         assert np.all(np.abs(got - expected) <= 1e-5 * scale + 1e-6), (kind, got, expected)
+        tiles_equal_one_row_dots(rng, kind, w, four)
     return numba_q8.VNNI
+
+
+def tiles_equal_one_row_dots(rng, kind: str, w: np.ndarray, four) -> None:
+    """The tiles' intrinsics (four weight rows' values unpacked once, then four activation rows
+    a call) give each pair of rows the one-row dots' float32, to the bit."""
+    import numba
+
+    from kvcache.backends.cpu import numba_q8
+
+    name = kind.lower()
+    unpack, tile = getattr(numba_q8, f"{name}_unpack"), getattr(numba_q8, f"{name}_tile")
+    x = (rng.standard_normal((4, w.shape[1] // STORED_KINDS[kind][1] * STORED_KINDS[kind][0]))
+         * 3.0).astype(np.float32)
+    group = STORED_KINDS[kind][0]
+    quants = np.empty(x.shape, np.int8)
+    scales = np.empty((4, x.shape[1] // group), np.float32)
+    if kind.endswith("_K"):
+        counts, shifts = np.empty((4, x.shape[1] // 16), np.float32), np.empty((4, 0), np.float32)
+        numba_q8.q8_k_activations(x, quants, scales, counts)
+    else:
+        counts, shifts = (np.empty((4, x.shape[1] // 32), np.float32) for _ in range(2))
+        numba_q8.q8_activations(x, quants, scales, counts, shifts)
+
+    def tiled(w, quants, scales, counts, shifts, unpack=unpack, tile=tile):
+        values = np.empty((4, quants.shape[1]), np.uint8)
+        i = np.int64(0)
+        unpack(w, i, i + 1, i + 2, i + 3, values)
+        return tile(w, i, i + 1, i + 2, i + 3, values, quants, scales, counts, shifts, i)
+
+    together = numba.njit(tiled)(w, quants, scales, counts, shifts)
+    jitted = numba.njit(four)
+    alone = [value for n in range(4) for value in jitted(w, quants[n], scales[n], counts[n], shifts[n])]
+    assert np.array_equal(np.array(together, np.float32), np.array(alone, np.float32)), kind
 
 
 def test_q8_dots_match_llama_cpps_rules_with_and_without_vnni():

@@ -17,7 +17,7 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: the dots four activation rows at a time)
+# checkout to recompile them (the last such change: the dots' float operations kept in order)
 from kvcache.backends.cpu.numba_q8 import (
     q4_0_rows,
     q4_0_tile,
@@ -318,7 +318,7 @@ def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cove
     return q5_1_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_CALLED)
 def q8_unpacked_rows_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  # pragma: no cover (compiled)
     """`q8_rows_of_kind`'s four dots, the rows' values read from `values` (4, in) uint8 as
     `unpack_rows_of_kind` wrote them: the same float32 to the bit."""

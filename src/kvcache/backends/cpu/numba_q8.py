@@ -34,7 +34,10 @@ LAYOUTS = {0: (34, 2, -1, -1, 128), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0),
 K_BLOCK_BYTES = {code: STORED_KINDS[kind][1]
                  for code, kind in ((_Q4_K, "Q4_K"), (_Q5_K, "Q5_K"), (_Q6_K, "Q6_K"))}
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-_FAST = tuple(sorted(FLAGS))  # (the kernels' fast-math: no "nnan"/"ninf")
+#: the dots' float operations may fuse a multiply into an add (FMA, as llama.cpp's do) but not be
+#: reordered ("reassoc"): the one-row dots and the tiles are different functions, and only the
+#: written order makes them give the same float32 to the bit
+_FAST = ("contract", "nsz")
 
 
 def target_has_vnni() -> bool:
