@@ -18,13 +18,16 @@ when the two are close), and teacher-forced: the share of llama.cpp's new tokens
 path picks given llama.cpp's tokens before each. And the path's agreement with itself with each
 prompt run a token at a time (`agreement_with_itself_in_chunks`: a decode step's one-row dots
 instead of the prompt's tiles, which compute the same to the bit, so 1.0 unless that broke; at
-3795f8f the tiles summed in another order, and this measured the floor that order sets).
+3795f8f the tiles summed in another order, and this measured the floor that order sets); and
+teacher-forced, the modules' own numpy products (the same arithmetic in another order) picking
+the kernels' tokens (`agreement_with_itself_reordered`): the floor that summation order sets.
 Results: benchmarks/results/gguf_weights.json. Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -151,7 +154,9 @@ def teacher_forced_worker(args: argparse.Namespace) -> None:
     for sequence, length in json.loads(sys.stdin.read()):
         if len(sequence) <= length:
             continue
-        with torch.no_grad(), backend.prompt_products():  # the kernels' products, as `generate`'s
+        # the kernels' products, as `generate`'s prompt; --modules-path: the modules' own (numpy)
+        products = contextlib.nullcontext() if args.modules_path else backend.prompt_products()
+        with torch.no_grad(), products:
             logits = model(torch.tensor([sequence[:-1]])).logits[0, length - 1:].float()
         for row, token in zip(logits, sequence[length:]):
             total += 1
@@ -161,14 +166,14 @@ def teacher_forced_worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(gguf: str, dtype: str, args, prompts: int = 1, stdin: str | None = None,
-               mode: str = "--margins") -> dict:
+               mode: tuple[str, ...] = ("--margins",)) -> dict:
     """One worker process on `gguf`: a timed run (and `prompts` prompts' tokens), or with
     `stdin`, `mode`'s (--margins or --teacher-forced) answer for it."""
     command = [sys.executable, str(Path(__file__)), "--worker", "--checkpoint", gguf, "--dtype", dtype,
                "--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
                "--prompts", str(prompts), "--prompt-kind", args.prompt_kind,
-               "--activations", args.activations] + ([mode] if stdin is not None else [])
+               "--activations", args.activations] + (list(mode) if stdin is not None else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, input=stdin)
     if done.returncode != 0:
@@ -268,12 +273,14 @@ def compare_with_llama_cpp(gguf: str, ours: list[list[int]], lengths: list[int],
     return found
 
 
-def teacher_forced(gguf: str, sequences: list[list[int]], lengths: list[int], args) -> dict:
+def teacher_forced(gguf: str, sequences: list[list[int]], lengths: list[int], args,
+                   modules_path: bool = False) -> dict:
     """The share of another run's new tokens (`sequences` past `lengths`) that kvcache's stored
-    path picks given that run's tokens before each (`teacher_forced_worker`), and the gaps where
-    it does not."""
+    path picks given that run's tokens before each (`teacher_forced_worker`; on the modules' own
+    numpy products with `modules_path`), and the gaps where it does not."""
     stdin = json.dumps([[sequence, length] for sequence, length in zip(sequences, lengths)])
-    return run_worker(gguf, "stored", args, stdin=stdin, mode="--teacher-forced")
+    mode = ("--teacher-forced", "--modules-path") if modules_path else ("--teacher-forced",)
+    return run_worker(gguf, "stored", args, stdin=stdin, mode=mode)
 
 
 def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
@@ -293,6 +300,10 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
             # the path's with itself, its prompts run a token at a time: the same to the bit
             in_chunks = agreement(ours["tokens"], ours["tokens_in_chunks"], lengths)
             row["agreement_with_itself_in_chunks"] = in_chunks
+            # the floor: the same arithmetic in another order (the modules' numpy products) picking
+            # the kernels' own tokens
+            row["agreement_with_itself_reordered"] = {
+                "teacher_forced": teacher_forced(gguf, ours["tokens"], lengths, args, modules_path=True)}
             if args.llama_server:
                 row["agreement_with_llama_cpp"] = compare_with_llama_cpp(gguf, ours["tokens"], lengths, args)
         results[kind] = row
@@ -311,7 +322,8 @@ def summarise(rounds: list[dict[str, dict]]) -> dict[str, dict]:
             summary["llama_cpp_decode_tokens_per_s"] = statistics.median(
                 r["llama.cpp"]["decode_tokens_per_s"] for r in rows)
             summary["ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
-        for key in ("agreement_with_float32", "agreement_with_itself_in_chunks", "agreement_with_llama_cpp"):
+        for key in ("agreement_with_float32", "agreement_with_itself_in_chunks",
+                    "agreement_with_itself_reordered", "agreement_with_llama_cpp"):
             if key in rows[0]:
                 summary[key] = rows[0][key]
         summary["weights"] = rows[0]["kvcache"]["weights"]
@@ -342,6 +354,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="stored", help=argparse.SUPPRESS)
     parser.add_argument("--margins", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--teacher-forced", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--modules-path", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         chosen = margins_worker if args.margins else teacher_forced_worker if args.teacher_forced else worker
