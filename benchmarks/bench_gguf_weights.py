@@ -15,12 +15,11 @@ llama-server (`--llama-server`, default: beside llama-bench) it reports the agre
 llama.cpp's greedy tokens on the same file too, and for each prompt where they part, the
 dequantized float32 path's logit of its own token and of llama.cpp's there (a tie in rounding
 when the two are close), and teacher-forced: the share of llama.cpp's new tokens that kvcache's
-path picks given llama.cpp's tokens before each. And the path's agreement with itself with each
-prompt run a token at a time (`agreement_with_itself_in_chunks`: a decode step's one-row dots
-instead of the prompt's tiles, which compute the same to the bit, so 1.0 unless that broke; at
-3795f8f the tiles summed in another order, and this measured the floor that order sets); and
-teacher-forced, the modules' own numpy products (the same arithmetic in another order) picking
-the kernels' tokens (`agreement_with_itself_reordered`): the floor that summation order sets.
+path picks given llama.cpp's tokens before each. Two floors, kvcache against itself: each prompt
+run a token at a time (`agreement_with_itself_in_chunks`: the same products to the bit, but
+attention summed in a decode step's order instead of the prompt's), and teacher-forced, the
+modules' own numpy products (the same arithmetic in another order) picking the kernels' tokens
+(`agreement_with_itself_reordered`).
 Results: benchmarks/results/gguf_weights.json. Not a test.
 """
 
@@ -297,7 +296,7 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
             exact = run_worker(gguf, "float32", args, prompts)
             lengths = [len(tokens) - args.new_tokens for tokens in ours["tokens"]]
             row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], lengths)
-            # the path's with itself, its prompts run a token at a time: the same to the bit
+            # the path's with itself, its prompts run a token at a time (attention in another order)
             in_chunks = agreement(ours["tokens"], ours["tokens_in_chunks"], lengths)
             row["agreement_with_itself_in_chunks"] = in_chunks
             # the floor: the same arithmetic in another order (the modules' numpy products) picking
