@@ -17,40 +17,32 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: the dots' float operations kept in order)
+# checkout to recompile them (the last such change: a tile's last rows on the one-row dots)
 from kvcache.backends.cpu.numba_q8 import (
     q4_0_rows,
     q4_0_tile,
     q4_0_unpack,
-    q4_0_unpacked_rows,
     q4_1_rows,
     q4_1_tile,
     q4_1_unpack,
-    q4_1_unpacked_rows,
     q4_k_rows,
     q4_k_tile,
     q4_k_unpack,
-    q4_k_unpacked_rows,
     q5_0_rows,
     q5_0_tile,
     q5_0_unpack,
-    q5_0_unpacked_rows,
     q5_1_rows,
     q5_1_tile,
     q5_1_unpack,
-    q5_1_unpacked_rows,
     q5_k_rows,
     q5_k_tile,
     q5_k_unpack,
-    q5_k_unpacked_rows,
     q6_k_rows,
     q6_k_tile,
     q6_k_unpack,
-    q6_k_unpacked_rows,
     q8_0_rows,
     q8_0_tile,
     q8_0_unpack,
-    q8_0_unpacked_rows,
     q8_activations,
     q8_k_activations,
 )
@@ -318,34 +310,11 @@ def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cove
     return q5_1_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
 
 
-@numba.njit(**_CALLED)
-def q8_unpacked_rows_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  # pragma: no cover (compiled)
-    """`q8_rows_of_kind`'s four dots, the rows' values read from `values` (4, in) uint8 as
-    `unpack_rows_of_kind` wrote them: the same float32 to the bit."""
-    quants, scales, counts, shifts = (activations[0][n], activations[1][n], activations[2][n],
-                                      activations[3][n])
-    if kind == Q4_K:
-        return q4_k_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-    if kind == Q5_K:
-        return q5_k_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-    if kind == Q6_K:
-        return q6_k_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-    if kind == Q8_0:
-        return q8_0_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-    if kind == Q4_0:
-        return q4_0_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-    if kind == Q4_1:
-        return q4_1_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-    if kind == Q5_0:
-        return q5_0_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-    return q5_1_unpacked_rows(w, i0, i1, i2, i3, values, quants, scales, counts, shifts)
-
-
 @numba.njit(**_INLINE)
 def q8_tile_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  # pragma: no cover (compiled)
     """Rows n..n + 3 of Q8 activations dotted with rows i0..i3 of a weight of `kind`, their
     values read from `values` (`unpack_rows_of_kind`): 16 float32, row n's four first, each what
-    `q8_unpacked_rows_of_kind` gives for that row alone, to the bit."""
+    `q8_rows_of_kind` gives for that row alone, to the bit."""
     quants, scales, counts, shifts = activations
     if kind == Q4_K:
         return q4_k_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
@@ -597,8 +566,8 @@ def blocks_product(w, kind, x, start, out):  # pragma: no cover (compiled)
             values = np.empty((4, x.shape[1]), np.uint8)  # the task's rows' values, unpacked
             unpack_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, values)
             for n in range(q8_tiles(w, kind - Q8_READS, i0, i1, i2, i3, values, activations, out, start),
-                           x.shape[0]):
-                found = q8_unpacked_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, values, n, activations)
+                           x.shape[0]):  # (the rest: the one-row dots, the same to the bit)
+                found = rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations)
                 put(out, n, start, i0, i1, i2, i3, found)
         elif tiles:
             scratch = np.empty((4, x.shape[1]), np.float32)  # the task's rows, dequantized

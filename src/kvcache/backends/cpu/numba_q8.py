@@ -313,31 +313,31 @@ def _q6_block(builder, block, values_of, quants, x_scale, counts, sums, extra) -
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
-def _rows_codegen(kind: int, unpacked: bool, tokens: int = 1):
+def _rows_codegen(kind: int, tile: bool = False):
     """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
-    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`); the
-    rows' values unpacked from their blocks, or with `unpacked` read from (4, in) uint8 values
-    `_unpack_codegen` wrote (the same integers, so the same sums to the bit). With `tokens` 4,
-    the activations are (N, ...) arrays and a last argument n: rows n..n + 3 of them, each pair of
-    rows dotted in the same operations as one row is (16 results, activation row major)."""
+    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`), the
+    rows' values unpacked from their blocks. With `tile`, the rows' values are read from (4, in)
+    uint8 values `_unpack_codegen` wrote (the same integers), the activations are (N, ...) arrays
+    and a last argument n: rows n..n + 3 of them, each pair of rows dotted in the same operations
+    as one row is (16 results, activation row major)."""
     size, group = (K_BLOCK_BYTES[kind], 256) if kind in K_BLOCK_BYTES else (LAYOUTS[kind][0], 32)
 
     def codegen(context, builder, signature, args):
-        last = 9 + unpacked  # (the arrays' arguments end there; a tile's n follows them)
+        last = 10 if tile else 9  # (the arrays' arguments end there; a tile's n follows them)
         arrays = [context.make_array(t)(context, builder, a)
                   for t, a in zip(signature.args[5:last], args[5:last])]
-        values = arrays.pop(0) if unpacked else None
+        values = arrays.pop(0) if tile else None
         quants, scales, counts, shifts = arrays
-        if tokens == 1:
-            x_rows = [tuple(array.data for array in (quants, scales, counts, shifts))]
-        else:
+        if tile:
             x_rows = [tuple(_row_of(builder, array, builder.add(args[-1], ir.Constant(_I64, t)))
-                            for array in (quants, scales, counts, shifts)) for t in range(tokens)]
+                            for array in (quants, scales, counts, shifts)) for t in range(4)]
+        else:
+            x_rows = [tuple(array.data for array in (quants, scales, counts, shifts))]
         rows = _row_pointers(context, builder, signature.args[0], args[0], args[1:5])
         sums = [[cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * _LANES.count)) for _ in rows]
                 for _ in x_rows]
         extras = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows] for _ in x_rows]
-        blocks = builder.extract_value(scales.shape, 0 if tokens == 1 else 1)  # (1-D, or (N, blocks))
+        blocks = builder.extract_value(scales.shape, 1 if tile else 0)  # ((N, blocks), or 1-D)
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
             first = builder.mul(b, ir.Constant(_I64, group))  # the block's first value
@@ -446,38 +446,32 @@ def _reduced(builder, sums, extras) -> list:
     return results
 
 
-def _rows_intrinsic(kind: int, unpacked: bool = False):
+def _rows_intrinsic(kind: int):
     """The intrinsic dotting four rows of a weight of `kind` with one row of Q8 activations:
     (w, i0, i1, i2, i3, quants, scales, counts, shifts) -> four float32 (w (rows, row bytes)
     uint8; the activations one row of `q8_activations`' arrays, or of `q8_k_activations`' for a
-    K-quant, whose shifts are not read). With `unpacked`, (w, i0, i1, i2, i3, values, quants,
-    scales, counts, shifts): the rows' values read from `values` (4, in) uint8, as the
-    `_unpack_intrinsic` of the kind wrote them for these rows; the same four float32."""
+    K-quant, whose shifts are not read)."""
 
-    def typed(w, indices, arrays):
+    def rows(typingctx, w, i0, i1, i2, i3, quants, scales, counts, shifts):
+        indices = (i0, i1, i2, i3)
         if not all(isinstance(i, numba.types.Integer) for i in indices):
             return None
         index = numba.types.int64
-        signature = numba.types.UniTuple(numba.types.float32, 4)(w, index, index, index, index, *arrays)
-        return signature, _rows_codegen(kind, unpacked)
+        signature = numba.types.UniTuple(numba.types.float32, 4)(
+            w, index, index, index, index, quants, scales, counts, shifts
+        )
+        return signature, _rows_codegen(kind)
 
-    def rows(typingctx, w, i0, i1, i2, i3, quants, scales, counts, shifts):
-        return typed(w, (i0, i1, i2, i3), (quants, scales, counts, shifts))
-
-    def unpacked_rows(typingctx, w, i0, i1, i2, i3, values, quants, scales, counts, shifts):
-        return typed(w, (i0, i1, i2, i3), (values, quants, scales, counts, shifts))
-
-    chosen = unpacked_rows if unpacked else rows
-    chosen.__name__ = f"q8_{'unpacked_' if unpacked else ''}rows_{kind}"
-    return intrinsic(chosen)
+    rows.__name__ = f"q8_rows_{kind}"
+    return intrinsic(rows)
 
 
 def _tile_intrinsic(kind: int):
     """The intrinsic (w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n) dotting four
-    rows of a weight of `kind`, their values read from `values` as the unpacked rows' intrinsic
-    reads them, with rows n..n + 3 of Q8 activations (the (N, ...) arrays of `q8_activations`
-    or `q8_k_activations`): 16 float32, row n's four first, each equal to the bit to what the
-    unpacked rows' intrinsic gives for that row alone."""
+    rows of a weight of `kind`, their values read from `values` as the kind's `_unpack_intrinsic`
+    wrote them, with rows n..n + 3 of Q8 activations (the (N, ...) arrays of `q8_activations`
+    or `q8_k_activations`): 16 float32, row n's four first, each equal to the bit to what
+    `_rows_intrinsic`'s dots give for that row alone."""
 
     def tile(typingctx, w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n):
         if not all(isinstance(i, numba.types.Integer) for i in (i0, i1, i2, i3, n)):
@@ -485,7 +479,7 @@ def _tile_intrinsic(kind: int):
         index = numba.types.int64
         signature = numba.types.UniTuple(numba.types.float32, 16)(
             w, index, index, index, index, values, quants, scales, counts, shifts, index)
-        return signature, _rows_codegen(kind, True, tokens=4)
+        return signature, _rows_codegen(kind, tile=True)
 
     tile.__name__ = f"q8_tile_{kind}"
     return intrinsic(tile)
@@ -508,10 +502,6 @@ def _unpack_intrinsic(kind: int):
 
 q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows, q4_k_rows, q5_k_rows, q6_k_rows = (
     _rows_intrinsic(kind) for kind in range(8)
-)
-(q8_0_unpacked_rows, q4_0_unpacked_rows, q4_1_unpacked_rows, q5_0_unpacked_rows, q5_1_unpacked_rows,
- q4_k_unpacked_rows, q5_k_unpacked_rows, q6_k_unpacked_rows) = (
-    _rows_intrinsic(kind, unpacked=True) for kind in range(8)
 )
 q8_0_unpack, q4_0_unpack, q4_1_unpack, q5_0_unpack, q5_1_unpack, q4_k_unpack, q5_k_unpack, q6_k_unpack = (
     _unpack_intrinsic(kind) for kind in range(8)
