@@ -57,3 +57,14 @@ def test_nothing_is_released_that_a_stop_string_could_still_take_back(tokenizer)
         released += text.add(token)
     released += text.finish()
     assert released == "one two "
+
+
+@pytest.mark.parametrize("text", ["ok 🙂", "猫", "a é"])
+def test_a_reply_cut_inside_a_character_ends_without_a_replacement_character(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cut = ids[:-1]  # max_tokens reached with the last character's bytes incomplete
+    assert tokenizer.decode(cut, skip_special_tokens=True).endswith("\ufffd")  # (what a decoder gives)
+    reply = ReplyText(tokenizer)
+    pieces = [reply.add(token) for token in cut] + [reply.finish()]
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == reply.text == whole[: len(whole) - 1]  # the half character held back

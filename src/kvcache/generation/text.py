@@ -4,7 +4,9 @@ Decoding every token alone breaks characters that span tokens (byte-level BPE), 
 the whole reply at every token costs O(n²). `ReplyText` decodes a short window of recent
 tokens (the offsets trick of incremental detokenizers), holds back a trailing partial character
 and any tail that could still grow into a stop string, and cuts the reply before the first stop
-string it contains (OpenAI's rule: the stop string is not returned).
+string it contains (OpenAI's rule: the stop string is not returned). A reply that ends inside a
+character (max_tokens reached between its bytes) ends before it: no half character is returned
+as U+FFFD, streamed or whole.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ class ReplyText:
         return self._release(final=False)
 
     def finish(self) -> str:
-        """The text not yet returned (the reply ended)."""
+        """The text not yet returned (the reply ended). Tokens that never completed a character
+        give their whole characters; the incomplete one at the end (a decoder's U+FFFD) is dropped."""
         if not self.stopped and self.read < len(self.ids):  # a tail that never completed a character
             before = self._decode(self.ids[self.prefix : self.read])
-            self.text += self._decode(self.ids[self.prefix :])[len(before) :]
+            self.text += self._decode(self.ids[self.prefix :])[len(before) :].rstrip(REPLACEMENT)
             self.read = len(self.ids)
         return self._release(final=True)
 
