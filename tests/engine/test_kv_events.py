@@ -234,6 +234,39 @@ def test_an_endpoint_that_is_not_one_is_refused_by_name(endpoint):
         check_endpoint(endpoint)
 
 
+@pytest.mark.parametrize("port", [0, 65536, 99999])
+@pytest.mark.parametrize("flag", ["--kv-events", "--kv-events-replay"])
+def test_a_port_outside_1_to_65535_is_refused_by_name(port, flag):
+    # (libzmq would bind 99999 as 99999 mod 65536, and 0 as any free port, while the start-up
+    # line says the number given)
+    with pytest.raises(ValueError, match=f"{flag}: the port must be from 1 to 65535, got {port}"):
+        check_endpoint(f"tcp://127.0.0.1:{port}", flag)
+
+
+@pytest.mark.parametrize("flag", ["--kv-events", "--kv-events-replay"])
+def test_an_ipc_path_that_is_a_file_is_refused_by_name_and_survives(tmp_path, flag):
+    # (libzmq unlinks whatever is at the path before it binds there)
+    kept = tmp_path / "not-a-socket"
+    kept.write_text("an operator's file")
+    with pytest.raises(ValueError, match=f"{flag}: ipc://{kept} exists and is not a socket"):
+        if flag == "--kv-events":
+            KVEventPublisher(f"ipc://{kept}")
+        else:
+            KVEventPublisher(free_endpoint(), replay=f"ipc://{kept}")
+    assert kept.read_text() == "an operator's file"
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="exists and is not a socket"):
+        check_endpoint(f"ipc://{tmp_path / 'folder'}", flag)
+
+
+def test_an_ipc_path_that_is_free_or_a_socket_is_bound(tmp_path):
+    endpoint = f"ipc://{tmp_path / 'events'}"
+    first = KVEventPublisher(endpoint)
+    first.close()  # (its socket file may stay behind: binding there again is fine)
+    assert check_endpoint(endpoint) == endpoint
+    KVEventPublisher(endpoint).close()
+
+
 def test_a_taken_port_is_an_error_naming_the_flag():
     endpoint = free_endpoint()
     first = KVEventPublisher(endpoint)

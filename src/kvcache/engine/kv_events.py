@@ -28,8 +28,10 @@ that answer, end marker included: it asks again.
 
 from __future__ import annotations
 
+import os
 import queue
 import re
+import stat
 import threading
 import time
 from collections import deque
@@ -50,11 +52,29 @@ def external_hash(digest: bytes) -> int:
 
 
 def check_endpoint(endpoint: str, flag: str = "--kv-events") -> str:
-    """`endpoint` when it is tcp://HOST:PORT or ipc://PATH; ValueError naming `flag` and what was
-    given."""
+    """`endpoint` when it is tcp://HOST:PORT with a port from 1 to 65535, or ipc://PATH where
+    nothing is or a socket is; ValueError naming `flag` and what was given. (libzmq takes a port
+    modulo 65536 and 0 as any free port, and unlinks what is at PATH before binding there.)"""
     if not isinstance(endpoint, str) or not ENDPOINT.match(endpoint):
         raise ValueError(f"{flag} must be a ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH; "
                          f"got {endpoint!r}")
+    if endpoint.startswith("tcp://"):
+        port = int(endpoint.rpartition(":")[2])
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{flag}: the port must be from 1 to 65535, got {port} ({endpoint})")
+        return endpoint
+    path = endpoint[len("ipc://"):]
+    if path.startswith("@"):  # (Linux's abstract namespace: no file)
+        return endpoint
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return endpoint
+    except OSError as error:
+        raise ValueError(f"{flag}: cannot look at {endpoint}: {error.strerror}") from None
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{flag}: {endpoint} exists and is not a socket (binding there would delete "
+                         "it); give a path where nothing is")
     return endpoint
 
 
