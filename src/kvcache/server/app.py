@@ -4,7 +4,10 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics. Every error is OpenAI's JSON shape. With an API key, every route but /health
-needs `Authorization: Bearer KEY` (compared in constant time). A body over the size limit, a
+needs `Authorization: Bearer KEY` (compared in constant time). With per-tenant keys
+(`ServerSettings.api_keys`), each request's cache salt derives from its key's tenant (tenants
+share no cached blocks) and /metrics, which counts every tenant's traffic, answers admin keys
+only (403 for the others). A body over the size limit, a
 bad field, a prompt too long: 400. A full waiting queue: 429 with Retry-After. A client that
 goes away mid-answer cancels its request (its blocks are freed at the engine's next step).
 A request's preparation (JSON, chat template, tokenizing) runs on a few preparing threads, never
@@ -14,6 +17,7 @@ on the event loop: one client's 30,000-message body does not pause the others' s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -41,6 +45,7 @@ from kvcache.server.openai_api import (
     response_object,
     usage_object,
 )
+from kvcache.server.tenants import ApiKeys, Tenant
 
 PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepared at once
 
@@ -50,7 +55,9 @@ class ServerSettings:
     """model_name: the id clients ask for. api_key: None = no auth. max_body_bytes, max_prompt_tokens,
     max_tokens: per-request limits (0 for the last two: the context). default_max_tokens:
     when a request gives none. max_waiting: requests queued before new ones get 429. context:
-    tokens of one request, prompt and new ones (0: the model's context)."""
+    tokens of one request, prompt and new ones (0: the model's context). api_keys: per-tenant
+    keys (`kvcache.server.tenants`; api_key, when also given, is among them). require_cache_salt:
+    a request with no tenant must send a cache_salt (400 otherwise)."""
 
     model_name: str = "kvcache"
     api_key: str | None = None
@@ -60,6 +67,8 @@ class ServerSettings:
     default_max_tokens: int = 256
     max_waiting: int = 256
     context: int = 0
+    api_keys: ApiKeys | None = None
+    require_cache_salt: bool = False
 
 
 def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
@@ -132,18 +141,26 @@ class _Server:
         return JSONResponse({"status": "ok", "running": self.engine.running_in_background})
 
     async def metrics_page(self, request: Request) -> Response:
-        return self._guarded(request) or Response(self.metrics.render(), media_type=self.metrics.content_type)
+        try:
+            tenant = self._authorize(request)
+        except ApiError as error:
+            return self._error(error)
+        if tenant is not None and not tenant.admin:  # the counters are every tenant's traffic
+            return self._error(ApiError(
+                403, "/metrics counts every tenant's requests: it needs an admin key (a line 'KEY NAME "
+                "admin' in --api-keys FILE, or --api-key)", kind="permission_error", code="admin_key_needed"))
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     # ---- one completion ------------------------------------------------------------------------
     async def _complete(self, request: Request, kind: str) -> Response:
         started = time.perf_counter()
         try:
-            self._authorize(request)
+            tenant = self._authorize(request)
             raw = await self._body(request)
             # parsing, the chat template and tokenizing are the request's own work: off the event
             # loop, on a few preparing threads, so they never hold up other clients' streams
             loop = asyncio.get_running_loop()
-            call, ids = await loop.run_in_executor(self.preparing, self._prepare, kind, raw)
+            call, ids = await loop.run_in_executor(self.preparing, self._prepare, kind, raw, tenant)
             if self.engine.queue_depth >= self.settings.max_waiting:
                 raise ApiError(
                     429,
@@ -217,15 +234,16 @@ class _Server:
             finished(handle.result() if handle.done else None)
 
     # ---- checks --------------------------------------------------------------------------------
-    def _prepare(self, kind: str, raw: bytes) -> tuple[Call, list[int]]:
-        """The request read from its body and its prompt's token ids (on a preparing thread)."""
+    def _prepare(self, kind: str, raw: bytes, tenant: Tenant | None = None) -> tuple[Call, list[int]]:
+        """The request read from its body, salted for its tenant, and its prompt's token ids (on a
+        preparing thread)."""
         try:
             body = json.loads(raw)
         except ValueError as error:
             raise ApiError(400, f"the request body is not valid JSON: {error}") from None
         except RecursionError:
             raise ApiError(400, "the request body's JSON is nested too deeply") from None
-        call = read_call(kind, body, self.limits)
+        call = self._salted(read_call(kind, body, self.limits), tenant)
         if call.model is not None and call.model != self.settings.model_name:
             raise ApiError(
                 404,
@@ -247,18 +265,36 @@ class _Server:
                 400, f"the chat template could not render these messages: {error}", param="messages"
             ) from None
 
-    def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None:
-            return
+    def _salted(self, call: Call, tenant: Tenant | None) -> Call:
+        """`call` with its tenant's cache salt (its own salt combined in); ApiError(400) for a
+        request with no tenant and no salt under --require-cache-salt."""
+        if tenant is not None:
+            return dataclasses.replace(
+                call, params=dataclasses.replace(call.params, cache_salt=tenant.salt(call.params.cache_salt)))
+        if self.settings.require_cache_salt and call.params.cache_salt is None:
+            raise ApiError(400, "this server requires a cache_salt on every request (--require-cache-salt): "
+                           "send one of your own, e.g. your user's id", param="cache_salt")
+        return call
+
+    def _authorize(self, request: Request) -> Tenant | None:
+        """The tenant of the request's key (None: no tenants); ApiError(401) without a valid key."""
+        keys, key = self.settings.api_keys, self.settings.api_key
+        if keys is None and key is None:
+            return None
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        tenant = None if keys is None or scheme.lower() != "bearer" else keys.tenant_of(token.strip())
+        if keys is None:
+            valid = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        else:
+            valid = tenant is not None
+        if not valid:
             raise ApiError(
                 401,
                 "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
                 code="invalid_api_key",
             )
+        return tenant
 
     def _guarded(self, request: Request) -> Response | None:
         try:
