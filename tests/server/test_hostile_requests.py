@@ -79,3 +79,32 @@ def test_a_temperature_near_zero_samples_greedily_instead_of_failing(server):
                         timeout=TIMEOUT)
     assert tiny.status_code == greedy.status_code == 200, tiny.text
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+LONE = '"\\ud800"'  # a lone surrogate, as JSON writes it: no UTF-8 text holds it
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("completions", '{"prompt": "hi", "cache_salt": ' + LONE + "}", "cache_salt"),
+        ("completions", '{"prompt": ' + LONE + "}", "prompt"),
+        ("completions", '{"prompt": ["x' + LONE[1:] + "]}", "prompt[0]"),
+        ("completions", '{"prompt": "hi", "stop": [' + LONE + "]}", "stop[0]"),
+        ("completions", '{"prompt": "hi", "model": ' + LONE + "}", "model"),
+        ("completions", '{"prompt": "hi", "user": ' + LONE + "}", "user"),
+        ("chat/completions", '{"messages": [{"role": "user", "content": ' + LONE + "}]}",
+         "messages[0].content"),
+        ("chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": '
+         + LONE + "}]}]}", "messages[0].content[0].text"),
+        ("chat/completions", '{"messages": [{"role": ' + LONE + ', "content": "hi"}]}', "messages[0].role"),
+        ("chat/completions", '{"messages": [{"role": "user", "content": "hi", ' + LONE + ': 1}]}',
+         "messages[0]"),
+    ],
+)
+def test_a_lone_surrogate_in_any_string_is_a_json_400_naming_the_field(server, route, body, param):
+    response = httpx.post(f"{server.url}/{route}", content=body.encode(), headers=AUTH, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert param in error["message"] and "surrogate" in error["message"]

@@ -2,7 +2,8 @@
 field checked, a bad one named in a 400), and the response, chunk and error objects.
 
 Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
-type "text"), no tools, no logprobs. An unknown field is ignored, as OpenAI's own server does.
+type "text"), no tools, no logprobs. An unknown field is ignored, as OpenAI's own server does;
+a string that is not text (a lone surrogate, "\\ud800") is a 400 wherever it is.
 Three of vLLM's extensions are read: `top_k`, `ignore_eos` (generate to max_tokens) and
 `cache_salt` (requests of other salts share no cached blocks).
 """
@@ -64,6 +65,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
     naming the first bad field."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_texts(body)
     if kind == "chat":
         prompt: object = _messages(body.get("messages"))
     else:
@@ -200,6 +202,39 @@ def chunk_object(
 
 
 # ---- fields ------------------------------------------------------------------------------------
+def _check_texts(body: dict) -> None:
+    """ApiError(400) naming a string of `body` (a key or a value, at any depth, in fields kvcache
+    ignores too) that is not text: one holding a lone surrogate (JSON's "\\ud800"), which UTF-8
+    cannot encode, so a tokenizer, a salt's hash or the answer's JSON would fail on it."""
+    pending: list[tuple[str, object]] = [("", body)]
+    while pending:  # (a loop, not recursion: the parser nests deeper than Python calls may)
+        where, value = pending.pop()
+        if isinstance(value, str) and not _encodes(value):
+            raise _not_text(where)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodes(key):
+                    raise _not_text(where, key=True)
+                pending.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            pending.extend((f"{where}[{index}]", item) for index, item in enumerate(value)
+                           if isinstance(item, (str, dict, list)))
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _not_text(where: str, key: bool = False) -> ApiError:
+    what = f"a key of {where or 'the request body'}" if key else where
+    return ApiError(400, f"{what} holds a lone surrogate (a \\ud800-\\udfff escape without its pair): "
+                    "not text", param=where or None)
+
+
 def _messages(messages: object) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
