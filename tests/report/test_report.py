@@ -239,3 +239,55 @@ def test_exact_caches_are_held_to_a_tolerance_scaled_by_the_logits(tmp_path):
     rows = [r for r in figures["rows"] if "skipped" not in r]
     assert rows and all(r["within"] for r in rows)
     assert max(r["max_abs_logit_diff"] for r in rows) > EQUALITY_ATOL  # a bare atol would fail
+
+
+@pytest.fixture(scope="module")
+def default_gguf(tmp_path_factory):
+    """The bundled default model converted to a GGUF file (tests/gguf_files.py)."""
+    from gguf_files import write_gguf
+
+    from kvcache.defaults import default_model_dir
+
+    return write_gguf(default_model_dir(), tmp_path_factory.mktemp("gguf") / "default_model.gguf")
+
+
+@pytest.mark.parametrize("given", ["smollm2", "gguf file"])
+def test_the_command_takes_the_model_every_command_takes(run, monkeypatch, tmp_path, capsys, given,
+                                                         default_gguf):
+    """-m as generate, chat and serve take it: a name of a packaged model or a GGUF file, not only
+    a folder holding config.json."""
+    import kvcache.report
+
+    model = str(default_gguf) if given == "gguf file" else given
+    asked = {}
+
+    def recorded(out, model_dir, **options):
+        asked["model"] = model_dir
+        return run["report"]
+
+    monkeypatch.setattr(kvcache.report, "write_report", recorded)
+    assert main(["report", "-m", model, "--quick", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert asked["model"] == model
+
+
+def test_a_missing_model_is_refused_naming_the_flag_before_anything_is_measured(tmp_path, capsys):
+    assert main(["report", "-m", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "-m " in err and "no such file or folder" in err and "kvcache report [" not in err
+
+
+def test_a_report_on_a_gguf_file_reads_its_geometry_and_tokenizer(default_gguf):
+    """A GGUF file has no config.json: the memory figures come from its metadata (as the engine
+    reads the loaded model's config) and the prompts through the tokenizer it carries."""
+    from kvcache.backends import torch_threads
+    from kvcache.report.collect import collect_report
+    from kvcache.report.settings import ReportSettings
+
+    settings = ReportSettings.for_run(True, latency_lengths=(16,), latency_repeats=1, equality_new_tokens=4,
+                                      drift_bits=(8,), drift_tokens=4, count_lengths=(1, 2))
+    with torch_threads(1):
+        report = collect_report(settings, default_gguf)
+    model = report["memory"]["models"][0]
+    assert model["name"] == "default_model.gguf"
+    assert (model["layers"], model["kv_heads"], model["head_dim"]) == (4, 4, 32)
+    assert report["drift"]["engine"]["prompt_source"] == "text"

@@ -19,7 +19,9 @@ from kvcache.report.progress import ProgressBar
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-m", "--model", help="checkpoint folder (default: kvcache's bundled default model)")
+    parser.add_argument("-m", "--model",
+                        help="local checkpoint folder (config.json, safetensors), GGUF file or a model name "
+                        "such as smollm2, as every command takes it; default: the bundled default model")
     parser.add_argument("--out", default="report", help="folder to write into (default ./report)")
     parser.add_argument("--quick", action="store_true",
                         help="smaller ranges and fewer repeats: well under a minute")
@@ -65,10 +67,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from kvcache.defaults import resolve_model_dir
     from kvcache.report import write_report
 
-    if args.model and not (Path(args.model) / "config.json").is_file():
-        print(f"kvcache report: error: no config.json in {args.model}", file=sys.stderr)
+    try:  # what every command's -m takes; a wrong one said before anything is measured
+        model = resolve_model_dir(args.model)
+    except ValueError as error:
+        print(f"kvcache report: error: -m {args.model}: {error}", file=sys.stderr)
+        return 2
+    if not Path(model).exists():
+        print(f"kvcache report: error: -m {args.model}: no such file or folder (expected a checkpoint "
+              "folder, a GGUF file or a model name such as smollm2)", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

@@ -20,7 +20,7 @@ Progress = Callable[[float, str], None]
 SCHEMA_VERSION = 1
 
 # Share of the run's time each part takes (roughly, on the default model), for the progress bar.
-_WEIGHTS = {"counts": 0.05, "rounding": 0.02, "memory": 0.01, "model": 0.05, "latency": 0.35,
+_WEIGHTS = {"counts": 0.05, "rounding": 0.02, "model": 0.05, "memory": 0.01, "latency": 0.35,
             "equality": 0.2, "drift": 0.32}
 
 
@@ -38,11 +38,13 @@ class _Stages:
 
 
 def _prompts(folder: Path, vocab_size: int, count: int, seed: int) -> tuple[list[list[int]], str]:
-    """Token ids of the report's prompts through the checkpoint's tokenizer, or (no tokenizer.json)
-    seeded random ids of 160 tokens each."""
+    """Token ids of the report's prompts through the model's tokenizer (a folder's tokenizer.json,
+    the one a GGUF file carries), or (a folder without tokenizer.json) seeded random ids of 160
+    tokens each."""
+    from kvcache.defaults import is_gguf
     from kvcache.report.measured import PROMPTS
 
-    if (folder / "tokenizer.json").is_file():
+    if is_gguf(folder) or (folder / "tokenizer.json").is_file():
         from kvcache.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(folder)
@@ -57,7 +59,8 @@ def collect_report(settings: ReportSettings, model_dir: str | Path | None = None
                    progress: Progress | None = None) -> dict:
     """Every figure of the report as a JSON-ready dict (see docs/report.md for the keys).
 
-    model_dir: a checkpoint folder; None uses kvcache's bundled default model.
+    model_dir: what every command's -m takes (a checkpoint folder, a GGUF file, a name of
+    `kvcache.defaults.NAMED_MODELS`); None uses kvcache's bundled default model.
     """
     from kvcache.defaults import resolve_model_dir
 
@@ -75,17 +78,19 @@ def collect_report(settings: ReportSettings, model_dir: str | Path | None = None
     say(0.0, "drift: reference rounding")
     rounding = rounding_figures(settings.rounding_bits, settings.rounding_tokens, settings.count_d,
                                 settings.seed)
-    say = stages.part("memory")
-    say(0.0, "memory: bytes and capacity")
-    report["memory"] = memory_figures(folder, folder.name, settings.memory_lengths, settings.memory_dtypes,
-                                      settings.budget_bytes, settings.capacity_tokens)
-
     say = stages.part("model")
     say(0.0, f"loading {folder.name}")
+    from kvcache.geometry import read_geometry
+    from kvcache.memory import KVShape
     from kvcache.model import load_model
     from kvcache.report import measured
 
     model = load_model(folder)
+    say = stages.part("memory")
+    say(0.0, "memory: bytes and capacity")
+    shape = KVShape.from_geometry(read_geometry(model.config, folder.name))  # as the engine's pool reads it
+    report["memory"] = memory_figures(shape, folder.name, settings.memory_lengths, settings.memory_dtypes,
+                                      settings.budget_bytes, settings.capacity_tokens)
     prompts, source = _prompts(folder, model.config.vocab_size, settings.drift_prompts, settings.seed)
     report["model_config"] = {
         "name": folder.name, "model_type": model.config.model_type, "layers": model.config.num_hidden_layers,

@@ -119,17 +119,17 @@ def _model_memory(name: str, source: str, shape: KVShape, lengths: Sequence[int]
     }
 
 
-def memory_figures(default_config: Mapping | str, default_name: str, lengths: Sequence[int],
+def memory_figures(default_shape: KVShape, default_name: str, lengths: Sequence[int],
                    dtypes: Sequence[str], budget_bytes: int, capacity_tokens: int) -> dict:
     """KV bytes vs context (batch 1) in each dtype, and capacity in `budget_bytes`, for the
-    default model (its config.json) and every entry of ARCHITECTURES.
+    model the report ran on (`default_shape`, read from its config as the engine reads it) and
+    every entry of ARCHITECTURES.
 
     Capacity per dtype: `max_tokens_batch_1` (longest context of one sequence; None when a window
     caps every layer) and `max_sequences` of `capacity_tokens` tokens each.
     """
-    models = [_model_memory(default_name, "config.json of the model the report ran on",
-                            KVShape.from_config(default_config), lengths, dtypes, budget_bytes,
-                            capacity_tokens)]
+    models = [_model_memory(default_name, "config of the model the report ran on", default_shape, lengths,
+                            dtypes, budget_bytes, capacity_tokens)]
     for name, source, fields in ARCHITECTURES:
         models.append(_model_memory(name, f"config.json of {source}", KVShape.from_config(fields),
                                     lengths, dtypes, budget_bytes, capacity_tokens, fields))
