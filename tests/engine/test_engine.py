@@ -463,3 +463,18 @@ def test_a_full_precision_windows_bytes_come_out_of_the_budget(model):
         Engine(model, num_blocks=8, kv_dtype="int8", kv_window=-1)
     with pytest.raises(RequestError, match="kv_window"):
         Engine(model, kv_budget=window_bytes, max_running=4, kv_dtype="int8", kv_window=32)
+
+
+def test_a_repeated_request_answers_as_its_first_copy_under_a_full_precision_window(model):
+    """kv_window keeps a row's last tokens exact, but a prefix attached from the cache comes as
+    stored: a hit may cover only the prompt before its last kv_window tokens, so the same
+    request sent again reads what its first copy read (and answers the same), with a hit."""
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 1024, (n,), generator=generator).tolist() for n in (30, 41, 27, 36)]
+    engine = Engine(model, num_blocks=96, block_size=4, max_running=1, kv_dtype="int4", kv_window=16)
+    first = [engine.submit(prompt, max_tokens=12, ignore_eos=True).result() for prompt in prompts]
+    again = [engine.submit(prompt, max_tokens=12, ignore_eos=True).result() for prompt in prompts]
+    assert [result.tokens for result in again] == [result.tokens for result in first]
+    for prompt, result in zip(prompts, again):
+        assert 0 < result.usage.cached_tokens <= len(prompt) - 16
+    _assert_baseline(engine)

@@ -71,20 +71,31 @@ def test_a_window_wider_than_the_rows_reads_what_a_float_pool_reads(dtype):
 
 def test_an_attached_prefix_and_appended_rows_are_read_as_stored():
     """Rows the row did not write itself (a cached prefix, rows appended from a store) have no
-    exact copy: they are read as stored even inside the window."""
+    exact copy: they are read as stored. A hit covers only what lies before the prompt's last
+    kv_window tokens (`reusable_tokens`), so a prompt sent again computes and keeps exact what its
+    first copy kept exact."""
     sizes = dict(num_layers=1, kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, kv_dtype="int8")
-    cache = PagedCache(32, BLOCK, **sizes, kv_window=16)
     prompt = list(range(9))
-    cache.add_sequence(prompt)
+    narrow = PagedCache(32, BLOCK, **sizes, kv_window=4)
+    narrow.add_sequence(prompt)
     k, v = torch.randn(1, HEADS, 9, DIM), torch.randn(1, HEADS, 9, DIM)
+    narrow.layers[0].update(k, v)
+    narrow.free_rows()
+    assert narrow.reusable_tokens(9) == 5
+    assert narrow.add_sequence(prompt) == 5  # a block and a token of the next: the rest is the window's
+    k2, v2 = torch.randn(1, HEADS, 4, DIM), torch.randn(1, HEADS, 4, DIM)
+    keys, _ = narrow.layers[0].update(k2, v2)
+    rows = k[0].transpose(0, 1)[:5]
+    torch.testing.assert_close(keys[0, :, :5], as_stored("int8", rows).transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(keys[0, :, 5:9], k2[0], atol=0, rtol=0)
+
+    cache = PagedCache(32, BLOCK, **sizes, kv_window=16)
+    cache.add_sequence(prompt)
     cache.layers[0].update(k, v)
     cache.free_rows()
-    assert cache.add_sequence(prompt) == 8  # two whole blocks attached
-    k2, v2 = torch.randn(1, HEADS, 1, DIM), torch.randn(1, HEADS, 1, DIM)
-    keys, _ = cache.layers[0].update(k2, v2)
-    rows = k[0].transpose(0, 1)[:8]
-    torch.testing.assert_close(keys[0, :, :8], as_stored("int8", rows).transpose(0, 1), atol=0, rtol=0)
-    torch.testing.assert_close(keys[0, :, 8:9], k2[0], atol=0, rtol=0)
+    assert cache.add_sequence(prompt) == 0  # every block lies inside the window: computed again
+    keys, _ = cache.layers[0].update(k, v)
+    torch.testing.assert_close(keys[0, :, :9], k[0], atol=0, rtol=0)
     keys_in = [as_stored("int8", torch.randn(3, HEADS, DIM)) for _ in range(2)]
     packing = row_format("int8", DIM)
     cache.append_to_row(0, [packing.pack(keys_in[0])], [packing.pack(keys_in[1])])

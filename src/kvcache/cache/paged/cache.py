@@ -157,6 +157,14 @@ class PagedCache(Cache):
         self._set_columns(max(self.get_seq_length(), attached))
         return attached
 
+    def reusable_tokens(self, length: int) -> int:
+        """The most leading tokens of a prompt of `length` tokens a cache hit may cover: all but
+        the last (a forward needs a new token), and with a full-precision window (`kv_window`)
+        none of the last kv_window: attached rows come as stored, so those are computed again and
+        kept exact, and a prompt sent again reads what its first copy read."""
+        window = 0 if self.recent is None else self.recent.window
+        return max(0, length - max(1, window))
+
     def prefix_cost(
         self, token_ids: Sequence[int], digests: Sequence[bytes] | None = None, root: bytes = ROOT_HASH,
         within_block: bool = True,

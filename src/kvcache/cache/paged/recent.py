@@ -8,7 +8,8 @@ Which positions are exact is decided per forward: those at or after `total - W`,
 the row's length after the forward, and only those the row wrote itself. What a forward reads
 is exact there; what reads a row out as stored (the `keys` / `values` properties, `row_state`,
 the block store) reads its blocks. A prefix attached from the cache, rows loaded from a store or
-a prompt-cache file, come as stored: their float rows never existed here. So a decode step reads
+a prompt-cache file, come as stored: their float rows never existed here, so a hit stops before
+a prompt's last W tokens (`PagedCache.reusable_tokens`). So a decode step reads
 the current token and the W - 1 before it exactly; a prompt chunk reads its own last W positions
 exactly and the rest as stored.
 

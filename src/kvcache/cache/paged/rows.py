@@ -177,11 +177,13 @@ def prefix_cost(
     on the thread that changes the cache (the engine's step), unlike `attachable_blocks`."""
     if digests is None:
         digests = cache.prefix_digests(token_ids, root)
-    count = attachable_blocks(cache, digests)
+    limit = cache.reusable_tokens(len(token_ids))
+    count = min(attachable_blocks(cache, digests), limit // cache.block_size)
     full = cache.full_allocator
     within = 0
     if within_block:
         within = min(group.partial_match(token_ids, digests, count, root)[1] for group in cache.allocators)
+    within = min(within, limit - count * cache.block_size)
     return count * cache.block_size + within, 0 if full is None else full.idle_blocks(digests, count)
 
 
