@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import API_KEY, start_server
+from conftest import API_KEY, start_server, wait_for
 
 from kvcache.server import ServerSettings
 
@@ -24,8 +24,11 @@ class GatedTokenizer:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self.entered, self.release = threading.Event(), threading.Event()
+        self.renders, self._lock = 0, threading.Lock()  # templates entered so far
 
     def apply_chat_template(self, *args, **kwargs):
+        with self._lock:
+            self.renders += 1
         self.entered.set()
         self.release.wait(TIMEOUT)
         return self._tokenizer.apply_chat_template(*args, **kwargs)
@@ -50,6 +53,55 @@ def test_a_request_whose_template_is_slow_holds_up_neither_health_nor_other_clie
             assert slow.result(TIMEOUT).status_code == 200
     finally:
         gated.release.set()
+        running.stop()
+
+
+def _error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] in ("invalid_request_error", "rate_limit_error")
+    return error
+
+
+def test_requests_being_prepared_count_toward_max_waiting_and_the_next_gets_a_429(model, tokenizer):
+    gated = GatedTokenizer(tokenizer)
+    running = start_server(model, gated, ServerSettings(model_name="m", max_waiting=2), max_running=4,
+                           token_budget=64)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ids = {"prompt": [5, 6], "max_tokens": 2}
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            held = [pool.submit(httpx.post, f"{running.url}/chat/completions", json=chat, timeout=TIMEOUT)
+                    for _ in range(2)]
+            assert wait_for(lambda: gated.renders == 2)  # both rendering their template, neither returns
+            assert running.engine.queue_depth == 0  # (none has reached the engine's queue)
+            third = pool.submit(httpx.post, f"{running.url}/completions", json=ids, timeout=TIMEOUT)
+            assert wait_for(third.done)  # refused at once, not queued behind the templates
+            assert _error(third.result(), 429)["code"] == "rate_limit_exceeded"
+            assert third.result().headers["retry-after"] == "1"
+            gated.release.set()
+            assert [response.result(TIMEOUT).status_code for response in held] == [200, 200]
+        after = httpx.post(f"{running.url}/completions", json=ids, timeout=TIMEOUT)
+        assert after.status_code == 200  # the places came back
+    finally:
+        gated.release.set()
+        running.stop()
+
+
+def test_more_messages_than_the_context_holds_are_a_400_before_any_template_renders(model, tokenizer):
+    gated = GatedTokenizer(tokenizer)
+    gated.release.set()
+    running = start_server(model, gated, ServerSettings(model_name="m", context=64))
+    try:
+        url = f"{running.url}/chat/completions"
+        messages = [{"role": "user", "content": ""}] * 64  # each costs a token at least: 63 may fit
+        error = _error(httpx.post(url, json={"messages": messages, "max_tokens": 1}, timeout=TIMEOUT), 400)
+        assert error["param"] == "messages" and "64 messages" in error["message"] and "63" in error["message"]
+        assert gated.renders == 0
+        fewer = {"messages": messages[:63], "max_tokens": 1}
+        error = _error(httpx.post(url, json=fewer, timeout=TIMEOUT), 400)
+        assert error["code"] == "context_length_exceeded" and gated.renders == 1  # rendered, then too long
+    finally:
         running.stop()
 
 

@@ -11,7 +11,9 @@ only (403 for the others). A body over the size limit, a
 bad field, a prompt too long: 400. A full waiting queue: 429 with Retry-After. A client that
 goes away mid-answer cancels its request (its blocks are freed at the engine's next step).
 A request's preparation (JSON, chat template, tokenizing) runs on a few preparing threads, never
-on the event loop: one client's 30,000-message body does not pause the others' streams.
+on the event loop: one client's 30,000-message body does not pause the others' streams. Requests
+waiting for those threads or on them count toward max_waiting (429 past it), and more messages
+than a prompt may hold tokens (MAX_MESSAGES at most) are a 400 before any template renders.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -35,6 +38,7 @@ from kvcache.engine.prompts import prompt_ids
 from kvcache.server.access_log import log_request, peer_of
 from kvcache.server.metrics import ServerMetrics
 from kvcache.server.openai_api import (
+    MAX_MESSAGES,
     ApiError,
     Call,
     Limits,
@@ -108,10 +112,12 @@ class _Server:
             max_prompt_tokens=settings.max_prompt_tokens or self.context - 1,
             max_tokens=settings.max_tokens or self.context - 1,
             default_max_tokens=min(settings.default_max_tokens, settings.max_tokens or self.context - 1),
+            max_messages=min(MAX_MESSAGES, settings.max_prompt_tokens or self.context - 1),
         )
         self.metrics = ServerMetrics(engine, self.context)
         engine.on_finish = self.metrics.finished
         self.preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="kvcache-prepare")
+        self._preparing, self._preparing_lock = 0, threading.Lock()  # requests on or for its threads
         self.created = int(time.time())
 
     # ---- routes --------------------------------------------------------------------------------
@@ -157,19 +163,9 @@ class _Server:
         try:
             tenant = self._authorize(request)
             raw = await self._body(request)
-            # parsing, the chat template and tokenizing are the request's own work: off the event
-            # loop, on a few preparing threads, so they never hold up other clients' streams
-            loop = asyncio.get_running_loop()
-            call, ids = await loop.run_in_executor(self.preparing, self._prepare, kind, raw, tenant)
+            call, ids = await self._prepared(kind, raw, tenant)
             if self.engine.queue_depth >= self.settings.max_waiting:
-                raise ApiError(
-                    429,
-                    f"the server's queue is full ({self.settings.max_waiting} requests "
-                    "waiting); retry shortly",
-                    kind="rate_limit_error",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": "1"},
-                )
+                raise _queue_full(self.settings.max_waiting)
             handle = self.engine.submit(ids, call.params)
         except (ApiError, RequestError) as error:
             refused = error if isinstance(error, ApiError) else ApiError(400, str(error))
@@ -232,6 +228,23 @@ class _Server:
             if not handle.done:
                 handle.cancel()
             finished(handle.result() if handle.done else None)
+
+    async def _prepared(self, kind: str, raw: bytes, tenant):
+        """`_prepare` on a preparing thread: parsing, the chat template and tokenizing are the
+        request's own work, off the event loop, so they never hold up other clients' streams.
+        While it waits for a thread or runs on one it counts toward max_waiting, beside the
+        engine's queue: ApiError(429) when they are full."""
+        if self._preparing + self.engine.queue_depth >= self.settings.max_waiting:
+            raise _queue_full(self.settings.max_waiting)
+        with self._preparing_lock:
+            self._preparing += 1
+        future = self.preparing.submit(self._prepare, kind, raw, tenant)
+        future.add_done_callback(self._prepare_done)  # (run, failed, or cancelled before it ran)
+        return await asyncio.wrap_future(future)
+
+    def _prepare_done(self, future) -> None:
+        with self._preparing_lock:
+            self._preparing -= 1
 
     # ---- checks --------------------------------------------------------------------------------
     def _prepare(self, kind: str, raw: bytes, tenant: Tenant | None = None) -> tuple[Call, list[int]]:
@@ -330,6 +343,12 @@ class _Server:
     def _failed(self, completion: Completion) -> Response:
         error = _failure(completion)
         return JSONResponse(error.body(), status_code=error.status)
+
+
+def _queue_full(max_waiting: int) -> ApiError:
+    return ApiError(429, f"the server's queue is full ({max_waiting} requests waiting or being "
+                    "prepared); retry shortly", kind="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": "1"})
 
 
 def _failure(completion: Completion) -> ApiError:

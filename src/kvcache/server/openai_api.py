@@ -39,6 +39,11 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+#: the most chat messages a request may send (fewer when the prompt limit is lower: each message
+#: costs a token at least)
+MAX_MESSAGES = 4096
+
+
 @dataclass
 class Limits:
     """What one request may ask for: prompt tokens and max_tokens (the model's context caps both)."""
@@ -46,6 +51,7 @@ class Limits:
     max_prompt_tokens: int
     max_tokens: int
     default_max_tokens: int
+    max_messages: int = MAX_MESSAGES  # (counted before a chat template renders them)
 
 
 @dataclass
@@ -67,7 +73,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     _check_texts(body)
     if kind == "chat":
-        prompt: object = _messages(body.get("messages"))
+        prompt: object = _messages(body.get("messages"), limits.max_messages)
     else:
         prompt = _prompt(body.get("prompt"))
     n = body.get("n", 1)
@@ -235,9 +241,13 @@ def _not_text(where: str, key: bool = False) -> ApiError:
                     "not text", param=where or None)
 
 
-def _messages(messages: object) -> list[dict[str, str]]:
+def _messages(messages: object, limit: int) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    if len(messages) > limit:
+        raise ApiError(400, f"messages holds {len(messages)} messages, more than this server takes ({limit}: "
+                       "each costs a token of the prompt at least)", param="messages",
+                       code="context_length_exceeded")
     out = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
