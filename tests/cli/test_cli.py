@@ -77,6 +77,55 @@ def test_memory_counts_a_gguf_files_weights_as_stored_and_refuses_a_folder(tmp_p
     assert "--weights stored counts a GGUF file's tensors" in capsys.readouterr().err
 
 
+def bfloat16_copy(folder, copy) -> str:
+    """A copy of checkpoint `folder` with its weights stored in bfloat16."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, copy)
+    weights = load_file(copy / "model.safetensors")
+    save_file({name: t.to(torch.bfloat16) for name, t in weights.items()}, copy / "model.safetensors")
+    return str(copy)
+
+
+@pytest.mark.parametrize("given", ["smollm2", "gguf file", "bfloat16 folder", "default folder"])
+def test_memory_takes_the_model_every_command_takes_in_the_dtype_its_pool_holds(tmp_path, capsys, given):
+    """-m as generate, chat and serve take it (a name, a GGUF file, a folder); without --dtype the
+    figures are in the dtype load_model holds the model in, which an Engine's pool stores keys and
+    values in (float32 for a GGUF, a folder's stored dtype), not an assumed bfloat16."""
+    from gguf_files import write_gguf
+
+    from kvcache import load_model
+    from kvcache.defaults import default_model_dir
+    from kvcache.engine import Engine
+    from kvcache.geometry import read_geometry
+    from kvcache.memory import KVShape
+
+    model = {"smollm2": "smollm2", "default folder": str(default_model_dir()),
+             "gguf file": lambda: str(write_gguf(default_model_dir(), tmp_path / "default.gguf")),
+             "bfloat16 folder": lambda: bfloat16_copy(default_model_dir(), tmp_path / "bf16")}
+    model = model[given]() if callable(model[given]) else model[given]
+    assert main(["memory", "-m", model, "--tokens", "100", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    loaded = load_model(model)
+    pool = Engine(loaded, num_blocks=8, block_size=16).pool
+    assert figures["dtype"] == pool.model_dtype == ("bfloat16" if given == "bfloat16 folder" else "float32")
+    shape = KVShape.from_geometry(read_geometry(loaded.config))
+    assert (figures["layers"], figures["kv_heads"], figures["head_dim"]) == (
+        shape.layers, shape.kv_heads, shape.head_dim)
+    assert figures["bytes_per_sequence"] == shape.bytes(100, 1, figures["dtype"])
+
+
+def test_memory_of_numbers_alone_is_in_float32_and_a_missing_model_is_named(tmp_path, capsys):
+    numbers = ["--layers", "2", "--kv-heads", "2", "--head-dim", "8"]
+    assert main(["memory", *numbers, "--tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+    assert main(["memory", "-m", str(tmp_path / "nowhere"), "--tokens", "8"]) == 2
+    assert f"-m {tmp_path / 'nowhere'}: no such file or folder" in capsys.readouterr().err
+
+
 def test_memory_errors_name_the_missing_arguments(capsys):
     assert main(["memory", "--tokens", "4", "--layers", "2"]) == 2
     assert "missing --kv-heads, --head-dim" in capsys.readouterr().err
@@ -200,7 +249,7 @@ def test_memory_weights_that_fill_the_budget_or_lack_a_config_are_refused(capsys
     assert "weights alone" in capsys.readouterr().err
     assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "8",
                  "--weights", "bfloat16"]) == 2
-    assert "--weights needs --config" in capsys.readouterr().err
+    assert "--weights needs -m" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--layers", "--kv-heads", "--head-dim", "--window"])

@@ -1,4 +1,6 @@
-"""`kvcache memory`: KV-cache bytes for a shape or a config.json, and what fits in a budget."""
+"""`kvcache memory`: KV-cache bytes for a model (-m as every command takes it), a config.json or a
+shape, and what fits in a budget; by default in the dtype the model is held in, which serve's pool
+stores keys and values in."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvcache.cli._args import positive_int, size_argument
-from kvcache.defaults import is_gguf
+from kvcache.defaults import is_gguf, resolve_model_dir
 from kvcache.geometry import SIZE_LIMITS, read_geometry
 from kvcache.memory import (
     DTYPE_BITS,
@@ -27,9 +29,11 @@ from kvcache.memory import (
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    shape = parser.add_argument_group("model shape (give --config, or all three numbers)")
+    shape = parser.add_argument_group("model shape (give -m, or all three numbers)")
     shape.add_argument(
-        "--config", help="a Hugging Face config.json (or the folder holding it), or a GGUF file"
+        "-m", "--model", "--config", dest="config",
+        help="a checkpoint folder, a GGUF file or a model name such as smollm2, as every command takes "
+        "it, or a Hugging Face config.json (--config is the same flag)",
     )
     shape.add_argument("--layers", type=positive_int, help="number of layers")
     shape.add_argument("--kv-heads", type=positive_int, help="key/value heads per layer")
@@ -37,8 +41,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--window", type=positive_int, help="sliding window applied to every layer")
     parser.add_argument("--tokens", type=positive_int, required=True, help="tokens per sequence")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BITS),
-                        help="element type of the cache (default bfloat16)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BITS),
+                        help="element type of the cache (default: the dtype kvcache holds -m's model in "
+                        "without --dtype, which serve's pool stores keys and values in: a GGUF file's "
+                        f"float32, a folder's stored dtype; {NO_MODEL_DTYPE} for numbers or a config.json "
+                        "alone)")
     parser.add_argument("--budget", type=size_argument,
                         help="memory budget such as 24GiB: report the longest context for --batch "
                              "and the most sequences of --tokens that fit")
@@ -46,7 +53,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="also account for a paged cache of blocks of this many tokens (whole "
                              "blocks per sequence; with --budget, how many sequences fit)")
     parser.add_argument("--weights", choices=("bfloat16", "float16", "float32", "stored"),
-                        help="with --config: count the model's weights, held in this dtype, too "
+                        help="with -m: count the model's weights, held in this dtype, too "
                              "(with --budget, the cache gets what the weights leave); stored: a GGUF "
                              "file's weights as kvcache holds them loaded without a dtype (kept "
                              "blocks as stored, the rest float32)")
@@ -60,9 +67,31 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                            help="dtype of the residual rows and the scales (the model's; default bfloat16)")
 
 
+#: the cache's dtype when no weights say the model's: kvcache's own models (the bundled default,
+#: every GGUF file) are held in float32
+NO_MODEL_DTYPE = "float32"
+
+
+def _model_dtype(path: str | None) -> str:
+    """The dtype `kvcache.model.load.held_dtype` reads for a model that holds weights (a GGUF file,
+    a folder with safetensors): the one `load_model` gives it and so serve's pool's; else
+    NO_MODEL_DTYPE."""
+    if path is None:
+        return NO_MODEL_DTYPE
+    from kvcache.model.load import SHARD_INDEX, SINGLE_FILE, held_dtype
+
+    weights = [Path(path) / name for name in (SINGLE_FILE, SHARD_INDEX)] if Path(path).is_dir() else []
+    if not is_gguf(path) and not any(file.is_file() for file in weights):
+        return NO_MODEL_DTYPE
+    return str(held_dtype(path)).removeprefix("torch.")
+
+
 def _read_config(path: str) -> tuple[dict, str]:
     """The config.json at `path` (or in that folder) as a dict, or the config a GGUF file's
     metadata describes; and the name messages give it. Read once, for the shape and the weights."""
+    if not Path(path).exists():
+        raise ValueError(f"-m {path}: no such file or folder (expected a checkpoint folder, a GGUF file, "
+                         "a model name such as smollm2 or a config.json)")
     if is_gguf(path):  # a llama.cpp file: the config its metadata describes
         from kvcache.model.gguf_file import gguf_config
 
@@ -76,14 +105,14 @@ def _read_config(path: str) -> tuple[dict, str]:
 
 
 def _weights_bytes(args: argparse.Namespace, config: dict | None) -> int | None:
-    """Bytes of the weights of --config's model in --weights' dtype (None without --weights)."""
+    """Bytes of the weights of -m's model in --weights' dtype (None without --weights)."""
     if args.weights is None:
         return None
     if config is None:
-        raise ValueError("--weights needs --config (the weights are counted from the model's config)")
+        raise ValueError("--weights needs -m (the weights are counted from the model's config)")
     if args.weights == "stored":
         if not is_gguf(args.config):
-            raise ValueError(f"--weights stored counts a GGUF file's tensors; --config {args.config} "
+            raise ValueError(f"--weights stored counts a GGUF file's tensors; -m {args.config} "
                              "is not a GGUF file (give a dtype for a folder's weights)")
         from kvcache.model.gguf_file import held_bytes
 
@@ -97,12 +126,12 @@ def _weights_bytes(args: argparse.Namespace, config: dict | None) -> int | None:
 def _shape(args: argparse.Namespace, config: dict | None, source: str) -> KVShape:
     if config is not None:
         if any(v is not None for v in (args.layers, args.kv_heads, args.head_dim)):
-            raise ValueError("give either --config or --layers/--kv-heads/--head-dim, not both")
+            raise ValueError("give either -m (--config) or --layers/--kv-heads/--head-dim, not both")
         return KVShape.from_geometry(read_geometry(config, source), source)
     missing = [f"--{n}" for n, v in (("layers", args.layers), ("kv-heads", args.kv_heads),
                                      ("head-dim", args.head_dim)) if v is None]
     if missing:
-        raise ValueError(f"missing {', '.join(missing)} (or give --config)")
+        raise ValueError(f"missing {', '.join(missing)} (or give -m)")
     for flag, value, field in (("--layers", args.layers, "num_hidden_layers"),
                                ("--kv-heads", args.kv_heads, "num_key_value_heads"),
                                ("--head-dim", args.head_dim, "head_dim"),
@@ -118,9 +147,12 @@ _QUANTIZED_BITS = {"int8": 8, "int4": 4, "float8_e4m3fn": "fp8"}
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.config is not None:  # a name such as smollm2: the file it stands for
+            args.config = str(resolve_model_dir(args.config))
         config, source = _read_config(args.config) if args.config else (None, "")
         shape = _shape(args, config, source)
         weights = _weights_bytes(args, config)
+        args.dtype = args.dtype or _model_dtype(args.config)
     except ValueError as error:
         print(f"kvcache memory: error: {error}", file=sys.stderr)
         return 2

@@ -37,6 +37,11 @@ SHARD_INDEX = "model.safetensors.index.json"
 # old checkpoints sometimes carry RoPE tables; they are derived from the config, never loaded
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+#: the dtype of a GGUF model's tensors not kept as blocks, and so the model's dtype (and its KV
+#: pool's) when it is loaded without a dtype
+GGUF_DTYPE = torch.float32
+EMBEDDING = "model.embed_tokens.weight"
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -276,7 +281,7 @@ def load_model(
         config, state, blocks, dequantized = read_gguf_model(
             Path(resolved).expanduser(), say, keep_blocks=dtype is None
         )
-        model = _build(config, state, dtype or torch.float32, device, blocks)
+        model = _build(config, state, dtype or GGUF_DTYPE, device, blocks)
         if activations == "q8" and not read_q8_activations(model):
             raise ValueError(f"activations='q8' reads a GGUF's Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 weights "
                              f"kept as blocks: {resolved} has none kept (load it without a dtype)")
@@ -293,10 +298,25 @@ def load_model(
             names = {name for name, where in wanted.items() if where == file}
             state.update(read_tensors(file, names))
             say(len(state) / len(wanted), "reading tensors")
-        stored = state["model.embed_tokens.weight"].dtype
+        stored = state[EMBEDDING].dtype  # (`held_dtype` reads it from the header)
         model = _build(config, unfuse(config, state), dtype or stored, device)
     say(1.0, "done")
     return model
+
+
+def held_dtype(path: str | Path | None) -> torch.dtype:
+    """The dtype `load_model(path)` holds the model in without a dtype, and so the dtype an
+    engine's pool stores keys and values in by default, read without loading a tensor: a GGUF
+    file's GGUF_DTYPE, a folder's embedding's stored dtype (from its safetensors header).
+    CheckpointError for a folder without weights."""
+    resolved = resolve_model_dir(path)
+    if is_gguf(resolved):
+        return GGUF_DTYPE
+    file = tensor_files(checkpoint_folder(resolved)).get(EMBEDDING)
+    if file is None:
+        raise CheckpointError(f"{resolved} has no {EMBEDDING}")
+    header, data_start = read_header(file)
+    return header_entry(file, EMBEDDING, header.get(EMBEDDING), data_start, file.stat().st_size)[0]
 
 
 def read_gguf_model(
