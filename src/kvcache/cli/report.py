@@ -4,7 +4,9 @@
     kvcache report --quick --out /tmp/r  # the same figures on smaller ranges (well under a minute)
 
 Writes report.md, report.json and five PNGs; a progress bar on stderr while it runs, the files
-and the headline figures on stdout at the end. torch and matplotlib are imported inside `run`.
+and the headline figures on stdout at the end. Exit status 1 when an exact cache kind is not
+within tolerance; a lossy one's drift is measured, not failed. torch and matplotlib are imported
+inside `run`.
 """
 
 from __future__ import annotations
@@ -94,11 +96,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvcache report: wrote {', '.join(names)} in {out} ({report['elapsed_s']:.0f} s)")
     for line in _headline(report):
         print(f"  {line}")
+    return _status(report)
+
+
+def _status(report: dict) -> int:
+    """1 when an exact cache kind is not within tolerance (the record is written; the run says
+    so): a wrong answer. A lossy cache past its drift tolerance is a measurement the report
+    shows, said on stderr, and leaves the status 0 (the default run finds int4 and fp8 past it)."""
+    drifting = [f"drift {row['name']}" + ("" if row["quantized_fraction"] else " (nothing quantized)")
+                for row in report["drift"]["engine"]["rows"] if not row["within_tolerance"]]
+    if drifting:
+        print(f"kvcache report: lossy caches past their drift tolerance (measured, shown in report.md "
+              f"section 4; not a failure): {', '.join(drifting)}", file=sys.stderr)
     failing = [f"equality {row['kind']}" for row in report["equality"]["rows"]
                if "skipped" not in row and not row["within"]]
-    failing += [f"drift {row['name']}" + ("" if row["quantized_fraction"] else " (nothing quantized)")
-                for row in report["drift"]["engine"]["rows"] if not row["within_tolerance"]]
-    if failing:  # the record is written; the run still says it found rows out of tolerance
-        print(f"kvcache report: not within tolerance: {', '.join(failing)}", file=sys.stderr)
+    if failing:
+        print(f"kvcache report: exact caches not within tolerance: {', '.join(failing)}", file=sys.stderr)
         return 1
     return 0
