@@ -27,6 +27,7 @@ from kvcache.cli._args import (
     positive_int,
     size_argument,
 )
+from kvcache.cli._pin_file import MAX_PINNED_PROMPTS, PIN_FILE_BYTES, pin_prompts, read_pin_file
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
@@ -34,7 +35,6 @@ from kvcache.replicas.prefix_index import IMBALANCE, SHARED_IMBALANCE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SOCKET_BACKLOG = 2048  # (uvicorn's own)
-PIN_FILE_BYTES = 4 << 20  # a --kv-pin file's size at most
 
 
 def _checked(text: str, convert, fits, expected: str):
@@ -139,7 +139,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="prompts whose cached blocks are evicted last, in the pool and on --kv-disk: one JSON "
         "value a line, a text or a list of chat messages (e.g. a shared system prompt); each is "
-        "prefilled at start",
+        f"prefilled at start. A regular file of at most {MAX_PINNED_PROMPTS} prompts and "
+        f"{PIN_FILE_BYTES >> 20} MiB",
     )
     engine.add_argument(
         "--kv-events",
@@ -197,7 +198,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--max-waiting",
         type=positive_int,
         default=256,
-        help="requests queued before new ones get 429 (default 256)",
+        help="requests queued or being prepared (their template, their tokens) before new ones "
+        "get 429 (default 256)",
     )
     limits.add_argument(
         "--max-body-bytes", type=size_argument, default=1 << 20, help="request body limit (default 1MiB)"
@@ -256,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_replicas(args, sock)
     events = None
     try:
-        pinned = _pinned_prompts(args.kv_pin) if args.kv_pin else []  # (a bad file said before loading)
+        pinned = read_pin_file(args.kv_pin) if args.kv_pin else []  # (a bad file said before loading)
         events = _event_publisher(args)  # (a taken endpoint too)
         engine, tokenizer, context = _engine(args, events)
     except (ValueError, OSError) as error:  # RequestError, BackendError, ConfigError are ValueErrors
@@ -275,9 +277,10 @@ def run(args: argparse.Namespace) -> int:
     with compiling_said("serve"):
         engine.warm_up()
     try:
-        _pin(engine, pinned)
-    except ValueError as error:  # a chat template that refuses a pinned prompt's messages
-        print(f"kvcache serve: error: --kv-pin: {error}", file=sys.stderr)
+        pin_prompts(engine, pinned, args.kv_pin, context)
+    except ValueError as error:  # a chat template that refuses a pinned prompt, one too long
+        sock.close()
+        print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
     settings = _settings(args, context)
     sock.listen(SOCKET_BACKLOG)  # connections from now on wait for the server, none is refused
@@ -399,42 +402,6 @@ def _engine(args: argparse.Namespace, events=None):
           f"{format_bytes(args.kv_budget)})…", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, **_engine_arguments(args), kv_store=store, kv_events=events)
     return engine, tokenizer, _context(args, engine)
-
-
-def _pinned_prompts(path: str) -> list:
-    """The prompts of a --kv-pin file (a JSON text or list of chat messages a line); ValueError
-    naming the line of anything else, OSError for a file that cannot be read."""
-    import json
-
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.read(PIN_FILE_BYTES + 1)
-    if len(lines) > PIN_FILE_BYTES:
-        raise ValueError(f"--kv-pin {path}: more than {PIN_FILE_BYTES} bytes")
-    prompts = []
-    for number, line in enumerate(lines.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            prompt = json.loads(line)
-        except ValueError as error:
-            raise ValueError(f"--kv-pin {path}, line {number}: not JSON ({error})") from None
-        messages = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
-        if not (isinstance(prompt, str) or messages):
-            raise ValueError(f"--kv-pin {path}, line {number}: expected a text or a list of chat messages")
-        prompts.append(prompt)
-    return prompts
-
-
-def _pin(engine, prompts: list) -> None:
-    """Pin and prefill the prompts of a --kv-pin file, said on stderr."""
-    from kvcache.generation.params import SamplingParams
-
-    if not prompts:
-        return
-    tokens = sum(engine.pin(prompt) for prompt in prompts)
-    engine.generate(prompts, SamplingParams(max_tokens=1))
-    print(f"kvcache serve: pinned {len(prompts)} prompts ({tokens} tokens in whole blocks), prefilled",
-          file=sys.stderr, flush=True)
 
 
 def _context(args: argparse.Namespace, engine) -> int:
