@@ -47,6 +47,6 @@ def test_a_salt_keeps_its_blocks_apart_in_a_tier_below_the_pool(model, tmp_path)
 
 def test_a_salt_is_a_short_string_and_roots_differ_by_salt():
     assert salt_root(None) == ROOT_HASH and salt_root("a") != salt_root("b") != ROOT_HASH
-    for bad in ("", 7, "x" * 257):
+    for bad in ("", 7, "x" * 257, "\ud800"):
         with pytest.raises(RequestError, match="cache_salt"):
             SamplingParams(cache_salt=bad)

@@ -67,8 +67,9 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, minimum=0)
         salt = self.cache_salt
-        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256):
-            raise RequestError(f"cache_salt must be a string of 1 to 256 characters, got {salt!r:.80}")
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256 and _encodes(salt)):
+            raise RequestError(f"cache_salt must be a string of 1 to 256 characters (UTF-8: no lone "
+                               f"surrogate), got {salt!r:.80}")
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +80,15 @@ class SamplingParams:
         for token in self.stop_token_ids:
             if token >= vocab_size:
                 raise RequestError(f"stop_token_ids must lie in [0, {vocab_size}), got {token}")
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` is valid Unicode for UTF-8 (a lone surrogate is not; the salt is hashed as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _integer(name: str, value, *, minimum: int) -> None:
