@@ -82,6 +82,46 @@ def test_the_second_turn_on_another_replica_is_served_from_the_first_replicas_bl
     first_replica.close(), second_replica.close()
 
 
+STEP_SECONDS, TOKEN_SECONDS = 1.0, 0.01  # the priced replicas' forwards: a step's fixed cost, a row token's
+
+
+def priced(replica: Engine) -> Engine:
+    """`replica` on a clock that moves only by its forwards, each costing STEP_SECONDS plus
+    TOKEN_SECONDS a token: every figure of its metrics known in advance."""
+    clock = [0.0]
+    forward = replica.runner.run
+
+    def timed(work):
+        clock[0] += STEP_SECONDS + TOKEN_SECONDS * sum(map(len, work.batch.tokens))
+        return forward(work)
+
+    replica.metrics.now = lambda: clock[0]
+    replica.runner.run = timed
+    return replica
+
+
+def test_prefill_seconds_saved_prices_each_loaded_token_once_at_what_a_prompt_token_costs(
+        model, redis_server):
+    """A replica whose first request is a store hit: its 40 loaded tokens are priced at what one
+    more prompt token adds to a step (TOKEN_SECONDS here), not at the mean of the short prefill
+    left after the hit, which is mostly a step's fixed cost; so the hit saves what the skipped
+    tokens cost, at most the prompt's own cold prefill."""
+    redis_server.client().flushdb()
+    first, second = priced(engine(model, redis_server.url)), priced(engine(model, redis_server.url))
+    prompt = ids(45, seed=11)
+    answer(first, prompt)
+    flushed(first)
+    cold_seconds = first.metrics.prefill_seconds
+    assert cold_seconds == pytest.approx(STEP_SECONDS + 45 * TOKEN_SECONDS)  # one step of 45 tokens
+    assert first.metrics.prefill_seconds_saved == 0
+    loaded = answer(second, prompt).usage.cached_tokens
+    assert loaded == 40 and second.metrics.prefill_tokens == 5  # 5 blocks read, the rest computed
+    assert second.metrics.prefill_token_seconds == pytest.approx(TOKEN_SECONDS)
+    assert second.metrics.prefill_seconds_saved == pytest.approx(loaded * TOKEN_SECONDS)
+    assert first.metrics.prefill_seconds_saved + second.metrics.prefill_seconds_saved <= cold_seconds
+    assert second.metrics.unpriced_tokens == 0
+
+
 def test_requests_succeed_while_the_store_is_down_and_sharing_resumes_after_it_restarts(model):
     redis_server = RedisServer().start()
     stores = [RedisBlockStore(redis_server.url, timeout_s=5.0, retry_s=0.3) for _ in range(2)]

@@ -139,8 +139,8 @@ class _TierCollector:
         for name, help_text, value in (
             ("hit_blocks", "Blocks from the tiers written into the pool, not computed", store["hit_blocks"]),
             ("tokens_served", "Prompt tokens served from the tiers", tokens),
-            ("prefill_seconds_saved", "Prefill those tokens would have taken, each at the engine's prefill "
-             "seconds per token measured when it was loaded", counts.prefill_seconds_saved),
+            ("prefill_seconds_saved", "Prefill those tokens would have taken, each once at what one more "
+             "prompt token adds to a step, measured on this engine's steps", counts.prefill_seconds_saved),
         ):
             yield CounterMetricFamily(f"kvcache_kv_store_{name}", help_text, value=float(value))
 
