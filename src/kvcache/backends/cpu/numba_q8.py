@@ -57,27 +57,42 @@ VNNI = target_has_vnni()
 _LANES = ir.VectorType(_F32, 8 if VNNI else 16)  # a row's running sums, one block's lanes
 
 
+#: what a block's scale is where its values are not all finite: a NaN, so that every product
+#: reading the block is NaN (as the float products' are), never a finite wrong value
+NOT_FINITE = np.float32(np.nan)
+#: float32's largest finite value: a value is finite where its magnitude is at most this (a
+#: comparison, which fast-math's reassociation leaves alone; NaN compares False)
+LARGEST_FINITE = np.finfo(np.float32).max
+
+
 @numba.njit(**_INLINE)
 def q8_activations(x, quants, scales, counts, shifts):  # pragma: no cover (compiled)
     """Each 32 values of each row of x (N, in) as llama.cpp's Q8_0 and Q8_1 hold them: quants
     (N, in) int8 = round(x · 127 / max|x|) (ties to even), scales (N, in / 32) the float16 of
     max|x| / 127 widened, counts the sum of the 32 quants, shifts Q8_1's float16 of the unrounded
-    scale times that sum (widened); all float32."""
+    scale times that sum (widened); all float32. A block holding a NaN or an inf: quants 0,
+    scale and shift NOT_FINITE, count 0."""
     for n in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            largest = np.float32(0.0)
+            largest, finite = np.float32(0.0), True
             for j in range(b * 32, b * 32 + 32):
-                largest = max(largest, abs(x[n, j]))
-            scale = quotient(largest, np.float32(127.0))
-            inverse = quotient(np.float32(127.0), largest) if largest != 0 else np.float32(0.0)
-            total = 0
-            for j in range(b * 32, b * 32 + 32):
-                q = np.int8(np.rint(x[n, j] * inverse))
-                quants[n, j] = q
-                total += q
-            scales[n, b] = float16_widened(float16_rounded(scale))
-            counts[n, b] = np.float32(total)
-            shifts[n, b] = float16_widened(float16_rounded(scale * np.float32(total)))
+                largest = max(largest, abs(x[n, j]))  # (max passes over a NaN: `finite` sees it)
+                finite &= abs(x[n, j]) <= LARGEST_FINITE  # (False for a NaN or an inf)
+            if not finite:
+                for j in range(b * 32, b * 32 + 32):
+                    quants[n, j] = 0
+                scales[n, b], counts[n, b], shifts[n, b] = NOT_FINITE, np.float32(0.0), NOT_FINITE
+            else:
+                scale = quotient(largest, np.float32(127.0))
+                inverse = quotient(np.float32(127.0), largest) if largest != 0 else np.float32(0.0)
+                total = 0
+                for j in range(b * 32, b * 32 + 32):
+                    q = np.int8(np.rint(x[n, j] * inverse))
+                    quants[n, j] = q
+                    total += q
+                scales[n, b] = float16_widened(float16_rounded(scale))
+                counts[n, b] = np.float32(total)
+                shifts[n, b] = float16_widened(float16_rounded(scale * np.float32(total)))
 
 
 @numba.njit(**_INLINE)
@@ -85,22 +100,31 @@ def q8_k_activations(x, quants, scales, counts):  # pragma: no cover (compiled)
     """Each 256 values of each row of x (N, in) as llama.cpp's Q8_K holds them: quants (N, in)
     int8 = min(127, round(x · s)) (ties to even), s = -127 / m with m the first value of the
     largest magnitude; scales (N, in / 256) 1 / s (0 where every value is); counts (N, in / 16)
-    the sum of each 16 quants; float32."""
+    the sum of each 16 quants; float32. A block holding a NaN or an inf: quants and counts 0,
+    scale NOT_FINITE."""
     for n in range(x.shape[0]):
         for b in range(x.shape[1] // 256):
-            largest, signed = np.float32(0.0), np.float32(0.0)
+            largest, signed, finite = np.float32(0.0), np.float32(0.0), True
             for j in range(b * 256, b * 256 + 256):
-                if abs(x[n, j]) > largest:
+                if abs(x[n, j]) > largest:  # (False for a NaN: `finite` sees it)
                     largest, signed = abs(x[n, j]), x[n, j]
-            inverse = quotient(np.float32(-127.0), signed) if largest != 0 else np.float32(0.0)
-            scales[n, b] = quotient(np.float32(1.0), inverse) if largest != 0 else np.float32(0.0)
-            for g in range(b * 16, b * 16 + 16):
-                total = 0
-                for j in range(g * 16, g * 16 + 16):
-                    q = np.int8(min(np.rint(x[n, j] * inverse), np.float32(127.0)))
-                    quants[n, j] = q
-                    total += q
-                counts[n, g] = np.float32(total)
+                finite &= abs(x[n, j]) <= LARGEST_FINITE  # (False for a NaN or an inf)
+            if not finite:
+                for j in range(b * 256, b * 256 + 256):
+                    quants[n, j] = 0
+                for g in range(b * 16, b * 16 + 16):
+                    counts[n, g] = np.float32(0.0)
+                scales[n, b] = NOT_FINITE
+            else:
+                inverse = quotient(np.float32(-127.0), signed) if largest != 0 else np.float32(0.0)
+                scales[n, b] = quotient(np.float32(1.0), inverse) if largest != 0 else np.float32(0.0)
+                for g in range(b * 16, b * 16 + 16):
+                    total = 0
+                    for j in range(g * 16, g * 16 + 16):
+                        q = np.int8(min(np.rint(x[n, j] * inverse), np.float32(127.0)))
+                        quants[n, j] = q
+                        total += q
+                    counts[n, g] = np.float32(total)
 
 
 def _splat(builder, value, lanes: int):
