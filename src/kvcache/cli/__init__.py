@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("report", "counted and measured figures in one document, with plots"),
     "serve": ("serve", "an OpenAI-compatible HTTP server on the engine (continuous batching)"),
     "chat": ("chat", "an interactive multi-turn chat that keeps the conversation's cache"),
+    "models": ("models", "the model names -m takes: each one's size and where it is, or how to pull it"),
+    "pull": ("pull", "fetch a named model's GGUF file (checked by its SHA-256) into your cache folder"),
 }
 
 

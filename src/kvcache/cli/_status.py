@@ -42,3 +42,25 @@ def say_weights(program: str, model) -> None:
     it dequantized: `LlamaForCausalLM.weights_note`), when it said anything."""
     if getattr(model, "weights_note", None):
         print(f"kvcache {program}: weights: {model.weights_note}", file=sys.stderr, flush=True)
+
+
+class BytesProgress:
+    """Call with (bytes done, bytes in all, what is happening): a `ProgressBar` line of the bytes
+    done and the phase, redrawn at most every `every_s` seconds on a terminal, and once a phase
+    otherwise (a log gets a line per part, not one per chunk)."""
+
+    def __init__(self, title: str, stream=None, every_s: float = 0.25) -> None:
+        from kvcache.report.progress import ProgressBar
+
+        self.bar = ProgressBar(title, stream)
+        self.every_s = every_s
+        self.drawn_at = float("-inf")
+        self.phase: str | None = None
+
+    def __call__(self, done: int, total: int, phase: str) -> None:
+        now = time.perf_counter()
+        due = self.bar.live and now - self.drawn_at >= self.every_s
+        if phase == self.phase and not due:
+            return
+        self.drawn_at, self.phase = now, phase
+        self.bar(done / total if total else 1.0, f"{done / 1e6:.1f}/{total / 1e6:.1f} MB  {phase}")

@@ -60,7 +60,7 @@ def collect_report(settings: ReportSettings, model_dir: str | Path | None = None
     """Every figure of the report as a JSON-ready dict (see docs/report.md for the keys).
 
     model_dir: what every command's -m takes (a checkpoint folder, a GGUF file, a name of
-    `kvcache.defaults.NAMED_MODELS`); None uses kvcache's bundled default model.
+    `kvcache.defaults.KNOWN_MODELS`); None uses kvcache's bundled default model.
     """
     from kvcache.defaults import resolve_model_dir
 
