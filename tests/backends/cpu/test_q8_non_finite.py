@@ -17,7 +17,8 @@ from kvcache.backends.cpu import numba_products
 from kvcache.generation.sampling import NonFiniteLogitsError
 from kvcache.model.quantized import STORED_KINDS, BlockWeight
 
-pytestmark = pytest.mark.skipif(not numba_products.available(), reason="numba with OpenMP/TBB threads")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(not numba_products.available(), reason="numba with OpenMP/TBB threads")]
 KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 #: where a block's float16 scale d sits, and its float16 minimum (dmin for the K-quants), if any
 SCALE_AT = {"Q6_K": 208}

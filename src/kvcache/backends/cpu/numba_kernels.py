@@ -15,6 +15,8 @@ import warnings
 import numba
 import numpy as np
 from numba import prange, types
+from numba.core import event
+from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import overload
 
 # numba's disk cache keys a kernel on its own file only, and the kernels here carry compiled
@@ -37,10 +39,47 @@ from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, F
     widened,
 )
 
-# a kernel whose every product is of ggml blocks has no parallel loop of its own (they are in
-# `blocks_product`): numba's note that parallel=True found nothing to do is expected then
-warnings.filterwarnings("ignore", message=r"\s*The keyword argument 'parallel=True' was specified but no "
-                        "transformation", category=numba.NumbaPerformanceWarning)
+#: numba's note that parallel=True found nothing to parallelize (`QuietCompiles`)
+_NOTHING_PARALLEL = r"\s*The keyword argument 'parallel=True' was specified but no transformation"
+
+
+class QuietCompiles(event.Listener):
+    """While one of kvcache's kernels compiles (an install's first run), two of numba's own
+    warnings are not shown, every other warning is: NumbaIRAssumptionWarning, an internal check
+    that numba's inlining of an `overload(inline="always")` used twice in one kernel trips
+    (numba issue 9489; the code compiled is unaffected), and the note that
+    parallel=True found nothing to do, expected in a kernel whose every product is of ggml blocks
+    (their parallel loops are in `blocks_product`). The filters are set around the outermost
+    kernel's compilation only (compiles run one at a time, under numba's lock)."""
+
+    def __init__(self) -> None:
+        self.depth = 0  # kvcache kernels compiling now, one inside another
+        self.caught: warnings.catch_warnings | None = None
+
+    @staticmethod
+    def ours(compiling: event.Event) -> bool:
+        return compiling.data["dispatcher"].py_func.__module__.startswith("kvcache.")
+
+    def on_start(self, compiling: event.Event) -> None:
+        if not self.ours(compiling):
+            return
+        if self.depth == 0:
+            self.caught = warnings.catch_warnings()
+            self.caught.__enter__()
+            warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning)
+            warnings.filterwarnings("ignore", _NOTHING_PARALLEL, numba.NumbaPerformanceWarning)
+        self.depth += 1
+
+    def on_end(self, compiling: event.Event) -> None:
+        if not self.ours(compiling):
+            return
+        self.depth -= 1
+        if self.depth == 0 and self.caught is not None:
+            self.caught.__exit__(None, None, None)
+            self.caught = None
+
+
+event.register("numba:compile", QuietCompiles())
 
 
 def part_product(part, x, start, out):  # typed by the overload below
