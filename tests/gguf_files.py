@@ -1,6 +1,9 @@
 """GGUF files for the tests, written here with the `gguf` package from a checkpoint folder made by
-`tiny_models.save_checkpoint`, the way llama.cpp's converter lays them out: llama query/key rows
-with each head's rotary pairs interleaved, 1-D tensors in F32, matrices in the asked type, the
+`tiny_models.save_checkpoint`, the way llama.cpp's converter (convert_hf_to_gguf.py) lays them out:
+tensor names from the `gguf` package's own name map of the architecture, llama (and mistral, which
+converts to llama) query/key rows with each head's rotary pairs interleaved, gemma's norm weights
+with its 1 added, phi3's projections fused as stored, gemma3's embedding cut to the tokenizer's
+tokens, each family's metadata keys, 1-D tensors in F32, matrices in the asked type, the
 tokenizer's vocabulary (padded to the model's vocabulary with unused tokens), merges and control
 tokens in the metadata."""
 
@@ -32,7 +35,22 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
         "lm_head.weight": "output.weight"}
 
 
-def gguf_name(name: str) -> str:
+# model_type -> the GGUF architecture llama.cpp's converter writes
+ARCHES = {"gemma3_text": "gemma3", "mistral": "llama"}
+_GEMMAS = ("gemma", "gemma2", "gemma3")
+
+
+def gguf_name(name: str, arch: str = "llama", layers: int = 1) -> str:
+    """The GGUF name of checkpoint tensor `name` in a file of `arch`: the `gguf` package's name map
+    (as the converter's map_tensor_name), else the llama names (for files deliberately labelled
+    with an architecture whose map lacks them)."""
+    import gguf
+
+    stem, _, suffix = name.rpartition(".")
+    kind = {value: key for key, value in gguf.MODEL_ARCH_NAMES.items()}.get(arch)
+    mapped = gguf.get_tensor_name_map(kind, layers).get_name(stem) if kind is not None else None
+    if mapped is not None:
+        return f"{mapped}.{suffix}"
     if name in _TOP:
         return _TOP[name]
     _, _, index, rest = name.split(".", 3)
@@ -108,31 +126,81 @@ def interleave(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str = "gpt-2",
-               arch: str | None = None, fields: dict | None = None) -> Path:
+               arch: str | None = None, fields: dict | None = None, extra: dict | None = None) -> Path:
     """Convert the checkpoint in `folder` to the GGUF file `path`; tensor_type: F32, F16 or a block
-    format (`quantize_blocks`; the K-quants need columns in multiples of 256);
+    format (`quantize_blocks`; the K-quants need columns in multiples of 256); arch: the file's
+    architecture (default: the one llama.cpp's converter writes for the checkpoint's model_type);
     `fields`: metadata key -> (value, gguf.GGUFValueType[, element type of an array]) written in
-    place of the converter's."""
+    place of the converter's; `extra`: GGUF name -> float32 array, tensors the converter does not
+    write, added as they are."""
     import gguf
-    from safetensors.numpy import load_file
 
     config = json.loads((folder / "config.json").read_text())
-    arch = arch or config["model_type"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    arch = arch or ARCHES.get(config["model_type"], config["model_type"])
     writer = gguf.GGUFWriter(str(path), arch)
+    _write_geometry(writer, config, arch)
+    _write_family_fields(writer, config, arch)
+    _write_tokenizer(writer, folder, config, pre)
+    _write_tensors(writer, folder, config, arch, tensor_type)
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
+    for key, spec in (fields or {}).items():
+        writer.kv_data[0][key] = gguf.GGUFValue(*spec)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_geometry(writer, config: dict, arch: str) -> None:
+    """The sizes every converter writes (gemma's omits the RoPE base, phi3's the key length)."""
+    heads = config["num_attention_heads"]
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 1e4))
-    writer.add_rope_freq_base(theta)
+    if arch not in ("gemma", "gemma3"):  # (gemma3's: the full layers', `_write_family_fields`)
+        writer.add_rope_freq_base(theta)
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
-    writer.add_value_length(config.get("head_dim") or config["hidden_size"] // heads)
+    if arch != "phi3":
+        writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
+        writer.add_value_length(config.get("head_dim") or config["hidden_size"] // heads)
 
+
+def _write_family_fields(writer, config: dict, arch: str) -> None:
+    """What each family's converter class adds: the rotated dimensions (llama, phi3), windows,
+    soft-caps, gemma3's full layers' RoPE base and linear scaling, phi3's original context."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if arch in ("llama", "phi3"):
+        writer.add_rope_dimension_count(head_dim)
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3":
+        full = config["rope_parameters"]["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+        if full.get("rope_type") == "linear":  # the full layers' only
+            import gguf
+
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+
+
+def _write_tokenizer(writer, folder: Path, config: dict, pre: str) -> None:
+    """The byte-level BPE vocabulary (padded to vocab_size with unused tokens), merges, special
+    ids and the chat template."""
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = [None] * config["vocab_size"]
@@ -161,29 +229,42 @@ def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str =
     writer.add_add_bos_token(load_tokenizer(folder).encode("a")[:1] == [bos])  # as the folder's does
     writer.add_chat_template(settings["chat_template"])
 
+
+def converted_tensors(folder: Path, config: dict, arch: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors (GGUF names, float32) as llama.cpp's converter changes them: a tied
+    head dropped, llama's q/k rows interleaved, gemma's norms plus 1, gemma3's embedding cut to
+    the tokenizer's tokens (its vocabulary plus its added tokens)."""
+    from safetensors.numpy import load_file
+
     tensors = load_file(str(folder / "model.safetensors"))
-    if config.get("tie_word_embeddings"):
+    if config.get("tie_word_embeddings") or arch in ("gemma", "gemma2"):
         tensors.pop("lm_head.weight", None)
+    heads = {"q_proj.weight": config["num_attention_heads"], "k_proj.weight": config["num_key_value_heads"]}
+    out = {}
     for name, value in tensors.items():
         value = value.astype(np.float32)
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            value = interleave(value, heads)
-        if arch == "llama" and name.endswith("k_proj.weight"):
-            value = interleave(value, kv_heads)
+        if arch == "llama" and name.endswith(tuple(heads)):
+            value = interleave(value, heads[name.rpartition("self_attn.")[2]])
+        if arch in _GEMMAS and name.endswith("norm.weight"):
+            value = value + np.float32(1)
+        if arch == "gemma3" and name == "model.embed_tokens.weight":
+            tokenizer = json.loads((folder / "tokenizer.json").read_text())
+            value = value[: len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])]
+        out[gguf_name(name, arch, config["num_hidden_layers"])] = value
+    return out
+
+
+def _write_tensors(writer, folder: Path, config: dict, arch: str, tensor_type: str) -> None:
+    import gguf
+
+    for name, value in converted_tensors(folder, config, arch).items():
         if value.ndim == 1 or tensor_type == "F32":
-            writer.add_tensor(gguf_name(name), value)
+            writer.add_tensor(name, value)
         elif tensor_type == "F16":
-            writer.add_tensor(gguf_name(name), value.astype(np.float16))
+            writer.add_tensor(name, value.astype(np.float16))
         else:
             kind = gguf.GGMLQuantizationType[tensor_type]
-            writer.add_tensor(gguf_name(name), quantize_blocks(value, tensor_type), raw_dtype=kind)
-    for key, spec in (fields or {}).items():
-        writer.kv_data[0][key] = gguf.GGUFValue(*spec)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+            writer.add_tensor(name, quantize_blocks(value, tensor_type), raw_dtype=kind)
 
 
 def close_to_the_float_path(stored: torch.Tensor, exact: torch.Tensor) -> None:

@@ -124,8 +124,8 @@ def test_a_file_that_is_not_gguf_and_a_truncated_one_are_refused(checkpoints, tm
 
 
 def test_an_architecture_we_do_not_load_is_refused_by_name(checkpoints, tmp_path):
-    path = write_gguf(checkpoints["llama"][0], tmp_path / "m.gguf", arch="gemma2")
-    with pytest.raises(CheckpointError, match="architecture 'gemma2' is not supported"):
+    path = write_gguf(checkpoints["llama"][0], tmp_path / "m.gguf", arch="starcoder2")
+    with pytest.raises(CheckpointError, match="architecture 'starcoder2' is not supported"):
         load_model(path)
 
 

@@ -9,8 +9,10 @@ through `kvcache.model.gguf_file` with the same checks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -144,8 +146,9 @@ def stored_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def unfuse(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state under the model's names: fused projections split into their parts (copies)."""
+def unfuse(config: ModelConfig, state: dict[str, Any]) -> dict[str, Any]:
+    """The state under the model's names: fused projections (a tensor, or a GGUF's kept
+    `BlockWeight`) split along their rows into their parts (tensors copied; blocks as views)."""
     fusions = _FUSED.get(config.model_type, {})
     if not fusions:
         return state
@@ -158,10 +161,20 @@ def unfuse(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, tor
             out[name] = tensor
             continue
         base = f"model.layers.{prefix}."
-        rows = [shapes[base + part][0] for part in parts]
-        for part, piece in zip(parts, torch.split(tensor, rows, dim=0)):
-            out[base + part] = piece.clone()
+        start = 0
+        for part in parts:
+            rows = shapes[base + part][0]
+            out[base + part] = _rows(tensor, start, start + rows)
+            start += rows
     return out
+
+
+def _rows(weight: torch.Tensor | BlockWeight, start: int, stop: int) -> torch.Tensor | BlockWeight:
+    """Rows start..stop of a weight: a tensor's copied, a BlockWeight's a view of its blocks (each
+    row is whole blocks)."""
+    if isinstance(weight, BlockWeight):
+        return dataclasses.replace(weight, rows=stop - start, blocks=weight.blocks[start:stop])
+    return weight[start:stop].clone()
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -255,7 +268,7 @@ def load_model(
     activations: str = "float32",
 ) -> LlamaForCausalLM:
     """Load a local checkpoint folder (a family of SUPPORTED_MODEL_TYPES), or a llama.cpp
-    GGUF file of a llama, qwen2 or qwen3 model, strictly, in eval mode.
+    GGUF file of one of those families (`gguf_file.FAMILIES`), strictly, in eval mode.
 
     path: the folder or .gguf file; None loads kvcache's bundled default model (`kvcache.defaults`).
     dtype: None keeps the stored dtype (mixed stored dtypes become the embedding's dtype; a GGUF's
@@ -326,31 +339,35 @@ def read_gguf_model(
     quantized tensors of each kind were dequantized, of a GGUF file:
     with keep_blocks, a projection's or the embedding's weight in a `quantized.STORED_KINDS`
     format stays its blocks (mapped from the file; llama's query and key rows permuted in a
-    copy), every other tensor is dequantized. Every tensor's name, type and shape is checked
-    against the config before any is read. progress(fraction of the tensors read, label) after
-    each."""
+    copy), every other tensor is dequantized (gemma's norms less the 1 its converter added);
+    phi3's fused projections are split into their parts. Every tensor's name, type and shape is
+    checked against the config before any is read. progress(fraction of the tensors read,
+    label) after each."""
     source = str(path)
     reader = open_gguf(path)
     meta = gguf_file.metadata(reader)
-    located = gguf_file.located_tensors(reader, source)
+    family = gguf_file.family_of(meta, source)
+    # the config first: a RoPE table it refuses is named as such, not as an unknown tensor
     config = ModelConfig.from_dict(gguf_file.config_dict(meta, {t.name for t in reader.tensors}, source))
-    expected = expected_shapes(config)
+    located = gguf_file.located_tensors(reader, family, source)
+    stored = stored_shapes(config)  # phi3's fused projections as the file holds them
     found = {name: (gguf_file.tensor_shape(t), f"{t.name} in {path.name}") for name, t in located.items()}
-    located = {name: located[name] for name in _check_tensors(expected, found, source, "the file's metadata")}
-    permuted = gguf_file.permutes(meta)
+    located = {name: located[name] for name in _check_tensors(stored, found, source, "the file's metadata")}
     heads = config.num_attention_heads, config.num_key_value_heads
     state, blocks, dequantized = {}, {}, {}
     for name, tensor in located.items():
-        rows_permuted = gguf_file.permutation_heads(name, permuted, *heads)
+        rows_permuted = gguf_file.permutation_heads(name, family, *heads)
         if keep_blocks and gguf_file.keeps_blocks(name, tensor):
-            blocks[name] = gguf_file.block_weight(tensor, expected[name], rows_permuted)
+            blocks[name] = gguf_file.block_weight(tensor, stored[name], rows_permuted)
         else:
-            state[name] = torch.from_numpy(gguf_file.read_tensor(tensor, expected[name], rows_permuted))
+            shift = gguf_file.norm_shift(name, family)
+            state[name] = torch.from_numpy(gguf_file.read_tensor(tensor, stored[name], rows_permuted, shift))
             kind = tensor.tensor_type.name
             if kind not in gguf_file.FLOAT_TYPES:
                 dequantized[kind] = dequantized.get(kind, 0) + 1
         if progress is not None:
             progress((len(state) + len(blocks)) / len(located), "reading tensors")
+    state, blocks = unfuse(config, state), unfuse(config, blocks)
     return config, state, blocks, dequantized
 
 
