@@ -79,6 +79,16 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "(default: $KVCACHE_API_KEY, else no key; an empty key means none)",
     )
     parser.add_argument(
+        "--api-keys", metavar="FILE",
+        help="one key a line, 'KEY', 'KEY TENANT' or 'KEY TENANT admin': each tenant's requests get a "
+        "cache salt of their own (a tenant's prefix never answers another's cached_tokens; a request's "
+        "cache_salt is combined with it), and /metrics answers admin keys only (--api-key is one)",
+    )
+    parser.add_argument(
+        "--require-cache-salt", action="store_true",
+        help="refuse (400) a request that sends no cache_salt, unless its key is a tenant's (--api-keys)",
+    )
+    parser.add_argument(
         "--served-model-name", help="the model id clients ask for (default: the folder's name)"
     )
     engine = parser.add_argument_group("engine")
@@ -254,8 +264,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"kvcache serve: error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
+    try:
+        keys = _api_keys(args)
+    except (ValueError, OSError) as error:
+        sock.close()
+        print(f"kvcache serve: error: {error}", file=sys.stderr)
+        return 2
     if args.replicas > 1:
-        return _run_replicas(args, sock)
+        return _run_replicas(args, sock, keys)
     events = None
     try:
         pinned = read_pin_file(args.kv_pin) if args.kv_pin else []  # (a bad file said before loading)
@@ -267,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
             events.close()
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
-    if args.host not in LOOPBACK and not args.api_key:
+    if args.host not in LOOPBACK and not args.api_key and keys is None:
         print(
             f"kvcache serve: warning: listening on {args.host} without --api-key: anyone who reaches "
             "this address can use the model",
@@ -282,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
-    settings = _settings(args, context)
+    settings = _settings(args, context, keys, _context_source(args, engine, context))
     sock.listen(SOCKET_BACKLOG)  # connections from now on wait for the server, none is refused
     _say_started(args, engine, settings, sock.getsockname()[:2])
     _log_requests(args.access_log)
@@ -299,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_replicas(args: argparse.Namespace, sock) -> int:
+def _run_replicas(args: argparse.Namespace, sock, keys=None) -> int:
     """`run` with --replicas: the engines on Ray Serve, this process the HTTP server."""
     from kvcache.server.app import build_app
     from kvcache.server.run import serve
@@ -319,7 +335,7 @@ def _run_replicas(args: argparse.Namespace, sock) -> int:
         sock.close()
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
-    settings = _settings(args, context)
+    settings = _settings(args, context, keys, _context_source(args, replicas, context))
     sock.listen(SOCKET_BACKLOG)
     host, port = sock.getsockname()[:2]
     routing = f"prefix, imbalance {args.routing_imbalance}" if args.routing == "prefix" else args.routing
@@ -421,7 +437,39 @@ def _context(args: argparse.Namespace, engine) -> int:
     return args.ctx_size
 
 
-def _settings(args: argparse.Namespace, context: int):
+def _api_keys(args: argparse.Namespace):
+    """--api-keys' keys (with --api-key's among them as an admin's), None without the flag; a
+    warning on stderr when others may read the file."""
+    from kvcache.server.tenants import api_keys
+
+    if args.api_keys is None:
+        return None
+    keys = api_keys(args.api_keys, args.api_key)
+    if os.stat(args.api_keys).st_mode & 0o077:
+        print(f"kvcache serve: warning: --api-keys {args.api_keys} may be read by other users "
+              f"(chmod 600 it)", file=sys.stderr)
+    if not any(tenant.admin for tenant in keys.tenants):
+        print("kvcache serve: note: no admin key (a line 'KEY NAME admin' in --api-keys, or --api-key): "
+              "/metrics answers no one", file=sys.stderr)
+    return keys
+
+
+def _context_source(args: argparse.Namespace, engine, context: int) -> str:
+    """Why a request's context is `context` tokens, for the errors that cite it and the start-up
+    line: "" when it is the model's own; else --ctx-size, or what --kv-budget holds and about what
+    budget would hold the model's context (the budget scaled by the blocks it needs, in MiB)."""
+    model_context = engine.model.config.max_position_embeddings
+    if args.ctx_size is not None:
+        return "--ctx-size"
+    if context >= model_context or not engine.num_blocks:
+        return ""
+    wanted = -(-model_context // args.block_size)  # blocks of the model's context
+    needed_mib = -(-args.kv_budget * wanted // (engine.num_blocks << 20))
+    return (f"what the KV pool holds at --kv-budget {format_bytes(args.kv_budget)}; the model's context of "
+            f"{model_context} tokens needs about --kv-budget {needed_mib}MiB")
+
+
+def _settings(args: argparse.Namespace, context: int, keys=None, context_source: str = ""):
     from kvcache.server.app import ServerSettings
 
     folder = Path(resolve_model_dir(args.model))
@@ -431,6 +479,7 @@ def _settings(args: argparse.Namespace, context: int):
         model_name=name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting, context=context,
+        api_keys=keys, require_cache_salt=args.require_cache_salt, context_source=context_source,
     )
 
 
@@ -449,6 +498,9 @@ def _say_started(args: argparse.Namespace, engine, settings, address) -> None:
     print(f"  KV pool: {engine.num_blocks} blocks of {args.block_size} tokens "
           f"({format_bytes(engine.pool.cache.nbytes)}{stored}): {engine.capacity(context)} sequences of "
           f"{context} tokens (--ctx-size), {args.max_running} running at once", flush=True)
+    if args.ctx_size is None and settings.context_source:  # the pool, not the model, sets the context
+        print(f"  context: {context} tokens, {settings.context_source} (or give a --ctx-size it holds)",
+              flush=True)
     fits = ", ".join(f"{count} at {dtype}" for dtype, count in engine.capacity_by_kv_dtype(context).items())
     print(f"  --kv-budget {format_bytes(args.kv_budget)} holds sequences of {context} tokens: {fits} "
           f"(--kv-cache-dtype)", flush=True)

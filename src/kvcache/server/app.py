@@ -61,7 +61,9 @@ class ServerSettings:
     when a request gives none. max_waiting: requests queued before new ones get 429. context:
     tokens of one request, prompt and new ones (0: the model's context). api_keys: per-tenant
     keys (`kvcache.server.tenants`; api_key, when also given, is among them). require_cache_salt:
-    a request with no tenant must send a cache_salt (400 otherwise)."""
+    a request with no tenant must send a cache_salt (400 otherwise). context_source: why the
+    context is what it is (e.g. what --kv-budget holds), said in the errors that cite it; empty:
+    the model's own."""
 
     model_name: str = "kvcache"
     api_key: str | None = None
@@ -73,6 +75,7 @@ class ServerSettings:
     context: int = 0
     api_keys: ApiKeys | None = None
     require_cache_salt: bool = False
+    context_source: str = ""
 
 
 def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
@@ -108,11 +111,16 @@ class _Server:
         config = engine.model.config
         self.context = settings.context or config.max_position_embeddings
         self.vocab = config.vocab_size
+        source = settings.context_source
+        of_context = f"the context of {self.context} tokens less one{'; ' + source if source else ''}"
         self.limits = Limits(
             max_prompt_tokens=settings.max_prompt_tokens or self.context - 1,
             max_tokens=settings.max_tokens or self.context - 1,
             default_max_tokens=min(settings.default_max_tokens, settings.max_tokens or self.context - 1),
             max_messages=min(MAX_MESSAGES, settings.max_prompt_tokens or self.context - 1),
+            prompt_source="--max-prompt-tokens" if settings.max_prompt_tokens else of_context,
+            tokens_source="the server's --max-tokens" if settings.max_tokens else of_context,
+            context_source=source,
         )
         self.metrics = ServerMetrics(engine, self.context)
         engine.on_finish = self.metrics.finished

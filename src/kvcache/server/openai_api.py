@@ -46,11 +46,16 @@ MAX_MESSAGES = 4096
 
 @dataclass
 class Limits:
-    """What one request may ask for: prompt tokens and max_tokens (the model's context caps both)."""
+    """What one request may ask for: prompt tokens and max_tokens (the context caps both), and
+    where each limit comes from, for the errors that cite it: prompt_source and tokens_source (a
+    flag, or the context), context_source (why the context is what it is; empty: the model's)."""
 
     max_prompt_tokens: int
     max_tokens: int
     default_max_tokens: int
+    prompt_source: str = "--max-prompt-tokens"
+    tokens_source: str = "the server's --max-tokens"
+    context_source: str = ""
     max_messages: int = MAX_MESSAGES  # (counted before a chat template renders them)
 
 
@@ -87,7 +92,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
-    _integer(name, max_tokens, 1, limits.max_tokens, "the server's --max-tokens")
+    _integer(name, max_tokens, 1, limits.max_tokens, limits.tokens_source)
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -116,15 +121,17 @@ def check_prompt_length(tokens: int, max_tokens: int, limits: Limits, context: i
         raise ApiError(
             400,
             f"the prompt has {tokens} tokens, more than this server's limit of "
-            f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
+            f"{limits.max_prompt_tokens} ({limits.prompt_source})",
             param="messages",
             code="context_length_exceeded",
         )
     if tokens + max_tokens > context:
+        source = limits.context_source
+        whose = f"server's maximum context length is {context} tokens ({source})" if source else (
+            f"model's maximum context length is {context} tokens")
         raise ApiError(
             400,
-            f"this model's maximum context length is {context} tokens; the prompt has "
-            f"{tokens} and max_tokens asks for {max_tokens} more",
+            f"this {whose}; the prompt has {tokens} and max_tokens asks for {max_tokens} more",
             param="max_tokens",
             code="context_length_exceeded",
         )
