@@ -6,7 +6,8 @@ paged KV pool, prefix sharing across requests).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C:
-stop accepting, let running requests finish for --drain-seconds, cancel the rest, exit 0.
+stop accepting, let running requests finish for --drain-seconds, cancel the rest, exit 0; a
+second one cancels them at once (each answer still ends in order) and exits 130.
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--drain-seconds",
         type=float,
         default=30.0,
-        help="on SIGTERM, how long running requests may finish (default 30)",
+        help="on SIGTERM or Ctrl-C, how long running requests may finish (default 30; a second signal "
+        "cancels them at once)",
     )
     parser.add_argument(
         "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -303,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
     _say_started(args, engine, settings, sock.getsockname()[:2])
     _log_requests(args.access_log)
     try:
-        serve(build_app(engine, tokenizer, settings), engine, drain_s=args.drain_seconds, sock=sock,
-              log_level=args.log_level)
+        stopped_now = serve(build_app(engine, tokenizer, settings), engine, drain_s=args.drain_seconds,
+                            sock=sock, log_level=args.log_level, notify=_say_stopping)
     except RequestError as error:
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
@@ -312,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         engine.store_tier.store.flush(10.0)
     engine.close()
     print("kvcache serve: stopped", flush=True)
-    return 0
+    return 130 if stopped_now else 0  # (a second signal: stopped before its requests finished)
 
 
 def _run_replicas(args: argparse.Namespace, sock, keys=None) -> int:
@@ -344,14 +346,19 @@ def _run_replicas(args: argparse.Namespace, sock, keys=None) -> int:
     print(f"  KV pool per replica: {replicas.num_blocks} blocks of {args.block_size} tokens", flush=True)
     _log_requests(args.access_log)
     try:
-        serve(build_app(replicas, tokenizer, settings), replicas, drain_s=args.drain_seconds, sock=sock,
-              log_level=args.log_level)
+        stopped_now = serve(build_app(replicas, tokenizer, settings), replicas, drain_s=args.drain_seconds,
+                            sock=sock, log_level=args.log_level, notify=_say_stopping)
     finally:
         from kvcache.replicas.replica_set import stop_replicas
 
         stop_replicas(started_here=args.ray_address is None)
     print("kvcache serve: stopped", flush=True)
-    return 0
+    return 130 if stopped_now else 0
+
+
+def _say_stopping(line: str) -> None:
+    """What a shutdown signal does, on stderr (`serve`'s notify)."""
+    print(f"kvcache serve: {line}", file=sys.stderr, flush=True)
 
 
 def _replica_set(args: argparse.Namespace):
