@@ -41,3 +41,62 @@ def llama_dir(checkpoints) -> Path:
 def llama_copy(llama_dir, tmp_path) -> Path:
     """A private copy of the llama checkpoint, for tests that damage it."""
     return Path(shutil.copytree(llama_dir, tmp_path / "copy"))
+
+
+# ---- the fast lane (`make test-fast`: `pytest --fast`) -------------------------------------------
+# Every test that compiles or loads a numba kernel is marked `kernels`, every one that starts a
+# server or a child process `processes`; --fast deselects both, and fails a test left unmarked
+# that does either, so the lane stays what it says.
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast lane: deselect tests marked kernels or processes, and fail any "
+                          "other test that compiles a numba kernel or starts a server or a process")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    slow = [item for item in items
+            if item.get_closest_marker("kernels") or item.get_closest_marker("processes")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        kept = set(map(id, slow))
+        items[:] = [item for item in items if id(item) not in kept]
+
+
+class _Refused(Exception):
+    """What a fast-lane test did that only a marked test may do."""
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_guard(request, monkeypatch):
+    """In --fast, refuse a numba compile (or cache load), a listening socket and a child process."""
+    if not request.config.getoption("--fast"):
+        yield
+        return
+    import socket
+    import subprocess
+
+    from numba.core import event
+
+    def refuse(what: str, mark: str):
+        def refused(*args, **kwargs):
+            raise _Refused(f"{request.node.nodeid} {what}: mark it `pytest.mark.{mark}`")
+        return refused
+
+    compiled = []
+
+    class Compiles(event.Listener):  # (recorded, not raised: numba holds its lock here)
+        def on_start(self, event_):
+            compiled.append(event_)
+
+        def on_end(self, event_):
+            pass
+
+    monkeypatch.setattr(socket.socket, "listen", refuse("starts a server", "processes"))
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a process", "processes"))
+    with event.install_listener("numba:compiler_lock", Compiles()):
+        yield
+    if compiled:
+        pytest.fail(f"{request.node.nodeid} compiles or loads a numba kernel: mark it `pytest.mark.kernels`")
