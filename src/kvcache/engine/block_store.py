@@ -5,7 +5,9 @@ on a writer thread. A tier says how it reads a run of keys (`_read_run`) and wri
 
 Any error (down, slow past `timeout_s`, full, unwritable) marks the tier down for `retry_s`
 seconds, during which it is not asked at all; the outage is logged once and counted, and the next
-call after the pause tries again.
+call after the pause tries again. A tier whose reads go on when a write fails (a full disk) stops
+writes alone for `retry_s` (`failed_writing`, `pause_writes`). Its threads are daemon threads: one
+stuck in a call that never returns (a hung disk or socket) never keeps a program from exiting.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -56,13 +58,14 @@ class BlockStore:
         self.name, self.errors = name, errors
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.counters = StoreCounters()
-        self._down_until = 0.0
+        self._down_until = 0.0  # reads and writes paused until (an outage)
+        self._writes_down_until = 0.0  # writes alone paused until (`pause_writes`)
         self._lock = threading.Lock()  # counters and the up/down state
         self._pending: queue.Queue = queue.Queue(maxsize=max_pending)
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._drain, name="kvcache-store-writer", daemon=True)
         self._writer.start()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-store-reader")
+        self._reader = DaemonExecutor("kvcache-store-reader")
         self._reads: list[PendingRead] = []  # started, perhaps not done
 
     # ---- what a tier implements -------------------------------------------------------------------
@@ -87,9 +90,10 @@ class BlockStore:
         """The counters as a dict, with the tier's `kind` (`Engine.stats()["kv_store"]`)."""
         return {**vars(self.counters), "kind": self.kind}
 
-    def outage_count(self) -> int:
-        """Times the tier became unavailable (after one, blocks are offered to it again)."""
-        return self.counters.outages
+    def failure_count(self) -> int:
+        """Calls that failed since start: after one, blocks the tier took may be lost (a write that
+        failed, a store restarted empty), so they are offered to it again."""
+        return self.counters.errors
 
     # ---- health ------------------------------------------------------------------------------------
     def available(self) -> bool:
@@ -107,9 +111,30 @@ class BlockStore:
                 log.warning("KV store %s unavailable while %s (%s: %s); serving without it, retrying "
                             "every %.1f s", self.name, doing, type(error).__name__, error, self.retry_s)
 
+    def writable(self) -> bool:
+        """Whether blocks may be queued for writing now (neither the tier nor its writes paused)."""
+        return self.available() and time.monotonic() >= self._writes_down_until
+
+    def failed_writing(self, error: BaseException, wanted_bytes: int) -> None:
+        """A write of `wanted_bytes` failed. Here the tier is taken as down (`failed`): a store that
+        cannot take a write is unreachable; a tier whose reads go on (a full disk) overrides it."""
+        self.failed(error, "writing blocks")
+
+    def pause_writes(self, error: BaseException) -> None:
+        """Count a failed write and queue no writes for retry_s, reads going on (logged once per
+        outage)."""
+        with self._lock:
+            self.counters.errors += 1
+            self._writes_down_until = time.monotonic() + self.retry_s
+            if self.counters.up:
+                self.counters.up = False
+                self.counters.outages += 1
+                log.warning("KV store %s unavailable for writes (%s: %s); reading the blocks it holds, "
+                            "writing again in %.1f s", self.name, type(error).__name__, error, self.retry_s)
+
     def worked(self) -> None:
-        """A call answered: the tier is up (logged when it was down)."""
-        if not self.counters.up:
+        """A call answered: the tier is up (logged when it was down), unless its writes are paused."""
+        if not self.counters.up and time.monotonic() >= self._writes_down_until:
             with self._lock:
                 if not self.counters.up:
                     self.counters.up = True
@@ -138,8 +163,9 @@ class BlockStore:
     # ---- writes -----------------------------------------------------------------------------------
     def put(self, key: str, make_value: Callable[[], bytes]) -> bool:
         """Queue one block for writing; `make_value()` builds its bytes on the writer thread.
-        False (and the block counted as dropped) when the queue is full or the tier is down."""
-        if not self.available():
+        False (and the block counted as dropped) when the queue is full or the tier or its writes
+        are paused."""
+        if not self.writable():
             self.counters.dropped_blocks += 1
             return False
         try:
@@ -165,20 +191,21 @@ class BlockStore:
             except Exception as error:  # noqa: BLE001 (the connection closed under it by close())
                 self.counters.dropped_blocks += len(batch)
                 if not self._stop.is_set():
-                    self.failed(error, "writing blocks")
+                    self.failed_writing(error, 0)
             finally:
                 for _ in batch:
                     self._pending.task_done()
 
     def _write_batch(self, batch: list) -> None:
-        if not self.available():
+        if not self.writable():
             self.counters.dropped_blocks += len(batch)
             return
+        values = [(key, make_value()) for key, make_value in batch]
         try:
-            written = self._write([(key, make_value()) for key, make_value in batch])
+            written = self._write(values)
         except self.errors as error:
             self.counters.dropped_blocks += len(batch)
-            self.failed(error, "writing blocks")
+            self.failed_writing(error, sum(len(value) for _, value in values))
             return
         self.worked()
         self.counters.written_blocks += len(batch)
@@ -198,7 +225,50 @@ class BlockStore:
         """Stop the writer (queued blocks are dropped) and the reader."""
         self._stop.set()
         self._writer.join(timeout=2)
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown()
+
+
+class DaemonExecutor:
+    """Calls run one at a time on a daemon thread, each answered through a `Future`. Unlike a
+    `ThreadPoolExecutor`, whose threads are joined when the interpreter exits, a call stuck for
+    good (a read of a file that never answers) does not keep the program from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, call: Callable) -> Future:
+        """Queue `call()`; its future. RuntimeError once shut down."""
+        if self._closed:
+            raise RuntimeError("cannot run a call on a store that is closed")
+        future: Future = Future()
+        self._calls.put((call, future))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, future = item
+            if not future.set_running_or_notify_cancel():  # cancelled while queued (its caller gave up)
+                continue
+            try:
+                result = call()
+            except BaseException as error:  # noqa: BLE001 (handed to whoever waits on the future)
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    def shutdown(self) -> None:
+        """Cancel the calls not yet started and end the thread once it is free (one running goes on)."""
+        self._closed = True
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].cancel()
+        self._calls.put(None)
 
 
 def block_bytes(value):

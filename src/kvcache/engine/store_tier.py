@@ -66,7 +66,7 @@ class StoreTier:
         self.layout = layout_of(model, pool.block_size, pool.kv_dtype)
         self.space = namespace(model, self.layout)
         self._known: OrderedDict[bytes, None] = OrderedDict()
-        self._outages = store.outage_count()
+        self._failures = store.failure_count()
         self._warned_invalid = False
         self.max_blocks = pool.num_blocks  # more than the pool holds could never be attached
         self._live: weakref.WeakSet[StoreRead] = weakref.WeakSet()  # reads requests still hold
@@ -79,9 +79,10 @@ class StoreTier:
             self._known.popitem(last=False)
 
     def _check_restart(self) -> None:
-        """After an outage the store may have restarted empty: offer every block again."""
-        if self.store.outage_count() != self._outages:
-            self._outages = self.store.outage_count()
+        """After a failed call the store may have lost blocks it took (a write that failed after
+        its block was queued, a restart empty): offer every block again."""
+        if self.store.failure_count() != self._failures:
+            self._failures = self.store.failure_count()
             self._known.clear()
 
     # ---- reads: started when a request is queued, used on admission ------------------------------
@@ -152,10 +153,11 @@ class StoreTier:
     def _decoded(self, digest: bytes, value) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(keys, values) (layers, block_size, H_kv, D) of a block read back, or None when it
         fails a check: counted, deleted where the tier can, logged once, recomputed."""
+        data = block_bytes(value)
+        if data is None:  # not read (gone, another size, no answer in time): the tier counted why
+            self._known.pop(digest, None)
+            return None
         try:
-            data = block_bytes(value)
-            if data is None:
-                raise InvalidBlock("its file went missing or changed size since it was found")
             return decode_block(self.layout, self.space, digest, data)
         except InvalidBlock as error:
             self.store.counters.invalid_blocks += 1
@@ -171,8 +173,8 @@ class StoreTier:
         """Queue every full block of `pool`'s rows that the store has not seen (copies taken now;
         encoded and written on the store's writer thread)."""
         self._check_restart()
-        if not self.store.available():
-            return  # not remembered: offered again once the store is back
+        if not self.store.writable():
+            return  # not remembered: offered again once the store takes writes again
         size = pool.block_size
         for seq in pool.rows:
             state = pool.allocators[0].sequence(seq)

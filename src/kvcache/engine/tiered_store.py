@@ -28,6 +28,10 @@ class TieredStore(BlockStore):
         """Whether any tier may be asked now."""
         return any(tier.available() for tier in self.tiers)
 
+    def writable(self) -> bool:
+        """Whether any tier takes writes now."""
+        return any(tier.writable() for tier in self.tiers)
+
     def _read_run(self, keys: list[str], value_bytes: int) -> list:
         values: list[bytes] = []
         for index, tier in enumerate(self.tiers):
@@ -77,8 +81,8 @@ class TieredStore(BlockStore):
         own["up"] = all(counts["up"] for counts in tiers.values())
         return {**own, "tiers": tiers}
 
-    def outage_count(self) -> int:
-        return sum(tier.outage_count() for tier in self.tiers)
+    def failure_count(self) -> int:
+        return sum(tier.failure_count() for tier in self.tiers)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         return all([tier.flush(timeout_s) for tier in self.tiers])
