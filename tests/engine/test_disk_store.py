@@ -181,14 +181,15 @@ def test_quantized_blocks_go_through_disk_and_redis_packed_and_never_into_anothe
 def test_a_disk_that_cannot_take_writes_is_skipped_with_one_log_line(model, tmp_path, fault, monkeypatch,
                                                                     caplog):
     import errno
-    from pathlib import Path
+
+    from kvcache.engine import disk_store
 
     store = DiskBlockStore(tmp_path, retry_s=3600)
     if fault == "disk full":
-        def full(self, data):
+        def full(descriptor, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(Path, "write_bytes", full)
+        monkeypatch.setattr(disk_store, "_write_all", full)
     replica, cold = engine(model, store), engine(model)
     if fault == "unwritable folder":  # every namespace folder is a file: nothing can go under it
         (tmp_path / replica.store_tier.space).write_bytes(b"")
@@ -227,7 +228,7 @@ def test_a_read_error_on_a_block_fails_the_tier_not_the_request(model, tmp_path,
     cold = answer(writer, prompt)
     flushed(writer).close()
 
-    def broken(path, target):
+    def broken(*arguments):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(disk_store, "_read_file", broken)
