@@ -255,9 +255,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcache.engine import RequestError
-    from kvcache.server.app import build_app
-    from kvcache.server.run import bind, serve
+    from kvcache.server.run import bind
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -301,6 +299,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache serve: error: {error}", file=sys.stderr)
         return 2
     settings = _settings(args, context, keys, _context_source(args, engine, context))
+    return _serve_until_stopped(args, engine, tokenizer, settings, sock)
+
+
+def _serve_until_stopped(args: argparse.Namespace, engine, tokenizer, settings, sock) -> int:
+    """Listen on `sock`, serve until a signal, write the blocks still queued for the disk or Redis
+    (within a bound) and close the engine: the exit status (130 when a second signal stopped it
+    before its requests finished)."""
+    from kvcache.engine import RequestError
+    from kvcache.server.app import build_app
+    from kvcache.server.run import serve
+
     sock.listen(SOCKET_BACKLOG)  # connections from now on wait for the server, none is refused
     _say_started(args, engine, settings, sock.getsockname()[:2])
     _log_requests(args.access_log)
@@ -314,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         engine.store_tier.store.flush(10.0)
     engine.close()
     print("kvcache serve: stopped", flush=True)
-    return 130 if stopped_now else 0  # (a second signal: stopped before its requests finished)
+    return 130 if stopped_now else 0
 
 
 def _run_replicas(args: argparse.Namespace, sock, keys=None) -> int:
