@@ -31,6 +31,17 @@ def test_generate_chat_streams_and_compares_with_no_cache(llama_dir, capsys):
     assert warm < timed  # kernels compiled and weights laid out before anything is timed
 
 
+def test_the_no_cache_rerun_is_said_before_it_starts(llama_dir, capsys):
+    """--compare-nocache generates again, many times slower: stderr says so between the timed
+    run's figures and the no-cache figures, so a long quiet wait has a reason on screen."""
+    argv = ["generate", "--model", str(llama_dir), "--prompt", "The quick", "--max-new-tokens", "5",
+            "--compare-nocache"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    said = err.index("kvcache generate: generating the 5 tokens again without a cache to compare")
+    assert err.index("time to first token") < said < err.index("no cache: time to first token")
+
+
 def test_generate_prompt_with_each_cache_kind(checkpoints, capsys):
     for arch, kind in (("llama", "static"), ("mistral", "sliding"), ("qwen2", "none")):
         folder = checkpoints[arch][0]

@@ -30,6 +30,7 @@ from kvcache.memory import parse_size
 
 LOADING = "kvcache generate: loading the model"
 WARMING = "kvcache generate: warming up (untimed)"
+NO_CACHE = "kvcache generate: no cache"
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -332,9 +333,23 @@ class _Runs:
                 **({"tokens_from_disk": self.tokens_from_disk} if self.args.kv_disk else {})}
 
     def compare_nocache(self, result, report: dict) -> list[str]:
-        """Generate again without a cache; record in `report` whether the tokens are the same and
-        the speed ratio, and return the lines that say so."""
-        plain = self.generate("none")
+        """Generate again without a cache, said on stderr first (every step recomputes the whole
+        sequence: many times slower) with a bar while it runs long; record in `report` whether
+        the tokens are the same and the speed ratio, and return the lines that say so."""
+        from kvcache.report.progress import ProgressBar
+
+        count = len(result.new_tokens[0])
+        print(f"kvcache generate: generating the {count} tokens again without a cache to compare (every "
+              "step recomputes the whole sequence)…", file=sys.stderr, flush=True)
+        bar, made = ProgressBar(NO_CACHE, after_s=BAR_AFTER_S), []
+
+        def counted(step_tokens) -> None:
+            made.append(step_tokens)
+            bar(len(made) / max(count, 1), "tokens made again")
+
+        plain = self.generate("none", streamer=counted)
+        if bar.last_label is not None:
+            bar(1.0, "tokens made again")  # (a bar on a terminal ends its line)
         same = plain.new_tokens[0] == result.new_tokens[0]
         report["identical_to_nocache"] = same
         lines = [f"no cache: {_timing_line(plain)}",
