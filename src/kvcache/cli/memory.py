@@ -186,7 +186,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+    else:
+        _print_exact(shape, result, args, packed)
+    return 0
+
+
+def _print_exact(shape: KVShape, result: dict, args: argparse.Namespace, packed: bool) -> None:
+    """`run`'s figures for a cache stored as computed (or in packed paged rows), as text."""
+    total = result["bytes"]
     window = f", sliding window {shape.sliding_window}" if shape.sliding_window else ""
     how = " (paged blocks, quantized: each token's kv head one group, its float16 scale and zero " \
           "counted)" if packed else ""
@@ -207,7 +214,6 @@ def run(args: argparse.Namespace) -> int:
               f"{result['max_sequences_of_tokens']:,}")
     if args.block_size is not None:
         _print_paged(result, args)
-    return 0
 
 
 def _run_quantized(shape: KVShape, args: argparse.Namespace) -> int:
