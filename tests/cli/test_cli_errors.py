@@ -115,3 +115,13 @@ def test_an_unknown_flag_prints_the_commands_own_usage(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: kvcache memory") and "unrecognized arguments: --no-such-flag" in err
 
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_an_empty_kv_disk_is_a_usage_error_naming_the_flag(command, capsys):
+    """--kv-disk '' would be the current folder (serve) or no disk tier at all (generate, chat):
+    refused before anything loads, naming the flag."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--kv-disk", ""])
+    assert exit_.value.code == 2
+    assert "--kv-disk" in capsys.readouterr().err

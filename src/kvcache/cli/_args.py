@@ -100,6 +100,13 @@ def size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def folder_argument(text: str) -> str:
+    """A folder's path, not empty (an empty one would be taken as the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder's path, got an empty one")
+    return text
+
+
 def positive_int(text: str) -> int:
     """An integer ≥ 1."""
     return _int_at_least(text, 1, "a positive integer")

@@ -21,6 +21,7 @@ from kvcache.cli._args import (
     activations_of,
     add_kv_cache_dtype,
     add_q8_activations,
+    folder_argument,
     kv_dtype_of,
     kv_window_of,
     positive_int,
@@ -55,7 +56,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         f"at most {DEFAULT_CTX})",
     )
     parser.add_argument(
-        "--kv-disk", metavar="DIR",
+        "--kv-disk", metavar="DIR", type=folder_argument,
         help="keep the conversation's KV blocks in files under DIR: a later chat that starts the same "
         "way (a long system message) reads them instead of computing them (default: none)",
     )

@@ -19,6 +19,7 @@ from kvcache.cli._args import (
     activations_of,
     add_kv_cache_dtype,
     add_q8_activations,
+    folder_argument,
     kv_dtype_of,
     kv_window_of,
     positive_int,
@@ -51,7 +52,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                              "--max-tokens is lowered to fit it, said on stderr")
     parser.add_argument("--cache", choices=CACHE_KINDS, help="default dynamic (paged with --kv-disk)")
     parser.add_argument(
-        "--kv-disk", metavar="DIR",
+        "--kv-disk", metavar="DIR", type=folder_argument,
         help="read the prompt's KV blocks that files under DIR hold instead of computing them, and "
         "write its blocks there for later runs (a paged cache; the read is inside the time to first "
         "token)",

@@ -22,6 +22,7 @@ from kvcache.cli._args import (
     activations_of,
     add_kv_cache_dtype,
     add_q8_activations,
+    folder_argument,
     kv_dtype_of,
     kv_window_of,
     nonnegative_int,
@@ -138,6 +139,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--kv-disk",
         metavar="DIR",
+        type=folder_argument,
         help="keep prefix KV blocks in files under DIR, so they survive a restart (read before "
         "--kv-store's Redis; one process per folder; default: none)",
     )
