@@ -137,3 +137,22 @@ def test_int8_on_the_default_model_agrees_on_at_least_99_percent_of_128_greedy_t
     assert result.quantized_fraction > 0.5
     assert result.greedy_agreement >= 0.99, result.to_dict()
     assert result.teacher_forced_agreement >= 0.99 and result.within_tolerance
+
+
+def test_the_cli_takes_a_gguf_file_and_a_model_name_as_every_command_does(
+    tiny_dir, tmp_path, monkeypatch, capsys
+):
+    """-m as generate, chat and serve take it: a GGUF file (its own tokenizer encodes --prompt) and
+    a name of `kvcache.defaults.KNOWN_MODELS`, not only a checkpoint folder."""
+    from gguf_files import write_gguf
+
+    import kvcache.defaults
+
+    gguf = write_gguf(tiny_dir, tmp_path / "tiny.gguf")
+    arguments = ["--bits", "8", "--tokens", "4", "--group-size", "4", "--residual", "0", "--json",
+                 "--prompt", "for x in"]
+    assert main(["drift", "-m", str(gguf), *arguments]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["bits"] == 8
+    monkeypatch.setattr(kvcache.defaults, "resolve_model_dir",
+                        lambda path: gguf if path == "smollm2" else path)
+    assert main(["drift", "-m", "smollm2", *arguments]) == 0, capsys.readouterr().err

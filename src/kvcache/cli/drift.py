@@ -33,7 +33,9 @@ def bits_list(text: str) -> list[int | str]:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-m", "--model", help="checkpoint folder (default: kvcache's trained default model)")
+    parser.add_argument("-m", "--model",
+                        help="local checkpoint folder, GGUF file or a model name such as smollm2, as every "
+                             "command takes it (default: kvcache's trained default model)")
     parser.add_argument("--bits", type=bits_list, default=[8, 4, "fp8"],
                         help="settings to measure: 8, 4, fp8, comma-separated (default 8,4,fp8)")
     parser.add_argument("--tokens", type=positive_int, default=128,
@@ -61,14 +63,16 @@ def _prompts(folder: Path, texts: list[str], vocab_size: int):
     three seeded random prompts of 32 ids."""
     import torch
 
-    if (folder / "tokenizer.json").is_file():
+    from kvcache.defaults import is_gguf
+
+    if is_gguf(folder) or (folder / "tokenizer.json").is_file():
         from kvcache.report.drift import DEFAULT_PROMPTS
         from kvcache.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(folder)
         return [torch.tensor(tokenizer.encode(text)) for text in (texts or DEFAULT_PROMPTS)], "text"
     if texts:
-        raise ValueError(f"{folder} has no tokenizer.json to encode --prompt with")
+        raise ValueError(f"{folder} has no tokenizer.json to encode --prompt with")  # (a GGUF carries one)
     generator = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab_size, (32,), generator=generator) for _ in range(3)], "random ids"
 
@@ -81,7 +85,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = Path(args.model) if args.model else default_model_dir()
+    from kvcache.defaults import resolve_model_dir
+
+    try:
+        folder = Path(resolve_model_dir(args.model)) if args.model else default_model_dir()
+    except ValueError as error:  # a known name not pulled yet
+        print(f"kvcache drift: error: {error}", file=sys.stderr)
+        return 2
     if not args.model and not (folder / "config.json").is_file():
         print(f"kvcache drift: error: the default model is not installed at {folder}; "
               f"pass --model DIR", file=sys.stderr)
