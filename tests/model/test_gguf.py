@@ -169,3 +169,16 @@ def test_loading_reports_progress_over_the_tensors_of_a_file_and_a_folder(checkp
         assert fractions == sorted(fractions) and all(0 <= f <= 1 for f in fractions)
         if source != folder:  # a file: a call per tensor
             assert len(calls) > 10
+
+
+def test_a_loaded_file_replaced_by_rename_leaves_the_model_as_it_was(checkpoints, tmp_path):
+    """Blocks kept as stored are views of a memory map (docs/model.md): replacing the file by
+    writing another one and renaming it over it leaves a loaded model reading the old file."""
+    folder, _ = checkpoints["llama"]
+    path = write_gguf(folder, tmp_path / "model.gguf", tensor_type="Q8_0")
+    model = load_model(path)
+    before = _logits(model)
+    replacement = tmp_path / "replacement.gguf"
+    replacement.write_bytes(b"\0" * path.stat().st_size)
+    replacement.replace(path)
+    torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
