@@ -5,11 +5,12 @@ converts to llama) query/key rows with each head's rotary pairs interleaved, gem
 with its 1 added, phi3's projections fused as stored, gemma3's embedding cut to the tokenizer's
 tokens, each family's metadata keys, 1-D tensors in F32, matrices in the asked type, the
 tokenizer's vocabulary (padded to the model's vocabulary with unused tokens), merges and control
-tokens in the metadata."""
+tokens in the metadata, or a sentencepiece vocabulary given as `SentencePieceVocab`."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -125,14 +126,34 @@ def interleave(weight: np.ndarray, heads: int) -> np.ndarray:
     return paired.swapaxes(1, 2).reshape(weight.shape)
 
 
+@dataclass(frozen=True)
+class SentencePieceVocab:
+    """A sentencepiece tokenizer as llama.cpp's converter writes one (tokenizer.ggml.model "llama"):
+    pieces, scores and token types (gguf.TokenType values), special ids, the flags (None: the key
+    is not written) and a chat template."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
+    bos: int = 1
+    eos: int = 2
+    unknown: int = 0
+    add_space_prefix: bool | None = True
+    add_bos: bool | None = True
+    add_eos: bool | None = False
+    chat_template: str | None = None
+
+
 def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str = "gpt-2",
-               arch: str | None = None, fields: dict | None = None, extra: dict | None = None) -> Path:
+               arch: str | None = None, fields: dict | None = None, extra: dict | None = None,
+               sentencepiece: SentencePieceVocab | None = None) -> Path:
     """Convert the checkpoint in `folder` to the GGUF file `path`; tensor_type: F32, F16 or a block
     format (`quantize_blocks`; the K-quants need columns in multiples of 256); arch: the file's
     architecture (default: the one llama.cpp's converter writes for the checkpoint's model_type);
     `fields`: metadata key -> (value, gguf.GGUFValueType[, element type of an array]) written in
-    place of the converter's; `extra`: GGUF name -> float32 array, tensors the converter does not
-    write, added as they are."""
+    place of the converter's (None: the key left out); `extra`: GGUF name -> float32 array,
+    tensors the converter does not write, added as they are; `sentencepiece`: the tokenizer
+    written in place of the folder's (the checkpoint's vocab_size its token count)."""
     import gguf
 
     config = json.loads((folder / "config.json").read_text())
@@ -140,12 +161,19 @@ def write_gguf(folder: Path, path: Path, *, tensor_type: str = "F32", pre: str =
     writer = gguf.GGUFWriter(str(path), arch)
     _write_geometry(writer, config, arch)
     _write_family_fields(writer, config, arch)
-    _write_tokenizer(writer, folder, config, pre)
-    _write_tensors(writer, folder, config, arch, tensor_type)
+    if sentencepiece is None:
+        _write_tokenizer(writer, folder, config, pre)
+    else:
+        _write_sentencepiece(writer, sentencepiece)
+    rows = None if sentencepiece is None else len(sentencepiece.tokens)
+    _write_tensors(writer, folder, config, arch, tensor_type, rows)
     for name, value in (extra or {}).items():
         writer.add_tensor(name, value)
     for key, spec in (fields or {}).items():
-        writer.kv_data[0][key] = gguf.GGUFValue(*spec)
+        if spec is None:
+            writer.kv_data[0].pop(key, None)
+        else:
+            writer.kv_data[0][key] = gguf.GGUFValue(*spec)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -230,10 +258,28 @@ def _write_tokenizer(writer, folder: Path, config: dict, pre: str) -> None:
     writer.add_chat_template(settings["chat_template"])
 
 
-def converted_tensors(folder: Path, config: dict, arch: str) -> dict[str, np.ndarray]:
+def _write_sentencepiece(writer, vocab: SentencePieceVocab) -> None:
+    """The keys llama.cpp's converter writes for a sentencepiece vocabulary."""
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_scores(vocab.scores)
+    writer.add_token_types(vocab.types)
+    writer.add_bos_token_id(vocab.bos)
+    writer.add_eos_token_id(vocab.eos)
+    writer.add_unk_token_id(vocab.unknown)
+    for value, add in ((vocab.add_space_prefix, writer.add_add_space_prefix),
+                       (vocab.add_bos, writer.add_add_bos_token), (vocab.add_eos, writer.add_add_eos_token),
+                       (vocab.chat_template, writer.add_chat_template)):
+        if value is not None:
+            add(value)
+
+
+def converted_tensors(folder: Path, config: dict, arch: str,
+                      rows: int | None = None) -> dict[str, np.ndarray]:
     """The checkpoint's tensors (GGUF names, float32) as llama.cpp's converter changes them: a tied
     head dropped, llama's q/k rows interleaved, gemma's norms plus 1, gemma3's embedding cut to
-    the tokenizer's tokens (its vocabulary plus its added tokens)."""
+    the tokenizer's tokens (`rows`, else the folder tokenizer's vocabulary plus its added tokens)."""
     from safetensors.numpy import load_file
 
     tensors = load_file(str(folder / "model.safetensors"))
@@ -248,16 +294,18 @@ def converted_tensors(folder: Path, config: dict, arch: str) -> dict[str, np.nda
         if arch in _GEMMAS and name.endswith("norm.weight"):
             value = value + np.float32(1)
         if arch == "gemma3" and name == "model.embed_tokens.weight":
-            tokenizer = json.loads((folder / "tokenizer.json").read_text())
-            value = value[: len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])]
+            if rows is None:
+                tokenizer = json.loads((folder / "tokenizer.json").read_text())
+                rows = len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])
+            value = value[:rows]
         out[gguf_name(name, arch, config["num_hidden_layers"])] = value
     return out
 
 
-def _write_tensors(writer, folder: Path, config: dict, arch: str, tensor_type: str) -> None:
+def _write_tensors(writer, folder: Path, config: dict, arch: str, tensor_type: str, rows: int | None) -> None:
     import gguf
 
-    for name, value in converted_tensors(folder, config, arch).items():
+    for name, value in converted_tensors(folder, config, arch, rows).items():
         if value.ndim == 1 or tensor_type == "F32":
             writer.add_tensor(name, value)
         elif tensor_type == "F16":
