@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lab test lint bench clean
+.PHONY: demo lab test test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ lint: $(STAMP)
 # compiling kernels, which takes one core
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# the fast lane: every test that compiles no numba kernel and starts no server or process (those are
+# marked `kernels` / `processes`; --fast fails an unmarked test that does either), in one process:
+# its tests are too small for a second worker to pay for its start
+test-fast: $(STAMP)
+	$(PY) -m pytest -q --fast -p no:xdist
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_cache_append.py

@@ -13,6 +13,8 @@ import kvcache
 from kvcache.cache import SlidingWindowCache, make_cache
 from kvcache.defaults import default_model_dir
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,6 +13,8 @@ import pytest
 
 import kvcache
 
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
+
 SOURCE = Path(kvcache.__file__).resolve().parent
 
 

@@ -13,6 +13,8 @@ from kvcache.defaults import default_model_dir
 from kvcache.model import CheckpointError
 from kvcache.text.tokenizer import TokenizerError
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -18,6 +18,8 @@ from kvcache.backends import (
     torch_threads,
 )
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 def test_auto_takes_numpy_for_float32_cpu_and_torch_otherwise():
     model = random_model(tiny_config(), 0)

@@ -15,6 +15,7 @@ from kvcache.blocks.allocator import PARTIAL_CANDIDATES
 from kvcache.cache.errors import CacheError, OutOfBlocksError, UnknownSequenceError
 
 
+@pytest.mark.processes
 def test_allocator_runs_where_torch_cannot_be_imported():
     script = """
 import sys

@@ -11,6 +11,8 @@ from kvcache.cache import QuantizedCache, make_cache
 from kvcache.generation import generate
 from kvcache.model import load_model
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):

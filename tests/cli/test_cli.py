@@ -10,6 +10,8 @@ from kvcache import reference as ref
 from kvcache.cli import main
 from kvcache.cli._args import int_list
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 def test_int_list_expands_doubling_and_steps():
     assert int_list("1,2,4,...,256") == [1, 2, 4, 8, 16, 32, 64, 128, 256]

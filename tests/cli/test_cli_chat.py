@@ -17,6 +17,8 @@ import kvcache
 from kvcache.engine.prompts import tokenizer_eos
 from kvcache.reuse.prefix import ChatSession
 
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
+
 TURNS = ["What is a class?", "And a function?", "Thanks."]
 STATS = re.compile(r"\[reused (\d+) tokens from the cache, prefilled (\d+); (\d+) new tokens")
 

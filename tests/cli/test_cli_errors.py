@@ -12,6 +12,8 @@ import pytest
 from kvcache.cli import main
 from kvcache.defaults import DEFAULT_MODEL_DIR
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture
 def model_copy(tmp_path):

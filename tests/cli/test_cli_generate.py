@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from kvcache.cli import main
+
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 
 
 def test_generate_chat_streams_and_compares_with_no_cache(llama_dir, capsys):

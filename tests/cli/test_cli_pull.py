@@ -242,6 +242,7 @@ def test_a_damaged_pulled_file_is_named_and_pulled_again(tmp_path, cache_home, m
     assert (cache_home / "tiny.gguf").read_bytes() == b"a" * 10 + b"b" * 10
 
 
+@pytest.mark.kernels
 def test_a_pulled_gguf_is_what_minus_m_name_runs_in_every_command(tmp_path, cache_home, monkeypatch, capsys):
     """A real (tiny) GGUF pulled in three parts: memory and generate take its name as they take its path."""
     from gguf_files import write_gguf

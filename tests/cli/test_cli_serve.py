@@ -14,6 +14,8 @@ from waiting import wait_for
 
 from kvcache.cli import main
 
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
+
 
 def test_serve_answers_then_drains_on_sigterm_and_exits_zero():
     process, base = start_serve("--drain-seconds", "60")

@@ -11,6 +11,8 @@ from serve_process import start_serve, stop_serve
 
 from kvcache.cli import main
 
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
+
 TIMEOUT = 60.0
 KEYS = "alpha-key-not-secret alpha\nbeta-key-not-secret beta\nops-key-not-secret ops admin\n"
 

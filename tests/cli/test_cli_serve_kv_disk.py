@@ -5,7 +5,10 @@ answers as the first server did."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from serve_process import start_serve, stop_serve
+
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
 
 FIRST = [{"role": "user", "content": "What is a class in Python? Say it in a few words."}]
 

@@ -12,6 +12,8 @@ from redis_server import RedisServer
 from serve_process import start_serve
 from waiting import wait_for
 
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
+
 BLOCK = 8
 FIRST = [{"role": "user", "content": "What is a class in Python? Say it in a few words."}]
 

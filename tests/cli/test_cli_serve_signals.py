@@ -12,8 +12,11 @@ import sys
 import threading
 
 import httpx
+import pytest
 from test_cli_signals import AS_FROM_A_SHELL
 from waiting import wait_for
+
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
 
 STREAMS = 4
 

@@ -7,6 +7,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
+
 # As a shell starts it: SIGINT neither blocked nor ignored. A child inherits both from the test's
 # process, which earlier tests of its worker may have left changed (a SIGINT ignored at start-up
 # gets no KeyboardInterrupt handler): the full suite's worker once ran a child deaf to Ctrl-C.

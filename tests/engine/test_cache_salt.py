@@ -11,6 +11,8 @@ from kvcache.blocks import ROOT_HASH, salt_root
 from kvcache.engine.disk_store import DiskBlockStore
 from kvcache.generation.params import RequestError, SamplingParams
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model():

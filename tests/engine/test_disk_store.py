@@ -21,6 +21,8 @@ from kvcache.engine.disk_store import DiskBlockStore
 from kvcache.engine.redis_store import RedisBlockStore
 from kvcache.engine.tiered_store import TieredStore
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model():

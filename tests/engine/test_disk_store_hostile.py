@@ -25,6 +25,8 @@ import kvcache
 from kvcache.engine import disk_store
 from kvcache.engine.disk_store import DiskBlockStore
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 SPACE = "ab" * 16
 SIZE = 4096
 

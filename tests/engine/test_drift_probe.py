@@ -12,6 +12,8 @@ import torch
 import kvcache
 from kvcache.engine import Engine, RequestError
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model(one_thread):

@@ -18,6 +18,8 @@ from kvcache.blocks.allocator import common_prefix
 from kvcache.engine import Engine, RequestError, SamplingParams
 from kvcache.memory import KVShape, paged_blocks_in_budget
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model(one_thread):

@@ -9,6 +9,8 @@ import pytest
 import kvcache
 from kvcache.engine import Engine
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model(one_thread):

@@ -18,6 +18,8 @@ from kvcache.blocks import ROOT_HASH, block_hash
 from kvcache.engine import Engine
 from kvcache.engine.kv_events import REPLAY_END, KVEventPublisher, check_endpoint, external_hash
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 # vLLM's event types (vllm.distributed.kv_events), written out here as its subscribers declare them
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

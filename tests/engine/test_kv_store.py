@@ -22,6 +22,8 @@ from kvcache.engine.block_codec import block_key
 from kvcache.engine.redis_store import RedisBlockStore
 from kvcache.generation.params import RequestError
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 BLOCK = 8
 NEW = 6
 

@@ -12,6 +12,8 @@ from kvcache.engine import Engine
 from kvcache.engine.disk_store import DiskBlockStore
 from kvcache.generation.params import SamplingParams
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 BLOCK, WINDOW = 8, 24
 MODELS = {
     "sliding (mistral)": dict(model_type="mistral", sliding_window=WINDOW),

@@ -10,6 +10,8 @@ import kvcache
 from kvcache.engine import Engine
 from kvcache.engine.disk_store import DiskBlockStore
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -10,6 +10,8 @@ from tiny_models import tiny_model
 
 import kvcache
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 KINDS = ["dynamic", "static", "paged", "quantized", "sliding"]
 
 

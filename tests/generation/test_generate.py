@@ -14,6 +14,8 @@ from kvcache.cache import CacheConfigError
 from kvcache.generation import stream_generate
 from kvcache.generation.text import ReplyText
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 NEW = 12
 
 

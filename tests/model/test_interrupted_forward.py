@@ -76,6 +76,7 @@ def test_a_cache_whose_layers_disagree_is_refused_until_crop():
 STEPS = {"numpy": (torch.float32, "update_arrays"), "half": (torch.bfloat16, "update_arrays")}
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("step_name", list(STEPS))
 @pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_a_decode_step_interrupted_between_layers_is_undone(kind, step_name):

@@ -133,6 +133,7 @@ def test_phi3s_fused_projections_are_split_in_their_stored_order(checkpoints):
     assert torch.equal(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), fused)
 
 
+@pytest.mark.processes
 def test_loading_a_model_does_not_import_torchs_compiler():
     """nn.Embedding's own initialisation (init.normal_) imports torch._dynamo, about a second of
     start-up for every command, for a tensor the checkpoint overwrites."""

@@ -52,6 +52,7 @@ def test_a_models_window_applies_whatever_cache_it_is_handed(pairs, arch, kind):
     torch.testing.assert_close(torch.cat(pieces, 1), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("arch", ["mistral", "qwen2_mixed", "phi3"])
 def test_the_numpy_step_applies_the_window_on_a_config_less_cache(pairs, arch):
     hf, ours, _ = pairs[arch]

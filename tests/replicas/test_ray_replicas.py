@@ -16,6 +16,8 @@ from waiting import wait_for
 import kvcache
 from kvcache.engine import Engine
 
+pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
+
 BLOCK = 8
 NEW = 12
 

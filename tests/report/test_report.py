@@ -199,6 +199,7 @@ def test_a_model_with_sliding_layers_gets_a_report_with_every_cache_kind_exact(t
     assert "skipped" not in markdown and "**nothing quantized**" in markdown
 
 
+@pytest.mark.processes
 def test_importing_the_report_package_and_command_imports_neither_torch_nor_matplotlib():
     code = ("import sys, kvcache.report, kvcache.report.counted, kvcache.cli.report;"
             "assert 'torch' not in sys.modules, 'torch imported';"

@@ -15,7 +15,7 @@ from kvcache.reuse.prefix import ChatSession, PrefixCache
 BLOCK = 4
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
 
 @pytest.fixture(scope="module")

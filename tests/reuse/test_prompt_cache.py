@@ -18,7 +18,7 @@ from kvcache.reuse.prompt_cache import PromptCacheError, load_prompt_cache, save
 BLOCK = 4
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
 
 @pytest.fixture(scope="module")

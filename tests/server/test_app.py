@@ -19,6 +19,8 @@ import kvcache
 from kvcache.engine.prompts import tokenizer_eos
 from kvcache.server import ServerSettings
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 TIMEOUT = 60.0
 
 

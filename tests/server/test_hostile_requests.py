@@ -13,6 +13,8 @@ from conftest import API_KEY, start_server, wait_for
 
 from kvcache.server import ServerSettings
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 TIMEOUT = 60.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

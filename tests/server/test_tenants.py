@@ -12,6 +12,8 @@ from conftest import start_server
 from kvcache.server import ServerSettings
 from kvcache.server.tenants import api_keys, read_api_keys
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 TIMEOUT = 60.0
 KEYS = "# tenants\nalpha-key-not-secret alpha\n\nbeta-key-not-secret beta\nops-key-not-secret ops admin\n"
 

@@ -32,7 +32,8 @@ from kvcache.model.quantized import (
     block_weights,
 )
 
-pytestmark = pytest.mark.skipif(not numba_products.available(), reason="numba with OpenMP/TBB threads")
+pytestmark = [pytest.mark.skipif(not numba_products.available(), reason="numba with OpenMP/TBB threads"),
+              pytest.mark.kernels]  # (kernels: not in pytest --fast)
 KINDS = sorted(STORED_KINDS)
 
 

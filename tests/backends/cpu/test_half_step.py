@@ -20,7 +20,7 @@ from kvcache.backends import (
 from kvcache.backends.cpu import huge_pages, numba_products
 from kvcache.cache import make_cache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
 # (config.json overrides, cache kinds to run): GQA groups, biases, per-head q/k norms, a window
 FAMILIES = {

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from kvcache.backends.cpu import numba_products
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 def test_numba_runs_on_a_fast_pool_here():
     assert numba_products.available()

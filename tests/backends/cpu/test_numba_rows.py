@@ -10,6 +10,8 @@ import torch
 from kvcache.backends.cpu import numba_products
 from kvcache.cache.paged.formats import PackedRows
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 DIM = 64
 
 

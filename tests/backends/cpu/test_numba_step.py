@@ -15,7 +15,7 @@ from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend
 from kvcache.backends.cpu import numba_kernels, numba_products
 from kvcache.cache import make_cache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
 FAMILIES = step_families(window=37)
 PROMPT = 2 * numba_kernels.CHUNK + 45  # three chunks, the last one partial

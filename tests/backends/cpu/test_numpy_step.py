@@ -25,6 +25,8 @@ from kvcache.cache import QuantizedCache, make_cache
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcache.model import ConfigError, ModelConfig, RopeScaling
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 def _config(draw) -> ModelConfig:
     kv_heads = draw(st.integers(1, 3))

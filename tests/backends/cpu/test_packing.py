@@ -17,6 +17,8 @@ from kvcache.backends.cpu import huge_pages, packing
 from kvcache.backends.cpu.packing import pack_weights
 from kvcache.cache import make_cache
 
+pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
+
 
 def _storages(model) -> dict[int, int]:
     """data pointer -> bytes of every storage the model's parameters use."""

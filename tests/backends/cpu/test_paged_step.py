@@ -20,7 +20,7 @@ from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend
 from kvcache.backends.cpu import numba_products
 from kvcache.cache import PagedBatch, PagedCache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
 FAMILIES = step_families(window=7)
 BLOCK = 4

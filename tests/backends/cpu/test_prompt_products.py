@@ -17,7 +17,7 @@ from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend
 from kvcache.backends.torch_step import last_logits
 from kvcache.cache import make_cache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
 FAMILIES = {
     "llama": dict(), "llama, MHA, biases": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),

@@ -15,7 +15,7 @@ from kvcache.model import LlamaForCausalLM
 BLOCK = 4
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
 
 @pytest.fixture(scope="module")
