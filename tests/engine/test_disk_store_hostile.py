@@ -364,6 +364,8 @@ def test_serve_with_an_empty_kv_disk_is_a_usage_error_naming_the_flag(tmp_path, 
     from kvcache.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["serve", "--port", "0", "--kv-disk", ""]) == 2
+    with pytest.raises(SystemExit) as exit_:  # (a usage error: argparse's exit, before anything loads)
+        main(["serve", "--port", "0", "--kv-disk", ""])
+    assert exit_.value.code == 2
     assert "--kv-disk" in capsys.readouterr().err
     assert not (tmp_path / ".lock").exists()
