@@ -57,3 +57,15 @@ def test_the_cap_keeps_to_its_bounds():
     assert dear.prefill_cap(1) == 8
     with pytest.raises(ValueError, match="factor must be > 1"):
         StepCosts(factor=1.0)
+
+
+def test_without_a_factor_there_is_no_cap_and_forget_measures_afresh():
+    unbounded = StepCosts(factor=None)
+    unbounded.record(2, 0, 0.01)
+    assert unbounded.prefill_cap(2) is None
+    costs = StepCosts(initial=24)
+    costs.record(1, 0, 0.01)
+    costs.record(1, 10, 0.02)
+    assert costs.prefill_cap(1) != 24
+    costs.forget()
+    assert costs.prefill_cap(1) == 24 and costs.decode_seconds(1) is None

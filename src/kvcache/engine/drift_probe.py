@@ -14,6 +14,7 @@ a probed request's tokens once more and the shadow's bytes; the others run as th
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.cache import PagedBatch, PagedCache
+from kvcache.engine.observers import StepObserver
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import blocks_for
 
@@ -46,7 +48,7 @@ class KVDrift:
                 "top1_agreement": self.agreements / count}
 
 
-class DriftProbe:
+class DriftProbe(StepObserver):
     """The shadow pool and the probed requests (in its rows' order); see the module docstring.
 
     sample: the share of requests probed, 0 < sample <= 1; shadow_blocks: the shadow pool's
@@ -71,11 +73,21 @@ class DriftProbe:
                 "top1_agreement": self.agreements / self.positions if self.positions else None,
                 "seconds": self.seconds}
 
-    def consider(self, admitted: list[Request]) -> None:
+    @contextlib.contextmanager
+    def sampling_every_request(self):
+        """Probe every request admitted meanwhile (the engine's warm-up, so the shadow's road runs
+        too); the counters start again after."""
+        sample, self.sample = self.sample, 1.0
+        try:
+            yield
+        finally:
+            self.sample, self.positions, self.agreements, self.seconds = sample, 0, 0, 0.0
+
+    def admitted(self, requests: list[Request]) -> None:
         """Draw whether each request admitted for the first time is probed, and give a drawn one a
         shadow row when the shadow has room for its prompt and max_tokens."""
         allocator = self.shadow.allocator
-        for request in admitted:
+        for request in requests:
             if request.drift is not None or not request.first_pass or self.random.random() >= self.sample:
                 continue
             needed = blocks_for(len(request.prompt) + request.params.max_tokens, self.shadow.block_size)
@@ -91,7 +103,7 @@ class DriftProbe:
                    - len(self.shadow.allocator.sequence(seq).table)
                    for r, seq in zip(self.probed, self.shadow.rows))
 
-    def release(self, requests: list[Request]) -> None:
+    def released(self, requests: list[Request]) -> None:
         """Free the shadow rows of these requests (finished, or preempted: no longer probed)."""
         gone = {request.id for request in requests}
         keep = [row for row, request in enumerate(self.probed) if request.id not in gone]
@@ -99,11 +111,12 @@ class DriftProbe:
             self.shadow.select(keep)
             self.probed = [self.probed[row] for row in keep]
 
-    def run(self, batch: PagedBatch, requests: list[Request], logits: torch.Tensor) -> None:
-        """After a step of the quantized pool (`batch`, its rows' `requests`, the sampling rows'
-        `logits` (S, vocab)): run the probed requests' same tokens on their shadow rows (each
+    def forwarded(self, work, logits: torch.Tensor) -> None:
+        """After a step of the quantized pool (`work`: its batch and its rows' requests; the
+        sampling rows' `logits` (S, vocab)): run the probed requests' same tokens on their shadow rows (each
         from what its shadow row holds to where its real row now ends) and add each sampled
         position's drift."""
+        batch, requests = work.batch, work.requests
         rows = {request.id: row for row, request in enumerate(self.probed)}
         position_of = {index: position for position, index in enumerate(batch.sampled)}
         shadow_rows, tokens, sample, compared = [], [], [], []

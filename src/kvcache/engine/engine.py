@@ -29,6 +29,7 @@ from kvcache.backends import choose_backend
 from kvcache.engine.drift_probe import DriftProbe
 from kvcache.engine.kv_events import KVEventPublisher
 from kvcache.engine.metrics import EngineMetrics
+from kvcache.engine.observers import StepObserver
 from kvcache.engine.offline import run_to_completion, warm_up
 from kvcache.engine.pool import KVPool, StepWork
 from kvcache.engine.prompts import prompt_ids, tokenizer_eos
@@ -130,10 +131,11 @@ class Engine:
         self.backend = choose_backend(model, backend)
         self.runner = Runner(model, self.backend)
         self.drift_probe = self._drift_probe(kv_drift_sample, kv_dtype)
-        # bounds what a prompt adds to a step while rows decode (None: nothing but the budget)
-        self.step_costs = (
-            None if prefill_slowdown is None else StepCosts(prefill_slowdown, maximum=token_budget)
-        )
+        # what watches the steps (`observers`): the features that are on, each called at every step
+        features = (self.store_tier, self.drift_probe, self.kv_events)
+        self.observers: list[StepObserver] = [feature for feature in features if feature is not None]
+        # bounds what a prompt adds to a step while rows decode (a factor of None: only the budget)
+        self.step_costs = StepCosts(prefill_slowdown, maximum=token_budget)
         self.metrics = EngineMetrics()
         # called with every Completion as its request ends (a server's metrics); `notify_all` says
         self.on_finish: Callable[[Completion], None] | None = None
@@ -238,6 +240,11 @@ class Engine:
         nor written (their blocks are no one's to share)."""
         warm_up(self)
 
+    def reset_counters(self) -> None:
+        """Start the counters (`metrics`) and the measured step costs again (after a warm-up)."""
+        self.metrics = EngineMetrics()
+        self.step_costs.forget()
+
     def stats(self) -> dict:
         """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
         allocator = self.pool.cache.allocator
@@ -286,8 +293,8 @@ class Engine:
             try:
                 return self._step()
             finally:
-                if self.kv_events is not None:
-                    self.kv_events.flush()
+                for observer in self.observers:
+                    observer.step_ended()
 
     def _step(self) -> bool:
         """`step`'s work, under the step lock."""
@@ -300,11 +307,9 @@ class Engine:
             self.waiting[0].store_read.pending.wait(0.05)
             return True
         running, waiting, free = self.pool.snapshot(admissible, self.limits.max_running)
-        cap = None
-        if self.step_costs is not None:  # held to the cost of the batch being formed
-            decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
-            batch = min(self.limits.max_running, len(running) + len(waiting))
-            cap = self.step_costs.prefill_cap(decoding, batch)
+        decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
+        batch = min(self.limits.max_running, len(running) + len(waiting))
+        cap = self.step_costs.prefill_cap(decoding, batch)  # held to the cost of the batch being formed
         plan = schedule(running, waiting, free, self.limits, cap)
         by_id = {request.id: request for request in (*self.running, *self.waiting)}
         self._preempt([by_id[i] for i in plan.preempt])
@@ -312,21 +317,21 @@ class Engine:
         for request in admitted:
             self.waiting.remove(request)
         work = self.pool.apply(plan, admitted)
-        if self.drift_probe is not None:
-            self.drift_probe.consider(admitted)
+        for observer in self.observers:
+            observer.admitted(admitted)
         self.metrics.count_cached(admitted, self.running, work.attached, work.loaded)
         if work.requests:
             self._run(work)
-        if self.store_tier is not None:
-            self.store_tier.offer(self.pool.cache)
+        for observer in self.observers:
+            observer.stepped(self.pool.cache)
         self._retire([r for r in self.running if r.finish is not None], None)
         self.metrics.steps += 1
         return True
 
     def _preempt(self, victims: list[Request]) -> None:
         self.pool.release(victims)
-        if self.drift_probe is not None:
-            self.drift_probe.release(victims)
+        for observer in self.observers:
+            observer.released(victims)
         self.pool.prefetch(victims, self.wake)  # the store may hold what their rows held
         for request in victims:
             request.first_pass = False
@@ -349,11 +354,10 @@ class Engine:
                 for request in work.requests:
                     request.finish = ("error", f"{type(error).__name__}: {error}")
                 return
-        if self.step_costs is not None:
-            self.step_costs.record(decoding, prompt_tokens, self.metrics.now() - started)
+        self.step_costs.record(decoding, prompt_tokens, self.metrics.now() - started)
         self.pool.commit(work)
-        if self.drift_probe is not None:
-            self.drift_probe.run(work.batch, work.requests, logits)
+        for observer in self.observers:
+            observer.forwarded(work, logits)
         chosen, failed = self.runner.choose(logits, [work.requests[index] for index in batch.sampled])
         for request, message in failed:
             request.finish = ("error", message)
@@ -369,8 +373,8 @@ class Engine:
         if not requests:
             return
         self.pool.release(requests)
-        if self.drift_probe is not None:
-            self.drift_probe.release(requests)
+        for observer in self.observers:
+            observer.released(requests)
         completions = []
         for request in requests:
             if request in self.waiting:
@@ -433,13 +437,11 @@ class Engine:
             self._thread = None
 
     def close(self) -> None:
-        """Stop, close the KV store connection (its queued writes are dropped) and the events'
-        socket (after AllBlocksCleared)."""
+        """Stop, and close what the observers hold: the KV store connection (its queued writes
+        are dropped), the events' socket (after AllBlocksCleared)."""
         self.stop()
-        if self.store_tier is not None:
-            self.store_tier.store.close()
-        if self.kv_events is not None:
-            self.kv_events.close()
+        for observer in self.observers:
+            observer.close()
 
     def _loop(self, until: Callable[[], bool] | None = None) -> None:
         try:

@@ -36,6 +36,8 @@ import threading
 import time
 from collections import deque
 
+from kvcache.engine.observers import StepObserver
+
 #: what --kv-events accepts: a ZeroMQ endpoint to bind or connect to
 ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+)$")
 MEDIUM = "CPU"
@@ -78,7 +80,7 @@ def check_endpoint(endpoint: str, flag: str = "--kv-events") -> str:
     return endpoint
 
 
-class KVEventPublisher:
+class KVEventPublisher(StepObserver):
     """Checks `endpoint` and that pyzmq and msgpack are installed (ValueError naming the flag),
     then binds a PUB socket at `endpoint` now (a taken port is an OSError here, not later), or with
     `connect` connects it to a subscriber that binds there, and sends batches from a thread of its
@@ -169,6 +171,10 @@ class KVEventPublisher:
             events, self._pending = self._pending, []
             self._batches.put(self._pack([time.time(), events]))
             self.batches += 1
+
+    def step_ended(self) -> None:
+        """An engine step is over: the blocks it made findable or evicted go out as one batch."""
+        self.flush()
 
     def _send(self) -> None:
         """The sending thread: every batch published in order (and kept for replay); between

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
-from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.prompts import prompt_ids
-from kvcache.engine.step_costs import StepCosts
 from kvcache.generation.params import SamplingParams
 from kvcache.report.progress import ProgressBar
 
@@ -45,23 +44,15 @@ def warm_up(engine) -> None:
     if engine.pool.full_allocator is not None:  # (the batch's blocks: a small pool's quarter)
         room = min(room, engine.num_blocks * engine.limits.block_size // 4)
     chunk = max(1, min(40, room - 2))
-    store, engine.pool.store_tier = engine.pool.store_tier, None
-    probe = engine.drift_probe  # (every warm-up request probed: the shadow's road runs too)
-    sample = None if probe is None else probe.sample
-    if probe is not None:
-        probe.sample = 1.0
-    try:
+    with contextlib.ExitStack() as features:
+        if engine.store_tier is not None:
+            features.enter_context(engine.store_tier.paused())
+        if engine.drift_probe is not None:  # (every warm-up request probed: the shadow's road runs too)
+            features.enter_context(engine.drift_probe.sampling_every_request())
         for batch in ([[0] * chunk, *([token] for token in range(5))], [[0]]):
             for handle in [engine.submit(prompt, params) for prompt in batch]:
                 handle.result()
-    finally:
-        engine.pool.store_tier = store
-        if probe is not None:
-            probe.sample, probe.positions, probe.agreements, probe.seconds = sample, 0, 0, 0.0
-    engine.metrics = EngineMetrics()
-    if engine.step_costs is not None:
-        engine.step_costs = StepCosts(engine.step_costs.factor, maximum=engine.step_costs.maximum)
-
+    engine.reset_counters()
 
 def _progress_reporter(progress) -> Callable[[int, int], None] | None:
     """The progress argument as a callable (done, total), or None."""

@@ -22,15 +22,20 @@ _NEW = 0.2
 
 class StepCosts:
     """Moving averages of step costs (see the module docstring). factor: a step with prompt tokens
-    costs at most this many decode-only steps; initial, minimum, maximum: the cap before it is
-    measured, and its bounds (at least a few tokens, so a prompt always moves on)."""
+    costs at most this many decode-only steps (None: no cap, only the token budget bounds a step);
+    initial, minimum, maximum: the cap before it is measured, and its bounds (at least a few
+    tokens, so a prompt always moves on)."""
 
     def __init__(
-        self, factor: float = 2.0, initial: int = 32, minimum: int = 8, maximum: int = 1 << 30
+        self, factor: float | None = 2.0, initial: int = 32, minimum: int = 8, maximum: int = 1 << 30
     ) -> None:
-        if factor <= 1:
+        if factor is not None and factor <= 1:
             raise ValueError(f"factor must be > 1 (a step with prompt tokens costs more), got {factor}")
         self.factor, self.initial, self.minimum, self.maximum = factor, initial, minimum, maximum
+        self.forget()
+
+    def forget(self) -> None:
+        """Measure afresh: drop every cost learned so far (the engine's warm-up's steps)."""
         self.decode: dict[int, float] = {}  # rows -> seconds of a step of only those decode rows
         self.token_seconds: float | None = None  # what one prompt token adds to a step
 
@@ -55,9 +60,12 @@ class StepCosts:
         more = max(rows - nearest, 0) * (self.token_seconds or 0.0)
         return self.decode[nearest] + more
 
-    def prefill_cap(self, decode_rows: int, batch: int | None = None) -> int:
-        """Prompt tokens a step beside `decode_rows` decoding rows may run; batch: the rows that
-        will decode once the prompts prefilling and waiting have joined (default decode_rows)."""
+    def prefill_cap(self, decode_rows: int, batch: int | None = None) -> int | None:
+        """Prompt tokens a step beside `decode_rows` decoding rows may run (None: no cap, the
+        factor being None); batch: the rows that will decode once the prompts prefilling and
+        waiting have joined (default decode_rows)."""
+        if self.factor is None:
+            return None
         decode = self.decode_seconds(max(decode_rows, batch or 0))
         if decode is None or not self.token_seconds:
             cap = self.initial

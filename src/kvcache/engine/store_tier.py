@@ -12,6 +12,7 @@ The pool stays the first tier: what it holds is never fetched.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -32,6 +33,7 @@ from kvcache.engine.block_codec import (
     namespace,
 )
 from kvcache.engine.block_store import PendingRead, block_bytes
+from kvcache.engine.observers import StepObserver
 from kvcache.generation.params import RequestError
 
 log = logging.getLogger("kvcache.store")
@@ -58,7 +60,7 @@ class StoreRead:
         return self.start + len(self.digests)
 
 
-class StoreTier:
+class StoreTier(StepObserver):
     """Shares `pool`'s full prefix blocks of `model` through `store` (see the module docstring)."""
 
     def __init__(self, store, model, pool: PagedCache) -> None:
@@ -71,6 +73,17 @@ class StoreTier:
         self.max_blocks = pool.num_blocks  # more than the pool holds could never be attached
         self._live: weakref.WeakSet[StoreRead] = weakref.WeakSet()  # reads requests still hold
         self._reading = threading.Lock()
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Neither read nor written meanwhile (the engine's warm-up: its blocks are no one's to
+        share, and no store read should slow it)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def _remember(self, digest: bytes) -> None:
         self._known[digest] = None
@@ -89,7 +102,9 @@ class StoreTier:
     def prefetch(self, digests: list[bytes], held: int, wake: Callable[[], None]) -> StoreRead | None:
         """Start reading the blocks after the first `held` of a prompt's `digests` (those the pool
         holds), at most `max_blocks`, off the step; wake() when the answer comes. None when there
-        is nothing to read or the store may not be asked now."""
+        is nothing to read or the store may not be asked now (`paused`)."""
+        if self._paused:
+            return None
         wanted = digests[held : held + self.max_blocks]
         keys = [block_key(self.space, digest) for digest in wanted]
         with self._reading:  # (submitting threads, and the engine's for preempted requests)
@@ -169,9 +184,19 @@ class StoreTier:
             return None
 
     # ---- writes: after each step ------------------------------------------------------------------
+    def stepped(self, cache: PagedCache) -> None:
+        """The engine's step is over: offer what it left in the pool (`offer`)."""
+        self.offer(cache)
+
+    def close(self) -> None:
+        """Close the store (its queued writes are dropped)."""
+        self.store.close()
+
     def offer(self, pool: PagedCache) -> None:
         """Queue every full block of `pool`'s rows that the store has not seen (copies taken now;
-        encoded and written on the store's writer thread)."""
+        encoded and written on the store's writer thread); nothing while `paused`."""
+        if self._paused:
+            return
         self._check_restart()
         if not self.store.writable():
             return  # not remembered: offered again once the store takes writes again
