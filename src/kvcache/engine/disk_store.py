@@ -80,10 +80,10 @@ def _space(root: int, space: str) -> Iterator[int]:
         os.close(descriptor)
 
 
-def _read_file(root: int, space: str, name: str, target) -> int | None:
-    """Read the block file `name` of namespace `space` into `target` (a writable buffer of the
-    block's size): the bytes read, one more than the target holds when the file is longer, -1 when
-    it is not a regular file (a link, a FIFO), None when it is gone."""
+def _open_block(root: int, space: str, name: str) -> int | None:
+    """A read-only descriptor of the block file `name` of namespace `space`, never opened through a
+    link nor waiting on a FIFO: -1 when it is not a regular file (a link, a FIFO), None when it is
+    gone. The caller closes it."""
     try:
         with _space(root, space) as folder:
             descriptor = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NO_FOLLOW, dir_fd=folder)
@@ -93,9 +93,20 @@ def _read_file(root: int, space: str, name: str, target) -> int | None:
         if error.errno in _LINK:
             return -1
         raise
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        return -1
+    return descriptor
+
+
+def _read_file(root: int, space: str, name: str, target) -> int | None:
+    """Read the block file `name` of namespace `space` into `target` (a writable buffer of the
+    block's size): the bytes read, one more than the target holds when the file is longer, -1 when
+    it is not a regular file (a link, a FIFO), None when it is gone."""
+    descriptor = _open_block(root, space, name)
+    if descriptor is None or descriptor < 0:
+        return descriptor
     with open(descriptor, "rb", buffering=0) as handle:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            return -1
         read = 0
         while read < len(target) and (count := handle.readinto(target[read:])):
             read += count
@@ -318,23 +329,15 @@ class DiskBlockStore(BlockStore):
         """Open a block's file (never a link, never waiting on a FIFO), ask the kernel to read it
         ahead and mark it used now (across restarts too): its size, -1 when it is not a regular
         file, None when it is gone."""
+        with self._folder() as root:
+            descriptor = _open_block(root, space, name)
+        if descriptor is None or descriptor < 0:
+            return descriptor
         try:
-            with self._in_space(space) as folder:
-                descriptor = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NO_FOLLOW, dir_fd=folder)
-        except FileNotFoundError:
-            return None
-        except OSError as error:
-            if error.errno in _LINK:
-                return -1
-            raise
-        try:
-            info = os.fstat(descriptor)
-            if not stat.S_ISREG(info.st_mode):
-                return -1
             os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
             with contextlib.suppress(PermissionError):  # (a file of another owner: served, not refreshed)
                 os.utime(descriptor)  # the file opened, never a link's target
-            return info.st_size
+            return os.fstat(descriptor).st_size
         finally:
             os.close(descriptor)
 
