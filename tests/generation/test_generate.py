@@ -169,6 +169,27 @@ def test_sampling_is_reproducible_from_the_generator(models):
     assert torch.equal(run(3, top_k=1), greedy)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_repetition_penalty_gives_the_tokens_transformers_gives(checkpoints, models, arch):
+    hf, model = checkpoints[arch][1], models[arch]
+    ids, mask = left_padded_batch((9, 9), seed=6)  # no padding: transformers would count pad ids
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                             repetition_penalty=1.8, pad_token_id=0)
+    ours = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=(), repetition_penalty=1.8)
+    assert torch.equal(ours.sequences, theirs)
+    plain = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=())
+    assert not torch.equal(plain.sequences, theirs)  # the penalty changed the answer
+
+
+def test_min_p_of_one_samples_the_greedy_tokens(models):
+    ids, mask = left_padded_batch((6, 3), seed=4)
+    greedy = generate(models["llama"], ids, mask, max_new_tokens=8, eos_token_id=()).sequences
+    sampled = generate(models["llama"], ids, mask, max_new_tokens=8, eos_token_id=(), do_sample=True,
+                       temperature=3.0, min_p=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled.sequences, greedy)
+
+
 def test_streaming_yields_each_step_and_returns_the_result(models):
     model = models["llama"]
     ids, mask = left_padded_batch((5, 3), seed=9)

@@ -15,6 +15,7 @@ import torch
 
 from kvcache.blocks import salt_root
 from kvcache.generation.params import SamplingParams
+from kvcache.generation.penalties import SeenTokens
 from kvcache.generation.stops import StopRule
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -192,6 +193,8 @@ class Request:
         self.prompt = prompt
         self.tokens = list(prompt)  # prompt, then every generated token
         self.params = params
+        # what its penalties read, counted as it grows (None: it has no penalty)
+        self.seen = SeenTokens(self.tokens, len(prompt)) if params.penalizes else None
         self.stop_rule = stop_rule
         self._handle = weakref.ref(handle)  # a handle its submitter dropped cancels the request
         self.cancel_requested = False

@@ -45,5 +45,6 @@ class Runner:
             [request.params for request in picked],
             [request.generator for request in picked],
             self.shared,
+            [request.seen for request in picked],
         )
         return list(zip(picked, tokens.tolist())), failed

@@ -26,6 +26,7 @@ import torch
 from kvcache.backends import DecodeBackend, choose_backend
 from kvcache.backends.torch_step import last_logits
 from kvcache.cache import Cache, make_cache
+from kvcache.generation.penalties import SeenTokens
 from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
 from kvcache.generation.stops import Stops
@@ -191,6 +192,7 @@ def _steps(
         ids[:, :prompt_length] = input_ids
         stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer)
         sampling = [options.sampling] * batch
+        seen = _seen_tokens(input_ids, attention_mask) if options.sampling.penalizes else None
         ran = "none"  # no decode step yet
 
         logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size, backend)
@@ -205,7 +207,10 @@ def _steps(
                 ran = backend.name if new_ids.shape[1] == 1 else "torch"
                 logits = decode_step(model, backend, new_ids, attention_mask, cache)
                 decode_steps += 1
-            tokens = stops.take(choose_tokens(logits, sampling, shared=generator)).to(ids.device)  # (B,)
+            tokens = stops.take(choose_tokens(logits, sampling, shared=generator, seen=seen))  # (B,)
+            for row, token in zip(seen or (), tokens.tolist()):
+                row.tokens.append(token)  # what the row's penalties read next step
+            tokens = tokens.to(ids.device)
             if step == 0:
                 first_token_at = decode_started = time.perf_counter()
             ids[:, end] = tokens
@@ -234,6 +239,18 @@ def _steps(
         backend=ran,
         cache=cache,
     )
+
+
+def _seen_tokens(input_ids: torch.Tensor, attention_mask) -> list[SeenTokens]:
+    """Each row's prompt (its padding left out) as the SeenTokens its penalties read."""
+    rows = []
+    for row in range(input_ids.shape[0]):
+        prompt = input_ids[row]
+        if attention_mask is not None:  # (B, held + T): the last T columns are the prompt's
+            prompt = prompt[attention_mask[row, -input_ids.shape[1] :] == 1]
+        tokens = prompt.tolist()
+        rows.append(SeenTokens(tokens, len(tokens)))
+    return rows
 
 
 def _stop_ids(model, options: GenerationSettings, tokenizer) -> tuple[tuple[int, ...], int]:

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias lies in [-100, 100]
+PENALTY_LIMIT = 2.0  # OpenAI's: presence and frequency penalties lie in [-2, 2]
 
 
 class RequestError(ValueError):
@@ -19,7 +22,16 @@ class SamplingParams:
 
     max_tokens: new tokens at most (>= 1). temperature: 0 is greedy (the default; so is any value
     below GREEDY_BELOW, as in vLLM: dividing logits by it would overflow), else sample from
-    softmax(logits / temperature) after top_k and top_p (in that order, as transformers does).
+    softmax(logits / temperature) after top_k, top_p and min_p (in that order, as transformers
+    does). min_p: in [0, 1]; drop the tokens less likely than min_p times the likeliest one.
+    logit_bias: {token id: bias in [-100, 100]} (ids as ints or decimal strings, OpenAI's), added
+    to the model's logits; kept as sorted (id, bias) pairs. presence_penalty, frequency_penalty
+    (OpenAI's, in [-2, 2]): subtracted from the logit of each token the request has generated so
+    far, once (presence) and once per time it was generated (frequency); the prompt does not
+    count. repetition_penalty (vLLM's and llama.cpp's, > 0; 1 is off): the logit of every token in
+    the prompt or generated so far is divided by it when positive, multiplied when not.
+    The bias and penalties apply to the raw logits (bias, then repetition, frequency, presence,
+    as vLLM does), before temperature; a greedy request takes the argmax of the adjusted logits.
     seed: the request's own generator, < 2**64 (None: the sampler's shared one). stop: strings that end the
     request once its new text contains one (the string is not returned). stop_token_ids: ids that
     end it, besides the model's EOS ids (ignore_eos=True drops those). cache_salt: requests of
@@ -37,6 +49,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     cache_salt: str | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,16 +87,40 @@ class SamplingParams:
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256 and _encodes(salt)):
             raise RequestError(f"cache_salt must be a string of 1 to 256 characters (UTF-8: no lone "
                                f"surrogate), got {salt!r:.80}")
+        self._check_logit_changes()
+
+    def _check_logit_changes(self) -> None:
+        """Check min_p, the penalties and logit_bias (made sorted (id, bias) pairs)."""
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("presence_penalty", self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
+        _number("frequency_penalty", self.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf)
+        if self.repetition_penalty == 0:
+            raise RequestError("repetition_penalty must be > 0 (1 is off), got 0")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty reads the tokens the request has seen (prompt and output)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the raw logits change before temperature (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.penalizes
+
     def check(self, vocab_size: int) -> None:
-        """Raise RequestError unless every stop token id is in [0, vocab_size)."""
+        """Raise RequestError unless every stop token id and logit_bias id is in [0, vocab_size)."""
         for token in self.stop_token_ids:
             if token >= vocab_size:
                 raise RequestError(f"stop_token_ids must lie in [0, {vocab_size}), got {token}")
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise RequestError(f"logit_bias token ids must lie in [0, {vocab_size}), got {token}")
 
 
 def _encodes(text: str) -> bool:
@@ -94,3 +135,32 @@ def _encodes(text: str) -> bool:
 def _integer(name: str, value, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise RequestError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _number(name: str, value, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        bounds = f"> {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise RequestError(f"{name} must be a finite number {bounds}, got {value!r}")
+    if not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+
+
+def _logit_bias(given) -> tuple[tuple[int, float], ...]:
+    """Sorted (token id, bias) pairs of a mapping or pairs; ids as ints or decimal strings."""
+    pairs = given.items() if isinstance(given, Mapping) else given
+    if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
+        raise RequestError(f"logit_bias must map token ids to biases, got {given!r:.80}")
+    biases: dict[int, float] = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise RequestError(f"logit_bias must map token ids to biases, got an item {pair!r:.80}")
+        key, bias = pair
+        decimal = isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 12
+        token = int(key) if decimal else key
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 1 << 40:
+            raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r:.80}")
+        _number(f"logit_bias[{key!r}]", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        if token in biases:
+            raise RequestError(f"logit_bias names token {token} twice")
+        biases[token] = float(bias)
+    return tuple(sorted(biases.items()))

@@ -3,12 +3,15 @@ one call: pure functions of (logits, params, generators).
 
 Nothing here keeps state or touches a global seed: a row draws from its own `torch.Generator`
 when it has one (a request with a seed), the others from the one shared generator given, so the
-same generator states give the same tokens. Filters follow the order Hugging Face applies them:
-temperature, then top-k, then top-p.
+same generator states give the same tokens. The raw logits first take each row's logit_bias and
+penalties (`kvcache.generation.penalties`, as vLLM orders them); the filters then follow the
+order Hugging Face applies them: temperature, then top-k, top-p and min-p. A row that asks for
+none of these costs only its share of one argmax.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,6 +19,7 @@ import torch
 
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.generation.params import SamplingParams
+from kvcache.generation.penalties import SeenTokens, adjust_logits
 
 
 class NonFiniteLogitsError(ValueError):
@@ -38,9 +42,19 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, vocab)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
-    drop_sorted = mass_before >= top_p[:, None]  # the first token always has mass_before 0
+    # the first token always has mass_before 0; a row of top_p 1 keeps every token (a float32
+    # sum may reach 1 before its tail)
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """Drop (to -inf) each row's tokens less likely than min_p times its likeliest one, given
+    log_min_p (B,) = log(min_p) <= 0 (-inf: keep all): those below the row's max + log(min_p);
+    no sort. (The log is taken in float64 first: a min_p of 1e-60 is 0 in float32.)"""
+    floor = logits.max(dim=-1, keepdim=True).values + log_min_p[:, None]  # (B, 1)
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -63,12 +77,14 @@ def choose_tokens(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None = None,
     shared: torch.Generator | None = None,
+    seen: Sequence[SeenTokens | None] | None = None,
 ) -> torch.Tensor:
-    """(B, vocab) last-position logits -> (B,) next tokens, row b chosen as params[b] says: greedy
-    (argmax) or drawn after temperature, top-k and top-p, from generators[b] when given, else
-    from `shared` (None: torch's default generator). Raises `NonFiniteLogitsError` when a row
-    holds NaN or inf. Runs on one torch thread: the work is a few passes over B × vocab floats,
-    and right after a step on other threads a second torch thread would wait for a core."""
+    """(B, vocab) last-position logits -> (B,) next tokens, row b chosen as params[b] says: the
+    argmax of `processed_logits` when greedy, else a draw from their softmax, from generators[b]
+    when given, else from `shared` (None: torch's default generator). seen[b]: the tokens row b
+    has seen, needed when it has a penalty. Raises `NonFiniteLogitsError` when a row holds NaN
+    or inf. Runs on one torch thread: the work is a few passes over B × vocab floats, and right
+    after a step on other threads a second torch thread would wait for a core."""
     if len(params) != logits.shape[0]:
         raise ValueError(f"{len(params)} sampling params for {logits.shape[0]} rows of logits")
     finite = finite_rows(logits)
@@ -79,18 +95,51 @@ def choose_tokens(
             f"inputs are broken (a float16 overflow, a corrupt checkpoint?); no token is chosen"
         )
     generators = generators if generators is not None else [None] * len(params)
+    seen = seen if seen is not None else [None] * len(params)
     with torch_threads(1):
         tokens = _argmax(logits)  # (B,)
-        drawn = [row for row, p in enumerate(params) if not p.greedy]
-        if drawn:
-            tokens[drawn] = _draw(logits[drawn], [params[row] for row in drawn],
-                                  [generators[row] for row in drawn], shared)
+        rows = [row for row, p in enumerate(params) if p.adjusts_logits or not p.greedy]
+        if rows:
+            every = len(rows) == len(params)
+            chosen = _processed(logits.to(torch.float32, copy=True) if every else logits[rows].float(),
+                                [params[row] for row in rows], [seen[row] for row in rows])
+            argmax = [at for at, row in enumerate(rows) if params[row].greedy]
+            if argmax:
+                tokens[[rows[at] for at in argmax]] = _argmax(chosen[argmax])
+            drawn = [at for at, row in enumerate(rows) if not params[row].greedy]
+            if drawn:
+                probs = chosen.softmax(-1) if len(drawn) == len(rows) else chosen[drawn].softmax(-1)
+                own = [generators[rows[at]] for at in drawn]
+                tokens[[rows[at] for at in drawn]] = _draw(probs, own, shared)
     return tokens
 
 
-def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list, shared) -> torch.Tensor:
-    """(B,) tokens drawn from logits (B, vocab) after each row's temperature, top-k and top-p."""
-    logits = logits.float()
+def processed_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seen: Sequence[SeenTokens | None] | None = None,
+) -> torch.Tensor:
+    """A float32 copy of logits (B, vocab) as `choose_tokens` chooses from them: each row's
+    logit_bias and penalties on the raw logits; then, for the rows that sample, temperature,
+    top-k, top-p and min-p (dropped tokens -inf)."""
+    seen = seen if seen is not None else [None] * len(params)
+    return _processed(logits.to(torch.float32, copy=True), list(params), list(seen))
+
+
+def _processed(logits: torch.Tensor, params: list[SamplingParams], seen: list) -> torch.Tensor:
+    """processed_logits on a float32 tensor the caller gives away (changed in place)."""
+    if any(p.adjusts_logits for p in params):
+        adjust_logits(logits, params, seen)
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if len(drawn) == len(params):
+        return _filtered(logits, params)
+    if drawn:
+        logits[drawn] = _filtered(logits[drawn], [params[row] for row in drawn])
+    return logits
+
+
+def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits (B, vocab) after each row's temperature, top-k, top-p and min-p."""
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
         logits = logits / torch.tensor(temperatures)[:, None]
@@ -99,13 +148,20 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list, 
         logits = top_k_filter(logits, torch.tensor([p.top_k or vocab for p in params]))
     if any(p.top_p < 1.0 for p in params):
         logits = top_p_filter(logits, torch.tensor([p.top_p for p in params], dtype=logits.dtype))
-    probs = logits.softmax(dim=-1)
-    tokens = torch.empty(len(params), dtype=torch.long)
+    if any(p.min_p > 0 for p in params):
+        logs = [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]
+        logits = min_p_filter(logits, torch.tensor(logs, dtype=logits.dtype))
+    return logits
+
+
+def _draw(probs: torch.Tensor, generators: list, shared) -> torch.Tensor:
+    """(B,) tokens drawn from probs (B, vocab), row b from generators[b] (None: `shared`)."""
+    tokens = torch.empty(len(generators), dtype=torch.long)
     own = [row for row, generator in enumerate(generators) if generator is not None]
     rest = [row for row, generator in enumerate(generators) if generator is None]
     for row in own:
         tokens[row] = torch.multinomial(probs[row], num_samples=1, generator=generators[row])[0]
     if rest:
-        picked = probs if len(rest) == len(params) else probs[rest]
+        picked = probs if len(rest) == len(generators) else probs[rest]
         tokens[rest] = torch.multinomial(picked, num_samples=1, generator=shared).squeeze(-1)
     return tokens

@@ -14,7 +14,8 @@ class GenerationSettings:
     """The settings of `generate` / `stream_generate`, which take them as keywords.
 
     max_new_tokens: tokens to generate per row (>= 1).
-    do_sample, temperature, top_k, top_p: greedy unless do_sample (then temperature > 0).
+    do_sample, temperature, top_k, top_p, min_p: greedy unless do_sample (then temperature > 0).
+    repetition_penalty: > 0, 1 is off; applies greedy too (`SamplingParams` says how).
     eos_token_id: None = the model config's (and tokenizer's) EOS ids; () = never stop early.
     pad_token_id: the token of a row after it stopped (None: the first EOS id, else the
         tokenizer's pad token, else 0).
@@ -27,6 +28,8 @@ class GenerationSettings:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
     eos_token_id: int | Sequence[int] | None = None
     pad_token_id: int | None = None
     stop_strings: Sequence[str] | None = None
@@ -50,7 +53,7 @@ class GenerationSettings:
                 f"temperature must be > 0 and finite, got {self.temperature!r}; use do_sample=False for "
                 f"greedy"
             )
-        self.sampling  # noqa: B018 (validates top_k, top_p)
+        self.sampling  # noqa: B018 (validates top_k, top_p, min_p, repetition_penalty)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -60,4 +63,6 @@ class GenerationSettings:
             temperature=float(self.temperature) if self.do_sample else 0.0,
             top_k=self.top_k,
             top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=self.repetition_penalty,
         )
