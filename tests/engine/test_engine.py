@@ -294,6 +294,27 @@ def test_the_background_thread_serves_submitters_on_other_threads(model, solo):
         assert results[index] == solo([index + 1, index + 2, index + 3], 10)
 
 
+def test_sampling_penalties_and_biases_are_per_request_in_one_batch(model, solo):
+    engine = Engine(model, num_blocks=128, block_size=8)
+    prompt, other = [1, 2, 3], [4, 5, 6, 7]
+    plain = solo(prompt, 24)
+    asks = [
+        SamplingParams(max_tokens=24, repetition_penalty=1.8, ignore_eos=True),
+        SamplingParams(max_tokens=24, presence_penalty=2.0, frequency_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=24, logit_bias={str(plain[0]): -100}, ignore_eos=True),
+        SamplingParams(max_tokens=24, ignore_eos=True),
+    ]
+    handles = [engine.submit(prompt, params) for params in asks[:3]] + [engine.submit(other, asks[3])]
+    repeated, present, biased, beside = [handle.result().tokens for handle in handles]
+    ids = torch.tensor([prompt])
+    assert repeated == kvcache.generate(model, ids, max_new_tokens=24, eos_token_id=(),
+                                        repetition_penalty=1.8).new_tokens[0]
+    assert repeated != plain
+    assert len(set(present)) > len(set(plain))  # fewer repetitions
+    assert biased[0] != plain[0]
+    assert beside == solo(other, 24)  # a row without any is untouched by its neighbours'
+
+
 def test_sampling_params_are_per_request(model, tokenizer):
     engine = Engine(model, tokenizer, num_blocks=128, block_size=8)
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
