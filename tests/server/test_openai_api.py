@@ -44,6 +44,18 @@ def test_a_chat_body_becomes_a_prompt_and_sampling_params():
     assert params.seed == (-3) % (1 << 63) and call.stream and call.include_usage and call.model == "m"
 
 
+@pytest.mark.parametrize("kind, body", [("chat", CHAT), ("completion", {"prompt": "x"})])
+def test_the_sampling_fields_become_sampling_params(kind, body):
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3, "min_p": 0.1,
+              "logit_bias": {"7": -100, "3": 2.5}, "stop_token_ids": [5, 9]}
+    params = read_call(kind, {**body, **fields}, LIMITS).params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p) == (
+        0.5, -1.0, 1.3, 0.1)
+    assert params.logit_bias == ((3, 2.5), (7, -100.0)) and params.stop_token_ids == (5, 9)
+    plain = read_call(kind, body, LIMITS).params
+    assert not plain.adjusts_logits and plain.min_p == 0 and plain.stop_token_ids == ()
+
+
 def test_defaults_follow_openai():
     call = read_call("completion", {"prompt": ["once"]}, LIMITS)
     assert call.prompt == "once" and call.params.max_tokens == 16 and call.params.temperature == 1.0
@@ -71,6 +83,14 @@ def test_defaults_follow_openai():
         ("chat", {**CHAT, "stream": "yes"}, "stream"),
         ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
         ("chat", {**CHAT, "seed": 1.5}, "seed"),
+        ("chat", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+        ("completion", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ("chat", {**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+        ("completion", {"prompt": "x", "min_p": 1.5}, "min_p"),
+        ("chat", {**CHAT, "logit_bias": {"12": 101}}, "logit_bias"),
+        ("chat", {**CHAT, "logit_bias": {"twelve": 1}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": [12]}, "logit_bias"),
+        ("chat", {**CHAT, "stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
 def test_a_bad_field_is_a_400_naming_it(kind, body, param):

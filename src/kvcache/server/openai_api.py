@@ -4,8 +4,10 @@ field checked, a bad one named in a 400), and the response, chunk and error obje
 Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
 type "text"), no tools, no logprobs. An unknown field is ignored, as OpenAI's own server does;
 a string that is not text (a lone surrogate, "\\ud800") is a 400 wherever it is.
-Three of vLLM's extensions are read: `top_k`, `ignore_eos` (generate to max_tokens) and
-`cache_salt` (requests of other salts share no cached blocks).
+OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` (token id strings -> biases)
+are applied, and of vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
+`ignore_eos` (generate to max_tokens) and `cache_salt` (requests of other salts share no cached
+blocks).
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         stop=_stop(body.get("stop")),
         ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: run to max_tokens
         cache_salt=body.get("cache_salt"),  # vLLM's: requests of other salts share no cached blocks
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),  # vLLM's
+        **_logit_changes(body),
     )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -335,8 +339,51 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
         raise ApiError(400, f"{name} must be a number, got {value!r}", param=name)
     if (value <= low if open_low else value < low) or value > high:
         bounds = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+        bounds = f"({low:g}, inf)" if high == math.inf else bounds
         raise ApiError(400, f"{name} must be in {bounds}, got {value}", param=name)
     return float(value)
+
+
+def _logit_changes(body: dict) -> dict:
+    """The SamplingParams fields that change the logits: OpenAI's penalties and logit_bias, vLLM's
+    min_p and repetition_penalty."""
+    return {
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, math.inf, open_low=True),
+        "logit_bias": _logit_bias(body.get("logit_bias")),
+    }
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """{token id: bias} of OpenAI's logit_bias (ids as strings, biases in [-100, 100]); the ids are
+    checked against the vocabulary at submit."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"logit_bias must be an object of token ids (strings) to biases in [-100, 100], "
+                       f"got {type(value).__name__}", param="logit_bias")
+    biases = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdecimal() and len(key) <= 12):
+            raise ApiError(400, f"logit_bias keys must be token ids (decimal strings), got {key!r:.40}",
+                           param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r:.40}",
+                           param="logit_bias")
+        biases[int(key)] = float(bias)
+    return biases
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: token ids that end the reply (checked against the vocabulary at submit)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_id(token) and 0 <= token < 1 << 40 for token in value):
+        raise ApiError(400, "stop_token_ids must be a list of token ids (integers >= 0)",
+                       param="stop_token_ids")
+    return tuple(value)
 
 
 def _top_k(value: object) -> int | None:
