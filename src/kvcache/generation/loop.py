@@ -207,10 +207,7 @@ def _steps(
                 ran = backend.name if new_ids.shape[1] == 1 else "torch"
                 logits = decode_step(model, backend, new_ids, attention_mask, cache)
                 decode_steps += 1
-            tokens = stops.take(choose_tokens(logits, sampling, shared=generator, seen=seen))  # (B,)
-            for row, token in zip(seen or (), tokens.tolist()):
-                row.tokens.append(token)  # what the row's penalties read next step
-            tokens = tokens.to(ids.device)
+            tokens = _choose(logits, sampling, generator, seen, stops).to(ids.device)  # (B,)
             if step == 0:
                 first_token_at = decode_started = time.perf_counter()
             ids[:, end] = tokens
@@ -239,6 +236,14 @@ def _steps(
         backend=ran,
         cache=cache,
     )
+
+
+def _choose(logits, sampling, generator, seen: list[SeenTokens] | None, stops: Stops) -> torch.Tensor:
+    """The step's (B,) tokens (pad for stopped rows), noted in `seen` for the next step's penalties."""
+    tokens = stops.take(choose_tokens(logits, sampling, shared=generator, seen=seen))
+    for row, token in zip(seen or (), tokens.tolist()):
+        row.tokens.append(token)
+    return tokens
 
 
 def _seen_tokens(input_ids: torch.Tensor, attention_mask) -> list[SeenTokens]:
