@@ -58,6 +58,21 @@ def test_a_ctx_size_past_the_models_context_is_refused_by_name(capsys):
     assert "past the model's context" in capsys.readouterr().err
 
 
+def test_a_repetition_penalty_reaches_the_replies_and_a_bad_min_p_is_refused_by_name(expected, capsys):
+    from kvcache.cli import main
+
+    model, tokenizer = kvcache.load_model(), kvcache.load_tokenizer()
+    eos = (*model.config.eos_token_id, *tokenizer_eos(tokenizer))
+    penalized = ChatSession(model, tokenizer, num_blocks=512).send(
+        TURNS[0], max_new_tokens=16, eos_token_id=eos, repetition_penalty=1.8)
+    done = subprocess.run(_command("--repetition-penalty", "1.8"), input=TURNS[0] + "\n", capture_output=True,
+                          text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == penalized + "\n" and penalized != expected[0]
+    assert main(["chat", "--min-p", "2"]) == 2
+    assert "min_p must be a finite number in [0, 1], got 2.0" in capsys.readouterr().err
+
+
 def test_reset_and_exit_through_a_pipe(expected):
     stdin = f"{TURNS[0]}\n/reset\n{TURNS[0]}\n/exit\nnever read\n"
     done = subprocess.run(_command(), input=stdin, capture_output=True, text=True, timeout=180, check=False)

@@ -110,6 +110,20 @@ def test_top_p_alone_implies_sampling(capsys):
     assert report["do_sample"] is True and report["top_p"] == 0.8
 
 
+def test_min_p_and_repetition_penalty_flags_reach_generate(capsys):
+    def run(*extra):
+        assert main(_generate(DEFAULT_MODEL_DIR, "--json", "--max-new-tokens", "16", *extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    greedy = run()
+    only_likeliest = run("--min-p", "1", "--temperature", "2", "--seed", "5")
+    assert only_likeliest["do_sample"] is True and only_likeliest["tokens"] == greedy["tokens"]
+    penalized = run("--repetition-penalty", "1.8")
+    assert penalized["repetition_penalty"] == 1.8 and penalized["tokens"] != greedy["tokens"]
+    assert main(_generate(DEFAULT_MODEL_DIR, "--min-p", "2")) == 2
+    assert "min_p must be a finite number in [0, 1], got 2.0" in capsys.readouterr().err
+
+
 def test_an_unknown_flag_prints_the_commands_own_usage(capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["memory", "--tokens", "10", "--no-such-flag"])

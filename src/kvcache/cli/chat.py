@@ -49,6 +49,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=0.0, help="0 (the default) is greedy; else sample"
     )
     parser.add_argument("--top-p", type=float, help="nucleus sampling (with --temperature > 0)")
+    parser.add_argument("--min-p", type=float,
+                        help="drop tokens less likely than this times the likeliest (with --temperature > 0)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide the positive logits (multiply the negative) of tokens in the prompt "
+                             "or the reply by this, greedy too (> 0; default 1: off)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument(
         "-c", "--ctx-size", type=positive_int,
@@ -74,6 +79,7 @@ class _Chat:
         import torch
 
         from kvcache.engine.prompts import tokenizer_eos
+        from kvcache.generation.settings import GenerationSettings
 
         self.model, self.tokenizer, self.args, self.out, self.err = model, tokenizer, args, out, err
         self.system = args.system
@@ -84,7 +90,10 @@ class _Chat:
             do_sample=args.temperature > 0,
             temperature=args.temperature if args.temperature > 0 else 1.0,
             top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
         )
+        GenerationSettings(**self.options)  # a bad --min-p or --repetition-penalty: one error line
         self.session = None
         self.store = None
         if args.kv_disk:

@@ -75,6 +75,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="sample at this temperature (implies --sample; 0 means greedy)")
     parser.add_argument("--top-k", type=positive_int, help="sample from the k likeliest (implies --sample)")
     parser.add_argument("--top-p", type=float, help="nucleus sampling (implies --sample)")
+    parser.add_argument("--min-p", type=float,
+                        help="drop tokens less likely than this times the likeliest (implies --sample)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide the positive logits (multiply the negative) of tokens in the prompt "
+                             "or the reply by this, greedy too (> 0; default 1: off)")
     parser.add_argument("--seed", type=int,
                         help="seed of the sampling generator (default: a new one each run, printed)")
     parser.add_argument("--json", action="store_true",
@@ -113,16 +118,17 @@ class _TextStream:
 
 
 def _sampling(args: argparse.Namespace, folder: Path) -> dict:
-    """do_sample, temperature, top_k, top_p: as given; a sampling flag alone implies sampling
-    (as in llama.cpp and mlx-lm; --temperature 0 is greedy); what the command line leaves out
-    comes from the checkpoint's generation_config.json, as transformers reads it."""
+    """do_sample, temperature, top_k, top_p, min_p: as given; a sampling flag alone implies
+    sampling (as in llama.cpp and mlx-lm; --temperature 0 is greedy); what the command line leaves
+    out comes from the checkpoint's generation_config.json, as transformers reads it.
+    repetition_penalty: the flag's only (a file's would change greedy answers unasked)."""
     from kvcache.files import read_json_object
 
     defaults = {}
     settings_file = folder / "generation_config.json" if folder.is_dir() else None
     if settings_file is not None and settings_file.is_file():
         defaults = read_json_object(settings_file, "generation_config.json")
-    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
     chosen = {name: value if value is not None else defaults.get(name) for name, value in given.items()}
     sample = args.sample or any(value is not None for value in given.values())
     if not sample and args.temperature is None:
@@ -130,7 +136,8 @@ def _sampling(args: argparse.Namespace, folder: Path) -> dict:
     if chosen["temperature"] is not None and chosen["temperature"] == 0:  # llama.cpp's greedy
         sample, chosen["temperature"] = False, None
     return {"do_sample": sample, "temperature": chosen["temperature"] or 1.0,
-            "top_k": chosen["top_k"], "top_p": chosen["top_p"]}
+            "top_k": chosen["top_k"], "top_p": chosen["top_p"], "min_p": chosen["min_p"],
+            "repetition_penalty": args.repetition_penalty}
 
 
 def run(args: argparse.Namespace) -> int:
