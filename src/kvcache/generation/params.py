@@ -84,7 +84,8 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, minimum=0)
         salt = self.cache_salt
-        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256 and _encodes(salt)):
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256
+                                     and encodes_as_utf8(salt)):
             raise RequestError(f"cache_salt must be a string of 1 to 256 characters (UTF-8: no lone "
                                f"surrogate), got {salt!r:.80}")
         self._check_logit_changes()
@@ -123,8 +124,8 @@ class SamplingParams:
                 raise RequestError(f"logit_bias token ids must lie in [0, {vocab_size}), got {token}")
 
 
-def _encodes(text: str) -> bool:
-    """Whether `text` is valid Unicode for UTF-8 (a lone surrogate is not; the salt is hashed as UTF-8)."""
+def encodes_as_utf8(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (a lone surrogate, which JSON can carry, cannot)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

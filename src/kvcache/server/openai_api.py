@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvcache.engine import SamplingParams
+from kvcache.generation.params import encodes_as_utf8
 
 
 class ApiError(Exception):
@@ -226,24 +227,16 @@ def _check_texts(body: dict) -> None:
     pending: list[tuple[str, object]] = [("", body)]
     while pending:  # (a loop, not recursion: the parser nests deeper than Python calls may)
         where, value = pending.pop()
-        if isinstance(value, str) and not _encodes(value):
+        if isinstance(value, str) and not encodes_as_utf8(value):
             raise _not_text(where)
         if isinstance(value, dict):
             for key, item in value.items():
-                if not _encodes(key):
+                if not encodes_as_utf8(key):
                     raise _not_text(where, key=True)
                 pending.append((f"{where}.{key}" if where else key, item))
         elif isinstance(value, list):
             pending.extend((f"{where}[{index}]", item) for index, item in enumerate(value)
                            if isinstance(item, (str, dict, list)))
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _not_text(where: str, key: bool = False) -> ApiError:
