@@ -2,8 +2,10 @@
 field checked, a bad one named in a 400), and the response, chunk and error objects.
 
 Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
-type "text"), no tools, no logprobs. An unknown field is ignored, as OpenAI's own server does;
-a string that is not text (a lone surrogate, "\\ud800") is a 400 wherever it is.
+type "text"), no tools (nor tool messages), no logprobs. A field kvcache does not implement is a
+400 naming it, unless `kvcache.server.fields` lists it as accepted and ignored (ignoring it
+cannot change the answer); a string that is not text (a lone surrogate, "\\ud800") is a 400
+wherever it is.
 OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` (token id strings -> biases)
 are applied, and of vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos` (generate to max_tokens) and `cache_salt` (requests of other salts share no cached
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from kvcache.engine import SamplingParams
 from kvcache.generation.params import encodes_as_utf8
+from kvcache.server.fields import refused_field
 
 
 class ApiError(Exception):
@@ -81,16 +84,12 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     _check_texts(body)
     if kind == "chat":
-        prompt: object = _messages(body.get("messages"), limits.max_messages)
+        prompt: object = read_messages(body.get("messages"), limits.max_messages)
     else:
         prompt = _prompt(body.get("prompt"))
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ApiError(400, f"n must be 1 (kvcache returns one choice), got {n!r}", param="n")
-    for unsupported in ("tools", "functions", "logprobs", "top_logprobs", "echo", "best_of"):
-        value = body.get(unsupported)
-        if value and not (unsupported == "best_of" and value == 1):  # absent, false, empty: fine
-            raise ApiError(400, f"{unsupported} is not supported by kvcache", param=unsupported)
+    refused = refused_field(kind, body)  # (nothing is silently ignored: kvcache.server.fields)
+    if refused is not None:
+        raise ApiError(400, refused[1], param=refused[0])
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
@@ -245,28 +244,38 @@ def _not_text(where: str, key: bool = False) -> ApiError:
                     "not text", param=where or None)
 
 
-def _messages(messages: object, limit: int) -> list[dict[str, str]]:
+def read_messages(messages: object, limit: int) -> list[dict[str, str]]:
+    """The {role, content} messages of a chat body; ApiError(400) naming a bad one, or more than `limit`."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     if len(messages) > limit:
         raise ApiError(400, f"messages holds {len(messages)} messages, more than this server takes ({limit}: "
                        "each costs a token of the prompt at least)", param="messages",
                        code="context_length_exceeded")
-    out = []
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise ApiError(400, f"{where} must be an object", param=where)
-        role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, f"{where}.role must be system, user or assistant, got {role!r}", param=where)
-        out.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _content(message.get("content"), where),
-            }
-        )
-    return out
+    return [_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
+
+
+def _message(message: object, where: str) -> dict[str, str]:
+    """{role, content} of one chat message; ApiError(400) naming a tool message, a tool call, or a
+    key kvcache would drop (its other keys may be null or empty, as a replayed reply's are)."""
+    if not isinstance(message, dict):
+        raise ApiError(400, f"{where} must be an object", param=where)
+    role = message.get("role")
+    if role in ("tool", "function"):
+        raise ApiError(400, f"{where} is a {role} message (role {role!r}): tool calls are not supported by "
+                       "this server (yet), so neither are their results", param=where)
+    if role not in ("system", "developer", "user", "assistant"):
+        raise ApiError(400, f"{where}.role must be system, user or assistant, got {role!r}", param=where)
+    for key, value in message.items():
+        if key in ("role", "content") or value is None or value == []:
+            continue
+        if key in ("tool_calls", "function_call"):
+            raise ApiError(400, f"{where}.{key}: tool calls are not supported by this server (yet)",
+                           param=f"{where}.{key}")
+        raise ApiError(400, f"{where}.{key} is not supported by this server (yet): a message is read as its "
+                       "role and content only", param=f"{where}.{key}")
+    content = _content(message.get("content"), where)
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def _content(content: object, where: str) -> str:

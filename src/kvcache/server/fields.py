@@ -1,0 +1,134 @@
+"""Which request fields the server reads, which it accepts only at their default, which few it
+accepts and ignores (and why), and that every other field is refused by name: one table, so
+nothing a client sends is silently ignored. docs/serve.md shows the same table (a test holds
+them together).
+
+A field is ignored only when ignoring it cannot change the answer: it tags, bills, stores or
+routes the request, or it only shapes something kvcache never does (tool calls with no tools).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: fields read into the request (their values are checked where they are read), by route
+_SAMPLING = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+    "stream_options", "presence_penalty", "frequency_penalty", "logit_bias",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "cache_salt",
+})
+READ: dict[str, frozenset[str]] = {
+    "chat": _SAMPLING | {"messages"},
+    "completion": _SAMPLING | {"prompt"},
+}
+
+#: the fields accepted and ignored, on every route that takes a body of sampling fields, and why
+#: ignoring each cannot change the answer
+IGNORED: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring: it tags the request only",
+    "safety_identifier": "OpenAI's successor of user: a tag for abuse monitoring",
+    "prompt_cache_key": "a routing hint for OpenAI's prompt cache; kvcache finds shared prefixes by "
+                        "their tokens (cache_salt is what parts them)",
+    "metadata": "tags for completions OpenAI stores; kvcache stores none",
+    "store": "asks OpenAI to keep the completion for its dashboard; kvcache keeps none",
+    "service_tier": "OpenAI's billing and latency tier; one tier here",
+    "parallel_tool_calls": "shapes tool calls; no tool is ever offered (tools is refused unless empty)",
+    "cache_prompt": "llama-server's switch for reusing a cached prefix; kvcache always reuses one, and "
+                    "a reused prefix gives the tokens a recomputed one gives",
+}
+
+#: keys of stream_options accepted and ignored, and why
+IGNORED_STREAM_OPTIONS: dict[str, str] = {
+    "include_obfuscation": "OpenAI's random padding of stream events against size side channels; the "
+                           "events' content is the same",
+}
+READ_STREAM_OPTIONS = frozenset({"include_usage"})
+
+
+@dataclass(frozen=True)
+class DefaultOnly:
+    """A field read only at the value that asks for what kvcache does anyway: accepts(value) says
+    whether `value` is such a value, `accepted` names them, `lacks` says what any other asks for."""
+
+    accepts: Callable[[object], bool]
+    accepted: str
+    lacks: str
+
+
+def _is(*values: object) -> Callable[[object], bool]:
+    """A test of equality to one of `values`, exact in type (True is not 1)."""
+    return lambda value: any(type(value) is type(it) and value == it for it in values)
+
+
+_N = DefaultOnly(_is(None, 1), "1 or null", "more than one choice per request is not implemented")
+_TOOLS = DefaultOnly(_is(None, []), "an empty list or null", "tool calls are not implemented")
+_TOOL_CHOICE = DefaultOnly(_is(None, "none", "auto"), '"none", "auto" or null (no tool is offered)',
+                           "tool calls are not implemented")
+_LOGPROBS = "log-probabilities of tokens are not implemented"
+
+#: fields accepted only at their default, by route
+DEFAULT_ONLY: dict[str, dict[str, DefaultOnly]] = {
+    "chat": {
+        "n": _N,
+        "logprobs": DefaultOnly(_is(None, False), "false or null", _LOGPROBS),
+        "top_logprobs": DefaultOnly(_is(None, 0), "0 or null", _LOGPROBS),
+        "response_format": DefaultOnly(
+            _is(None, {"type": "text"}), '{"type": "text"} (plain text, the default) or null',
+            "structured outputs (json_object, json_schema) are not implemented"),
+        "tools": _TOOLS,
+        "tool_choice": _TOOL_CHOICE,
+        "functions": _TOOLS,
+        "function_call": _TOOL_CHOICE,
+        "modalities": DefaultOnly(_is(None, ["text"]), '["text"] or null', "only text is generated"),
+    },
+    "completion": {
+        "n": _N,
+        "best_of": DefaultOnly(_is(None, 1), "1 or null", "more than one candidate per request is not "
+                               "implemented"),
+        "logprobs": DefaultOnly(_is(None), "null", _LOGPROBS + " (0 asks for the sampled token's)"),
+        "echo": DefaultOnly(_is(None, False), "false or null", "echoing the prompt is not implemented"),
+        "suffix": DefaultOnly(_is(None), "null", "inserting text before a suffix is not implemented"),
+    },
+}
+
+
+def refused_field(kind: str, body: dict) -> tuple[str, str] | None:
+    """(field, message) of the first field of `body` (a "chat" or "completion" body) that kvcache
+    neither reads nor accepts and ignores, or reads only at its default and is given another value;
+    None when every field is one it takes."""
+    for name, value in body.items():
+        if name in READ[kind] or name in IGNORED:
+            continue
+        default_only = DEFAULT_ONLY[kind].get(name)
+        if default_only is None:
+            return name, unsupported(name)
+        if not default_only.accepts(value):
+            return name, (f"{name}={_short(value)} is not supported by this server (yet): "
+                          f"{default_only.lacks}; it takes {default_only.accepted}")
+    options = body.get("stream_options")
+    for key in options if isinstance(options, dict) else ():
+        if key not in READ_STREAM_OPTIONS and key not in IGNORED_STREAM_OPTIONS:
+            return f"stream_options.{key}", unsupported(f"stream_options.{key}")
+    return None
+
+
+def unsupported(name: str) -> str:
+    """The message of a field kvcache does not implement."""
+    return (f"{name} is not supported by this server (yet): kvcache refuses a field it does not "
+            "implement rather than ignore it (docs/serve.md lists the fields it reads and the few it "
+            "accepts and ignores)")
+
+
+def _short(value: object) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else _json(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json(value: object) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
