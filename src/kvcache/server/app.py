@@ -2,18 +2,20 @@
 
     app = build_app(engine, tokenizer, ServerSettings(model_name="kvcache-default"))
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Every error is OpenAI's JSON shape. With an API key, every route but /health
-needs `Authorization: Bearer KEY` (compared in constant time). With per-tenant keys
-(`ServerSettings.api_keys`), each request's cache salt derives from its key's tenant (tenants
-share no cached blocks) and /metrics, which counts every tenant's traffic, answers admin keys
-only (403 for the others). A body over the size limit, a
-bad field, a prompt too long: 400. A full waiting queue: 429 with Retry-After. A client that
-goes away mid-answer cancels its request (its blocks are freed at the engine's next step).
-A request's preparation (JSON, chat template, tokenizing) runs on a few preparing threads, never
-on the event loop: one client's 30,000-message body does not pause the others' streams. Requests
-waiting for those threads or on them count toward max_waiting (429 past it), and more messages
-than a prompt may hold tokens (MAX_MESSAGES at most) are a 400 before any template renders.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (the server's context as
+max_model_len), llama-server's POST /tokenize, /detokenize and /apply-template, GET /health,
+GET /metrics. Every error is OpenAI's JSON shape, an unknown route's (404) or method's (405) too.
+With an API key, every route but /health needs `Authorization: Bearer KEY` (compared in constant
+time). With per-tenant keys (`ServerSettings.api_keys`), each request's cache salt derives from
+its key's tenant (tenants share no cached blocks) and /metrics, which counts every tenant's
+traffic, answers admin keys only (403 for the others). A body over the size limit, a bad field,
+a field kvcache does not implement (kvcache.server.fields), a prompt too long: 400. A full
+waiting queue: 429 with Retry-After. A client that goes away mid-answer cancels its request (its
+blocks are freed at the engine's next step). A request's preparation (JSON, chat template,
+tokenizing; the token routes' whole work) runs on a few preparing threads, never on the event
+loop: one client's 30,000-message body does not pause the others' streams. Requests waiting for
+those threads or on them count toward max_waiting (429 past it), and more messages than a prompt
+may hold tokens (MAX_MESSAGES at most) are a 400 before any template renders.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -50,8 +53,11 @@ from kvcache.server.openai_api import (
     usage_object,
 )
 from kvcache.server.tenants import ApiKeys, Tenant
+from kvcache.server.token_api import read_apply_template, read_detokenize, read_tokenize
 
 PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepared at once
+ROUTES_SAID = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
+               "POST /detokenize, POST /apply-template, GET /health, GET /metrics")
 
 
 @dataclass
@@ -99,8 +105,12 @@ def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_page, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/apply-template", server.apply_template, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    handlers = {HTTPException: server.http_error, Exception: server.internal_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = server
     return app
 
@@ -145,7 +155,9 @@ class _Server:
                         "object": "model",
                         "created": self.created,
                         "owned_by": "kvcache",
-                        "max_model_len": self.context,
+                        "max_model_len": self.context,  # vLLM's: the server's context
+                        "meta": {"n_ctx_train": self.engine.model.config.max_position_embeddings,
+                                 "n_vocab": self.vocab},  # llama-server's: the model's own
                     }
                 ],
             }
@@ -165,13 +177,81 @@ class _Server:
                 "admin' in --api-keys FILE, or --api-key)", kind="permission_error", code="admin_key_needed"))
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
+    # ---- llama-server's and vLLM's token routes --------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, self._detokenize)
+
+    async def apply_template(self, request: Request) -> Response:
+        return await self._answer(request, self._apply_template)
+
+    async def _answer(self, request: Request, prepare) -> Response:
+        """A token route's answer: prepare(the body's bytes) -> a JSON object, on a preparing thread,
+        behind the chat route's key, body limit, queue bound and errors."""
+        started = time.perf_counter()
+        try:
+            self._authorize(request)
+            answer = await self._prepared(prepare, await self._body(request))
+        except ApiError as error:
+            log_request(peer_of(request), request.url.path, error.status, started, note=error.message)
+            return self._error(error)
+        log_request(peer_of(request), request.url.path, 200, started)
+        return JSONResponse(answer)
+
+    def _tokenize(self, raw: bytes) -> dict:
+        call = read_tokenize(_json_body(raw), self.limits)
+        self._check_model(call.model)
+        text = call.text if call.messages is None else self._render(call.messages, call.add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special_tokens=call.add_special)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.context}  # (vLLM's count, length)
+
+    def _detokenize(self, raw: bytes) -> dict:
+        tokens, model = read_detokenize(_json_body(raw), self.tokenizer.vocab_size)
+        self._check_model(model)
+        text = self.tokenizer.decode(tokens)
+        return {"content": text, "prompt": text}  # llama-server's name, vLLM's
+
+    def _apply_template(self, raw: bytes) -> dict:
+        call = read_apply_template(_json_body(raw), self.limits)
+        self._check_model(call.model)
+        return {"prompt": self._render(call.messages, call.add_generation_prompt)}
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The chat template's text of `messages` (in jinja2's sandbox), as the chat route renders it."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
+            raise ApiError(400, f"the chat template could not render these messages: {error}",
+                           param="messages") from None
+
+    # ---- errors outside the routes -------------------------------------------------------------
+    async def http_error(self, request: Request, error: HTTPException) -> Response:
+        """An unknown route (404) or method (405) in OpenAI's shape, not Starlette's plain text."""
+        where = f"{request.method} {request.url.path}"
+        if error.status_code == 404:
+            message, code = f"there is no route {where} on this server (it serves {ROUTES_SAID})", "not_found"
+        elif error.status_code == 405:
+            allowed = (error.headers or {}).get("Allow", "another method")
+            message, code = f"{where} is not allowed: this route takes {allowed}", "method_not_allowed"
+        else:
+            message, code = f"{where}: {error.detail}", None
+        return self._error(ApiError(error.status_code, message, code=code, headers=error.headers))
+
+    async def internal_error(self, request: Request, error: Exception) -> Response:
+        """A failure inside a route (a bug): a 500 in OpenAI's shape; the traceback goes to the log."""
+        return self._error(ApiError(500, f"the server failed on {request.method} {request.url.path}: "
+                                    f"{type(error).__name__}", kind="server_error"))
+
     # ---- one completion ------------------------------------------------------------------------
     async def _complete(self, request: Request, kind: str) -> Response:
         started = time.perf_counter()
         try:
             tenant = self._authorize(request)
             raw = await self._body(request)
-            call, ids = await self._prepared(kind, raw, tenant)
+            call, ids = await self._prepared(self._prepare, kind, raw, tenant)
             if self.engine.queue_depth >= self.settings.max_waiting:
                 raise _queue_full(self.settings.max_waiting)
             handle = self.engine.submit(ids, call.params)
@@ -237,8 +317,8 @@ class _Server:
                 handle.cancel()
             finished(handle.result() if handle.done else None)
 
-    async def _prepared(self, kind: str, raw: bytes, tenant):
-        """`_prepare` on a preparing thread: parsing, the chat template and tokenizing are the
+    async def _prepared(self, prepare, *args):
+        """`prepare(*args)` on a preparing thread: parsing, the chat template and tokenizing are the
         request's own work, off the event loop, so they never hold up other clients' streams.
         While it waits for a thread or runs on one it counts toward max_waiting, beside the
         engine's queue: ApiError(429) when they are full."""
@@ -246,7 +326,7 @@ class _Server:
             raise _queue_full(self.settings.max_waiting)
         with self._preparing_lock:
             self._preparing += 1
-        future = self.preparing.submit(self._prepare, kind, raw, tenant)
+        future = self.preparing.submit(prepare, *args)
         future.add_done_callback(self._prepare_done)  # (run, failed, or cancelled before it ran)
         return await asyncio.wrap_future(future)
 
@@ -258,23 +338,20 @@ class _Server:
     def _prepare(self, kind: str, raw: bytes, tenant: Tenant | None = None) -> tuple[Call, list[int]]:
         """The request read from its body, salted for its tenant, and its prompt's token ids (on a
         preparing thread)."""
-        try:
-            body = json.loads(raw)
-        except ValueError as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-        except RecursionError:
-            raise ApiError(400, "the request body's JSON is nested too deeply") from None
-        call = self._salted(read_call(kind, body, self.limits), tenant)
-        if call.model is not None and call.model != self.settings.model_name:
-            raise ApiError(
-                404,
-                f"the model {call.model!r} does not exist; this server serves {self.settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        call = self._salted(read_call(kind, _json_body(raw), self.limits), tenant)
+        self._check_model(call.model)
         ids = self._prompt_ids(call)
         check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
         return call, ids
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _prompt_ids(self, call: Call) -> list[int]:
         try:
@@ -351,6 +428,15 @@ class _Server:
     def _failed(self, completion: Completion) -> Response:
         error = _failure(completion)
         return JSONResponse(error.body(), status_code=error.status)
+
+
+def _json_body(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body's JSON is nested too deeply") from None
 
 
 def _queue_full(max_waiting: int) -> ApiError:

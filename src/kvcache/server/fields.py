@@ -23,6 +23,11 @@ _SAMPLING = frozenset({
 READ: dict[str, frozenset[str]] = {
     "chat": _SAMPLING | {"messages"},
     "completion": _SAMPLING | {"prompt"},
+    # llama-server's content and add_special, vLLM's prompt or messages and add_special_tokens
+    "tokenize": frozenset({"model", "content", "prompt", "messages", "add_special", "add_special_tokens",
+                           "add_generation_prompt"}),
+    "detokenize": frozenset({"model", "tokens"}),
+    "apply-template": frozenset({"model", "messages", "add_generation_prompt"}),
 }
 
 #: the fields accepted and ignored, on every route that takes a body of sampling fields, and why
@@ -92,17 +97,23 @@ DEFAULT_ONLY: dict[str, dict[str, DefaultOnly]] = {
         "echo": DefaultOnly(_is(None, False), "false or null", "echoing the prompt is not implemented"),
         "suffix": DefaultOnly(_is(None), "null", "inserting text before a suffix is not implemented"),
     },
+    "tokenize": {  # llama-server's
+        "with_pieces": DefaultOnly(_is(None, False), "false or null", "each token's piece of text is not "
+                                   "implemented (POST /detokenize gives a token's text)"),
+        "parse_special": DefaultOnly(_is(None, True), "true or null", "reading special tokens' text as "
+                                     "plain text is not implemented"),
+    },
 }
 
 
 def refused_field(kind: str, body: dict) -> tuple[str, str] | None:
-    """(field, message) of the first field of `body` (a "chat" or "completion" body) that kvcache
+    """(field, message) of the first field of `body` (a body of the route `kind`, a key of READ) that kvcache
     neither reads nor accepts and ignores, or reads only at its default and is given another value;
     None when every field is one it takes."""
     for name, value in body.items():
         if name in READ[kind] or name in IGNORED:
             continue
-        default_only = DEFAULT_ONLY[kind].get(name)
+        default_only = DEFAULT_ONLY.get(kind, {}).get(name)
         if default_only is None:
             return name, unsupported(name)
         if not default_only.accepts(value):

@@ -82,7 +82,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
     naming the first bad field."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    _check_texts(body)
+    check_texts(body)
     if kind == "chat":
         prompt: object = read_messages(body.get("messages"), limits.max_messages)
     else:
@@ -219,7 +219,7 @@ def chunk_object(
 
 
 # ---- fields ------------------------------------------------------------------------------------
-def _check_texts(body: dict) -> None:
+def check_texts(body: dict) -> None:
     """ApiError(400) naming a string of `body` (a key or a value, at any depth, in fields kvcache
     ignores too) that is not text: one holding a lone surrogate (JSON's "\\ud800"), which UTF-8
     cannot encode, so a tokenizer, a salt's hash or the answer's JSON would fail on it."""
