@@ -1,9 +1,13 @@
 """Nothing a client sends is silently ignored: a field kvcache does not implement is a 400 naming
 it, a field it reads only at its default is refused at any other value, a tool message or tool
 call is refused naming the message, and only the documented few fields are accepted and ignored
-(each of which cannot change the answer)."""
+(each of which cannot change the answer). docs/serve.md lists every field and route the server
+takes, and says which it accepts and ignores."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +15,7 @@ from kvcache.server.openai_api import ApiError, Limits, read_call
 
 LIMITS = Limits(max_prompt_tokens=100, max_tokens=50, default_max_tokens=16)
 MESSAGES = [{"role": "user", "content": "hi"}]
+SERVE_MD = Path(__file__).resolve().parents[2] / "docs" / "serve.md"
 BODIES = {"chat": {"model": "m", "messages": MESSAGES}, "completion": {"model": "m", "prompt": "x"}}
 
 #: the accepted-and-ignored list, as docs/serve.md gives it (each tags, bills, stores or routes
@@ -111,3 +116,18 @@ def test_a_replayed_reply_with_its_null_fields_is_read_as_role_and_content():
     call = read_call("chat", {"messages": [*MESSAGES, reply, *MESSAGES]}, LIMITS)
     assert call.prompt[1] == {"role": "assistant", "content": "hello"}
 
+
+
+def test_docs_serve_lists_every_field_and_route_and_which_are_ignored():
+    from kvcache.server.app import ROUTES_SAID
+    from kvcache.server.fields import DEFAULT_ONLY, IGNORED_STREAM_OPTIONS, READ
+    from kvcache.server.fields import IGNORED as ignored
+
+    rows = dict(re.findall(r"^\| `([^`]+)` \|(.*)$", SERVE_MD.read_text(encoding="utf-8"), re.MULTILINE))
+    taken_ignored = set(ignored) | {f"stream_options.{key}" for key in IGNORED_STREAM_OPTIONS}
+    fields = set(taken_ignored)
+    for kind in READ:
+        fields |= set(READ[kind]) | set(DEFAULT_ONLY.get(kind, {}))
+    assert fields - set(rows) == set()
+    assert {name for name, row in rows.items() if "accepted and ignored" in row} == taken_ignored
+    assert set(ROUTES_SAID.split(", ")) - set(rows) == set()
