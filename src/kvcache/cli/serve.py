@@ -5,9 +5,10 @@ paged KV pool, prefix sharing across requests).
     kvcache serve --model DIR --port 8080 --api-key "$KEY" --kv-budget 2GiB --max-running 32
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize,
-/detokenize and /apply-template, GET /health, GET /metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C:
-stop accepting, let running requests finish for --drain-seconds, cancel the rest, exit 0; a
-second one cancels them at once (each answer still ends in order) and exits 130.
+/detokenize and /apply-template, GET /health, GET /metrics (Prometheus). Binds 127.0.0.1 unless
+--host says otherwise. SIGTERM or Ctrl-C: stop accepting, let running requests finish for
+--drain-seconds, cancel the rest, exit 0; a second one cancels them at once (each answer still
+ends in order) and exits 130.
 """
 
 from __future__ import annotations
