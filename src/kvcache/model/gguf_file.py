@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
+from kvcache.geometry import FULL_ATTENTION, SIZE_LIMITS, SLIDING_ATTENTION
 from kvcache.model.errors import CheckpointError
 from kvcache.model.gguf_reader import GGUFFile, read_gguf
 
@@ -201,8 +201,9 @@ def _window_fields(family: Family, get, layers, source: str) -> dict[str, Any]:
     (0: none) and `attention.sliding_window_pattern` (a period, or a bool per layer: sliding),
     else the family's llama.cpp defaults. A llama file with a window loads as mistral."""
     window = get("attention.sliding_window", family.default_window) or 0
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
-        return {}  # (ModelConfig names the bad block_count)
+    most = SIZE_LIMITS["num_hidden_layers"]
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= most:
+        return {}  # (ModelConfig names the bad block_count, geometry one past its limit, before any list)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise CheckpointError(f"{source}: attention.sliding_window must be a whole number, got {window!r}")
     if not window:
