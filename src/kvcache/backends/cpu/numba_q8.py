@@ -51,9 +51,21 @@ def target_has_vnni() -> bool:
     return "+avxvnni" in named or {"+avx512vnni", "+avx512vl"} <= named
 
 
+def target_has_wide_vnni() -> bool:
+    """Whether the CPU numba compiles for has 512-bit VNNI with AVX-512's byte and mask operations
+    (AVX512-VNNI, BW, VL), by the features numba hands LLVM (as `target_has_vnni`)."""
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        features = host_cpu_features()
+    return {"+avx512f", "+avx512vnni", "+avx512bw", "+avx512vl"} <= set(features.split(","))
+
+
 #: the dots' integer sums: vpdpbusd's four products a lane (8 int32 lanes a block), or pairs
 #: (16 lanes: the shape of a 16-bit multiply-add) where the target has no VNNI
 VNNI = target_has_vnni()
+#: the one-row dots of the 32-value formats take two weight rows' blocks in one 512-bit vector
+#: (each row's 8 lanes as `_add_block` sums them, in the same operations: the same float32)
+WIDE = VNNI and target_has_wide_vnni()
 _LANES = ir.VectorType(_F32, 8 if VNNI else 16)  # a row's running sums, one block's lanes
 
 
@@ -337,6 +349,95 @@ def _q6_block(builder, block, values_of, quants, x_scale, counts, sums, extra) -
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
+def _pair_block_bytes(builder, blocks, kind: int):
+    """Two rows' blocks' 32 q values each, as `_block_bytes` gives one's, in one unsigned
+    <64 x i8> (the first row's in lanes 0..31): the nibbles of both split at once, the fifth bits
+    set through a mask of the two little-endian words (bit j: value j)."""
+    _, quants, _, fifth, _ = LAYOUTS[kind]
+    if kind == 0:
+        a, b = (_load(builder, _at(builder, block, quants), _I8, 32) for block in blocks)
+        both = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+        return builder.xor(both, _const(128, 64))
+    a, b = (_load(builder, _at(builder, block, quants), _I8, 16) for block in blocks)
+    twice = list(range(16)) * 2 + list(range(16, 32)) * 2  # each row's bytes, twice
+    packed = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), twice))
+    low, high = builder.and_(packed, _const(15, 64)), builder.lshr(packed, _const(4, 64))
+    pick = [j + (64 if (j // 16) % 2 else 0) for j in range(64)]  # low, high, low, high
+    values = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 64), pick))
+    if fifth < 0:
+        return values
+    bits = ir.VectorType(ir.IntType(1), 32)
+    a, b = (builder.bitcast(_load(builder, _at(builder, block, fifth), _I32), bits) for block in blocks)
+    mask = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+    return builder.select(mask, builder.or_(values, _const(16, 64)), values)
+
+
+def _wide_sums(builder, values, quants):
+    """<16 x i32>: lane j = Σ values[4j..4j+3]·quants[4j..4j+3] (<64 x i8>, values unsigned,
+    quants signed), by the 512-bit vpdpbusd."""
+    lanes = ir.VectorType(_I32, 16)
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(lanes, [lanes, lanes, lanes]), "llvm.x86.avx512.vpdpbusd.512")
+    words = [builder.bitcast(values, lanes), builder.bitcast(quants, lanes)]
+    return builder.call(function, [ir.Constant(lanes, [0] * 16), *words])
+
+
+def _add_block_pair(builder, kind: int, blocks, activations, sums, extras) -> None:
+    """`_add_block` for two rows' blocks at once: sums (<16 x float>*, each row's 8 lanes) +=
+    their integer sums times d·d_x, each row's extra as `_add_block` adds it."""
+    quants, x_scale, x_offset, x_shift = activations
+    both = builder.shuffle_vector(quants, quants, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
+    integers = _wide_sums(builder, _pair_block_bytes(builder, blocks, kind), both)
+    scales = [builder.fmul(_half(builder, block), x_scale, flags=_FAST) for block in blocks]
+    pair = ir.Constant(ir.VectorType(_F32, 2), ir.Undefined)
+    for at, scale in enumerate(scales):
+        pair = builder.insert_element(pair, scale, _const(at, kind=_I32))
+    spread = builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+    wide = ir.VectorType(_F32, 16)
+    scaled = builder.fmul(builder.sitofp(integers, wide), spread, flags=_FAST)
+    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
+    minimum = LAYOUTS[kind][2]
+    for block, scale, extra in zip(blocks, scales, extras):
+        if minimum >= 0:
+            part = builder.fmul(_half(builder, _at(builder, block, minimum)), x_shift, flags=_FAST)
+        else:
+            part = builder.fmul(scale, x_offset, flags=_FAST)
+        builder.store(builder.fadd(builder.load(extra), part, flags=_FAST), extra)
+
+
+def _pair_rows_codegen(kind: int):
+    """Codegen of four rows' dots with one row of Q8 activations for a 32-value format on
+    512-bit vectors (`WIDE`): rows two by two (`_add_block_pair`), each row's float32 what
+    `_rows_codegen`'s give (the tiles read those)."""
+    size = LAYOUTS[kind][0]
+
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[5:9], args[5:9])]
+        quants, scales, counts, shifts = (array.data for array in arrays)
+        rows = _row_pointers(context, builder, signature.args[0], args[0], args[1:5])
+        wide = ir.VectorType(_F32, 16)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(wide, [0.0] * 16)) for _ in range(2)]
+        extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
+        with cgutils.for_range(builder, builder.extract_value(arrays[1].shape, 0)) as loop:
+            b = loop.index
+            first = builder.mul(b, ir.Constant(_I64, 32))
+            activations = _block_activations(builder, kind, b, first, quants, scales, counts, shifts)[3]
+            blocks = [_at(builder, row, builder.mul(b, ir.Constant(_I64, size))) for row in rows]
+            for pair in range(2):
+                _add_block_pair(builder, kind, blocks[2 * pair: 2 * pair + 2], activations, sums[pair],
+                                extras[2 * pair: 2 * pair + 2])
+        found = []
+        for r, extra in enumerate(extras):
+            lanes, result = builder.load(sums[r // 2]), builder.load(extra)
+            for lane in range(8 * (r % 2), 8 * (r % 2) + 8):
+                value = builder.extract_element(lanes, _const(lane, kind=_I32))
+                result = builder.fadd(result, value, flags=_FAST)
+            found.append(result)
+        return context.make_tuple(builder, signature.return_type, found)
+
+    return codegen
+
+
 def _rows_codegen(kind: int, tile: bool = False):
     """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
     of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`), the
@@ -484,7 +585,7 @@ def _rows_intrinsic(kind: int):
         signature = numba.types.UniTuple(numba.types.float32, 4)(
             w, index, index, index, index, quants, scales, counts, shifts
         )
-        return signature, _rows_codegen(kind)
+        return signature, _pair_rows_codegen(kind) if WIDE and kind in LAYOUTS else _rows_codegen(kind)
 
     rows.__name__ = f"q8_rows_{kind}"
     return intrinsic(rows)
