@@ -63,8 +63,8 @@ def target_has_wide_vnni() -> bool:
 #: the dots' integer sums: vpdpbusd's four products a lane (8 int32 lanes a block), or pairs
 #: (16 lanes: the shape of a 16-bit multiply-add) where the target has no VNNI
 VNNI = target_has_vnni()
-#: the one-row dots of the 32-value formats take two weight rows' blocks in one 512-bit vector
-#: (each row's 8 lanes as `_add_block` sums them, in the same operations: the same float32)
+#: the one-row dots take two weight rows' blocks in one 512-bit vector (each row's 8 lanes as
+#: `_add_block`, `_q45_k_block` and `_q6_block` sum them, in the same operations: the same float32)
 WIDE = VNNI and target_has_wide_vnni()
 _LANES = ir.VectorType(_F32, 8 if VNNI else 16)  # a row's running sums, one block's lanes
 
@@ -389,10 +389,7 @@ def _add_block_pair(builder, kind: int, blocks, activations, sums, extras) -> No
     both = builder.shuffle_vector(quants, quants, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
     integers = _wide_sums(builder, _pair_block_bytes(builder, blocks, kind), both)
     scales = [builder.fmul(_half(builder, block), x_scale, flags=_FAST) for block in blocks]
-    pair = ir.Constant(ir.VectorType(_F32, 2), ir.Undefined)
-    for at, scale in enumerate(scales):
-        pair = builder.insert_element(pair, scale, _const(at, kind=_I32))
-    spread = builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+    spread = _pair_splat(builder, scales, 16)
     wide = ir.VectorType(_F32, 16)
     scaled = builder.fmul(builder.sitofp(integers, wide), spread, flags=_FAST)
     builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
@@ -405,11 +402,67 @@ def _add_block_pair(builder, kind: int, blocks, activations, sums, extras) -> No
         builder.store(builder.fadd(builder.load(extra), part, flags=_FAST), extra)
 
 
+def _pair_splat(builder, values, lanes: int):
+    """<lanes x type> of values (a few scalars of one type): each repeated lanes / len times, in
+    order."""
+    count = len(values)
+    vector = ir.Constant(ir.VectorType(values[0].type, count), ir.Undefined)
+    for at, value in enumerate(values):
+        vector = builder.insert_element(vector, value, _const(at, kind=_I32))
+    spread = [at * count // lanes for at in range(lanes)]
+    return builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(_I32, lanes), spread))
+
+
+def _pair_k_block(builder, kind: int, blocks, quants, x_scale, counts, sums, extras) -> None:
+    """`_q45_k_block` or `_q6_block` for two rows' blocks at once: their groups' values in one
+    <64 x i8>, one 512-bit vpdpbusd a group, each row's lanes and extra in the operations the
+    one-row functions use (the same float32)."""
+    wide = ir.VectorType(_I32, 16)
+    integers = ir.Constant(wide, [0] * 16)
+    shares = [ir.Constant(_F32, 0.0) for _ in blocks]
+    for g in range(8):
+        x = _load(builder, _at(builder, quants, g * 32), _I8, 32)
+        both_x = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
+        a, b = (_group_values(builder, kind, block, g) for block in blocks)
+        values = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+        dots = _wide_sums(builder, values, both_x)
+        if kind == _Q6_K:
+            scales = [builder.sext(_load(builder, _at(builder, block, 192 + 2 * g + j), _I8), _I32)
+                      for block in blocks for j in range(2)]
+            for r in range(2):
+                for j, scale in enumerate(scales[2 * r: 2 * r + 2]):
+                    count = builder.load(_at(builder, counts, 2 * g + j))
+                    part = builder.fmul(builder.sitofp(scale, _F32), count, flags=_FAST)
+                    shares[r] = builder.fadd(shares[r], part, flags=_FAST)
+        else:
+            pairs = [_k_scale_min(builder, block, g) for block in blocks]
+            scales = [scale for scale, _ in pairs]
+            count = builder.fadd(builder.load(_at(builder, counts, 2 * g)),
+                                 builder.load(_at(builder, counts, 2 * g + 1)), flags=_FAST)
+            for r, (_, sub_minimum) in enumerate(pairs):
+                part = builder.fmul(builder.sitofp(sub_minimum, _F32), count, flags=_FAST)
+                shares[r] = builder.fadd(shares[r], part, flags=_FAST)
+        integers = builder.add(integers, builder.mul(dots, _pair_splat(builder, scales, 16)))
+    at = 208 if kind == _Q6_K else 0
+    steps = [builder.fmul(_half(builder, _at(builder, block, at)), x_scale, flags=_FAST) for block in blocks]
+    scaled = builder.fmul(builder.sitofp(integers, ir.VectorType(_F32, 16)), _pair_splat(builder, steps, 16),
+                          flags=_FAST)
+    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
+    for r, (block, extra) in enumerate(zip(blocks, extras)):
+        if kind == _Q6_K:
+            shift = builder.fmul(builder.fmul(steps[r], ir.Constant(_F32, 32.0), flags=_FAST), shares[r],
+                                 flags=_FAST)
+        else:
+            step = builder.fmul(_half(builder, _at(builder, block, 2)), x_scale, flags=_FAST)
+            shift = builder.fmul(step, shares[r], flags=_FAST)
+        builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
+
+
 def _pair_rows_codegen(kind: int):
-    """Codegen of four rows' dots with one row of Q8 activations for a 32-value format on
-    512-bit vectors (`WIDE`): rows two by two (`_add_block_pair`), each row's float32 what
+    """Codegen of four rows' dots with one row of Q8 activations on 512-bit vectors (`WIDE`):
+    rows two by two (`_add_block_pair`, `_pair_k_block`), each row's float32 what
     `_rows_codegen`'s give (the tiles read those)."""
-    size = LAYOUTS[kind][0]
+    size, group = (K_BLOCK_BYTES[kind], 256) if kind in K_BLOCK_BYTES else (LAYOUTS[kind][0], 32)
 
     def codegen(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[5:9], args[5:9])]
@@ -420,12 +473,16 @@ def _pair_rows_codegen(kind: int):
         extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
         with cgutils.for_range(builder, builder.extract_value(arrays[1].shape, 0)) as loop:
             b = loop.index
-            first = builder.mul(b, ir.Constant(_I64, 32))
-            activations = _block_activations(builder, kind, b, first, quants, scales, counts, shifts)[3]
+            first = builder.mul(b, ir.Constant(_I64, group))
+            x_quants, x_scale, x_counts, activations = _block_activations(
+                builder, kind, b, first, quants, scales, counts, shifts)
             blocks = [_at(builder, row, builder.mul(b, ir.Constant(_I64, size))) for row in rows]
             for pair in range(2):
-                _add_block_pair(builder, kind, blocks[2 * pair: 2 * pair + 2], activations, sums[pair],
-                                extras[2 * pair: 2 * pair + 2])
+                two, extra = blocks[2 * pair: 2 * pair + 2], extras[2 * pair: 2 * pair + 2]
+                if kind in K_BLOCK_BYTES:
+                    _pair_k_block(builder, kind, two, x_quants, x_scale, x_counts, sums[pair], extra)
+                else:
+                    _add_block_pair(builder, kind, two, activations, sums[pair], extra)
         found = []
         for r, extra in enumerate(extras):
             lanes, result = builder.load(sums[r // 2]), builder.load(extra)
@@ -585,7 +642,7 @@ def _rows_intrinsic(kind: int):
         signature = numba.types.UniTuple(numba.types.float32, 4)(
             w, index, index, index, index, quants, scales, counts, shifts
         )
-        return signature, _pair_rows_codegen(kind) if WIDE and kind in LAYOUTS else _rows_codegen(kind)
+        return signature, _pair_rows_codegen(kind) if WIDE else _rows_codegen(kind)
 
     rows.__name__ = f"q8_rows_{kind}"
     return intrinsic(rows)
