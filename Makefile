@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The main job: SmolLM2-135M-Instruct (the GGUF installed above) answers a question, streamed, then
-# the same answer without the cache, compared.
+# the same answer without the cache, compared (float32 activations: the exact path, which the
+# no-cache run matches to the token; a GGUF's default, q8, rounds them as llama.cpp does)
 demo: $(STAMP)
 	$(VENV)/bin/kvcache generate -m smollm2 --chat "Why is the sky blue? Answer in two sentences." \
-		--max-tokens 96 --compare-nocache
+		--max-tokens 96 --activations float32 --compare-nocache
 
 lab: $(STAMP)
 	$(VENV)/bin/kvcache lab

@@ -19,7 +19,8 @@ path picks given llama.cpp's tokens before each. Two floors, kvcache against its
 run a token at a time (`agreement_with_itself_in_chunks`: the same products to the bit, but
 attention summed in a decode step's order instead of the prompt's), and teacher-forced, the
 modules' own numpy products (the same arithmetic in another order) picking the kernels' tokens
-(`agreement_with_itself_reordered`).
+(`agreement_with_itself_reordered`); and the path given the float32 run's tokens (`teacher_forced_on_float32`:
+the share of them it picks itself, what choosing the default activations weighs).
 Results: benchmarks/results/gguf_weights.json. Not a test.
 """
 
@@ -296,6 +297,8 @@ def one_round(files: dict[str, str], args, first: bool) -> dict[str, dict]:
             exact = run_worker(gguf, "float32", args, prompts)
             lengths = [len(tokens) - args.new_tokens for tokens in ours["tokens"]]
             row["agreement_with_float32"] = agreement(ours["tokens"], exact["tokens"], lengths)
+            # the path given the float32 run's tokens: the share of them it picks itself
+            row["teacher_forced_on_float32"] = teacher_forced(gguf, exact["tokens"], lengths, args)
             # the path's with itself, its prompts run a token at a time (attention in another order)
             in_chunks = agreement(ours["tokens"], ours["tokens_in_chunks"], lengths)
             row["agreement_with_itself_in_chunks"] = in_chunks
@@ -321,7 +324,7 @@ def summarise(rounds: list[dict[str, dict]]) -> dict[str, dict]:
             summary["llama_cpp_decode_tokens_per_s"] = statistics.median(
                 r["llama.cpp"]["decode_tokens_per_s"] for r in rows)
             summary["ratio_vs_llama_cpp"] = statistics.median(r["ratio_vs_llama_cpp"] for r in rows)
-        for key in ("agreement_with_float32", "agreement_with_itself_in_chunks",
+        for key in ("agreement_with_float32", "teacher_forced_on_float32", "agreement_with_itself_in_chunks",
                     "agreement_with_itself_reordered", "agreement_with_llama_cpp"):
             if key in rows[0]:
                 summary[key] = rows[0][key]
@@ -345,8 +348,8 @@ def main() -> None:
                         help="the agreement's prompts: random token ids, or questions in the chat template")
     parser.add_argument("--activations", choices=("q8", "float32"), default="q8",
                         help="how kvcache's products with the blocks read activations: q8 (default), "
-                        "rounded to 8 bits as llama.cpp's are (--q8-activations: the same arithmetic as "
-                        "llama.cpp), or float32 (exact)")
+                        "rounded to 8 bits as llama.cpp's are (generate's default on a GGUF: the same "
+                        "arithmetic as llama.cpp), or float32 (exact)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gguf_weights.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)

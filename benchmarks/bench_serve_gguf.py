@@ -1,4 +1,4 @@
-"""One user at the server on a GGUF as stored: `kvcache serve --q8-activations` against llama.cpp's
+"""One user at the server on a GGUF as stored: `kvcache serve --activations q8` against llama.cpp's
 `llama-server` on the same file, both up at once, one streaming client, alternating.
 
     benchmarks/build_llama_cpp.sh                                  # llama-server, once
@@ -84,7 +84,7 @@ def run(args, gguf: str) -> dict:
     """Both servers up, warmed, then the alternating rounds; the results' dict."""
     ports = {"kvcache": free_port(), "llama.cpp": free_port()}
     commands = {
-        "kvcache": [sys.executable, "-m", "kvcache", "serve", "-m", gguf, "--q8-activations", "--threads",
+        "kvcache": [sys.executable, "-m", "kvcache", "serve", "-m", gguf, "--activations", "q8", "--threads",
                     str(args.threads), "--port", str(ports["kvcache"]), "--served-model-name", "m"],
         "llama.cpp": [args.llama_server, "-m", gguf, "-t", str(args.threads), "-tb", str(args.threads),
                       "-np", "1", "-c", "4096", "--port", str(ports["llama.cpp"])],

@@ -378,14 +378,17 @@ def test_generate_with_a_kv_window_wider_than_the_run_answers_as_a_float_paged_c
     assert found[0] == found[1] and reply["kv_window"] == 128
 
 
-def test_generate_with_q8_activations_says_so_and_refuses_a_dtype(capsys):
-    """--q8-activations: SmolLM2's GGUF blocks read rounded activations (the weights line says
-    so, the block step runs); with --dtype (every weight dequantized) it is refused naming both."""
-    run = ["generate", "-m", "smollm2", "--prompt", "Once upon a time", "--max-new-tokens", "6", "--json",
-           "--q8-activations"]
+def test_generate_on_a_gguf_reads_q8_activations_by_default_and_float32_when_asked(capsys):
+    """A GGUF's blocks read activations rounded to 8 bits by default (the weights line says so,
+    the block step runs); --activations float32 reads them exact (the line does not say it);
+    --activations q8 with --dtype (every weight dequantized) is refused naming both."""
+    run = ["generate", "-m", "smollm2", "--prompt", "Once upon a time", "--max-new-tokens", "6", "--json"]
     assert main(run) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["decode_step"] == "blocks"
     assert "activations rounded to 8 bits as llama.cpp's" in captured.err
-    assert main([*run, "--dtype", "float32"]) == 2
-    assert "--q8-activations" in capsys.readouterr().err
+    assert main([*run, "--activations", "float32"]) == 0
+    assert "activations rounded to 8 bits" not in capsys.readouterr().err
+    assert main([*run, "--activations", "q8", "--dtype", "float32"]) == 2
+    assert "--activations q8" in capsys.readouterr().err
+    assert main([*run, "--dtype", "float32"]) == 0  # (auto: float32 where every weight is dequantized)

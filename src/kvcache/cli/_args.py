@@ -15,25 +15,27 @@ WEIGHTS_HELD_TWICE = (
 )
 
 
-def add_q8_activations(parser) -> None:
-    """--q8-activations: a GGUF's blocks multiplied as llama.cpp multiplies them
-    (`kvcache.model.load_model`'s activations="q8"); `activations_of` reads it."""
+def add_activations(parser) -> None:
+    """--activations: how a GGUF's weights kept as blocks read their input
+    (`kvcache.model.load_model`'s activations); `activations_of` reads it."""
     parser.add_argument(
-        "--q8-activations", action="store_true",
-        help="multiply a GGUF's weights kept as blocks by activations rounded to 8 bits (each 32 values; "
-        "each 256 for the K-quants), as llama.cpp's CPU products do: its arithmetic and about its "
-        "speed, an approximation of the exact float path (answers can part from it at near-ties); "
-        "default: float32 activations, exact",
+        "--activations", choices=("auto", "q8", "float32"), default="auto",
+        help="how a GGUF's weights kept as blocks multiply: q8 rounds the activations to 8 bits (each "
+        "32 values; each 256 for the K-quants) as llama.cpp's CPU products do, its arithmetic and "
+        "about twice float32's decode speed, an approximation that picks the float32 path's own "
+        "next token at nearly every step (docs/model.md: the measured agreement); float32: the "
+        "dequantized weight's exact product; auto (default): q8 for a GGUF file without --dtype, "
+        "float32 otherwise",
     )
 
 
 def activations_of(args) -> str:
-    """`load_model`'s activations argument that --q8-activations gives (ValueError naming the
-    flags with --dtype, which dequantizes every weight: no blocks are left to read them)."""
-    if args.q8_activations and getattr(args, "dtype", None):
-        raise ValueError(f"--q8-activations multiplies a GGUF's weights kept as blocks; --dtype {args.dtype} "
+    """`load_model`'s activations argument that --activations gives (ValueError naming the flags
+    for q8 with --dtype, which dequantizes every weight: no blocks are left to read them)."""
+    if args.activations == "q8" and getattr(args, "dtype", None):
+        raise ValueError(f"--activations q8 multiplies a GGUF's weights kept as blocks; --dtype {args.dtype} "
                          "dequantizes them all: give one of the two")
-    return "q8" if args.q8_activations else "float32"
+    return args.activations
 
 
 def add_kv_cache_dtype(parser) -> None:

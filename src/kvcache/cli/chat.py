@@ -19,8 +19,8 @@ from pathlib import Path
 from kvcache.cli._args import (
     WEIGHTS_HELD_TWICE,
     activations_of,
+    add_activations,
     add_kv_cache_dtype,
-    add_q8_activations,
     folder_argument,
     kv_dtype_of,
     kv_window_of,
@@ -68,7 +68,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-disk-size", type=size_argument, default=parse_size("8GiB"),
                         help="the most --kv-disk's blocks take (default 8GiB)")
     add_kv_cache_dtype(parser)
-    add_q8_activations(parser)
+    add_activations(parser)
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
 

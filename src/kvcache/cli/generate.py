@@ -17,8 +17,8 @@ from pathlib import Path
 from kvcache.cli._args import (
     WEIGHTS_HELD_TWICE,
     activations_of,
+    add_activations,
     add_kv_cache_dtype,
-    add_q8_activations,
     folder_argument,
     kv_dtype_of,
     kv_window_of,
@@ -66,7 +66,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="also generate without a cache; report whether the tokens are identical and the speed ratio",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
-    add_q8_activations(parser)
+    add_activations(parser)
     parser.add_argument("--prefill-chunk", type=positive_int, help="prefill this many tokens at a time")
     parser.add_argument("--sample", action="store_true",
                         help="sample instead of greedy decoding (default: the checkpoint's "

@@ -278,15 +278,19 @@ def load_model(
     (1.0, "done") at the end (a `kvcache.report.progress.ProgressBar` draws it).
     activations: how products with weights kept as blocks read their input: "float32" (exact:
     the dequantized weight's product) or "q8" (rounded to 8 bits as llama.cpp's CPU products
-    round them: its arithmetic and speed, an approximation; `quantized.read_q8_activations`).
+    round them: its arithmetic and speed, an approximation; `quantized.read_q8_activations`);
+    "auto": "q8" for a GGUF file loaded without a dtype, else "float32" (the commands' default).
     "q8" needs a GGUF loaded without a dtype (ValueError otherwise).
     """
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations not in (*ACTIVATIONS, "auto"):
+        raise ValueError(f"activations must be one of {(*ACTIVATIONS, 'auto')}, got {activations!r}")
     if activations == "q8" and dtype is not None:
         raise ValueError(f"activations='q8' reads a GGUF's weights kept as blocks; dtype={dtype} dequantizes "
                          "them all (load it without a dtype)")
     resolved = resolve_model_dir(path)
+    explicit = activations != "auto"
+    if not explicit:
+        activations = "q8" if dtype is None and is_gguf(resolved) else "float32"
     dtype = resolve_dtype(dtype)
     say = progress or (lambda fraction, label: None)
     say(0.0, "reading tensors")
@@ -295,7 +299,7 @@ def load_model(
             Path(resolved).expanduser(), say, keep_blocks=dtype is None
         )
         model = _build(config, state, dtype or GGUF_DTYPE, device, blocks)
-        if activations == "q8" and not read_q8_activations(model):
+        if activations == "q8" and not read_q8_activations(model) and explicit:
             raise ValueError(f"activations='q8' reads a GGUF's Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 weights "
                              f"kept as blocks: {resolved} has none kept (load it without a dtype)")
         model.weights_note = gguf_file.weights_note(stored_summary(model), dequantized)
