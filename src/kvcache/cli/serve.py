@@ -21,8 +21,8 @@ from pathlib import Path
 from kvcache.cli._args import (
     WEIGHTS_HELD_TWICE,
     activations_of,
+    add_activations,
     add_kv_cache_dtype,
-    add_q8_activations,
     folder_argument,
     kv_dtype_of,
     kv_window_of,
@@ -205,7 +205,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="the Ray cluster for --replicas (default: start a local one)",
     )
     engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
-    add_q8_activations(engine)
+    add_activations(engine)
     engine.add_argument("--threads", type=positive_int, help="torch CPU threads")
     limits = parser.add_argument_group("limits")
     limits.add_argument(
