@@ -64,3 +64,19 @@ class BytesProgress:
             return
         self.drawn_at, self.phase = now, phase
         self.bar(done / total if total else 1.0, f"{done / 1e6:.1f}/{total / 1e6:.1f} MB  {phase}")
+
+
+def fewer_threads_beside_other_work(command: str, watch) -> None:
+    """Lower torch's CPU threads (the kernels' follow them) by the cores other processes kept busy
+    since `watch` (a `threads.CoreWatch`) started, and say so on stderr when it does."""
+    import torch
+
+    from kvcache.backends.cpu.threads import threads_beside_other_work
+
+    threads = torch.get_num_threads()
+    chosen = threads_beside_other_work(threads, watch)
+    if chosen < threads:
+        torch.set_num_threads(chosen)
+        print(f"kvcache {command}: other work keeps {threads - chosen} of this machine's cores busy: running "
+              f"on {chosen} thread{'s' if chosen > 1 else ''}, not {threads} (--threads to choose)",
+              file=sys.stderr, flush=True)

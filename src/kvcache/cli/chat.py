@@ -27,7 +27,7 @@ from kvcache.cli._args import (
     positive_int,
     size_argument,
 )
-from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
+from kvcache.cli._status import BAR_AFTER_S, compiling_said, fewer_threads_beside_other_work, say_weights
 from kvcache.defaults import resolve_model_dir
 from kvcache.memory import parse_size
 
@@ -69,7 +69,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="the most --kv-disk's blocks take (default 8GiB)")
     add_kv_cache_dtype(parser)
     add_activations(parser)
-    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int,
+                        help="CPU threads (default: torch's, one per core, less the cores other processes "
+                        "of normal priority kept busy while the model loaded: the kernels' threads wait "
+                        "for each other at every layer: one sharing a core with other work slows them all)")
 
 
 class _Chat:
@@ -183,6 +186,7 @@ def _context(ctx_size: int | None, model_context: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvcache.backends.cpu.threads import CoreWatch
     from kvcache.model import load_model
     from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
@@ -192,11 +196,14 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         print("kvcache chat: error: --temperature must be >= 0 and --top-p in (0, 1]", file=sys.stderr)
         return 2
+    watch = CoreWatch()
     try:
         folder = Path(resolve_model_dir(args.model))
         bar = ProgressBar("kvcache chat: loading the model", after_s=BAR_AFTER_S)
         model = load_model(folder, progress=bar, activations=activations_of(args))
         say_weights("chat", model)
+        if not args.threads:
+            fewer_threads_beside_other_work("chat", watch)
         tokenizer = load_tokenizer(folder)
         args.ctx_size = _context(args.ctx_size, model.config.max_position_embeddings)
         chat = _Chat(model, tokenizer, args, sys.stdout, sys.stderr)

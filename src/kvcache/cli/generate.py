@@ -25,7 +25,7 @@ from kvcache.cli._args import (
     positive_int,
     size_argument,
 )
-from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
+from kvcache.cli._status import BAR_AFTER_S, compiling_said, fewer_threads_beside_other_work, say_weights
 from kvcache.defaults import BACKEND_NAMES, CACHE_KINDS, resolve_model_dir
 from kvcache.memory import parse_size
 
@@ -85,7 +85,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, tokens, timings) instead of streaming the text")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int,
+                        help="CPU threads (default: torch's, one per core, less the cores other processes "
+                        "of normal priority kept busy while the model loaded: the kernels' threads wait "
+                        "for each other at every layer: one sharing a core with other work slows them all)")
     parser.add_argument(
         "--backend",
         choices=BACKEND_NAMES,
@@ -145,11 +148,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from kvcache.backends.cpu.threads import CoreWatch
+
+    watch = CoreWatch()
     try:
         model, tokenizer, input_ids, sampling = _load(args)
     except (ValueError, OSError) as error:
         print(f"kvcache generate: error: {error}", file=sys.stderr)
         return 2
+    if not args.threads:
+        fewer_threads_beside_other_work("generate", watch)
     # an unseeded sampled run differs every time; the seed is printed so it can be repeated
     seed = args.seed if args.seed is not None else (secrets.randbits(31) if sampling["do_sample"] else 0)
     stream = None if args.json else _TextStream(tokenizer, sys.stdout)
