@@ -40,6 +40,7 @@ from kvcache.engine.step_costs import StepCosts
 from kvcache.engine.store_tier import open_store
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
+from kvcache.generation.structured import GrammarState, TokenTable
 from kvcache.memory import PACKED_KV_DTYPES, paged_block_bytes
 
 
@@ -142,6 +143,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self._incoming: list[Request] = []
         self._ids = 0
+        self._token_table: TokenTable | None = None  # the vocabulary as structured outputs read it
         self._lock = threading.Lock()  # guards _incoming and _ids (submit may come from any thread)
         self._step_lock = threading.Lock()
         self._wake_event = threading.Event()
@@ -215,16 +217,28 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer to read the generated text")
         rule = StopRule((*eos, *params.stop_token_ids), params.stop, self.tokenizer, text=True)
+        grammar = None if params.structured is None else self._grammar(params.structured)
         with self._lock:
             request_id = self._ids
             self._ids += 1
             handle = RequestHandle(request_id, self)
-            request = Request(request_id, ids, params, rule, handle, arrival=request_id)
+            request = Request(request_id, ids, params, rule, handle, arrival=request_id, grammar=grammar)
             self.pool.prefetch([request], self.wake)  # its blocks in the KV store, read off the step
             self._incoming.append(request)
         self.metrics.submitted += 1
         self.wake()
         return handle
+
+    def _grammar(self, structured) -> GrammarState:
+        """A new request's place in its structured output's grammar (the engine's token table is
+        built at the first one)."""
+        if self.tokenizer is None:
+            raise RequestError(f"{structured.field} needs the engine's tokenizer (its token table)")
+        if self._token_table is None:
+            config = self.model.config
+            eos = (*config.eos_token_id, *tokenizer_eos(self.tokenizer))
+            self._token_table = TokenTable(self.tokenizer, config.vocab_size, tuple(dict.fromkeys(eos)))
+        return GrammarState(structured, self._token_table)
 
     def pin(self, prompt) -> int:
         """Keep `prompt`'s cached blocks (token ids, a text or chat messages) when unused, evicted
@@ -346,6 +360,8 @@ class Engine:
         batch = work.batch
         decoding = sum(1 for tokens in batch.tokens if len(tokens) == 1)
         prompt_tokens = sum(map(len, batch.tokens)) - decoding
+        sampling = [work.requests[index] for index in batch.sampled]
+        masks = self.runner.masks_ahead(sampling)  # grammars' masks, computed while the forward runs
         started = self.metrics.now()
         with self.metrics.timing(decoding, prompt_tokens):
             try:
@@ -358,7 +374,7 @@ class Engine:
         self.pool.commit(work)
         for observer in self.observers:
             observer.forwarded(work, logits)
-        chosen, failed = self.runner.choose(logits, [work.requests[index] for index in batch.sampled])
+        chosen, failed = self.runner.choose(logits, sampling, masks)
         for request, message in failed:
             request.finish = ("error", message)
         now = self.metrics.now()
@@ -440,6 +456,7 @@ class Engine:
         """Stop, and close what the observers hold: the KV store connection (its queued writes
         are dropped), the events' socket (after AllBlocksCleared)."""
         self.stop()
+        self.runner.close()
         for observer in self.observers:
             observer.close()
 

@@ -188,6 +188,7 @@ class Request:
         stop_rule: StopRule,
         handle: RequestHandle,
         arrival: int,
+        grammar=None,
     ) -> None:
         self.id = request_id
         self.prompt = prompt
@@ -196,6 +197,7 @@ class Request:
         # what its penalties read, counted as it grows (None: it has no penalty)
         self.seen = SeenTokens(self.tokens, len(prompt)) if params.penalizes else None
         self.stop_rule = stop_rule
+        self.grammar = grammar  # its `structured.GrammarState` when its output follows a grammar
         self._handle = weakref.ref(handle)  # a handle its submitter dropped cancels the request
         self.cancel_requested = False
         self.arrival = arrival
@@ -244,13 +246,15 @@ class Request:
 
     def append(self, token: int, now: float) -> str:
         """Take its next token (chosen at time `now`); the text it made final. Sets `finish` if
-        it stopped ("stop": an EOS id or a stop string; "length"); a stop check that raises fails
-        this request only (finish "error")."""
+        it stopped ("stop": an EOS id, a stop string or its grammar complete; "length"); a stop
+        check that raises fails this request only (finish "error")."""
         self.tokens.append(token)
         self.token_times.append(now)
         try:
             piece = self.stop_rule.take(token)
-            if self.stop_rule.reason is not None:
+            if self.grammar is not None:
+                self.grammar.take(token)
+            if self.stop_rule.reason is not None or (self.grammar is not None and self.grammar.done):
                 self.finish = ("stop", None)
             elif len(self.generated) >= self.params.max_tokens:
                 self.finish = ("length", None)

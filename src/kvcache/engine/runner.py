@@ -1,17 +1,22 @@
 """The engine's runner, its one door to the model: a step's batch run by the backend in one call
 (`DecodeBackend.step`), then the next token of every row that samples, chosen in one batched call
 (`kvcache.generation.sampling.choose_tokens`, each row with its own settings; a row draws from
-its own generator only when its request gave a seed)."""
+its own generator only when its request gave a seed). The masks of the rows that follow a grammar
+(structured outputs) are computed on a thread of their own while the forward runs
+(`masks_ahead`): they depend only on the tokens already chosen."""
 
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvcache.engine.pool import StepWork
 from kvcache.engine.request import Request
 from kvcache.generation.sampling import choose_tokens, finite_rows
+from kvcache.generation.structured import allowed_rows, packed_masks
 
 
 class Runner:
@@ -21,15 +26,34 @@ class Runner:
         self.model, self.backend = model, backend
         # the generator of every row whose request gave no seed
         self.shared = torch.Generator().manual_seed(random.randrange(2**62) if seed is None else seed)
+        self._masker: ThreadPoolExecutor | None = None  # computes grammars' masks (made at the first)
+
+    def masks_ahead(self, requests: list[Request]) -> Future | None:
+        """Start computing the masks of `requests` that follow a grammar (the step's sampling rows,
+        in order); the future gives a list of (vocab,) bool or None per request. None: no grammar."""
+        if all(request.grammar is None for request in requests):
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="kvcache-grammar")
+        return self._masker.submit(_allowed, [request.grammar for request in requests])
+
+    def close(self) -> None:
+        """Let the mask thread go (it ends once idle)."""
+        if self._masker is not None:
+            self._masker.shutdown(wait=False)
+            self._masker = None
 
     def run(self, work: StepWork) -> torch.Tensor:
         """(rows that sample, vocab) float32 logits of the step (raises what the forward raises)."""
         with torch.inference_mode():
             return self.backend.step(self.model, work.batch)
 
-    def choose(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list, list]:
-        """The next token of each request from its row of logits: ([(request, token)], [(request,
-        error message)]); a row whose logits are not finite (NaN, inf) fails alone."""
+    def choose(self, logits: torch.Tensor, requests: list[Request], masks: Future | None = None
+               ) -> tuple[list, list]:
+        """The next token of each request from its row of logits (and its grammar's mask from
+        `masks`, `masks_ahead`'s future): ([(request, token)], [(request, error message)]); a row
+        whose logits are not finite (NaN, inf) fails alone."""
+        allowed = [None] * len(requests) if masks is None else masks.result()
         finite = finite_rows(logits).tolist()
         good = [row for row, ok in enumerate(finite) if ok]
         failed = [
@@ -46,5 +70,14 @@ class Runner:
             [request.generator for request in picked],
             self.shared,
             [request.seen for request in picked],
+            [allowed[row] for row in good],
         )
         return list(zip(picked, tokens.tolist())), failed
+
+
+def _allowed(states: list) -> list[np.ndarray | None]:
+    """Each grammar state's (vocab,) bool mask of the tokens it allows (None where no grammar)."""
+    following = [state for state in states if state is not None]
+    table = following[0].table
+    rows = iter(allowed_rows(packed_masks(following, table.words), table.vocab_size))
+    return [None if state is None else next(rows) for state in states]

@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcache.generation.structured import StructuredOutput
 
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias lies in [-100, 100]
@@ -36,7 +40,9 @@ class SamplingParams:
     request once its new text contains one (the string is not returned). stop_token_ids: ids that
     end it, besides the model's EOS ids (ignore_eos=True drops those). cache_salt: requests of
     different salts never share cached blocks (vLLM's field: a prefix hit shows in timing, so a
-    tenant may opt out of sharing); None shares with every request without one.
+    tenant may opt out of sharing); None shares with every request without one. structured: a
+    `kvcache.generation.structured.StructuredOutput` the output must match (a JSON schema, any
+    JSON object, a grammar, a regex): tokens outside it are masked before the bias and penalties.
     Raises RequestError naming the first field out of range.
     """
 
@@ -54,6 +60,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +106,12 @@ class SamplingParams:
         if self.repetition_penalty == 0:
             raise RequestError("repetition_penalty must be > 0 (1 is off), got 0")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.structured is not None:
+            from kvcache.generation.structured import StructuredOutput
+
+            if not isinstance(self.structured, StructuredOutput):
+                raise RequestError(f"structured must be a StructuredOutput, got "
+                                   f"{type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

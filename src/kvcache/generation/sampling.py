@@ -3,7 +3,8 @@ one call: pure functions of (logits, params, generators).
 
 Nothing here keeps state or touches a global seed: a row draws from its own `torch.Generator`
 when it has one (a request with a seed), the others from the one shared generator given, so the
-same generator states give the same tokens. The raw logits first take each row's logit_bias and
+same generator states give the same tokens. A row with a grammar (structured outputs) first
+loses the tokens its mask does not allow (-inf). The raw logits then take each row's logit_bias and
 penalties (`kvcache.generation.penalties`, as vLLM orders them); the filters then follow the
 order Hugging Face applies them: temperature, then top-k, top-p and min-p. A row that asks for
 none of these costs only its share of one argmax.
@@ -78,11 +79,13 @@ def choose_tokens(
     generators: Sequence[torch.Generator | None] | None = None,
     shared: torch.Generator | None = None,
     seen: Sequence[SeenTokens | None] | None = None,
+    allowed: Sequence[np.ndarray | None] | None = None,
 ) -> torch.Tensor:
     """(B, vocab) last-position logits -> (B,) next tokens, row b chosen as params[b] says: the
     argmax of `processed_logits` when greedy, else a draw from their softmax, from generators[b]
     when given, else from `shared` (None: torch's default generator). seen[b]: the tokens row b
-    has seen, needed when it has a penalty. Raises `NonFiniteLogitsError` when a row holds NaN
+    has seen, needed when it has a penalty. allowed[b]: (vocab,) bool, the only tokens row b may
+    take (its grammar's mask), or None. Raises `NonFiniteLogitsError` when a row holds NaN
     or inf. Runs on one torch thread: the work is a few passes over B × vocab floats, and right
     after a step on other threads a second torch thread would wait for a core."""
     if len(params) != logits.shape[0]:
@@ -96,13 +99,16 @@ def choose_tokens(
         )
     generators = generators if generators is not None else [None] * len(params)
     seen = seen if seen is not None else [None] * len(params)
+    allowed = allowed if allowed is not None else [None] * len(params)
     with torch_threads(1):
         tokens = _argmax(logits)  # (B,)
-        rows = [row for row, p in enumerate(params) if p.adjusts_logits or not p.greedy]
+        rows = [row for row, p in enumerate(params)
+                if p.adjusts_logits or not p.greedy or allowed[row] is not None]
         if rows:
             every = len(rows) == len(params)
-            chosen = _processed(logits.to(torch.float32, copy=True) if every else logits[rows].float(),
-                                [params[row] for row in rows], [seen[row] for row in rows])
+            chosen = logits.to(torch.float32, copy=True) if every else logits[rows].float()
+            _mask(chosen, [allowed[row] for row in rows])
+            chosen = _processed(chosen, [params[row] for row in rows], [seen[row] for row in rows])
             argmax = [at for at, row in enumerate(rows) if params[row].greedy]
             if argmax:
                 tokens[[rows[at] for at in argmax]] = _argmax(chosen[argmax])
@@ -124,6 +130,15 @@ def processed_logits(
     top-k, top-p and min-p (dropped tokens -inf)."""
     seen = seen if seen is not None else [None] * len(params)
     return _processed(logits.to(torch.float32, copy=True), list(params), list(seen))
+
+
+def _mask(logits: torch.Tensor, allowed: list) -> None:
+    """Set to -inf, in place, the tokens of logits (R, vocab) float32 that allowed[r] (vocab,)
+    bool does not allow (rows whose allowed is None are not touched)."""
+    masked = [row for row, mask in enumerate(allowed) if mask is not None]
+    if masked:
+        keep = torch.from_numpy(np.stack([allowed[row] for row in masked]))  # (M, vocab) bool
+        logits[masked] = logits[masked].masked_fill(~keep, float("-inf"))
 
 
 def _processed(logits: torch.Tensor, params: list[SamplingParams], seen: list) -> torch.Tensor:
