@@ -6,10 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvcache.generation.structured import StructuredOutput
 
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias lies in [-100, 100]
@@ -60,7 +56,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    structured: StructuredOutput | None = None
+    structured: object | None = None  # a structured.StructuredOutput (checked when it is made)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,12 +102,6 @@ class SamplingParams:
         if self.repetition_penalty == 0:
             raise RequestError("repetition_penalty must be > 0 (1 is off), got 0")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        if self.structured is not None:
-            from kvcache.generation.structured import StructuredOutput
-
-            if not isinstance(self.structured, StructuredOutput):
-                raise RequestError(f"structured must be a StructuredOutput, got "
-                                   f"{type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
