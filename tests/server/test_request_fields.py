@@ -24,8 +24,6 @@ IGNORED = {"user": "u-1", "safety_identifier": "s-1", "prompt_cache_key": "k", "
            "store": True, "service_tier": "auto", "parallel_tool_calls": False, "cache_prompt": True}
 
 REFUSED = [
-    ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", "required"),
     ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),

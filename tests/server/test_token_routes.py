@@ -116,8 +116,6 @@ def test_unknown_routes_and_methods_are_json_404s_and_405s(server, client):
 
 
 @pytest.mark.parametrize(("route", "fields", "param"), [
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
-     "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("chat", {"n": 2}, "n"),
     ("chat", {"logprobs": True}, "logprobs"),

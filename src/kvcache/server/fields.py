@@ -19,6 +19,8 @@ _SAMPLING = frozenset({
     "stream_options", "presence_penalty", "frequency_penalty", "logit_bias",
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "cache_salt",
+    # structured outputs (json_object, json_schema; vLLM reads it on completions too)
+    "response_format",
 })
 READ: dict[str, frozenset[str]] = {
     "chat": _SAMPLING | {"messages"},
@@ -80,9 +82,6 @@ DEFAULT_ONLY: dict[str, dict[str, DefaultOnly]] = {
         "n": _N,
         "logprobs": DefaultOnly(_is(None, False), "false or null", _LOGPROBS),
         "top_logprobs": DefaultOnly(_is(None, 0), "0 or null", _LOGPROBS),
-        "response_format": DefaultOnly(
-            _is(None, {"type": "text"}), '{"type": "text"} (plain text, the default) or null',
-            "structured outputs (json_object, json_schema) are not implemented"),
         "tools": _TOOLS,
         "tool_choice": _TOOL_CHOICE,
         "functions": _TOOLS,

@@ -9,18 +9,20 @@ wherever it is.
 OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` (token id strings -> biases)
 are applied, and of vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos` (generate to max_tokens) and `cache_salt` (requests of other salts share no cached
-blocks).
+blocks). `response_format` json_object and json_schema hold the answer to JSON (`response_format`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
 
 from kvcache.engine import SamplingParams
-from kvcache.generation.params import encodes_as_utf8
+from kvcache.generation.params import RequestError, encodes_as_utf8
+from kvcache.generation.structured import StructuredOutput
 from kvcache.server.fields import refused_field
 
 
@@ -110,6 +112,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: run to max_tokens
         cache_salt=body.get("cache_salt"),  # vLLM's: requests of other salts share no cached blocks
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),  # vLLM's
+        structured=response_format(body.get("response_format")),
         **_logit_changes(body),
     )
     model = body.get("model")
@@ -344,6 +347,51 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
         bounds = f"({low:g}, inf)" if high == math.inf else bounds
         raise ApiError(400, f"{name} must be in {bounds}, got {value}", param=name)
     return float(value)
+
+
+def response_format(value: object) -> StructuredOutput | None:
+    """The StructuredOutput of OpenAI's response_format: {"type": "text"} or null (none),
+    {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict",
+    "description"}}; ApiError(400) naming the part that is wrong or that llguidance refuses."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, 'response_format must be an object whose type is "text", "json_object" or '
+                       f'"json_schema", got {str(value)[:80]}', param="response_format")
+    extra = sorted(set(value) - {"type", "json_schema"}) or (["json_schema"] if kind != "json_schema" and
+                                                            "json_schema" in value else [])
+    if extra:
+        raise ApiError(400, f"response_format.{extra[0]} is not read with type {kind!r}",
+                       param=f"response_format.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _structured("json_object", "", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ApiError(400, 'response_format.json_schema must be an object with a "name" (a string) and a '
+                       '"schema"', param="response_format.json_schema")
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise ApiError(400, f"response_format.json_schema.{unknown[0]} is not a field of json_schema "
+                       "(name, schema, strict, description)",
+                       param=f"response_format.json_schema.{unknown[0]}")
+    if spec.get("strict") not in (None, True, False):
+        raise ApiError(400, "response_format.json_schema.strict must be a boolean",
+                       param="response_format.json_schema.strict")
+    schema = spec.get("schema", {})  # OpenAI's: no schema is any JSON
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(400, f"response_format.json_schema.schema must be a JSON schema (an object), got "
+                       f"{type(schema).__name__}", param="response_format.json_schema.schema")
+    return _structured("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+
+
+def _structured(kind: str, source: str, field: str) -> StructuredOutput:
+    try:
+        return StructuredOutput(kind, source, field)
+    except RequestError as error:
+        raise ApiError(400, str(error), param=field) from None
 
 
 def _logit_changes(body: dict) -> dict:
