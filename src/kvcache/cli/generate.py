@@ -26,6 +26,7 @@ from kvcache.cli._args import (
     size_argument,
 )
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, fewer_threads_beside_other_work, say_weights
+from kvcache.cli._structured import add_structured_flags, structured_of
 from kvcache.defaults import BACKEND_NAMES, CACHE_KINDS, resolve_model_dir
 from kvcache.memory import parse_size
 
@@ -85,6 +86,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, tokens, timings) instead of streaming the text")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_structured_flags(parser)
     parser.add_argument("--threads", type=positive_int,
                         help="CPU threads (default: torch's, one per core, less the cores other processes "
                         "of normal priority kept busy while the model loaded: the kernels' threads wait "
@@ -206,6 +208,7 @@ def _load(args: argparse.Namespace):
     folder = Path(resolve_model_dir(args.model))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = _sampling(args, folder)
+    args.structured = structured_of(args)
     model = load_model(folder, dtype=args.dtype, progress=ProgressBar(LOADING, after_s=BAR_AFTER_S),
                        activations=activations_of(args))
     say_weights("generate", model)
@@ -254,6 +257,7 @@ class _Runs:
             stop_strings=args.stop or None,
             tokenizer=tokenizer,
             prefill_chunk_size=args.prefill_chunk,
+            structured=args.structured,
         )
 
     def generate(self, cache: str, streamer=None, input_ids=None, **changes):

@@ -30,6 +30,7 @@ from kvcache.generation.penalties import SeenTokens
 from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
 from kvcache.generation.stops import Stops
+from kvcache.generation.structured import GrammarState, TokenTable, allowed_rows, packed_masks
 
 
 @dataclass
@@ -190,7 +191,8 @@ def _steps(
     try:  # all or nothing: a call that fails leaves a supplied cache as it was
         ids = input_ids.new_empty((batch, prompt_length + options.max_new_tokens))  # (B, T_prompt + new)
         ids[:, :prompt_length] = input_ids
-        stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer)
+        grammars = _grammars(model, options.structured, tokenizer, eos_ids, batch)
+        stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer, grammars)
         sampling = [options.sampling] * batch
         seen = _seen_tokens(input_ids, attention_mask) if options.sampling.penalizes else None
         ran = "none"  # no decode step yet
@@ -240,10 +242,26 @@ def _steps(
 
 def _choose(logits, sampling, generator, seen: list[SeenTokens] | None, stops: Stops) -> torch.Tensor:
     """The step's (B,) tokens (pad for stopped rows), noted in `seen` for the next step's penalties."""
-    tokens = stops.take(choose_tokens(logits, sampling, shared=generator, seen=seen))
+    allowed = None
+    if stops.grammars is not None:  # the rows still running: their grammars' masks
+        running = [grammar for grammar, done in zip(stops.grammars, stops.finished) if not done]
+        masks = iter(allowed_rows(packed_masks(running, running[0].table.words), logits.shape[-1]))
+        allowed = [None if done else next(masks) for done in stops.finished]
+    tokens = stops.take(choose_tokens(logits, sampling, shared=generator, seen=seen, allowed=allowed))
     for row, token in zip(seen or (), tokens.tolist()):
         row.tokens.append(token)
     return tokens
+
+
+def _grammars(model, structured, tokenizer, eos_ids, batch: int) -> list | None:
+    """Each row's GrammarState of `structured` (None: no structured output)."""
+    if structured is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("structured outputs need the tokenizer (generate's tokenizer=...)")
+    ends = tuple(dict.fromkeys(eos_ids or model.config.eos_token_id))  # (no EOS asked: the model's)
+    table = TokenTable(tokenizer, model.config.vocab_size, ends)
+    return [GrammarState(structured, table) for _ in range(batch)]
 
 
 def _seen_tokens(input_ids: torch.Tensor, attention_mask) -> list[SeenTokens]:

@@ -21,6 +21,8 @@ class GenerationSettings:
         tokenizer's pad token, else 0).
     stop_strings: stop a row once its new text contains one (needs a tokenizer).
     prefill_chunk_size: run the prompt through the model this many tokens at a time.
+    structured: a `structured.StructuredOutput` every row's output must match (needs a tokenizer);
+        a row whose grammar is complete stops ("grammar").
     """
 
     max_new_tokens: int = 32
@@ -34,6 +36,7 @@ class GenerationSettings:
     pad_token_id: int | None = None
     stop_strings: Sequence[str] | None = None
     prefill_chunk_size: int | None = None
+    structured: object | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -65,4 +68,5 @@ class GenerationSettings:
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=0.0 if self.min_p is None else self.min_p,
             repetition_penalty=self.repetition_penalty,
+            structured=self.structured,
         )

@@ -53,8 +53,9 @@ class StopRule:
 
 
 class Stops:
-    """The new tokens of `batch` rows and whether each has stopped ("eos", "stop_string"; else
-    "length"). A stopped row's later tokens are `pad_token_id`."""
+    """The new tokens of `batch` rows and whether each has stopped ("eos", "stop_string", "grammar":
+    its structured output complete; else "length"). A stopped row's later tokens are `pad_token_id`.
+    grammars: each row's `structured.GrammarState`, which follows its tokens (None: no grammar)."""
 
     def __init__(
         self,
@@ -63,8 +64,10 @@ class Stops:
         pad_token_id: int,
         stop_strings: Sequence[str] | None,
         tokenizer,
+        grammars: Sequence | None = None,
     ) -> None:
         self.rules = [StopRule(eos_ids, stop_strings, tokenizer) for _ in range(batch)]
+        self.grammars = grammars
         self.pad_token_id = pad_token_id
         self.finished = [False] * batch
         self.reasons = ["length"] * batch
@@ -87,6 +90,11 @@ class Stops:
             self.new_tokens[row].append(token)
             rule = self.rules[row]
             rule.take(token)
+            grammar = None if self.grammars is None else self.grammars[row]
+            if grammar is not None:
+                grammar.take(token)
             if rule.reason is not None:
                 self.reasons[row], self.finished[row] = rule.reason, True
+            elif grammar is not None and grammar.done:
+                self.reasons[row], self.finished[row] = "grammar", True
         return chosen
