@@ -118,7 +118,6 @@ def test_unknown_routes_and_methods_are_json_404s_and_405s(server, client):
 @pytest.mark.parametrize(("route", "fields", "param"), [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("chat", {"n": 2}, "n"),
-    ("chat", {"logprobs": True}, "logprobs"),
     ("completion", {"suffix": " and so on"}, "suffix"),
     ("completion", {"echo": True}, "echo"),
 ])

@@ -378,8 +378,8 @@ class Engine:
         for request, message in failed:
             request.finish = ("error", message)
         now = self.metrics.now()
-        for request, token in chosen:
-            piece = request.append(token, now)
+        for request, token, logprobs in chosen:
+            piece = request.append(token, now, logprobs)
             self.pool.declare(request, token)
             request.deliver(token, piece)
             self.metrics.generated_tokens += 1

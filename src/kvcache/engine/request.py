@@ -46,6 +46,8 @@ class Completion:
     token_times_s: list[float] = field(default_factory=list, repr=False)  # when each token came
     text: str | None = None  # the reply's text, cut before a stop string (None: no tokenizer)
     kv_drift: object = None  # its `drift_probe.KVDrift` when the drift probe sampled it
+    # each new token's `generation.logprobs.TokenLogprobs`, when its params asked (logprobs)
+    logprobs: list | None = None
 
 
 class ReplyReader:
@@ -84,6 +86,7 @@ does dropping the last reference to the handle (nobody is left to read what it m
 
     def __init__(self, request_id: int, engine) -> None:
         self.request_id = request_id
+        self.logprobs: list = []  # each token's TokenLogprobs, when asked, before its event
         self._engine = engine
         self._events: queue.Queue = queue.Queue()
         self._completion: Completion | None = None
@@ -216,6 +219,7 @@ class Request:
         self.root = salt_root(params.cache_salt)  # its blocks' hash chain starts here
         self.tail = ""  # the text its stop rule held back until it ended
         self.drift = None  # a `drift_probe.KVDrift` while (and after) the drift probe runs it
+        self.logprobs: list | None = None if params.logprobs is None else []  # TokenLogprobs a token
 
     def cancel(self) -> None:
         """End this request at the engine's next step (the engine's own cancel: shutting down)."""
@@ -244,12 +248,17 @@ class Request:
                 handle._put(None, self.tail)
             handle._finish(completion)
 
-    def append(self, token: int, now: float) -> str:
+    def append(self, token: int, now: float, logprobs=None) -> str:
         """Take its next token (chosen at time `now`); the text it made final. Sets `finish` if
         it stopped ("stop": an EOS id, a stop string or its grammar complete; "length"); a stop
         check that raises fails this request only (finish "error")."""
         self.tokens.append(token)
         self.token_times.append(now)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            handle = self._handle()
+            if handle is not None:
+                handle.logprobs.append(logprobs)  # (before the token's event: a reader finds it)
         try:
             piece = self.stop_rule.take(token)
             if self.grammar is not None:
@@ -287,6 +296,7 @@ class Request:
             [moment - self.submitted_at for moment in self.token_times],
             None if reply is None else reply.text,
             self.drift,
+            None if self.logprobs is None else list(self.logprobs),
         )
 
 

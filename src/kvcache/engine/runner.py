@@ -15,6 +15,7 @@ import torch
 
 from kvcache.engine.pool import StepWork
 from kvcache.engine.request import Request
+from kvcache.generation.logprobs import token_logprobs
 from kvcache.generation.sampling import choose_tokens, finite_rows
 from kvcache.generation.structured import allowed_rows, packed_masks
 
@@ -51,8 +52,9 @@ class Runner:
     def choose(self, logits: torch.Tensor, requests: list[Request], masks: Future | None = None
                ) -> tuple[list, list]:
         """The next token of each request from its row of logits (and its grammar's mask from
-        `masks`, `masks_ahead`'s future): ([(request, token)], [(request, error message)]); a row
-        whose logits are not finite (NaN, inf) fails alone."""
+        `masks`, `masks_ahead`'s future): ([(request, token, its TokenLogprobs or None)], [(request,
+        error message)]); a row whose logits are not finite (NaN, inf) fails alone. The log-probs
+        are computed, in one batch, for the requests that ask (params.logprobs)."""
         allowed = [None] * len(requests) if masks is None else masks.result()
         finite = finite_rows(logits).tolist()
         good = [row for row, ok in enumerate(finite) if ok]
@@ -72,7 +74,16 @@ class Runner:
             [request.seen for request in picked],
             [allowed[row] for row in good],
         )
-        return list(zip(picked, tokens.tolist())), failed
+        tokens = tokens.tolist()
+        logprobs: list = [None] * len(picked)
+        asking = [at for at, request in enumerate(picked) if request.params.logprobs is not None]
+        if asking:
+            rows = [good[at] for at in asking]
+            found = token_logprobs(logits[rows], [tokens[at] for at in asking],
+                                   [picked[at].params.logprobs for at in asking])
+            for at, entry in zip(asking, found):
+                logprobs[at] = entry
+        return list(zip(picked, tokens, logprobs)), failed
 
 
 def _allowed(states: list) -> list[np.ndarray | None]:

@@ -39,6 +39,8 @@ class SamplingParams:
     tenant may opt out of sharing); None shares with every request without one. structured: a
     `kvcache.generation.structured.StructuredOutput` the output must match (a JSON schema, any
     JSON object, a grammar, a regex): tokens outside it are masked before the bias and penalties.
+    logprobs: None, or how many of the likeliest tokens' log-probabilities to give beside each
+    chosen token's own (0 to 20; `kvcache.generation.logprobs` says which distribution).
     Raises RequestError naming the first field out of range.
     """
 
@@ -57,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured: object | None = None  # a structured.StructuredOutput (checked when it is made)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +105,10 @@ class SamplingParams:
         if self.repetition_penalty == 0:
             raise RequestError("repetition_penalty must be > 0 (1 is off), got 0")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > 20:
+                raise RequestError(f"logprobs must be at most 20 (OpenAI's bound), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

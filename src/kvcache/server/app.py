@@ -47,6 +47,7 @@ from kvcache.server.openai_api import (
     Limits,
     check_prompt_length,
     chunk_object,
+    logprobs_object,
     new_id,
     read_call,
     response_object,
@@ -291,6 +292,7 @@ class _Server:
                 completion.finish_reason,
                 _usage(completion),
                 _drift(completion),
+                self._logprobs(call, completion.logprobs),
             )
         )
 
@@ -301,13 +303,19 @@ class _Server:
         try:
             if call.kind == "chat":
                 yield _sse(chunk_object(call, rid, model, None, None, first=True))
-            async for piece in handle.texts():  # the engine's reading of the reply, stops cut
-                yield _sse(chunk_object(call, rid, model, piece, None))
+            tokens = sent = offset = 0  # tokens made, those whose logprobs went out, text sent
+            async for token, piece in handle.updates():  # the engine's reading of the reply, stops cut
+                tokens += token is not None
+                if piece:
+                    logprobs = self._streamed_logprobs(call, handle, sent, tokens, offset)
+                    sent, offset = tokens, offset + len(piece)
+                    yield _sse(chunk_object(call, rid, model, piece, None, logprobs=logprobs))
             completion = handle.result()
             if completion.finish_reason in ("error", "cancelled"):
                 yield _sse(_failure(completion).body())
             else:
-                yield _sse(chunk_object(call, rid, model, None, completion.finish_reason))
+                rest = self._streamed_logprobs(call, handle, sent, tokens, offset) if sent < tokens else None
+                yield _sse(chunk_object(call, rid, model, None, completion.finish_reason, logprobs=rest))
                 if call.include_usage:
                     yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion),
                                             kv_drift=_drift(completion)))
@@ -316,6 +324,18 @@ class _Server:
             if not handle.done:
                 handle.cancel()
             finished(handle.result() if handle.done else None)
+
+    def _logprobs(self, call: Call, entries: list | None, offset: int = 0) -> dict | None:
+        """The logprobs object of `entries` (TokenLogprobs), when the call asked for logprobs."""
+        if call.params.logprobs is None or entries is None:
+            return None
+        return logprobs_object(call.kind, entries, lambda token: self.tokenizer.decode([token]), offset)
+
+    def _streamed_logprobs(self, call: Call, handle, start: int, end: int, offset: int) -> dict | None:
+        """The logprobs object of the streamed tokens start..end, when the call asked for logprobs."""
+        if call.params.logprobs is None:
+            return None
+        return self._logprobs(call, handle.logprobs[start:end], offset)
 
     async def _prepared(self, prepare, *args):
         """`prepare(*args)` on a preparing thread: parsing, the chat template and tokenizing are the

@@ -23,8 +23,8 @@ _SAMPLING = frozenset({
     "response_format",
 })
 READ: dict[str, frozenset[str]] = {
-    "chat": _SAMPLING | {"messages"},
-    "completion": _SAMPLING | {"prompt"},
+    "chat": _SAMPLING | {"messages", "logprobs", "top_logprobs"},
+    "completion": _SAMPLING | {"prompt", "logprobs"},
     # llama-server's content and add_special, vLLM's prompt or messages and add_special_tokens
     "tokenize": frozenset({"model", "content", "prompt", "messages", "add_special", "add_special_tokens",
                            "add_generation_prompt"}),
@@ -74,14 +74,11 @@ _N = DefaultOnly(_is(None, 1), "1 or null", "more than one choice per request is
 _TOOLS = DefaultOnly(_is(None, []), "an empty list or null", "tool calls are not implemented")
 _TOOL_CHOICE = DefaultOnly(_is(None, "none", "auto"), '"none", "auto" or null (no tool is offered)',
                            "tool calls are not implemented")
-_LOGPROBS = "log-probabilities of tokens are not implemented"
 
 #: fields accepted only at their default, by route
 DEFAULT_ONLY: dict[str, dict[str, DefaultOnly]] = {
     "chat": {
         "n": _N,
-        "logprobs": DefaultOnly(_is(None, False), "false or null", _LOGPROBS),
-        "top_logprobs": DefaultOnly(_is(None, 0), "0 or null", _LOGPROBS),
         "tools": _TOOLS,
         "tool_choice": _TOOL_CHOICE,
         "functions": _TOOLS,
@@ -92,7 +89,6 @@ DEFAULT_ONLY: dict[str, dict[str, DefaultOnly]] = {
         "n": _N,
         "best_of": DefaultOnly(_is(None, 1), "1 or null", "more than one candidate per request is not "
                                "implemented"),
-        "logprobs": DefaultOnly(_is(None), "null", _LOGPROBS + " (0 asks for the sampled token's)"),
         "echo": DefaultOnly(_is(None, False), "false or null", "echoing the prompt is not implemented"),
         "suffix": DefaultOnly(_is(None), "null", "inserting text before a suffix is not implemented"),
     },

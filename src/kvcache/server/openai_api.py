@@ -2,7 +2,7 @@
 field checked, a bad one named in a 400), and the response, chunk and error objects.
 
 Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
-type "text"), no tools (nor tool messages), no logprobs. A field kvcache does not implement is a
+type "text"), no tools (nor tool messages). A field kvcache does not implement is a
 400 naming it, unless `kvcache.server.fields` lists it as accepted and ignored (ignoring it
 cannot change the answer); a string that is not text (a lone surrogate, "\\ud800") is a 400
 wherever it is.
@@ -113,6 +113,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         cache_salt=body.get("cache_salt"),  # vLLM's: requests of other salts share no cached blocks
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),  # vLLM's
         structured=response_format(body.get("response_format")),
+        logprobs=_logprobs(kind, body),
         **_logit_changes(body),
     )
     model = body.get("model")
@@ -159,20 +160,21 @@ def usage_object(prompt: int, cached: int, completion: int) -> dict:
 
 
 def response_object(
-    call: Call, rid: str, model: str, text: str, finish: str, usage: dict, kv_drift: dict | None = None
+    call: Call, rid: str, model: str, text: str, finish: str, usage: dict, kv_drift: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """The whole (non-streamed) answer; kv_drift (when the drift probe sampled the request) beside
-    its usage."""
+    its usage; logprobs: the choice's (`logprobs_object`), when asked."""
     if call.kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         kind = "text_completion"
     return {
         "id": rid,
@@ -195,18 +197,20 @@ def chunk_object(
     first: bool = False,
     usage: dict | None = None,
     kv_drift: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
-    """One streamed event: a piece of text, the finish reason, or (choices empty) the usage (and
-    kv_drift beside it when the drift probe sampled the request)."""
+    """One streamed event: a piece of text (with its tokens' logprobs when asked), the finish
+    reason, or (choices empty) the usage (and kv_drift beside it when the drift probe sampled the
+    request)."""
     if usage is not None:
         choices: list = []
     elif call.kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
     chunk = {
         "id": rid,
         "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
@@ -385,6 +389,52 @@ def response_format(value: object) -> StructuredOutput | None:
         raise ApiError(400, f"response_format.json_schema.schema must be a JSON schema (an object), got "
                        f"{type(schema).__name__}", param="response_format.json_schema.schema")
     return _structured("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    """How many top log-probs a token gets, or None: chat's logprobs (a boolean) and top_logprobs
+    (0 to 20, only with logprobs true), completions' logprobs (0 to 5, OpenAI's bound)."""
+    if kind == "completion":
+        value = body.get("logprobs")
+        if value is None:
+            return None
+        _integer("logprobs", value, 0, 5, "OpenAI's bound")
+        return int(value)  # type: ignore[arg-type]
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise ApiError(400, f"logprobs must be a boolean, got {wanted!r:.40}", param="logprobs")
+    if top is not None:
+        _integer("top_logprobs", top, 0, 20, "OpenAI's bound")
+        if top and not wanted:
+            raise ApiError(400, "top_logprobs needs logprobs true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def logprobs_object(kind: str, entries: list, decode, offset: int = 0) -> dict:
+    """OpenAI's logprobs of a choice from TokenLogprobs entries (`decode(id)`: a token's text):
+    chat's {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}, or completions'
+    {tokens, token_logprobs, top_logprobs, text_offset}, the offsets counted from `offset`."""
+    if kind == "chat":
+        def item(token: int, logprob: float) -> dict:
+            text = decode(token)
+            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        content = [{**item(entry.token, entry.logprob),
+                    "top_logprobs": [item(token, value) for token, value in entry.top]} for entry in entries]
+        return {"content": content, "refusal": None}
+    texts = [decode(entry.token) for entry in entries]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [_finite(entry.logprob) for entry in entries],
+            "top_logprobs": [{decode(token): _finite(value) for token, value in entry.top}
+                             for entry in entries],
+            "text_offset": offsets}
+
+
+def _finite(logprob: float) -> float:
+    """A log-prob JSON can carry: -inf (a token the model cannot choose) as vLLM writes it, -9999."""
+    return max(logprob, -9999.0)
 
 
 def _structured(kind: str, source: str, field: str) -> StructuredOutput:
