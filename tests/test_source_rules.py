@@ -158,7 +158,8 @@ def test_the_attachment_finder_finds_planted_ones():
 
 
 # functions allowed past FUNCTION_LINES: declarations read as one list (argparse flags, metrics)
-LONG_FUNCTIONS = {("cli/serve.py", "add_parser"), ("server/metrics.py", "__init__")}
+LONG_FUNCTIONS = {("cli/serve.py", "add_parser"), ("cli/generate.py", "add_parser"),
+                  ("server/metrics.py", "__init__")}
 FUNCTION_LINES = 60
 
 

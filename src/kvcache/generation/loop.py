@@ -191,12 +191,11 @@ def _steps(
     try:  # all or nothing: a call that fails leaves a supplied cache as it was
         ids = input_ids.new_empty((batch, prompt_length + options.max_new_tokens))  # (B, T_prompt + new)
         ids[:, :prompt_length] = input_ids
-        grammars = _grammars(model, options.structured, tokenizer, eos_ids, batch)
-        stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer, grammars)
+        stops = Stops(batch, eos_ids, pad_token_id, options.stop_strings, tokenizer,
+                      _grammars(model, options.structured, tokenizer, eos_ids, batch))
         sampling = [options.sampling] * batch
         seen = _seen_tokens(input_ids, attention_mask) if options.sampling.penalizes else None
         ran = "none"  # no decode step yet
-
         logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size, backend)
         first_token_at = decode_started = time.perf_counter()
         decode_steps = 0
