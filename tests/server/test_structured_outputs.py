@@ -92,3 +92,14 @@ def test_the_clients_parse_with_a_pydantic_model(client):
     reply = client.chat.completions.parse(model="kvcache-test", messages=MESSAGES, max_tokens=60,
                                           response_format=Pet)
     assert isinstance(reply.choices[0].message.parsed, Pet)
+
+
+def test_a_schema_request_still_finds_its_conversations_cached_blocks(client):
+    first = client.chat.completions.create(model="kvcache-test", messages=MESSAGES, max_tokens=120,
+                                           temperature=0, response_format=SCHEMA_FORMAT)
+    later = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Another one, please."}]
+    second = client.chat.completions.create(model="kvcache-test", messages=later, max_tokens=120,
+                                            temperature=0, response_format=SCHEMA_FORMAT)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    jsonschema.validate(json.loads(second.choices[0].message.content), PERSON)
