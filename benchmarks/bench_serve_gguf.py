@@ -1,5 +1,5 @@
 """One user at the server on a GGUF as stored: `kvcache serve --activations q8` against llama.cpp's
-`llama-server` on the same file, both up at once, one streaming client, alternating.
+`llama-server` on the same file, both up at once, `--clients` streaming clients (default one), alternating.
 
     benchmarks/build_llama_cpp.sh                                  # llama-server, once
     .venv/bin/python benchmarks/bench_serve_gguf.py --llama-server PATH [--gguf FILE]
@@ -11,8 +11,12 @@ the same chat request of `--prompt-words` random words to both servers in turn (
 reversed on odd rounds; fresh words each round, so no prefix is reused), greedy, `--new-tokens`
 new tokens, EOS ignored (`ignore_eos`). Per server and round: decode tokens/s (streamed content
 chunks after the first over the time after the first) and time to first token; per round the
-ratio kvcache / llama-server of decode tokens/s; medians over rounds. Writes
-benchmarks/results/serve_gguf.json.
+ratio kvcache / llama-server of decode tokens/s; medians over rounds. With `--clients N`, each
+round sends N such requests at once (each its own words) to one server, then to the other
+(llama-server: N slots); the round's figure is every stream's content chunks over the time from
+the first request sent to the last chunk (output tokens/s in all), and the time to first token
+the streams' median. Writes benchmarks/results/serve_gguf.json (with --clients N > 1:
+serve_gguf_N.json).
 """
 
 from __future__ import annotations
@@ -80,6 +84,25 @@ def streamed(url: str, words: str, new_tokens: int) -> tuple[float, float]:
     return (chunks - 1) / (ended - first), first - started
 
 
+def streamed_together(url: str, prompts: list[str], new_tokens: int) -> tuple[float, float]:
+    """(every stream's content chunks over the time from the start to the last, median seconds to
+    a stream's first) of len(prompts) requests sent at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    started = time.perf_counter()
+
+    def one(words: str) -> tuple[int, float, float]:
+        rate, first = streamed(url, words, new_tokens)
+        return rate, first, time.perf_counter()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        done = list(pool.map(one, prompts))
+    ended = max(end for _, _, end in done)
+    # each stream's chunks: its rate times its time after its first chunk, plus the first
+    chunks = sum(rate * (end - started - first) + 1 for rate, first, end in done)
+    return chunks / (ended - started), median(first for _, first, _ in done)
+
+
 def run(args, gguf: str) -> dict:
     """Both servers up, warmed, then the alternating rounds; the results' dict."""
     ports = {"kvcache": free_port(), "llama.cpp": free_port()}
@@ -87,7 +110,8 @@ def run(args, gguf: str) -> dict:
         "kvcache": [sys.executable, "-m", "kvcache", "serve", "-m", gguf, "--activations", "q8", "--threads",
                     str(args.threads), "--port", str(ports["kvcache"]), "--served-model-name", "m"],
         "llama.cpp": [args.llama_server, "-m", gguf, "-t", str(args.threads), "-tb", str(args.threads),
-                      "-np", "1", "-c", "4096", "--port", str(ports["llama.cpp"])],
+                      "-np", str(args.clients), "-c", str(4096 * args.clients),
+                      "--port", str(ports["llama.cpp"])],
     }
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     processes = {name: start(command) for name, command in commands.items()}
@@ -99,9 +123,13 @@ def run(args, gguf: str) -> dict:
             streamed(url, "warm up " * 20, 8)
         rng, rounds = random.Random(0), []
         for index in range(args.rounds):
-            words = " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
+            prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
+                       for _ in range(args.clients)]
             order = list(urls) if index % 2 == 0 else list(urls)[::-1]
-            row = {name: streamed(urls[name], words, args.new_tokens) for name in order}
+            if args.clients == 1:
+                row = {name: streamed(urls[name], prompts[0], args.new_tokens) for name in order}
+            else:
+                row = {name: streamed_together(urls[name], prompts, args.new_tokens) for name in order}
             rounds.append({name: {"decode_tokens_per_s": tps, "ttft_s": ttft}
                            for name, (tps, ttft) in row.items()})
             ours, theirs = row["kvcache"][0], row["llama.cpp"][0]
@@ -116,6 +144,7 @@ def run(args, gguf: str) -> dict:
     ratios = [r["kvcache"]["decode_tokens_per_s"] / r["llama.cpp"]["decode_tokens_per_s"] for r in rounds]
     return {"commit": commit(), "machine": platform.processor() or platform.machine(),
             "gguf": Path(gguf).name, "threads": args.threads, "new_tokens": args.new_tokens,
+            "clients": args.clients,
             "prompt_words": args.prompt_words,
             "command": " ".join(sys.argv), "rounds": rounds, "median": summary,
             "ratio_vs_llama_server": median(ratios), "ratios": ratios}
@@ -129,8 +158,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens a request (default 64)")
     parser.add_argument("--prompt-words", type=int, default=120, help="random words a prompt (default 120)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each server (default 2)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serve_gguf.json")
+    parser.add_argument("--clients", type=int, default=1, help="streaming clients at once (default 1)")
+    parser.add_argument("--out", type=Path, help="default: results/serve_gguf[_N].json")
     args = parser.parse_args()
+    named = "serve_gguf.json" if args.clients == 1 else f"serve_gguf_{args.clients}.json"
+    args.out = args.out or RESULTS / named
+    if args.clients < 1:
+        parser.error(f"--clients must be ≥ 1, got {args.clients}")
     if args.rounds < 1 or args.new_tokens < 2:
         parser.error(f"--rounds must be ≥ 1 and --new-tokens ≥ 2, got {args.rounds} and {args.new_tokens}")
     gguf = args.gguf or str(smollm2_gguf())
