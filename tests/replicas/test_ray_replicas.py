@@ -66,6 +66,27 @@ def replica_actors() -> list[str]:
             if actor["name"].startswith("SERVE_REPLICA::kvcache#")]
 
 
+def test_streamed_logprobs_and_a_schema_come_through_a_replica(server):
+    messages = [{"role": "user", "content": "A person as JSON."}]
+    stream = server.chat.completions.create(model="kvcache-default", messages=messages, max_tokens=NEW,
+                                            temperature=0, logprobs=True, top_logprobs=2, stream=True,
+                                            stream_options={"include_usage": True})
+    items, text, usage = [], [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            items.extend(choice.logprobs.content if choice.logprobs else [])
+    assert len(items) == usage.completion_tokens and "".join(item.token for item in items) == "".join(text)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    reply = server.chat.completions.create(model="kvcache-default", messages=messages, max_tokens=NEW,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "ok", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content in (
+        '{"ok":true}', '{"ok":false}')
+
+
 def running_replicas() -> int:
     status = serve.status().applications["kvcache"].deployments["kvcache-engine"]
     return status.replica_states.get("RUNNING", 0)

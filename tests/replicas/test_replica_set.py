@@ -45,8 +45,8 @@ def read(replicas: ReplicaSet, ids: list[int]):
 def test_a_reply_ends_at_its_done_item_without_waiting_for_the_end_of_the_stream(monkeypatch):
     monkeypatch.setattr("kvcache.replicas.replica_set.check_request", lambda *args: None)
     completion = Completion(3, [5, 6], [7, 8], "length", Usage(2, 0, 2))
-    done = ("done", [(8, "b")], completion, {**STATS, "blocks_used": 2})
-    deployment = Deployment([("pieces", [(7, "a")]), done])
+    done = ("done", [(8, "b", None)], completion, {**STATS, "blocks_used": 2})
+    deployment = Deployment([("pieces", [(7, "a", None)]), done])
     replicas = ReplicaSet(deployment, config=None, block_size=16, first_stats=STATS)
 
     pieces, result = read(replicas, [5, 6])
@@ -56,3 +56,22 @@ def test_a_reply_ends_at_its_done_item_without_waiting_for_the_end_of_the_stream
     assert replicas.stats()["blocks_used"] == 2 and replicas.stats()["running"] == 0
     assert replicas.queue_depth == 0
     assert deployment.options_asked == {"stream": True, "_by_reference": False}  # Serve's gRPC channel
+
+
+def test_each_tokens_logprobs_come_with_its_update(monkeypatch):
+    from kvcache.generation.logprobs import TokenLogprobs
+
+    monkeypatch.setattr("kvcache.replicas.replica_set.check_request", lambda *args: None)
+    first, second = TokenLogprobs(7, -0.5, ((7, -0.5),)), TokenLogprobs(8, -1.5, ((3, -0.2),))
+    completion = Completion(3, [5, 6], [7, 8], "length", Usage(2, 0, 2), logprobs=[first, second])
+    done = ("done", [(8, "b", second), (None, "!", None)], completion, STATS)
+    replicas = ReplicaSet(Deployment([("pieces", [(7, "a", first)]), done]), config=None, block_size=16,
+                          first_stats=STATS)
+
+    async def whole():
+        handle = replicas.submit([5, 6], None)
+        seen = [(token, len(handle.logprobs)) async for token, _ in handle.updates()]
+        return seen, handle.logprobs
+
+    seen, logprobs = asyncio.run(asyncio.wait_for(whole(), 60))
+    assert seen == [(7, 1), (8, 2), (None, 2)] and logprobs == [first, second]

@@ -53,7 +53,8 @@ class Completion:
 class ReplyReader:
     """A reply read as it comes, asynchronously, from its `updates()`: its token ids (async
     iteration) or its text (`texts()`). What the server reads of a request, on this engine
-    (`RequestHandle`) or on a replica (`kvcache.replicas.replica_set.ReplicaHandle`)."""
+    (`RequestHandle`) or on a replica (`kvcache.replicas.replica_set.ReplicaHandle`). Both keep
+    `logprobs`: each token's `TokenLogprobs` when the request asked, there before its update."""
 
     def updates(self) -> AsyncIterator[tuple[int | None, str]]:
         """(token id, the text it made final) pairs as they come, then (None, the text left at the

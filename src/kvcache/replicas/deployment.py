@@ -42,14 +42,18 @@ class EngineReplica:
         self.name = f"{os.uname().nodename}:{os.getpid()}"
 
     async def generate(self, ids: list[int], params: SamplingParams):
-        """Stream ("pieces", [(token, text), …]) as tokens come, then ("done", [the pieces left],
-        Completion, stats). Pieces that come once the request has finished travel with "done":
-        every item is a round trip through Ray, and a short reply is then one item."""
+        """Stream ("pieces", [(token, text, its TokenLogprobs or None), …]) as tokens come, then
+        ("done", [the pieces left], Completion, stats). Pieces that come once the request has
+        finished travel with "done": every item is a round trip through Ray, and a short reply is
+        then one item."""
         handle = self.engine.submit(ids, params)
         try:
-            pending: list[tuple[int | None, str]] = []
+            pending: list[tuple[int | None, str, object]] = []
+            made = 0  # tokens so far: the index of the next one's logprobs
             async for token, piece in handle.updates():
-                pending.append((token, piece))
+                asked = token is not None and params.logprobs is not None
+                pending.append((token, piece, handle.logprobs[made] if asked else None))
+                made += token is not None
                 if not handle.done:  # more will come later: send what is here now
                     yield ("pieces", pending)
                     pending = []

@@ -33,6 +33,7 @@ class ReplicaHandle(ReplyReader):
         self._replicas, self._ids, self._response = replicas, ids, response
         self._completion: Completion | None = None
         self._waiting = True  # no token yet: counted in the server's queue depth
+        self.logprobs: list = []  # each token's TokenLogprobs, when asked, before its update
 
     @property
     def done(self) -> bool:
@@ -44,8 +45,10 @@ class ReplicaHandle(ReplyReader):
         own loop, reads the call to its end and then counts the request finished)."""
         try:
             async for item in self._response:
-                for token, piece in item[1]:
+                for token, piece, logprobs in item[1]:
                     self._started()
+                    if logprobs is not None:
+                        self.logprobs.append(logprobs)
                     yield token, piece
                 if item[0] == "done":
                     self._end(item[2], item[3])
