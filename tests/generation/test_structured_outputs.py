@@ -52,18 +52,23 @@ SCHEMAS = st.recursive(
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine(kvcache.load_model(), kvcache.load_tokenizer(), num_blocks=2048, block_size=8,
-                    max_running=32, token_budget=512)
+    engine = Engine(kvcache.load_model(), kvcache.load_tokenizer(), num_blocks=4096, block_size=8,
+                    max_running=100, token_budget=512)
     yield engine
     engine.close()
+
+
+def _canonical(schema) -> str:
+    return json.dumps(schema, sort_keys=True)
 
 
 def structured(schema) -> StructuredOutput:
     return StructuredOutput("json_schema", json.dumps(schema))
 
 
-@settings(max_examples=8, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(SCHEMAS, min_size=25, max_size=25))
+# 3 lists of 100 different schemas (290 different in all), each list's requests batched at once
+@settings(max_examples=3, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(SCHEMAS, min_size=100, max_size=100, unique_by=_canonical))
 def test_every_answer_to_a_generated_schema_parses_and_validates(engine, schemas):
     params = [SamplingParams(max_tokens=400, temperature=1.0, seed=seed, structured=structured(schema))
               for seed, schema in enumerate(schemas)]
