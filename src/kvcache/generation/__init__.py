@@ -2,7 +2,8 @@
 
 `generate` returns tokens and timings; `stream_generate` yields each step's tokens; `prefill`
 and `decode_step` are its two steps; `SamplingParams` says how a request samples and stops (the
-engine's too), and `choose_tokens` picks a batch's next tokens in one call.
+engine's too; `StructuredOutput` holds its output to a JSON schema or grammar), and
+`choose_tokens` picks a batch's next tokens in one call.
 """
 
 from kvcache.generation.loop import (
@@ -16,6 +17,7 @@ from kvcache.generation.loop import (
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.sampling import NonFiniteLogitsError, choose_tokens, top_k_filter, top_p_filter
 from kvcache.generation.settings import GenerationSettings
+from kvcache.generation.structured import StructuredOutput
 
 __all__ = [
     "GenerationResult",
@@ -23,6 +25,7 @@ __all__ = [
     "NonFiniteLogitsError",
     "RequestError",
     "SamplingParams",
+    "StructuredOutput",
     "choose_tokens",
     "decode_step",
     "generate",
