@@ -50,3 +50,27 @@ def test_a_windowed_model_reads_its_prefix_back_from_disk_with_the_same_answer(t
     for allocator in reader.pool.cache.allocators:
         allocator.check_invariants()
     reader.close()
+
+
+def test_a_full_precision_window_caps_what_a_disk_read_loads(tmp_path):
+    # --kv-window: a prompt's last kv_window tokens are computed again, never taken from a cache
+    # hit; a read from the disk tier keeps to the same cap as a hit in the pool
+    model = tiny_model(layers=2, vocab=256)
+    prompt = [(5 * i + 1) % 250 + 1 for i in range(41)]
+
+    def engine(store=None) -> Engine:
+        return Engine(model, num_blocks=64, block_size=BLOCK, max_running=2, token_budget=64,
+                      kv_dtype="int8", kv_window=16, kv_store=store)
+
+    cold = _answer(engine(), prompt)
+    writer = engine(DiskBlockStore(tmp_path))
+    assert _answer(writer, prompt).tokens == cold.tokens
+    assert writer.store_tier.store.flush()
+    writer.close()
+    reader = engine(DiskBlockStore(tmp_path))  # a restart: nothing in the pool
+    warm = _answer(reader, prompt)
+    cap = reader.pool.cache.reusable_tokens(len(prompt))  # 41 - 16 = 25: three blocks of 8
+    assert warm.tokens == cold.tokens
+    assert warm.usage.cached_tokens == cap // BLOCK * BLOCK
+    assert reader.stats()["kv_store"]["hit_blocks"] == cap // BLOCK
+    reader.close()

@@ -216,10 +216,13 @@ class KVPool:
     def _load_from_store(self, request: Request, row: int, end: int) -> int:
         """Load into row `row` the blocks its store read brought, up to position `end` (its chunk
         this step); the tokens loaded. Only where the row ends on a block boundary (a store block
-        starts at one): a chunk after a store hit stops at a boundary for the next one."""
+        starts at one): a chunk after a store hit stops at a boundary for the next one. No further
+        than a cache hit may cover (`PagedCache.reusable_tokens`: a kv_window's last tokens are
+        computed again)."""
         read = request.store_read
         if read is None or self.store_tier is None or request.cached % self.block_size:
             return 0
+        end = min(end, self.cache.reusable_tokens(len(request.tokens)))
         loaded = self.store_tier.load(self.cache, row, request.cached, end, read)
         request.cached += loaded
         # the read's run of blocks used up, or ended short of the chunk: let go of it
