@@ -1,0 +1,180 @@
+"""Why a prompt missed the prefix cache: a bounded record of the prompts a server has seen (their
+tokens and chained block hashes) and, for a new prompt, the closest earlier one (longest common
+block-hash prefix, then tokens inside the first differing block), where the two part (token index,
+the chat segment holding it) and the cause, told apart from what the server sees. Pure: it never
+touches a prompt's tokens, only reads them."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+
+from kvcache.blocks.allocator import ROOT_HASH, common_prefix, prefix_digests
+
+#: every cause `PrefixExplainer.explain` may give, in the order its checks run
+CAUSES = (
+    "hit",  # the whole reusable prefix matched an earlier prompt and is still held
+    "shorter_than_block",  # the prompt has no whole block a hit could cover
+    "never_seen",  # no earlier prompt shares even its first block
+    "cache_salt",  # an earlier prompt matches, under another cache_salt (or model fingerprint)
+    "evicted",  # the matching blocks were seen but are held by no tier now
+    "window",  # the match reaches past the sliding-window retention boundary
+    "reasoning_rerendered",  # a think block dropped, added or rendered empty in the history
+    "volatile_system_field",  # digits changed in the system prompt (a date, a time, a counter)
+    "tools_reordered",  # the same tools, in another order
+    "normalisation",  # the texts differ only in whitespace or letter case (roles included)
+    "edited",  # the history itself changed (another message, another text)
+)
+
+THINK = re.compile(r"</?think>")
+CONTEXT_TOKENS = 12  # tokens each side of the divergence `Explanation.context` decodes
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A part of a rendered chat prompt: name ('system', 'tools', 'message 3', 'reasoning',
+    'generation prompt') and its token range [start, end)."""
+
+    name: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """matched_tokens: leading tokens shared with the closest earlier prompt (whole blocks, then the
+    tokens inside the first differing block); first_divergent_token: the prompt's index where they
+    part (None when nothing diverged); segment: the chat segment holding that index ('prompt' for a
+    plain completion); cause: one of `CAUSES`; tier: for 'evicted', the tiers that were asked."""
+
+    matched_tokens: int
+    first_divergent_token: int | None
+    segment: str
+    cause: str
+    tier: str | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Seen:
+    tokens: list[int]
+    digests: list[bytes]
+    root: bytes
+    segments: tuple[Segment, ...]
+
+
+class PrefixExplainer:
+    """Remembers the last `capacity` prompts (tokens, block hashes, salt root, segments) and explains a
+    new prompt against them. block_size: the pool's; window: the tokens a hit may reuse at most (a
+    sliding-window retention boundary; None: no bound); decode: token ids -> text, for the causes
+    told apart by text (None: those become 'edited')."""
+
+    def __init__(self, block_size: int, capacity: int = 256, window: int | None = None,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 (prompts remembered), got {capacity}")
+        self.block_size = block_size
+        self.window = window
+        self.decode = decode
+        self._seen: collections.deque[_Seen] = collections.deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def record(self, tokens: Sequence[int], root: bytes = ROOT_HASH,
+               segments: Sequence[Segment] = ()) -> None:
+        """Remember a prompt the server ran (the oldest is forgotten past `capacity`)."""
+        ids = [int(t) for t in tokens]
+        self._seen.append(_Seen(ids, prefix_digests(ids, self.block_size, root), root, tuple(segments)))
+
+    def explain(self, tokens: Sequence[int], root: bytes = ROOT_HASH, segments: Sequence[Segment] = (),
+                held: Callable[[bytes], bool] | None = None, tiers: str = "memory") -> Explanation:
+        """Why `tokens` (under salt `root`) did or did not match what the server holds. held(digest):
+        whether some tier still holds that block (None: everything seen is held); tiers: the tiers
+        `held` asks, named in an 'evicted' answer."""
+        ids = [int(t) for t in tokens]
+        digests = prefix_digests(ids, self.block_size, root)
+        if not digests:
+            return Explanation(0, None, _segment_at(segments, 0), "shorter_than_block")
+        closest, blocks = self._closest(digests)
+        if closest is None:
+            return self._unmatched(ids, segments)
+        matched = blocks * self.block_size
+        diverged = blocks < len(digests)
+        if diverged:
+            matched += common_prefix(ids[matched:], closest.tokens[matched:])
+        where = matched if diverged else None
+        segment = _segment_at(segments, matched if diverged else len(ids) - 1)
+        kept = blocks
+        if held is not None:
+            kept = next((index for index, digest in enumerate(digests[:blocks]) if not held(digest)), blocks)
+        if kept < blocks:
+            first = kept * self.block_size
+            return Explanation(matched, first, _segment_at(segments, first), "evicted", tiers)
+        if self.window is not None and matched > self.window:
+            return Explanation(matched, self.window, _segment_at(segments, self.window), "window")
+        if not diverged:
+            return Explanation(matched, None, segment, "hit")
+        return Explanation(matched, where, segment, self._cause(ids, closest, matched, segments))
+
+    def _closest(self, digests: list[bytes]) -> tuple[_Seen | None, int]:
+        """The newest remembered prompt sharing the most leading blocks with `digests`, and how many."""
+        best, most = None, 0
+        for seen in reversed(self._seen):
+            shared = common_prefix(digests, seen.digests)
+            if shared > most:
+                best, most = seen, shared
+        return best, most
+
+    def _unmatched(self, ids: list[int], segments: Sequence[Segment]) -> Explanation:
+        """No block of `ids` under its root was seen: another salt's prompt with its tokens, or none."""
+        limit = self.block_size * ((len(ids) - 1) // self.block_size)
+        for seen in reversed(self._seen):
+            shared = min(common_prefix(ids, seen.tokens), limit)
+            if shared >= self.block_size:
+                return Explanation(0, 0, _segment_at(segments, 0), "cache_salt")
+        return Explanation(0, 0, _segment_at(segments, 0), "never_seen")
+
+    def _cause(self, ids: list[int], closest: _Seen, index: int, segments: Sequence[Segment]) -> str:
+        """The cause of a divergence at `index` against `closest`, from the segment and the text."""
+        mine = _segment_of(segments, index)
+        theirs = _segment_of(closest.segments, index)
+        new_part = ids[index: mine.end] if mine else ids[index:]
+        old_part = closest.tokens[index: theirs.end] if theirs else closest.tokens[index:]
+        if mine is not None and mine.name == "tools" and theirs is not None and theirs.name == "tools":
+            if sorted(ids[mine.start: mine.end]) == sorted(closest.tokens[theirs.start: theirs.end]):
+                return "tools_reordered"
+        if self.decode is None:
+            return "edited"
+        new_text, old_text = self.decode(new_part), self.decode(old_part)
+        if (mine and mine.name == "reasoning") or THINK.search(new_text) or THINK.search(old_text):
+            return "reasoning_rerendered"
+        if _squeezed(new_text) == _squeezed(old_text):
+            return "normalisation"
+        if mine is not None and mine.name == "system" and _volatile(new_text, old_text):
+            return "volatile_system_field"
+        return "edited"
+
+
+def _segment_of(segments: Sequence[Segment], index: int) -> Segment | None:
+    return next((segment for segment in segments if segment.start <= index < segment.end), None)
+
+
+def _segment_at(segments: Sequence[Segment], index: int) -> str:
+    found = _segment_of(segments, index)
+    return "prompt" if found is None else found.name
+
+
+def _squeezed(text: str) -> str:
+    return "".join(text.split()).casefold()
+
+
+def _volatile(new_text: str, old_text: str) -> bool:
+    """Whether the two texts differ, and only where digits stand."""
+    return new_text != old_text and re.sub(r"\d+", "#", new_text) == re.sub(r"\d+", "#", old_text)

@@ -1,0 +1,152 @@
+"""The prefix-miss explainer classifies each cause from constructed prompts: a character per token,
+chat messages rendered with segments, no model."""
+
+import pytest
+
+from kvcache.blocks.allocator import salt_root
+from kvcache.reuse.explain import PrefixExplainer, Segment
+
+BLOCK = 4
+
+
+def decode(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def render(messages, tools=None):
+    """A toy chat template: each part's text with its segment's token range (one token per char)."""
+    ids, segments = [], []
+
+    def part(name, text):
+        segments.append(Segment(name, len(ids), len(ids) + len(text)))
+        ids.extend(ord(c) for c in text)
+
+    for index, (role, text) in enumerate(messages):
+        part("system" if role == "system" else f"message {index}", f"<|{role}|>{text}<|end|>")
+        if index == 0 and tools:
+            part("tools", "".join(f"<tool>{tool}</tool>" for tool in tools))
+    part("generation prompt", "<|assistant|>")
+    return ids, segments
+
+
+def explainer(**options):
+    return PrefixExplainer(BLOCK, decode=decode, **options)
+
+
+SYSTEM = ("system", "You are a careful helper. Today is 2026-12-05, 10:41.")
+TURN = [SYSTEM, ("user", "Write a haiku about caches please"), ("assistant", "Blocks kept warm in memory")]
+
+
+def seen_then(first, second, **options):
+    explain = explainer(**options)
+    explain.record(*first)
+    return explain.explain(*second)
+
+
+def test_a_repeated_prompt_is_a_hit_with_no_divergence():
+    ids, segments = render(TURN)
+    answer = seen_then((ids, b"", segments), (ids, b"", segments))
+    assert (answer.cause, answer.first_divergent_token) == ("hit", None)
+    assert answer.matched_tokens == BLOCK * ((len(ids) - 1) // BLOCK)
+
+
+def test_a_prompt_shorter_than_a_block_says_so():
+    answer = explainer().explain([1, 2, 3])
+    assert answer.cause == "shorter_than_block" and answer.matched_tokens == 0
+
+
+def test_a_prompt_like_nothing_seen_is_never_seen():
+    explain = explainer()
+    explain.record(render([("user", "something else entirely")])[0])
+    ids, segments = render(TURN)
+    answer = explain.explain(ids, segments=segments)
+    assert (answer.cause, answer.matched_tokens, answer.first_divergent_token) == ("never_seen", 0, 0)
+
+
+def test_the_same_prompt_under_another_cache_salt_is_told_apart():
+    ids, segments = render(TURN)
+    answer = seen_then((ids, salt_root("alice"), segments), (ids, salt_root("bob"), segments))
+    assert answer.cause == "cache_salt" and answer.matched_tokens == 0
+
+
+def test_a_changed_timestamp_in_the_system_prompt_is_a_volatile_field():
+    old, old_segments = render(TURN)
+    later = [("system", SYSTEM[1].replace("10:41", "10:57")), *TURN[1:]]
+    new, segments = render(later)
+    answer = seen_then((old, b"", old_segments), (new, b"", segments))
+    assert answer.cause == "volatile_system_field" and answer.segment == "system"
+    assert answer.first_divergent_token == decode(old).index("10:41") + 3
+    assert answer.matched_tokens == answer.first_divergent_token
+
+
+def test_a_dropped_think_block_is_history_re_rendered():
+    with_reasoning = [*TURN[:2], ("assistant", "<think>count syllables</think>Blocks kept warm in memory")]
+    old, old_segments = render(with_reasoning)
+    new, segments = render([*TURN, ("user", "another one")])
+    answer = seen_then((old, b"", old_segments), (new, b"", segments))
+    assert answer.cause == "reasoning_rerendered" and answer.segment == "message 2"
+
+
+def test_an_empty_think_block_added_is_history_re_rendered():
+    old, old_segments = render(TURN)
+    new, segments = render([*TURN[:2], ("assistant", "<think></think>Blocks kept warm in memory")])
+    assert seen_then((old, b"", old_segments), (new, b"", segments)).cause == "reasoning_rerendered"
+
+
+def test_tools_sent_in_another_order_are_reordered():
+    old, old_segments = render(TURN, tools=["search", "read_file"])
+    new, segments = render(TURN, tools=["read_file", "search"])
+    answer = seen_then((old, b"", old_segments), (new, b"", segments))
+    assert (answer.cause, answer.segment) == ("tools_reordered", "tools")
+
+
+def test_whitespace_or_case_only_changes_are_normalisation():
+    old, old_segments = render(TURN)
+    new, segments = render([*TURN[:2], ("Assistant", "Blocks kept  warm in memory")])
+    answer = seen_then((old, b"", old_segments), (new, b"", segments))
+    assert (answer.cause, answer.segment) == ("normalisation", "message 2")
+
+
+def test_another_message_text_is_an_edit():
+    old, old_segments = render(TURN)
+    new, segments = render([*TURN[:2], ("assistant", "A different answer here")])
+    assert seen_then((old, b"", old_segments), (new, b"", segments)).cause == "edited"
+
+
+def test_blocks_no_tier_holds_are_evicted_from_the_tiers_asked():
+    ids, segments = render(TURN)
+    explain = explainer()
+    explain.record(ids, segments=segments)
+    answer = explain.explain(ids, segments=segments, held=lambda digest: False, tiers="memory,disk")
+    assert (answer.cause, answer.tier, answer.first_divergent_token) == ("evicted", "memory,disk", 0)
+
+
+def test_a_match_past_the_sliding_window_stops_at_the_window():
+    ids, segments = render(TURN)
+    answer = seen_then((ids, b"", segments), (ids, b"", segments), window=16)
+    assert (answer.cause, answer.first_divergent_token) == ("window", 16)
+
+
+def test_the_closest_of_many_earlier_prompts_is_the_one_compared():
+    explain = explainer()
+    old, old_segments = render(TURN)
+    explain.record(old, segments=old_segments)
+    explain.record(render([("user", "unrelated")])[0])
+    new, segments = render([*TURN, ("user", "next turn")])
+    answer = explain.explain(new, segments=segments)
+    assert answer.matched_tokens >= len(old) - len("<|assistant|>")
+    assert answer.segment in ("message 2", "message 3")
+
+
+def test_the_record_is_bounded():
+    explain = explainer(capacity=3)
+    for index in range(10):
+        explain.record([index] * 8)
+    assert len(explain) == 3
+
+
+def test_bad_settings_name_themselves():
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixExplainer(0)
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixExplainer(4, capacity=0)
