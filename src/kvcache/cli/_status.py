@@ -66,13 +66,17 @@ class BytesProgress:
         self.bar(done / total if total else 1.0, f"{done / 1e6:.1f}/{total / 1e6:.1f} MB  {phase}")
 
 
-def fewer_threads_beside_other_work(command: str, watch) -> None:
-    """Lower torch's CPU threads (the kernels' follow them) by the cores other processes kept busy
-    since `watch` (a `threads.CoreWatch`) started, and say so on stderr when it does."""
+def choose_threads(command: str, threads: int | None, watch) -> None:
+    """Run torch's CPU threads (the kernels' follow them) on `threads` where given (--threads),
+    else on torch's count lowered by the cores other processes kept busy since `watch` (a
+    `threads.CoreWatch`) started, said on stderr when it is lowered."""
     import torch
 
     from kvcache.backends.cpu.threads import threads_beside_other_work
 
+    if threads:
+        torch.set_num_threads(threads)
+        return
     threads = torch.get_num_threads()
     chosen = threads_beside_other_work(threads, watch)
     if chosen < threads:

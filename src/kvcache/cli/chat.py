@@ -27,7 +27,7 @@ from kvcache.cli._args import (
     positive_int,
     size_argument,
 )
-from kvcache.cli._status import BAR_AFTER_S, compiling_said, fewer_threads_beside_other_work, say_weights
+from kvcache.cli._status import BAR_AFTER_S, choose_threads, compiling_said, say_weights
 from kvcache.defaults import resolve_model_dir
 from kvcache.memory import parse_size
 
@@ -184,15 +184,11 @@ def _context(ctx_size: int | None, model_context: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from kvcache.backends.cpu.threads import CoreWatch
     from kvcache.model import load_model
     from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         print("kvcache chat: error: --temperature must be >= 0 and --top-p in (0, 1]", file=sys.stderr)
         return 2
@@ -202,8 +198,7 @@ def run(args: argparse.Namespace) -> int:
         bar = ProgressBar("kvcache chat: loading the model", after_s=BAR_AFTER_S)
         model = load_model(folder, progress=bar, activations=activations_of(args))
         say_weights("chat", model)
-        if not args.threads:
-            fewer_threads_beside_other_work("chat", watch)
+        choose_threads("chat", args.threads, watch)
         tokenizer = load_tokenizer(folder)
         args.ctx_size = _context(args.ctx_size, model.config.max_position_embeddings)
         chat = _Chat(model, tokenizer, args, sys.stdout, sys.stderr)

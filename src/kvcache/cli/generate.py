@@ -25,7 +25,7 @@ from kvcache.cli._args import (
     positive_int,
     size_argument,
 )
-from kvcache.cli._status import BAR_AFTER_S, compiling_said, fewer_threads_beside_other_work, say_weights
+from kvcache.cli._status import BAR_AFTER_S, choose_threads, compiling_said, say_weights
 from kvcache.cli._structured import add_structured_flags, structured_of
 from kvcache.defaults import BACKEND_NAMES, CACHE_KINDS, resolve_model_dir
 from kvcache.memory import parse_size
@@ -146,10 +146,7 @@ def _sampling(args: argparse.Namespace, folder: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from kvcache.backends.cpu.threads import CoreWatch
 
     watch = CoreWatch()
@@ -158,8 +155,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"kvcache generate: error: {error}", file=sys.stderr)
         return 2
-    if not args.threads:
-        fewer_threads_beside_other_work("generate", watch)
+    choose_threads("generate", args.threads, watch)
     # an unseeded sampled run differs every time; the seed is printed so it can be repeated
     seed = args.seed if args.seed is not None else (secrets.randbits(31) if sampling["do_sample"] else 0)
     stream = None if args.json else _TextStream(tokenizer, sys.stdout)
