@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from kvcache.engine import Completion, RequestError
 from kvcache.engine.prompts import prompt_ids
+from kvcache.reuse.explain import Explanation
 from kvcache.server.access_log import log_request, peer_of
 from kvcache.server.metrics import ServerMetrics
 from kvcache.server.openai_api import (
@@ -55,10 +56,11 @@ from kvcache.server.openai_api import (
 )
 from kvcache.server.tenants import ApiKeys, Tenant
 from kvcache.server.token_api import read_apply_template, read_detokenize, read_tokenize
+from kvcache.server.why import RequestExplainer
 
 PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepared at once
 ROUTES_SAID = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
-               "POST /detokenize, POST /apply-template, GET /health, GET /metrics")
+               "POST /detokenize, POST /apply-template, GET /health, GET /metrics, GET /v1/why/{id}")
 
 
 @dataclass
@@ -109,6 +111,7 @@ def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/apply-template", server.apply_template, methods=["POST"]),
+        Route("/v1/why/{rid}", server.why_page, methods=["GET"]),
     ]
     handlers = {HTTPException: server.http_error, Exception: server.internal_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -134,6 +137,7 @@ class _Server:
             context_source=source,
         )
         self.metrics = ServerMetrics(engine, self.context)
+        self.why = RequestExplainer(engine, tokenizer)  # usage.kvcache_prefix: why a prompt missed
         engine.on_finish = self.metrics.finished
         self.preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="kvcache-prepare")
         self._preparing, self._preparing_lock = 0, threading.Lock()  # requests on or for its threads
@@ -177,6 +181,23 @@ class _Server:
                 403, "/metrics counts every tenant's requests: it needs an admin key (a line 'KEY NAME "
                 "admin' in --api-keys FILE, or --api-key)", kind="permission_error", code="admin_key_needed"))
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def why_page(self, request: Request) -> Response:
+        """GET /v1/why/{rid}: a recent response's prefix explanation with the tokens around its
+        divergence (`kvcache why`); an admin's, like /metrics, when keys are set."""
+        try:
+            tenant = self._authorize(request)
+        except ApiError as error:
+            return self._error(error)
+        if tenant is not None and not tenant.admin:
+            return self._error(ApiError(403, "/v1/why shows every tenant's prompts: it needs an admin key",
+                                        kind="permission_error", code="admin_key_needed"))
+        rid = request.path_params["rid"]
+        found = self.why.context(rid)
+        if found is None:
+            return self._error(ApiError(404, f"no recent response has the id {rid!r} (the server keeps the "
+                                        "last 256)", param="rid", code="not_found"))
+        return JSONResponse(found)
 
     # ---- llama-server's and vLLM's token routes --------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -252,26 +273,29 @@ class _Server:
         try:
             tenant = self._authorize(request)
             raw = await self._body(request)
-            call, ids = await self._prepared(self._prepare, kind, raw, tenant)
+            call, ids, why = await self._prepared(self._prepare, kind, raw, tenant)
             if self.engine.queue_depth >= self.settings.max_waiting:
                 raise _queue_full(self.settings.max_waiting)
             handle = self.engine.submit(ids, call.params)
+            rid = new_id(kind)
+            self.why.keep(rid, why, ids)
+            self.metrics.explained(why.cause)
         except (ApiError, RequestError) as error:
             refused = error if isinstance(error, ApiError) else ApiError(400, str(error))
             log_request(peer_of(request), request.url.path, refused.status, started, note=refused.message)
             return self._error(refused)
         if call.stream:
             return StreamingResponse(
-                self._events(call, handle, _stream_logger(request, started)),
+                self._events(call, handle, _stream_logger(request, started), rid, why),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        response = await self._whole(request, call, handle)
+        response = await self._whole(request, call, handle, rid, why)
         path, status = request.url.path, response.status_code
         log_request(peer_of(request), path, status, started, completion=handle.result())
         return response
 
-    async def _whole(self, request: Request, call: Call, handle) -> Response:
+    async def _whole(self, request: Request, call: Call, handle, rid: str, why: Explanation) -> Response:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         try:
             async for _ in handle:  # (the engine reads the text: Completion.text)
@@ -286,20 +310,20 @@ class _Server:
         return JSONResponse(
             response_object(
                 call,
-                new_id(call.kind),
+                rid,
                 self.settings.model_name,
                 completion.text or "",
                 completion.finish_reason,
-                _usage(completion),
+                _usage(completion, why),
                 _drift(completion),
                 self._logprobs(call, completion.logprobs),
             )
         )
 
-    async def _events(self, call: Call, handle, finished):
+    async def _events(self, call: Call, handle, finished, rid: str, why: Explanation):
         """The stream's events; finished(completion or None) when it ends (None: the client left
         before the engine finished)."""
-        rid, model = new_id(call.kind), self.settings.model_name
+        model = self.settings.model_name
         try:
             if call.kind == "chat":
                 yield _sse(chunk_object(call, rid, model, None, None, first=True))
@@ -317,7 +341,7 @@ class _Server:
                 rest = self._streamed_logprobs(call, handle, sent, tokens, offset) if sent < tokens else None
                 yield _sse(chunk_object(call, rid, model, None, completion.finish_reason, logprobs=rest))
                 if call.include_usage:
-                    yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion),
+                    yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion, why),
                                             kv_drift=_drift(completion)))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the response task is cancelled) or the stream ended
@@ -355,14 +379,15 @@ class _Server:
             self._preparing -= 1
 
     # ---- checks --------------------------------------------------------------------------------
-    def _prepare(self, kind: str, raw: bytes, tenant: Tenant | None = None) -> tuple[Call, list[int]]:
-        """The request read from its body, salted for its tenant, and its prompt's token ids (on a
-        preparing thread)."""
+    def _prepare(self, kind: str, raw: bytes,
+                 tenant: Tenant | None = None) -> tuple[Call, list[int], Explanation]:
+        """The request read from its body, salted for its tenant, its prompt's token ids and why they
+        do or do not match an earlier prompt (on a preparing thread)."""
         call = self._salted(read_call(kind, _json_body(raw), self.limits), tenant)
         self._check_model(call.model)
         ids = self._prompt_ids(call)
         check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
-        return call, ids
+        return call, ids, self.why.explain(call.prompt, ids, call.params.cache_salt)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -482,9 +507,11 @@ def _stream_logger(request: Request, started: float):
     return finished
 
 
-def _usage(completion: Completion) -> dict:
+def _usage(completion: Completion, why: Explanation) -> dict:
+    """The usage object, with `kvcache_prefix`: why the prompt did or did not match (docs/why-miss.md)."""
     usage = completion.usage
-    return usage_object(usage.prompt_tokens, usage.cached_tokens, len(completion.tokens))
+    return {**usage_object(usage.prompt_tokens, usage.cached_tokens, len(completion.tokens)),
+            "kvcache_prefix": why.as_dict()}
 
 
 def _drift(completion: Completion) -> dict | None:

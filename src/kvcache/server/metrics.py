@@ -43,6 +43,9 @@ class ServerMetrics:
             "kvcache_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=registry
         )
         self.generated = Counter("kvcache_generated_tokens", "Tokens generated", registry=registry)
+        self.prefix_causes = Counter("kvcache_prefix_explained",
+                                     "Requests by why their prompt did or did not match an earlier one "
+                                     "(usage.kvcache_prefix.cause)", ["cause"], registry=registry)
         self.ttft = Histogram("kvcache_time_to_first_token_seconds", "Time from submit to the first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("kvcache_inter_token_latency_seconds", "Time between a request's tokens",
@@ -74,6 +77,9 @@ class ServerMetrics:
         )
         if context:
             registry.register(_CapacityCollector(engine, context))
+
+    def explained(self, cause: str) -> None:
+        self.prefix_causes.labels(cause=cause).inc()
 
     def rejected(self, status: int) -> None:
         self.requests.labels(outcome=f"http_{status}").inc()
