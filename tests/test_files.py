@@ -72,3 +72,45 @@ def test_a_broken_tokenizer_json_is_a_tokenizer_error(folder):
     with pytest.raises(TokenizerError, match="tokenizer.json is not a tokenizer file"):
         kvcache.load_tokenizer(folder)
     assert os.path.getsize(folder / "tokenizer.json") < 100
+
+
+def test_an_api_keys_fifo_with_no_writer_is_refused_instead_of_waited_on(tmp_path):
+    import threading
+
+    from kvcache.server.tenants import read_api_keys
+
+    fifo = tmp_path / "keys.fifo"
+    os.mkfifo(fifo)
+    said: list[str] = []
+
+    def read() -> None:
+        try:
+            read_api_keys(fifo)
+        except ValueError as error:
+            said.append(str(error))
+
+    reading = threading.Thread(target=read, daemon=True)
+    reading.start()
+    reading.join(60)
+    if reading.is_alive():  # (blocked opening the FIFO: a writer lets it go, then the test fails)
+        with open(fifo, "w"):
+            pass
+        reading.join(60)
+    assert said == [f"--api-keys file {fifo}: not a regular file (a FIFO, a device or a folder): not read"]
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_a_device_is_refused_by_name_before_a_byte_is_read(device):
+    from kvcache.files import read_text
+
+    with pytest.raises(ValueError, match=f"^--api-keys {device}: not a regular file"):
+        read_text(device, "--api-keys", 1 << 10)
+
+
+def test_bytes_that_are_not_utf8_are_refused_naming_the_file_and_the_line(tmp_path):
+    from kvcache.files import read_text
+
+    path = tmp_path / "chat_template.jinja"
+    path.write_bytes(b"fine\n\xff\n")
+    with pytest.raises(ValueError, match=f"^chat template {path}, line 2: not UTF-8 text"):
+        read_text(path, "chat template")

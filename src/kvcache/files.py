@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+import stat
 from typing import Any
 
 MAX_JSON_BYTES = 16 << 20  # the largest config, tokenizer_config or shard index kvcache reads
@@ -28,12 +28,35 @@ def check_size(path: str | os.PathLike, limit: int, what: str) -> int:
 
 
 def read_text(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BYTES) -> str:
-    """The UTF-8 text of `path` (at most `limit` bytes); ValueError naming the file otherwise."""
-    check_size(path, limit, what)
+    """The UTF-8 text of the regular file `path` (`what` names it in errors: "chat template",
+    "--kv-pin"), at most `limit` bytes. Opened without waiting (a FIFO with no writer is refused,
+    not waited on), checked on the opened file (a FIFO, a device or a folder refused: none is
+    read), and read no further than `limit` + 1 bytes (a file that grew since). ValueError naming
+    `what`, the file and, for bytes that are not UTF-8, the line (`FileTooLargeError` for the
+    size); OSError naming them when it cannot be opened."""
+    where = f"{what} {os.fspath(path)}"
     try:
-        return Path(path).read_text(encoding="utf-8")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise type(error)(error.errno, f"{where}: cannot open it: {error.strerror}") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise ValueError(f"{where}: not a regular file (a FIFO, a device or a folder): not read")
+        if status.st_size > limit:
+            raise FileTooLargeError(
+                f"{where}: {status.st_size:,} bytes, past the {limit:,} it may have: not read"
+            )
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise FileTooLargeError(f"{where}: more than {limit:,} bytes (it grew while read): not read")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{os.fspath(path)} is not UTF-8 text ({what}): {error}") from None
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"{where}, line {line}: not UTF-8 text (byte {error.start}: {error.reason})"
+        ) from None
 
 
 def read_json_object(

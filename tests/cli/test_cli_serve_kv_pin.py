@@ -75,7 +75,7 @@ def test_a_file_past_the_size_limit_is_refused_before_it_is_read(tmp_path, capsy
     pins = tmp_path / "pins.jsonl"
     with open(pins, "wb") as handle:
         handle.truncate(PIN_FILE_BYTES + 1)  # (sparse: nothing written)
-    assert f"--kv-pin {pins}: {PIN_FILE_BYTES + 1} bytes, more than {PIN_FILE_BYTES}" in _refused(
+    assert f"--kv-pin {pins}: {PIN_FILE_BYTES + 1:,} bytes, past the {PIN_FILE_BYTES:,}" in _refused(
         pins, tmp_path, capsys)
 
 

@@ -6,9 +6,9 @@ prompt pinned and prefilled once the engine is built, said on stderr while it ru
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
+
+from kvcache.files import read_text
 
 PIN_FILE_BYTES = 4 << 20  # a --kv-pin file's size at most
 MAX_PINNED_PROMPTS = 1024  # prompts a --kv-pin file may hold (each is prefilled at start)
@@ -20,7 +20,7 @@ def read_pin_file(path: str) -> list[tuple[int, object]]:
     """[(line number, prompt)] of a --kv-pin file, a prompt a text or chat messages [{"role",
     "content"}]; ValueError naming the flag, the file and the line of anything else, OSError
     naming them for a file that cannot be read."""
-    text = _read_text(path)
+    text = read_text(path, FLAG, PIN_FILE_BYTES)  # a regular file, size-checked, UTF-8
     entries = []
     for number, line in enumerate(text.split("\n"), 1):  # (not splitlines: JSON strings may hold U+2028)
         if not line.strip():
@@ -37,31 +37,6 @@ def read_pin_file(path: str) -> list[tuple[int, object]]:
             raise ValueError(f"{where}: JSON nested too deeply") from None
         entries.append((number, _prompt(value, where)))
     return entries
-
-
-def _read_text(path: str) -> str:
-    """The file's text: a regular file (a FIFO or a device would block or never end) of at most
-    PIN_FILE_BYTES, checked on the opened file before it is read, in UTF-8."""
-    try:  # (O_NONBLOCK: opening a FIFO with no writer returns at once, to be refused below)
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as error:
-        raise OSError(f"{FLAG} {path}: cannot open it: {error.strerror}") from None
-    with os.fdopen(descriptor, "rb") as handle:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode):
-            raise ValueError(f"{FLAG} {path}: not a regular file (a FIFO, a device or a folder); give a "
-                             "file of prompts, one JSON value a line")
-        if status.st_size > PIN_FILE_BYTES:
-            raise ValueError(f"{FLAG} {path}: {status.st_size} bytes, more than {PIN_FILE_BYTES}")
-        data = handle.read(PIN_FILE_BYTES + 1)
-    if len(data) > PIN_FILE_BYTES:  # (it grew since)
-        raise ValueError(f"{FLAG} {path}: more than {PIN_FILE_BYTES} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise ValueError(f"{FLAG} {path}, line {line}: not UTF-8 text (byte {error.start}: "
-                         f"{error.reason})") from None
 
 
 def _prompt(value: object, where: str) -> object:
