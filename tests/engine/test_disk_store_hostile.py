@@ -171,6 +171,29 @@ def test_a_block_read_that_stalls_is_a_miss_within_the_deadline_not_a_frozen_ste
         reader.close()
 
 
+def test_a_load_waits_one_deadline_for_all_its_blocks_not_one_a_block(model, tmp_path, monkeypatch):
+    # every block answers within the store's timeout, slowly: a step loading many of them waits
+    # timeout_s in all, the rest computed, instead of blocks x timeout_s
+    prompt = ids(120, seed=22)  # 14 whole blocks of 8
+    writer = engine(model, DiskBlockStore(tmp_path))
+    cold = answer(writer, prompt)
+    flushed(writer).close()
+    reading, slow = disk_store._read_file, 0.4
+
+    def slowly(*arguments):
+        time.sleep(slow)  # (a slow disk: each block answers, after a while)
+        return reading(*arguments)
+
+    monkeypatch.setattr(disk_store, "_read_file", slowly)
+    reader = engine(model, DiskBlockStore(tmp_path, timeout_s=1.0))
+    try:
+        warm = answer(reader, prompt)
+        assert warm.tokens == cold.tokens
+        assert 0 < reader.stats()["kv_store"]["hit_blocks"] <= 1.0 // slow  # what fits in one timeout_s
+    finally:
+        reader.close()
+
+
 def test_a_fifo_in_place_of_a_block_is_refused_at_once_and_the_tier_stays_up(tmp_path):
     store = _stored(DiskBlockStore(tmp_path / "kv", timeout_s=5.0), [1, 2])
     fifo = tmp_path / "kv" / SPACE / _name(2)

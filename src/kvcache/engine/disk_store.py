@@ -18,21 +18,21 @@ refreshed or written through: only the link itself is removed), and a block is o
 waiting (a FIFO is refused, not waited on). `<folder>/.lock` that is a link is refused.
 
 At start the folder is indexed from its entries' names and `lstat` alone (no payload is read),
-oldest first by modification time, one in the future taken as now. Only regular files are
-indexed (a folder or FIFO named like a block is skipped); each counts the bytes it takes on disk
-(its size, or fewer when the file is sparse), and one larger than the whole folder may hold is
-deleted: it can never be a block this store keeps, and must not push real blocks out. A read,
-on the reader thread when a request is queued, finds the prompt's run of blocks in the index,
-checks each file's size and asks the kernel to read it ahead; each block's bytes are read when a
-step loads it, on a reader thread of the store's, into a buffer reused block after block, then
-checked and copied into the pool; a read not done within `timeout_s` is a miss and pauses reads
-for `retry_s`, so a stalled disk never holds a step. A block that fails its check is deleted;
-one that cannot be deleted is logged once and never read or written again by this store. The
-folder holds at most `max_bytes`, the least recently used blocks evicted first (a read refreshes
-a block). A failed write (a full disk) stops writes for `retry_s`, not reads, and on a full disk
-the least recently used blocks worth the failed batch are evicted. One process at a time: the
-folder is locked (an advisory lock on `<folder>/.lock`), and a second store on it is refused by
-name.
+oldest first by modification time, one in the future taken as now. Only regular files are indexed (a
+folder or FIFO named like a block is skipped); each counts the bytes it takes on disk (its size, or
+fewer when the file is sparse), and one larger than the whole folder may hold is deleted: it can
+never be a block this store keeps, and must not push real blocks out. A read, on the reader thread
+when a request is queued, finds the prompt's run of blocks in the index, checks each file's size and
+asks the kernel to read it ahead; each block's bytes are read when a step loads it, on a reader
+thread of the store's, into a buffer reused block after block, then checked and copied into the
+pool. That read is waited for on the step: a load's blocks share one deadline, `timeout_s` from its
+start (`StoreTier.load`), and a read not done by then is a miss and pauses reads for `retry_s`, so a
+stalled disk holds a step `timeout_s` at most. A block that fails its check is deleted; one that
+cannot be deleted is logged once and never read or written again by this store. The folder holds at
+most `max_bytes`, the least recently used blocks evicted first (a read refreshes a block). A failed
+write (a full disk) stops writes for `retry_s`, not reads, and on a full disk the least recently
+used blocks worth the failed batch are evicted. One process at a time: the folder is locked (an
+advisory lock on `<folder>/.lock`), and a second store on it is refused by name.
 """
 
 from __future__ import annotations
@@ -166,10 +166,10 @@ class DiskBlock:
     def __len__(self) -> int:
         return self.size
 
-    def read(self) -> memoryview | None:
+    def read(self, deadline: float | None = None) -> memoryview | None:
         """The block's bytes (see `DiskBlockStore.read_block`), None when the file went bad or did
-        not answer in time."""
-        return self.store.read_block(self)
+        not answer in time (by `deadline`, a `time.monotonic()` one load shares, when given)."""
+        return self.store.read_block(self, deadline)
 
 
 class DiskBlockStore(BlockStore):
@@ -341,13 +341,15 @@ class DiskBlockStore(BlockStore):
         finally:
             os.close(descriptor)
 
-    def read_block(self, block: DiskBlock) -> memoryview | None:
+    def read_block(self, block: DiskBlock, deadline: float | None = None) -> memoryview | None:
         """The bytes of `block`, read on the store's block reader thread into a buffer of the
         calling thread's (valid until its next call: the engine's step decodes a block and copies
-        it into the pool before the next); None when reads are paused, the file did not answer
-        within timeout_s (then reads pause for retry_s), or it is gone or not its size (then
-        forgotten and deleted)."""
-        if not self.available():
+        it into the pool before the next); None when reads are paused, `deadline` (a
+        `time.monotonic()` shared by a load's blocks, so a step waits timeout_s at most for all of
+        them) has passed, the file did not answer within timeout_s or by the deadline (then reads
+        pause for retry_s), or it is gone or not its size (then forgotten and deleted)."""
+        wait = self.timeout_s if deadline is None else min(self.timeout_s, deadline - time.monotonic())
+        if not self.available() or wait <= 0:
             return None
         buffer = getattr(self._buffers, "block", None)
         if buffer is None or len(buffer) != block.size:
@@ -355,10 +357,10 @@ class DiskBlockStore(BlockStore):
         target = memoryview(buffer)
         future = self._block_reader.submit(lambda: self._read_into(block, target))
         try:
-            read = future.result(timeout=self.timeout_s)
+            read = future.result(timeout=wait)
         except FutureTimeout:  # the file does not answer: a miss, and the tier paused
             future.cancel()
-            self.failed(TimeoutError(f"a block not read within {self.timeout_s} s"), "reading a block")
+            self.failed(TimeoutError(f"a block not read within {wait:.3g} s"), "reading a block")
             return None
         except OSError as error:  # (EIO, a stale handle): the tier, not the request, failed
             self.failed(error, "reading a block")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from kvcache.engine.block_codec import (
     layout_of,
     namespace,
 )
-from kvcache.engine.block_store import PendingRead, block_bytes
+from kvcache.engine.block_store import PendingRead
 from kvcache.engine.observers import StepObserver
 from kvcache.generation.params import RequestError
 
@@ -142,8 +143,9 @@ class StoreTier(StepObserver):
         skip = attached // size - read.start  # < 0: the pool lost blocks the read's run follows
         digests = read.digests[skip : end // size - read.start] if skip >= 0 else []
         loaded = 0
+        deadline = time.monotonic() + self.store.timeout_s  # one for the whole load, not one a block
         for digest, value in zip(digests, values[skip:]):
-            block = self._decoded(digest, value)
+            block = self._decoded(digest, value, deadline)
             if block is None:
                 break
             try:  # block by block, from the bytes read straight into the pool (no stacked copy)
@@ -165,10 +167,11 @@ class StoreTier(StepObserver):
         for digest in read.digests[len(values) :]:
             self._known.pop(digest, None)
 
-    def _decoded(self, digest: bytes, value) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _decoded(self, digest: bytes, value, deadline: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(keys, values) (layers, block_size, H_kv, D) of a block read back, or None when it
-        fails a check: counted, deleted where the tier can, logged once, recomputed."""
-        data = block_bytes(value)
+        fails a check: counted, deleted where the tier can, logged once, recomputed. A value whose
+        bytes are read now (`disk_store.DiskBlock`) is read by the load's `deadline`."""
+        data = value if isinstance(value, bytes | bytearray | memoryview) else value.read(deadline)
         if data is None:  # not read (gone, another size, no answer in time): the tier counted why
             self._known.pop(digest, None)
             return None
