@@ -15,9 +15,9 @@ from kvcache.cli import main
 from kvcache.cli._pin_file import MAX_PINNED_PROMPTS, PIN_FILE_BYTES, pin_prompts, read_pin_file
 
 
-def _refused(path, tmp_path, capsys) -> str:
+def _refused(path, tmp_path, capsys, flags=()) -> str:
     """What serve says on stderr when it refuses `path` as --kv-pin (exit 2, no traceback)."""
-    assert main(["serve", "--port", "0", "--kv-pin", str(path), "-m", str(tmp_path / "absent")]) == 2
+    assert main(["serve", "--port", "0", *flags, "--kv-pin", str(path), "-m", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvcache serve: error: --kv-pin ") and "Traceback" not in err, err
     return err
@@ -130,3 +130,16 @@ def test_pinning_says_what_it_prefills_before_the_pause_and_names_a_prompt_too_l
     with pytest.raises(ValueError, match=f"--kv-pin {pins}, line 2: the prompt has \\d+ tokens; a request "
                                          "holds at most 64"):
         pin_prompts(engine, read_pin_file(str(pins)), str(pins), context=64)
+
+
+@pytest.mark.parametrize("tenants", ["--api-keys", "--require-cache-salt"])
+def test_pinning_beside_tenants_is_refused_at_start_naming_both_flags(tmp_path, capsys, tenants):
+    # pinned blocks are unsalted: no tenant's salted request would reach them
+    pins = tmp_path / "pins.jsonl"
+    pins.write_text('"You are terse."\n')
+    keys = tmp_path / "keys"
+    keys.write_text("sk-one alice admin\n")  # (an admin key: no note about /metrics)
+    keys.chmod(0o600)
+    given = ["--api-keys", str(keys)] if tenants == "--api-keys" else [tenants]
+    said = _refused(pins, tmp_path, capsys, given)
+    assert f"--kv-pin cannot be used with {tenants}" in said

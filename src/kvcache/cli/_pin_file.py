@@ -16,6 +16,19 @@ ROLES = ("system", "developer", "user", "assistant")  # (developer is read as sy
 FLAG = "--kv-pin"
 
 
+def refuse_with_tenants(kv_pin: str | None, api_keys: str | None, require_cache_salt: bool) -> None:
+    """ValueError naming both flags when --kv-pin comes with --api-keys or --require-cache-salt: a
+    pinned prompt's blocks are unsalted, so no tenant's request (each salted by its tenant or its
+    cache_salt) could reach them, or, were they reachable, they would be shared across tenants."""
+    if not kv_pin:
+        return
+    other = "--api-keys" if api_keys is not None else "--require-cache-salt" if require_cache_salt else None
+    if other is not None:
+        raise ValueError(f"{FLAG} cannot be used with {other}: pinned prompts are cached without a salt, so "
+                         f"no tenant's request would reach them (or they would be shared between tenants); "
+                         f"give {FLAG} or {other}, not both")
+
+
 def read_pin_file(path: str) -> list[tuple[int, object]]:
     """[(line number, prompt)] of a --kv-pin file, a prompt a text or chat messages [{"role",
     "content"}]; ValueError naming the flag, the file and the line of anything else, OSError

@@ -30,7 +30,13 @@ from kvcache.cli._args import (
     positive_int,
     size_argument,
 )
-from kvcache.cli._pin_file import MAX_PINNED_PROMPTS, PIN_FILE_BYTES, pin_prompts, read_pin_file
+from kvcache.cli._pin_file import (
+    MAX_PINNED_PROMPTS,
+    PIN_FILE_BYTES,
+    pin_prompts,
+    read_pin_file,
+    refuse_with_tenants,
+)
 from kvcache.cli._status import BAR_AFTER_S, compiling_said, say_weights
 from kvcache.defaults import BACKEND_NAMES, DEFAULT_MODEL_DIR, resolve_model_dir
 from kvcache.memory import format_bytes, parse_size
@@ -277,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_replicas(args, sock, keys)
     events = None
     try:
+        refuse_with_tenants(args.kv_pin, args.api_keys, args.require_cache_salt)
         pinned = read_pin_file(args.kv_pin) if args.kv_pin else []  # (a bad file said before loading)
         events = _event_publisher(args)  # (a taken endpoint too)
         engine, tokenizer, context = _engine(args, events)
