@@ -392,3 +392,30 @@ def test_serve_with_an_empty_kv_disk_is_a_usage_error_naming_the_flag(tmp_path, 
     assert exit_.value.code == 2
     assert "--kv-disk" in capsys.readouterr().err
     assert not (tmp_path / ".lock").exists()
+
+
+@pytest.mark.parametrize("where", ["_open_block", "_read_file"])
+def test_one_block_file_that_fails_is_a_miss_and_the_tier_stays_up(tmp_path, monkeypatch, where):
+    # EACCES/EIO on one file (found by a read, or read by a step's load) is that block's problem,
+    # not the tier's: the other blocks are still read, and the file is deleted to be written again
+    store = _stored(DiskBlockStore(tmp_path / "kv"), [1, 2, 3])
+    real = getattr(disk_store, where)
+
+    def failing(root, space, name, *rest):
+        if name == _name(2):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(root, space, name, *rest)
+
+    monkeypatch.setattr(disk_store, where, failing)
+    try:
+        pending = store.start_read([_key(index) for index in (1, 2, 3)], SIZE)
+        pending.wait(30)
+        found = [None if (data := value.read()) is None else bytes(data) for value in pending.values()]
+        # found by a read: the run ends at the bad file; read by a load: that block alone is a miss
+        assert found == ([_value(1)] if where == "_open_block" else [_value(1), None, _value(3)])
+        assert store.counters.errors == 0 and store.counters.up and store.available()
+        assert store.counters.invalid_blocks == 1
+        assert _read(store, [3]) == [_value(3)]  # the tier still reads
+        assert wait_for(lambda: not (tmp_path / "kv" / SPACE / _name(2)).exists())
+    finally:
+        store.close()

@@ -63,6 +63,10 @@ _LINK = (errno.ELOOP, errno.ENOTDIR)  # what opening a link with O_NOFOLLOW (or 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+class _Closed(OSError):
+    """The store was closed under a call (not a file's error)."""
+
+
 def _place(key: str) -> tuple[str, str] | None:
     """(namespace folder, file name) of the block of `key`; None for a key of another form."""
     match = _KEY.fullmatch(key)
@@ -207,7 +211,7 @@ class DiskBlockStore(BlockStore):
         self._index_lock = threading.Lock()
         self._pinned: set[str] = set()  # keys evicted last (`pin`)
         self._bad: set[str] = set()  # keys whose file failed and could not be deleted: never used again
-        self._warned_undeletable = False
+        self._warned_undeletable = self._warned_unreadable = False
         self._buffers = threading.local()  # one block's bytes per calling thread, reused by each read_block
         self.bytes = 0
         try:
@@ -226,7 +230,7 @@ class DiskBlockStore(BlockStore):
         """The folder's descriptor, kept open while a thread uses it (a read stuck past close())."""
         with self._root_lock:
             if self._closing:
-                raise OSError(errno.EBADF, f"the KV disk store on {self.folder} is closed")
+                raise _Closed(errno.EBADF, f"the KV disk store on {self.folder} is closed")
             self._root_users += 1
         try:
             yield self._root
@@ -312,7 +316,13 @@ class DiskBlockStore(BlockStore):
             place = _place(key)
             if not held or place is None:
                 break
-            size = self._open_ahead(*place)
+            try:
+                size = self._open_ahead(*place)
+            except _Closed:
+                raise
+            except OSError as error:  # (EACCES, EIO on this one file): a miss, the tier stays up
+                self._unreadable(key, error)
+                break
             if size != value_bytes:
                 if size is not None:  # another size (truncated, or not a block): never read
                     self.counters.invalid_blocks += 1
@@ -362,8 +372,10 @@ class DiskBlockStore(BlockStore):
             future.cancel()
             self.failed(TimeoutError(f"a block not read within {wait:.3g} s"), "reading a block")
             return None
-        except OSError as error:  # (EIO, a stale handle): the tier, not the request, failed
-            self.failed(error, "reading a block")
+        except _Closed:
+            return None
+        except OSError as error:  # (EACCES, EIO, EISDIR on this one file): a miss, the tier stays up
+            self._unreadable(block.key, error)
             return None
         if read != block.size:
             if read is not None:
@@ -371,6 +383,19 @@ class DiskBlockStore(BlockStore):
             self.discard(block.key)
             return None
         return target
+
+    def _unreadable(self, key: str, error: OSError) -> None:
+        """The file of `key` failed to open or read (EACCES, EIO, …): that block is a miss, counted
+        invalid, forgotten and deleted (remembered as bad when it cannot be), logged once; the
+        tier and its other blocks stay in use."""
+        self.counters.invalid_blocks += 1
+        with self._index_lock:
+            warned, self._warned_unreadable = self._warned_unreadable, True
+        if not warned:
+            log.warning("KV disk folder %s: the block file of %s cannot be read (%s: %s); it is a miss and "
+                        "is deleted, the tier stays in use (further ones are not logged)", self.folder, key,
+                        type(error).__name__, error)
+        self.discard(key)
 
     # ---- writes ------------------------------------------------------------------------------------
     def put(self, key: str, make_value) -> bool:
