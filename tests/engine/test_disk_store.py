@@ -240,3 +240,33 @@ def test_a_read_error_on_a_block_is_a_miss_failing_neither_request_nor_tier(mode
     stats = reader.stats()["kv_store"]
     assert stats["errors"] == 0 and stats["up"] and stats["invalid_blocks"] >= 1  # the block, not the tier
     reader.close()
+
+
+def test_a_block_already_on_disk_is_not_written_again(tmp_path):
+    key = "kvcache:" + "ab" * 16 + ":" + "01" * 16
+    store = DiskBlockStore(tmp_path)
+    try:
+        assert store.put(key, lambda: b"x" * 64) and store.flush()
+        made: list[int] = []
+        assert store.put(key, lambda: made.append(1) or b"x" * 64) and store.flush()  # held: True
+        assert store.counters.written_blocks == 1 and not made
+    finally:
+        store.close()
+
+
+def test_a_disk_read_that_failed_does_not_make_every_block_offered_again(model, tmp_path):
+    # a read timing out loses no block the disk took: after one, the blocks it holds are not
+    # queued again (only a failed write, which drops blocks, makes StoreTier offer everything)
+    prompt = ids(40, seed=12)
+    replica = engine(model, DiskBlockStore(tmp_path, retry_s=0.0))
+    answer(replica, prompt)
+    store = flushed(replica).store_tier.store
+    store.failed(TimeoutError("a block not read in time"), "reading a block")  # as read_block does
+    offered: list[str] = []
+    putting = store.put
+    store.put = lambda key, make_value: offered.append(key) or putting(key, make_value)
+    try:
+        answer(replica, prompt)  # the same blocks again
+        assert offered == []
+    finally:
+        replica.close()

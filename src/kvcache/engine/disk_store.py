@@ -212,6 +212,7 @@ class DiskBlockStore(BlockStore):
         self._pinned: set[str] = set()  # keys evicted last (`pin`)
         self._bad: set[str] = set()  # keys whose file failed and could not be deleted: never used again
         self._warned_undeletable = self._warned_unreadable = False
+        self._failed_writes = 0  # (`failure_count`)
         self._buffers = threading.local()  # one block's bytes per calling thread, reused by each read_block
         self.bytes = 0
         try:
@@ -399,13 +400,14 @@ class DiskBlockStore(BlockStore):
 
     # ---- writes ------------------------------------------------------------------------------------
     def put(self, key: str, make_value) -> bool:
-        """As `BlockStore.put`; a block whose file could not be deleted is never written again."""
+        """As `BlockStore.put`; a block already on disk is not written again (True: the tier holds
+        it); one whose file could not be deleted is never written again."""
         with self._index_lock:
-            bad = key in self._bad
+            bad, held = key in self._bad, key in self._index
         if bad:
             self.counters.dropped_blocks += 1
             return False
-        return super().put(key, make_value)
+        return held or super().put(key, make_value)
 
     def _write(self, batch: list[tuple[str, bytes]]) -> int:
         try:
@@ -454,9 +456,15 @@ class DiskBlockStore(BlockStore):
                 self._remove(folder, temporary)
                 raise
 
+    def failure_count(self) -> int:
+        """Failed writes since start: only those lose blocks the tier took (a read that timed out
+        or a bad file loses none, so `StoreTier` need not offer every block again after one)."""
+        return self._failed_writes
+
     def failed_writing(self, error: BaseException, wanted_bytes: int) -> None:
         """A failed write stops writes for retry_s, not reads; a full disk also gives back the
         least recently used blocks worth what did not fit."""
+        self._failed_writes += 1
         if isinstance(error, OSError) and error.errno in _FULL:
             with self._index_lock:
                 target = max(0, self.bytes - wanted_bytes)

@@ -93,8 +93,9 @@ class StoreTier(StepObserver):
             self._known.popitem(last=False)
 
     def _check_restart(self) -> None:
-        """After a failed call the store may have lost blocks it took (a write that failed after
-        its block was queued, a restart empty): offer every block again."""
+        """After a failure that may have lost blocks the store took (`failure_count`: a write that
+        failed after its block was queued, a Redis restarted empty; not a disk read that timed
+        out): offer every block again (a disk tier skips those it still holds)."""
         if self.store.failure_count() != self._failures:
             self._failures = self.store.failure_count()
             self._known.clear()
