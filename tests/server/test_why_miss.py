@@ -83,3 +83,18 @@ def test_the_explainer_changes_no_answer(client, model, tokenizer):
         solo = kvcache.generate(model, torch.tensor([list(ids)]), max_new_tokens=12, eos_token_id=eos)
         expected = tokenizer.decode(solo.new_tokens[0], skip_special_tokens=True)
         assert answer.choices[0].message.content == expected, prefix_of(answer)["cause"]
+
+
+def test_kvcache_why_prints_the_tokens_around_the_divergence(client, server, tmp_path, capsys):
+    from kvcache.cli import main
+
+    ask(client, SYSTEM + " For the command.")
+    later = ask(client, SYSTEM.replace("48213", "48299") + " For the command.")
+    key = tmp_path / "key"
+    key.write_text(API_KEY + "\n")
+    assert main(["why", later.id, "--url", server.base, "--api-key-file", str(key)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{later.id}: volatile_system_field in system (diverged at token")
+    assert "before: '" in out and "request 482" in out and "after:  '99" in out
+    assert main(["why", "chatcmpl-gone", "--url", server.base, "--api-key-file", str(key)]) == 1
+    assert "404" in capsys.readouterr().err

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("chat", "an interactive multi-turn chat that keeps the conversation's cache"),
     "models": ("models", "the model names -m takes: each one's size and where it is, or how to pull it"),
     "pull": ("pull", "fetch a named model's GGUF file (checked by its SHA-256) into your cache folder"),
+    "why": ("why", "why a request to a running serve missed the prefix cache, and where"),
 }
 
 
