@@ -419,3 +419,17 @@ def test_one_block_file_that_fails_is_a_miss_and_the_tier_stays_up(tmp_path, mon
         assert wait_for(lambda: not (tmp_path / "kv" / SPACE / _name(2)).exists())
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("argument, value", [("timeout_s", 0), ("retry_s", -1.0), ("max_pending", 0),
+                                             ("max_bytes", 0), ("write_bytes_per_s", True),
+                                             ("timeout_s", float("nan"))])
+def test_a_bad_argument_is_refused_before_the_folder_is_made_or_locked(tmp_path, argument, value):
+    folder = tmp_path / "kv"
+    with pytest.raises(ValueError, match=f"DiskBlockStore's {argument} must be .*, got {value!r}"):
+        DiskBlockStore(folder, **{argument: value})
+    assert not folder.exists()
+    folder.mkdir()
+    with pytest.raises(ValueError, match=argument):
+        DiskBlockStore(folder, **{argument: value})
+    DiskBlockStore(folder).close()  # the folder's lock was not left taken

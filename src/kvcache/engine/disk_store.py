@@ -161,6 +161,19 @@ def _lock(root: int, folder: Path) -> int:
     return descriptor
 
 
+def _check_arguments(**given) -> None:
+    """ValueError naming the first of DiskBlockStore's numbers out of its range: max_bytes,
+    write_bytes_per_s and max_pending ints >= 1, timeout_s > 0, retry_s >= 0."""
+    for name, value in given.items():
+        whole = name in ("max_bytes", "write_bytes_per_s", "max_pending")
+        kinds = int if whole else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not (
+            value >= 1 if whole else value > 0 if name == "timeout_s" else value >= 0
+        ):
+            expected = "an int >= 1" if whole else "a number > 0" if name == "timeout_s" else "a number >= 0"
+            raise ValueError(f"DiskBlockStore's {name} must be {expected}, got {value!r}")
+
+
 class DiskBlock:
     """A block found on disk by a read, its bytes read when a step loads it (`read`)."""
 
@@ -193,9 +206,8 @@ class DiskBlockStore(BlockStore):
                  retry_s: float = 30.0, max_pending: int = 512, write_bytes_per_s: int = 256 << 20) -> None:
         if os.fspath(folder) == "":
             raise ValueError("the KV disk folder (--kv-disk DIR) must name a folder, got an empty path")
-        if max_bytes < 1 or write_bytes_per_s < 1:
-            raise ValueError(f"max_bytes and write_bytes_per_s must be >= 1, got {max_bytes} and "
-                             f"{write_bytes_per_s}")
+        _check_arguments(max_bytes=max_bytes, write_bytes_per_s=write_bytes_per_s, max_pending=max_pending,
+                         timeout_s=timeout_s, retry_s=retry_s)  # before the folder is made, locked, read
         self.write_bytes_per_s = write_bytes_per_s
         self._write_clock = 0.0  # when the bytes written so far may all have been written, at the rate
         self.folder, self.max_bytes = Path(folder).expanduser(), max_bytes
@@ -217,12 +229,12 @@ class DiskBlockStore(BlockStore):
         self.bytes = 0
         try:
             self._scan()
+            super().__init__(str(self.folder), (OSError,), timeout_s=timeout_s, retry_s=retry_s,
+                             max_pending=max_pending)
         except BaseException:
             os.close(self._lock_file)
             os.close(self._root)
             raise
-        super().__init__(str(self.folder), (OSError,), timeout_s=timeout_s, retry_s=retry_s,
-                         max_pending=max_pending)
         self._block_reader = DaemonExecutor("kvcache-disk-block-reader")  # a step's reads, with a deadline
 
     # ---- the folder ---------------------------------------------------------------------------------
