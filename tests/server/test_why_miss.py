@@ -98,3 +98,14 @@ def test_kvcache_why_prints_the_tokens_around_the_divergence(client, server, tmp
     assert "before: '" in out and "request 482" in out and "after:  '99" in out
     assert main(["why", "chatcmpl-gone", "--url", server.base, "--api-key-file", str(key)]) == 1
     assert "404" in capsys.readouterr().err
+
+
+def test_a_streamed_answer_carries_the_explanation_in_its_usage_chunk(client):
+    messages = [{"role": "system", "content": SYSTEM + " Streamed."}, QUESTION]
+    for expected in ("never_seen", "hit"):
+        chunks = list(client.chat.completions.create(
+            model="kvcache-test", messages=messages, max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage.model_extra["kvcache_prefix"]["cause"] in (expected, "volatile_system_field", "edited")
+    assert usage.model_extra["kvcache_prefix"]["cause"] == "hit"
