@@ -52,7 +52,8 @@ def test_kvcache_memory_refuses_an_oversized_config_with_exit_2(folder, capsys):
 def test_an_oversized_generation_config_or_tokenizer_json_is_refused_at_once(folder, capsys, name):
     huge(folder / name)
     assert main(["generate", "--model", str(folder), "--prompt", "The", "--max-new-tokens", "1"]) == 2
-    err = capsys.readouterr().err
+    # (the load's bar may draw its line first on a busy machine: loading took past its delay)
+    err = "".join(line for line in capsys.readouterr().err.splitlines(keepends=True) if " [#" not in line)
     assert err.count("\n") == 1 and "8,589,934,592 bytes" in err and name in err
 
 

@@ -65,7 +65,8 @@ def test_a_broken_checkpoint_is_one_line_naming_it_and_exit_2(model_copy, capsys
     breaks(model_copy)
     assert main(_generate(model_copy)) == 2
     captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
+    # (the load's bar may draw its line first on a busy machine: loading took past its delay)
+    lines = [line for line in captured.err.strip().splitlines() if " [#" not in line]
     assert len(lines) == 1 and lines[0].startswith("kvcache generate: error: "), captured.err
     assert named in lines[0] and captured.out == ""
 
