@@ -81,6 +81,6 @@ def choose_threads(command: str, threads: int | None, watch) -> None:
     chosen = threads_beside_other_work(threads, watch)
     if chosen < threads:
         torch.set_num_threads(chosen)
-        print(f"kvcache {command}: other work keeps {threads - chosen} of this machine's cores busy: running "
-              f"on {chosen} thread{'s' if chosen > 1 else ''}, not {threads} (--threads to choose)",
-              file=sys.stderr, flush=True)
+        print(f"kvcache {command}: other processes kept {watch.busy_elsewhere():.1f} cores busy while the "
+              f"model loaded: running on {chosen} thread{'s' if chosen > 1 else ''}, not {threads} "
+              "(--threads to choose)", file=sys.stderr, flush=True)
