@@ -21,8 +21,8 @@ BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 # figures that move between runs: timings, speeds, ratios
 TIMING = re.compile(r"\d+(\.\d+)?(?= ms| tokens/s|x\b)")
 # lines that come and go with the machine: a progress bar (drawn when loading takes long enough),
-# the kernels compiled on an install's first run
-TRANSIENT = re.compile(r"\[[#.]+\] +\d+%|: compil(ing|ed) \d* ?kernel")
+# the kernels compiled on an install's first run, the threads lowered beside other busy processes
+TRANSIENT = re.compile(r"\[[#.]+\] +\d+%|: compil(ing|ed) \d* ?kernel|: other processes kept [\d.]+ cores")
 
 
 def blocks() -> list[tuple[str, str]]:

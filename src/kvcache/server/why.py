@@ -9,6 +9,7 @@ import collections
 import threading
 
 from kvcache.blocks import salt_root
+from kvcache.engine import Engine
 from kvcache.reuse.explain import CONTEXT_TOKENS, Explanation, PrefixExplainer, Segment
 
 REMEMBERED = 256  # prompts (and explanations by id) kept
@@ -31,10 +32,12 @@ class RequestExplainer:
         """The explanation of `ids` (rendered from `prompt`) under `cache_salt`; then remembers it."""
         segments = self.segments(prompt, len(ids))
         root = salt_root(cache_salt)
-        allocator = self.engine.pool.cache.allocator
+        held = None  # (replicas: each holds its own pool, not asked here; what was seen counts as held)
+        if isinstance(self.engine, Engine):
+            allocator = self.engine.pool.cache.allocator
+            held = lambda digest: allocator.attachable([digest]) == 1  # noqa: E731
         with self._lock:
-            answer = self.explainer.explain(ids, root, segments,
-                                            held=lambda digest: allocator.attachable([digest]) == 1)
+            answer = self.explainer.explain(ids, root, segments, held=held)
             self.explainer.record(ids, root, segments)
         return answer
 
