@@ -77,10 +77,10 @@ def choose_threads(command: str, threads: int | None, watch) -> None:
     if threads:
         torch.set_num_threads(threads)
         return
-    threads = torch.get_num_threads()
-    chosen = threads_beside_other_work(threads, watch)
+    threads, busy = torch.get_num_threads(), watch.busy_elsewhere()
+    chosen = threads_beside_other_work(threads, busy)
     if chosen < threads:
         torch.set_num_threads(chosen)
-        print(f"kvcache {command}: other processes kept {watch.busy_elsewhere():.1f} cores busy while the "
+        print(f"kvcache {command}: other processes kept {busy:.1f} cores busy while the "
               f"model loaded: running on {chosen} thread{'s' if chosen > 1 else ''}, not {threads} "
               "(--threads to choose)", file=sys.stderr, flush=True)

@@ -33,7 +33,7 @@ def test_this_processs_own_threads_never_count_as_other_work():
     readings.busy += 200
     readings.own += 2.0  # both cores, all of it ours
     assert watch.busy_elsewhere() == 0.0
-    assert threads_beside_other_work(2, watch, cores=2) == 2
+    assert threads_beside_other_work(2, watch.busy_elsewhere(), cores=2) == 2
 
 
 @pytest.mark.parametrize(("elsewhere", "threads", "cores", "expected"), [
@@ -46,7 +46,7 @@ def test_threads_beside_other_work_leave_the_busy_cores_to_it_and_never_drop_bel
     watch = readings.watch()
     readings.now += 1.0
     readings.busy += int(100 * elsewhere)
-    assert threads_beside_other_work(threads, watch, cores=cores) == expected
+    assert threads_beside_other_work(threads, watch.busy_elsewhere(), cores=cores) == expected
 
 
 def test_without_proc_stat_nothing_counts_as_busy():

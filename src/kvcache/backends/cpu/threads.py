@@ -73,8 +73,8 @@ class CoreWatch:
         return max(0.0, busy / elapsed)
 
 
-def threads_beside_other_work(threads: int, watch: CoreWatch, cores: int | None = None) -> int:
-    """`threads` lowered to the `cores` (default: the machine's) other processes left free since
-    `watch` started, their busy cores rounded; never below 1."""
+def threads_beside_other_work(threads: int, busy: float, cores: int | None = None) -> int:
+    """`threads` lowered to the `cores` (default: the machine's) that `busy` cores of other work
+    (`CoreWatch.busy_elsewhere`, rounded) leave free; never below 1."""
     cores = cores or os.cpu_count() or threads
-    return max(1, min(threads, cores - round(watch.busy_elsewhere())))
+    return max(1, min(threads, cores - round(busy)))
