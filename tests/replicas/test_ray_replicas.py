@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import ray
+from openai_streams import streamed_logprobs
 from ray import serve
 from serve_process import start_serve, stop_serve
 from waiting import wait_for
@@ -71,12 +72,7 @@ def test_streamed_logprobs_and_a_schema_come_through_a_replica(server):
     stream = server.chat.completions.create(model="kvcache-default", messages=messages, max_tokens=NEW,
                                             temperature=0, logprobs=True, top_logprobs=2, stream=True,
                                             stream_options={"include_usage": True})
-    items, text, usage = [], [], None
-    for chunk in stream:
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            text.append(choice.delta.content or "")
-            items.extend(choice.logprobs.content if choice.logprobs else [])
+    items, text, usage = streamed_logprobs(stream)
     assert len(items) == usage.completion_tokens and "".join(item.token for item in items) == "".join(text)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}

@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 from conftest import API_KEY
+from openai_streams import streamed_logprobs
 
 from kvcache.generation.logprobs import token_logprobs
 
@@ -56,12 +57,7 @@ def test_streamed_chat_logprobs_cover_every_token_once(client):
     stream = client.chat.completions.create(model="kvcache-test", messages=MESSAGES, max_tokens=8,
                                             temperature=0, logprobs=True, top_logprobs=1, stream=True,
                                             stream_options={"include_usage": True})
-    items, text, usage = [], [], None
-    for chunk in stream:
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            text.append(choice.delta.content or "")
-            items.extend(choice.logprobs.content if choice.logprobs else [])
+    items, text, usage = streamed_logprobs(stream)
     assert len(items) == usage.completion_tokens == 8
     assert "".join(item.token for item in items) == "".join(text)
 
