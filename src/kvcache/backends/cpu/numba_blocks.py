@@ -17,7 +17,7 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: every format's one-row dots two rows a 512-bit vector)
+# checkout to recompile them (the last such change: the pair dots' joins, extras and lane sums shared)
 from kvcache.backends.cpu.numba_q8 import (
     q4_0_rows,
     q4_0_tile,

@@ -40,24 +40,26 @@ _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatT
 _FAST = ("contract", "nsz")
 
 
-def target_has_vnni() -> bool:
-    """Whether the CPU numba compiles for has 256-bit VNNI (AVX-VNNI, or AVX512-VNNI with
-    AVX512VL), by the features numba hands LLVM: NUMBA_CPU_FEATURES where set, else the host's
-    as numba reads them (without AVX where NUMBA_ENABLE_AVX is off), whatever the CPU's name."""
+def _target_features() -> set[str]:
+    """The features numba hands LLVM ("+avx512vnni", ...): NUMBA_CPU_FEATURES where set, else the
+    host's as numba reads them (without AVX where NUMBA_ENABLE_AVX is off), whatever the CPU's name."""
     features = numba.config.CPU_FEATURES
     if features is None:
         features = host_cpu_features()
-    named = set(features.split(","))
+    return set(features.split(","))
+
+
+def target_has_vnni() -> bool:
+    """Whether the CPU numba compiles for has 256-bit VNNI (AVX-VNNI, or AVX512-VNNI with
+    AVX512VL), by `_target_features`."""
+    named = _target_features()
     return "+avxvnni" in named or {"+avx512vnni", "+avx512vl"} <= named
 
 
 def target_has_wide_vnni() -> bool:
     """Whether the CPU numba compiles for has 512-bit VNNI with AVX-512's byte and mask operations
-    (AVX512-VNNI, BW, VL), by the features numba hands LLVM (as `target_has_vnni`)."""
-    features = numba.config.CPU_FEATURES
-    if features is None:
-        features = host_cpu_features()
-    return {"+avx512f", "+avx512vnni", "+avx512bw", "+avx512vl"} <= set(features.split(","))
+    (AVX512-VNNI, BW, VL), by `_target_features`."""
+    return {"+avx512f", "+avx512vnni", "+avx512bw", "+avx512vl"} <= _target_features()
 
 
 #: the dots' integer sums: vpdpbusd's four products a lane (8 int32 lanes a block), or pairs
@@ -226,6 +228,12 @@ def _add_block(builder, kind: int, block, values_of, activations, sums, extra) -
     quants, x_scale, x_offset, x_shift = activations
     scale = builder.fmul(_half(builder, block), x_scale, flags=_FAST)
     _scaled_into(builder, sums, _integer_sums(builder, values_of(0), quants), scale)
+    _add_extra(builder, kind, block, scale, x_offset, x_shift, extra)
+
+
+def _add_extra(builder, kind: int, block, scale, x_offset, x_shift, extra) -> None:
+    """A 32-value block's extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (the others:
+    scale d·d_x, x_offset -offset·Σq)."""
     minimum = LAYOUTS[kind][2]
     if minimum >= 0:
         part = builder.fmul(_half(builder, _at(builder, block, minimum)), x_shift, flags=_FAST)
@@ -349,6 +357,12 @@ def _q6_block(builder, block, values_of, quants, x_scale, counts, sums, extra) -
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
+def _joined(builder, a, b):
+    """Two vectors of n elements (of one type) as one of 2n, a's first."""
+    count = 2 * a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, count), list(range(count))))
+
+
 def _pair_block_bytes(builder, blocks, kind: int):
     """Two rows' blocks' 32 q values each, as `_block_bytes` gives one's, in one unsigned
     <64 x i8> (the first row's in lanes 0..31): the nibbles of both split at once, the fifth bits
@@ -356,8 +370,7 @@ def _pair_block_bytes(builder, blocks, kind: int):
     _, quants, _, fifth, _ = LAYOUTS[kind]
     if kind == 0:
         a, b = (_load(builder, _at(builder, block, quants), _I8, 32) for block in blocks)
-        both = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-        return builder.xor(both, _const(128, 64))
+        return builder.xor(_joined(builder, a, b), _const(128, 64))
     a, b = (_load(builder, _at(builder, block, quants), _I8, 16) for block in blocks)
     twice = list(range(16)) * 2 + list(range(16, 32)) * 2  # each row's bytes, twice
     packed = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), twice))
@@ -368,8 +381,7 @@ def _pair_block_bytes(builder, blocks, kind: int):
         return values
     bits = ir.VectorType(ir.IntType(1), 32)
     a, b = (builder.bitcast(_load(builder, _at(builder, block, fifth), _I32), bits) for block in blocks)
-    mask = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-    return builder.select(mask, builder.or_(values, _const(16, 64)), values)
+    return builder.select(_joined(builder, a, b), builder.or_(values, _const(16, 64)), values)
 
 
 def _wide_sums(builder, values, quants):
@@ -386,20 +398,14 @@ def _add_block_pair(builder, kind: int, blocks, activations, sums, extras) -> No
     """`_add_block` for two rows' blocks at once: sums (<16 x float>*, each row's 8 lanes) +=
     their integer sums times d·d_x, each row's extra as `_add_block` adds it."""
     quants, x_scale, x_offset, x_shift = activations
-    both = builder.shuffle_vector(quants, quants, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
-    integers = _wide_sums(builder, _pair_block_bytes(builder, blocks, kind), both)
+    integers = _wide_sums(builder, _pair_block_bytes(builder, blocks, kind), _joined(builder, quants, quants))
     scales = [builder.fmul(_half(builder, block), x_scale, flags=_FAST) for block in blocks]
     spread = _pair_splat(builder, scales, 16)
     wide = ir.VectorType(_F32, 16)
     scaled = builder.fmul(builder.sitofp(integers, wide), spread, flags=_FAST)
     builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
-    minimum = LAYOUTS[kind][2]
     for block, scale, extra in zip(blocks, scales, extras):
-        if minimum >= 0:
-            part = builder.fmul(_half(builder, _at(builder, block, minimum)), x_shift, flags=_FAST)
-        else:
-            part = builder.fmul(scale, x_offset, flags=_FAST)
-        builder.store(builder.fadd(builder.load(extra), part, flags=_FAST), extra)
+        _add_extra(builder, kind, block, scale, x_offset, x_shift, extra)
 
 
 def _pair_splat(builder, values, lanes: int):
@@ -422,10 +428,8 @@ def _pair_k_block(builder, kind: int, blocks, quants, x_scale, counts, sums, ext
     shares = [ir.Constant(_F32, 0.0) for _ in blocks]
     for g in range(8):
         x = _load(builder, _at(builder, quants, g * 32), _I8, 32)
-        both_x = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
         a, b = (_group_values(builder, kind, block, g) for block in blocks)
-        values = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-        dots = _wide_sums(builder, values, both_x)
+        dots = _wide_sums(builder, _joined(builder, a, b), _joined(builder, x, x))
         if kind == _Q6_K:
             scales = [builder.sext(_load(builder, _at(builder, block, 192 + 2 * g + j), _I8), _I32)
                       for block in blocks for j in range(2)]
@@ -483,13 +487,9 @@ def _pair_rows_codegen(kind: int):
                     _pair_k_block(builder, kind, two, x_quants, x_scale, x_counts, sums[pair], extra)
                 else:
                     _add_block_pair(builder, kind, two, activations, sums[pair], extra)
-        found = []
-        for r, extra in enumerate(extras):
-            lanes, result = builder.load(sums[r // 2]), builder.load(extra)
-            for lane in range(8 * (r % 2), 8 * (r % 2) + 8):
-                value = builder.extract_element(lanes, _const(lane, kind=_I32))
-                result = builder.fadd(result, value, flags=_FAST)
-            found.append(result)
+        halves = (range(8), range(8, 16))  # each row's lanes in its pair's vector
+        found = [_lanes_summed(builder, builder.load(sums[r // 2]), halves[r % 2], extra)
+                 for r, extra in enumerate(extras)]
         return context.make_tuple(builder, signature.return_type, found)
 
     return codegen
@@ -618,14 +618,16 @@ def _unpack_codegen(kind: int):
 
 def _reduced(builder, sums, extras) -> list:
     """Each row's float lanes summed, plus its extra: four float32."""
-    results = []
-    for row_sums, extra in zip(sums, extras):
-        lanes, result = builder.load(row_sums), builder.load(extra)
-        for lane in range(_LANES.count):
-            value = builder.extract_element(lanes, ir.Constant(_I32, lane))
-            result = builder.fadd(result, value, flags=_FAST)
-        results.append(result)
-    return results
+    return [_lanes_summed(builder, builder.load(row_sums), range(_LANES.count), extra)
+            for row_sums, extra in zip(sums, extras)]
+
+
+def _lanes_summed(builder, lanes, picked: range, extra):
+    """*extra plus the lanes `picked` of a float vector, added in order (one row's result)."""
+    result = builder.load(extra)
+    for lane in picked:
+        result = builder.fadd(result, builder.extract_element(lanes, ir.Constant(_I32, lane)), flags=_FAST)
+    return result
 
 
 def _rows_intrinsic(kind: int):
