@@ -62,8 +62,9 @@ def wait_ready(url: str, process: subprocess.Popen, seconds: float = 600.0) -> N
     raise SystemExit(f"bench_serve_gguf: the server at {url} did not answer /health in {seconds:.0f} s")
 
 
-def streamed(url: str, words: str, new_tokens: int) -> tuple[float, float]:
-    """(decode tokens/s after the first streamed chunk, seconds to the first) of one request."""
+def stream_times(url: str, words: str, new_tokens: int) -> tuple[float, float, float, int]:
+    """(when the request was sent, when its first content chunk came, when its last did, its
+    content chunks) of one streamed request (perf_counter seconds)."""
     import httpx
 
     body = {"model": "m", "messages": [{"role": "user", "content": words}], "max_tokens": new_tokens,
@@ -81,26 +82,25 @@ def streamed(url: str, words: str, new_tokens: int) -> tuple[float, float]:
     ended = time.perf_counter()
     if first is None or chunks < 2:
         raise SystemExit(f"bench_serve_gguf: {url} streamed {chunks} content chunks")
+    return started, first, ended, chunks
+
+
+def streamed(url: str, words: str, new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s after the first streamed chunk, seconds to the first) of one request."""
+    started, first, ended, chunks = stream_times(url, words, new_tokens)
     return (chunks - 1) / (ended - first), first - started
 
 
 def streamed_together(url: str, prompts: list[str], new_tokens: int) -> tuple[float, float]:
-    """(every stream's content chunks over the time from the start to the last, median seconds to
-    a stream's first) of len(prompts) requests sent at once."""
+    """(every stream's content chunks over the time from the first request sent to the last
+    chunk, median seconds to a stream's first) of len(prompts) requests sent at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    started = time.perf_counter()
-
-    def one(words: str) -> tuple[int, float, float]:
-        rate, first = streamed(url, words, new_tokens)
-        return rate, first, time.perf_counter()
-
     with ThreadPoolExecutor(len(prompts)) as pool:
-        done = list(pool.map(one, prompts))
-    ended = max(end for _, _, end in done)
-    # each stream's chunks: its rate times its time after its first chunk, plus the first
-    chunks = sum(rate * (end - started - first) + 1 for rate, first, end in done)
-    return chunks / (ended - started), median(first for _, first, _ in done)
+        done = list(pool.map(lambda words: stream_times(url, words, new_tokens), prompts))
+    started, ended = min(row[0] for row in done), max(row[2] for row in done)
+    chunks = sum(row[3] for row in done)
+    return chunks / (ended - started), median(first - sent for sent, first, _, _ in done)
 
 
 def run(args, gguf: str) -> dict:
