@@ -75,7 +75,8 @@ def test_a_nan_temperature_is_one_line_and_nothing_on_stdout(capsys):
     assert main(_generate(DEFAULT_MODEL_DIR, "--temperature", "nan")) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.splitlines() == [captured.err.strip()] and "temperature" in captured.err
+    said = [line for line in captured.err.splitlines() if "cores busy" not in line]  # (a busy machine's)
+    assert len(said) == 1 and said[0].startswith("kvcache generate: error: ") and "temperature" in said[0]
 
 
 def test_a_run_past_max_position_embeddings_is_fitted_to_it_in_one_line(model_copy, capsys):

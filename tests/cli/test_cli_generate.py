@@ -27,10 +27,10 @@ def test_generate_chat_streams_and_compares_with_no_cache(llama_dir, capsys):
     )
     out = capsys.readouterr().err  # the statistics; stdout holds only the text
     assert code == 0
-    assert "new tokens after a" in out and "cache dynamic" in out
+    assert "new tokens after a" in out and "cache paged" in out
     assert "time to first token" in out and "tokens/s" in out
     assert "tokens identical to the no-cache run: yes" in out
-    assert "decode speed, cache dynamic / no cache:" in out
+    assert "decode speed, cache paged / no cache:" in out
     warm, timed = out.index("warming up"), out.index("time to first token")
     assert warm < timed  # kernels compiled and weights laid out before anything is timed
 

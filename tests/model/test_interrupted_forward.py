@@ -1,6 +1,6 @@
 """An exception between layers (Ctrl-C, a failing hook) leaves no cache with layers at different
 lengths that the next forward accepts: the forward is undone, so the next one answers as if the
-failed one never ran, for every cache kind and both decode paths."""
+failed one never ran, for every cache kind and for a paged cache's steps on a backend."""
 
 from __future__ import annotations
 
@@ -72,36 +72,32 @@ def test_a_cache_whose_layers_disagree_is_refused_until_crop():
     model(torch.tensor([[4]]), past_key_values=cache)
 
 
-# each step and the seam it writes the cache through
-STEPS = {"numpy": (torch.float32, "update_arrays"), "half": (torch.bfloat16, "update_arrays")}
-
-
 @pytest.mark.kernels
-@pytest.mark.parametrize("step_name", list(STEPS))
-@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
-def test_a_decode_step_interrupted_between_layers_is_undone(kind, step_name):
-    from kvcache.backends import choose_backend
-
-    dtype, seam = STEPS[step_name]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["numpy", "half"])
+def test_a_paged_step_interrupted_before_its_commit_is_undone(dtype):
+    """generate on a paged cache runs each forward as reserve -> the backend's step -> commit:
+    interrupted after the kernels wrote every layer's rows, before the cache records them, the
+    call leaves the rows as they were, and the next call answers as if it never ran."""
     model = tiny_model(layers=3).to(dtype)
-    backend = choose_backend(model, step_name)
-    prompt, step = torch.tensor([[5, 9, 2, 7]]), torch.tensor([[11]])
-    with torch.no_grad():
-        reference = make(kind, model)
-        model(prompt, past_key_values=reference)
-        expected = backend.decode(step, reference)
-        cache = make(kind, model)
-        model(prompt, past_key_values=cache)
-        # a paged cache's decode step runs the engine's step on its blocks: interrupted after the
-        # kernels wrote every layer's row, before the cache records it
-        target, seam = (cache, "commit") if kind == "paged" else (cache.layers[1], seam)
+    prompt, turn = torch.tensor([[5, 9, 2, 7]]), torch.tensor([[11, 3]])
 
-        def interrupted(*args, **kwargs):
-            raise Interrupt()
+    def first_turn():
+        cache = make("paged", model)
+        kvcache.generate(model, prompt, cache=cache, max_new_tokens=1)  # keeps the prompt's rows
+        return cache
 
-        setattr(target, seam, interrupted)
-        with pytest.raises(Interrupt):
-            backend.decode(step, cache)
-        delattr(target, seam)  # the class's own method again
-        assert {layer.get_seq_length() for layer in cache.layers} == {4}
-        torch.testing.assert_close(backend.decode(step, cache), expected)
+    expected = kvcache.generate(model, turn, cache=first_turn(), max_new_tokens=4, eos_token_id=())
+    cache = first_turn()
+    held = cache.row_lengths
+
+    def interrupted(*args, **kwargs):
+        raise Interrupt()
+
+    cache.commit = interrupted
+    with pytest.raises(Interrupt):
+        kvcache.generate(model, turn, cache=cache, max_new_tokens=4, eos_token_id=())
+    del cache.commit  # the class's own method again
+    assert cache.row_lengths == held
+    again = kvcache.generate(model, turn, cache=cache, max_new_tokens=4, eos_token_id=())
+    assert again.backend == expected.backend != "torch"
+    assert again.new_tokens == expected.new_tokens

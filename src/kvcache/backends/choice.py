@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-from kvcache.backends.base import BackendError, DecodeBackend
+from kvcache.backends.base import Backend, BackendError
 from kvcache.backends.cpu import block_step, half_step, numpy_step
 from kvcache.backends.cpu.block_step import BlockBackend
 from kvcache.backends.cpu.half_step import HalfBackend
@@ -28,19 +28,19 @@ _built: dict[type, weakref.WeakKeyDictionary] = {
     kind: weakref.WeakKeyDictionary() for kind in (NumpyBackend, HalfBackend, BlockBackend)}
 
 
-def _kept(kind: type, model) -> DecodeBackend:
+def _kept(kind: type, model) -> Backend:
     backend = _built[kind].get(model)
     if backend is None or not backend.matches(model):
         backend = _built[kind][model] = kind(model)
     return backend
 
 
-def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> DecodeBackend:
-    """The decode backend for `model`: a DecodeBackend as given; "torch" (the model's forward);
+def choose_backend(model, backend: str | Backend | None = "auto") -> Backend:
+    """The decode backend for `model`: a Backend as given; "torch" (the model's forward);
     "numpy", "half" or "blocks" (raise `BackendError` saying why if the model is not one they can
     run);
     "auto" or None (the rule in the module docstring)."""
-    if isinstance(backend, DecodeBackend):
+    if isinstance(backend, Backend):
         if not backend.matches(model):
             raise BackendError(
                 f"this {type(backend).__name__} was built from another model, or the model changed "
@@ -50,7 +50,7 @@ def choose_backend(model, backend: str | DecodeBackend | None = "auto") -> Decod
     if backend is None:
         backend = "auto"
     if backend not in BACKENDS:
-        raise BackendError(f"backend must be one of {BACKENDS} or a DecodeBackend, got {backend!r}")
+        raise BackendError(f"backend must be one of {BACKENDS} or a Backend, got {backend!r}")
     if backend == "torch":
         return TorchBackend(model)
     if backend == "numpy":

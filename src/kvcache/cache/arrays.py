@@ -1,5 +1,5 @@
-"""numpy arrays of cached keys and values, for the decode steps that talk to a cache in numpy
-(`Cache.update_arrays`). numpy has no bfloat16, so a bfloat16 tensor passes as its bits: a uint16
+"""numpy arrays of cached keys and values, for the kernels that read and write a cache's storage
+in place (`PagedLayer.storage_rows`). numpy has no bfloat16, so a bfloat16 tensor passes as its bits: a uint16
 array of the same shape sharing its memory (a bfloat16 is a float32's upper 16 bits)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The model calls `begin(new_tokens, attention_mask)` once per forward (the new tokens' positions
 and each layer's mask, or no masks when every key is visible), then `update(k, v, layer_idx)`
-once per layer (or `update_arrays`, its numpy form); a layer's length moves only inside those.
+once per layer; a layer's length moves only inside those.
 Every layer kind answers the same questions (its length, the absolute positions of the rows it
 will return), so the model never branches on the kind of cache.
 """
@@ -92,15 +92,6 @@ class Cache:
         layer = self._layer(layer_idx, create=True)
         assert layer is not None
         return layer.update(k, v)
-
-    def update_arrays(self, k, v, layer_idx: int):
-        """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU; returns numpy (K, V)
-        (B, H_kv, T_visible, D), bfloat16 passing as its bits (uint16, `arrays`). The same
-        operation as `update` (see `CacheLayer.update_arrays`): the cache ends in the same state
-        either way."""
-        layer = self._layer(layer_idx, create=True)
-        assert layer is not None
-        return layer.update_arrays(k, v)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far by layer `layer_idx` (0 for a layer not created yet)."""

@@ -65,15 +65,6 @@ class DynamicLayer(CacheLayer):
         self._length = end
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
-    def update_arrays(self, k, v):
-        """`update` on numpy arrays (see CacheLayer.update_arrays): while the buffer has room,
-        two row writes into numpy views of the buffers and no torch call; else `update`."""
-        written = self._write_arrays(k, v, self._length)
-        if written is None:
-            return super().update_arrays(k, v)
-        self._length += k.shape[2]
-        return written
-
     def get_seq_length(self) -> int:
         """Tokens held (every token seen since the last reset/crop)."""
         return self._length

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 
 import torch
 
-from .arrays import array_of, tensor_of
+from .arrays import array_of
 from .checks import check_batch_index, check_crop, check_kv_pair, where
 from .errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 
@@ -32,9 +32,6 @@ class CacheLayer:
     Subclasses implement `update`, `get_seq_length`, `mask_key`, `mask_positions`, the
     `keys`/`values` views and `crop`. Storage is allocated lazily by the first update unless a
     subclass was given every size up front.
-
-    `update` and `update_arrays` are one operation in two forms (torch tensors, numpy arrays): a
-    kind that changes one changes both. The default `update_arrays` calls `update`.
     """
 
     #: a query at q sees keys in (q - window, q]; None = plain causal.
@@ -64,16 +61,7 @@ class CacheLayer:
         """A key equal for two layers exactly when their masks for this chunk are equal."""
         raise NotImplementedError
 
-    def update_arrays(self, k, v):
-        """`update` for numpy arrays k, v (B, H_kv, T_new, D) on CPU, as a numpy decode step
-        calls it: returns numpy (K, V) (B, H_kv, T_visible, D), what `update` returns, and leaves
-        the layer as `update` would; bfloat16 passes as its bits, uint16 (`arrays`). Here:
-        `update` on tensors that share the arrays' memory; a kind with buffers it can write
-        through numpy views does that instead (no torch call)."""
-        keys, values = self.update(tensor_of(k), tensor_of(v))
-        return array_of(keys), array_of(values)
-
-    # ---- numpy views of the buffers, for update_arrays -----------------------------------------
+    # ---- numpy views of the buffers, for kernels that read them in place ----------------------
     def _forget_arrays(self) -> None:
         """Drop the numpy views of the buffers (taken again when next needed)."""
         self._arrays: tuple | None = None  # (keys, values) numpy views of the whole buffers
@@ -108,31 +96,6 @@ class CacheLayer:
                 except (TypeError, RuntimeError):  # a dtype numpy lacks, or a tensor that needs grad
                     self._arrays = None
         return self._arrays
-
-    def _write_arrays(self, k, v, start: int):
-        """Write numpy k, v (B, H_kv, T_new, D) into buffer rows start..start+T_new-1 through
-        numpy views; returns views (K, V) of rows 0..start+T_new-1, or None (and nothing written)
-        when they do not fit: no buffer or views, other shapes or dtype, no rows, or past the
-        buffer's end. The caller moves its length on by T_new, or calls `update` on None."""
-        arrays = self._buffer_arrays()
-        if arrays is None or k.ndim != 4 or v.ndim != 4:
-            return None
-        keys, values = arrays
-        end = start + k.shape[2]
-        if (
-            end > keys.shape[2]
-            or k.shape[:2] != keys.shape[:2]
-            or v.shape[:3] != k.shape[:3]
-            or k.shape[3] != keys.shape[3]
-            or v.shape[3] != values.shape[3]
-            or k.shape[2] < 1
-            or k.dtype != keys.dtype
-            or v.dtype != keys.dtype
-        ):
-            return None
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        return keys[:, :, :end], values[:, :, :end]
 
     def sees_every_key(self, new_tokens: int) -> bool:
         """Whether, with no padding, every key the next update returns is visible to all of the

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .arrays import tensor_of
 from .base import Cache, LayerMasks
 from .checks import check_crop, check_kv_pair, check_new_tokens
 from .config import read_cache_geometry
@@ -51,11 +50,6 @@ class NoCache(Cache):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
             raise LayerIndexError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
         check_kv_pair(k, v, layer_idx)
-        return k, v
-
-    def update_arrays(self, k, v, layer_idx: int):
-        """Return numpy k, v (B, H_kv, T_new, D) unchanged after checking them, as `update`."""
-        self.update(tensor_of(k), tensor_of(v), layer_idx)
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

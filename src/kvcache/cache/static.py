@@ -74,16 +74,6 @@ class StaticLayer(FixedCapacityLayer):
         self._length = end
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
-    def update_arrays(self, k, v):
-        """`update` on numpy arrays: the rows written through numpy views of the buffers (see
-        CacheLayer.update_arrays); past max_cache_len, `update` raises CacheOverflowError."""
-        start = self._length
-        written = self._write_arrays(k, v, start)
-        if written is None:
-            return super().update_arrays(k, v)
-        self._length = start + k.shape[2]
-        return written
-
     def sees_every_key(self, new_tokens: int) -> bool:
         """One new query sees every filled row (the rows update returns): itself and all before."""
         return new_tokens == 1
@@ -145,10 +135,6 @@ class CompiledStaticLayer(LengthInTensor, StaticLayer):
         values.index_copy_(2, index, v)
         self._tracker.advance(new_tokens)
         return keys, values
-
-    def update_arrays(self, k, v):
-        """Through `update` (the whole buffer comes back)."""
-        return CacheLayer.update_arrays(self, k, v)
 
     def sees_every_key(self, new_tokens: int) -> bool:
         """Never: the unfilled rows of the buffer come back too, masked."""

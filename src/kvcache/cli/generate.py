@@ -51,7 +51,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--ctx-size", type=positive_int,
                         help="tokens of context, prompt and new ones (default: the model's); "
                              "--max-tokens is lowered to fit it, said on stderr")
-    parser.add_argument("--cache", choices=CACHE_KINDS, help="default dynamic (paged with --kv-disk)")
+    parser.add_argument("--cache", choices=CACHE_KINDS,
+                        help="default paged: each forward a one-request paged step on the backend, as the "
+                        "server runs them; the other kinds run on the model's own torch forward (the "
+                        "reference road)")
     parser.add_argument(
         "--kv-disk", metavar="DIR", type=folder_argument,
         help="read the prompt's KV blocks that files under DIR hold instead of computing them, and "
@@ -95,9 +98,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKEND_NAMES,
         default="auto",
-        help="what runs the decode steps: the numpy step (float32 on CPU), the half step "
-        "(bfloat16/float16 on CPU), the model's torch forward, or auto: numpy or half where they "
-        "apply, else torch (default)",
+        help="what runs a paged cache's steps: blocks (a GGUF's kept blocks), numpy (float32 on CPU), "
+        "half (bfloat16/float16 on CPU), the model's torch forward, or auto: the first that applies "
+        "(default); the other cache kinds run on the torch forward",
     )
 
 
@@ -193,7 +196,7 @@ def _load(args: argparse.Namespace):
     from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
 
-    args.cache = args.cache or ("paged" if args.kv_disk or kv_dtype_of(args) else "dynamic")
+    args.cache = args.cache or "paged"
     if args.kv_disk and args.cache != "paged":
         raise ValueError(f"--kv-disk keeps a paged cache's blocks: give --cache paged (or none), not "
                          f"{args.cache}")

@@ -69,7 +69,7 @@ class Engine:
 
     Args:
         model: a kvcache model; tokenizer: for text and chat prompts and stop strings.
-        backend: the decode step ("auto", "numpy", "half", "torch" or a DecodeBackend).
+        backend: what runs the steps ("auto", "blocks", "numpy", "half", "torch" or a Backend).
         kv_budget: bytes for keys and values (an int, or "256MiB"); the pool holds as many whole
             blocks as `kvcache.memory` says fit. num_blocks: the pool's size in blocks instead.
         max_running: sequences holding a row at once. token_budget: tokens one step runs (decode

@@ -1,5 +1,5 @@
 """The engine's runner, its one door to the model: a step's batch run by the backend in one call
-(`DecodeBackend.step`), then the next token of every row that samples, chosen in one batched call
+(`Backend.step`), then the next token of every row that samples, chosen in one batched call
 (`kvcache.generation.sampling.choose_tokens`, each row with its own settings; a row draws from
 its own generator only when its request gave a seed). The masks of the rows that follow a grammar
 (structured outputs) are computed on a thread of their own while the forward runs

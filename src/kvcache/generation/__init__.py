@@ -1,14 +1,14 @@
 """Text generation on a kvcache model: prefill, then one decode step per token.
 
-`generate` returns tokens and timings; `stream_generate` yields each step's tokens; `prefill`
-and `decode_step` are its two steps; `SamplingParams` says how a request samples and stops (the
+`generate` returns tokens and timings; `stream_generate` yields each step's tokens (on a paged
+cache as one-request paged steps, `paged_steps`; on the other kinds on the model's forward,
+whose prompt is `prefill`); `SamplingParams` says how a request samples and stops (the
 engine's too; `StructuredOutput` holds its output to a JSON schema or grammar), and
 `choose_tokens` picks a batch's next tokens in one call.
 """
 
 from kvcache.generation.loop import (
     GenerationResult,
-    decode_step,
     generate,
     prefill,
     resolve_eos,
@@ -27,7 +27,6 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
     "choose_tokens",
-    "decode_step",
     "generate",
     "prefill",
     "resolve_eos",

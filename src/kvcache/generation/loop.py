@@ -5,13 +5,17 @@
     result.new_tokens[row]     # the row's new tokens up to and including its stop token
     result.time_to_first_token_s, result.decode_tokens_per_s, result.backend
 
-Every forward runs the tokens the cache does not hold yet: after the prefill that is the newest
-token of each row (a decode step, on the backend), and for a cache that keeps nothing
-(cache="none") the whole sequence again (on the model's forward): one code path for every kind.
+Two roads. On a paged cache (the default) every forward is a one-request paged step on the
+backend, as the engine runs one (`paged_steps`): reserve the rows' blocks, the backend's step,
+commit. On every other kind (dynamic, static, sliding, quantized, none) every forward is the
+model's own torch forward through the cache seam, the reference road: it runs the tokens the
+cache does not hold yet, after the prefill the newest token of each row, and for a cache that
+keeps nothing (cache="none") the whole sequence again.
 
 Batches are left-padded: row b's prompt sits at the right of input_ids[b] with zeros in the
-attention mask before it. The mask grows by a column of ones per step (as in the Hugging Face
-caching guide), so every row sees exactly its own tokens and gives the tokens it gives alone.
+attention mask before it. On the reference road the mask grows by a column of ones per step (as
+in the Hugging Face caching guide); on a paged cache each row holds only its own tokens. Either
+way every row sees exactly its own tokens and gives the tokens it gives alone.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.backends import DecodeBackend, choose_backend
+from kvcache.backends import Backend, TorchBackend, choose_backend
 from kvcache.backends.torch_step import last_logits
-from kvcache.cache import Cache, make_cache
+from kvcache.cache import Cache, PagedCache, make_cache
+from kvcache.generation.paged_steps import PagedSteps, rows_tokens
 from kvcache.generation.penalties import SeenTokens
 from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
@@ -44,8 +49,8 @@ class GenerationResult:
     time_to_first_token_s: float = 0.0  # prefill + choosing the first token
     decode_time_s: float = 0.0  # from the first token to the last
     decode_steps: int = 0  # forwards after the prefill (tokens per row after the first)
-    # what ran the decode steps: a backend's name, "torch" for whole sequences again (a cache that
-    # keeps nothing), "none" when no decode step ran
+    # what ran the forwards: a backend's name (a paged cache), "torch" for the model's forward
+    # (every other kind), "none" when no decode step ran
     backend: str = "none"
     cache: Cache | None = field(default=None, repr=False)  # the cache, holding the context
 
@@ -60,35 +65,22 @@ def _unheld(ids: torch.Tensor, end: int, cache: Cache, past: int) -> torch.Tenso
     return ids[:, cache.get_seq_length() - past : end]
 
 
-def prefill(
-    model, input_ids, attention_mask, cache: Cache, chunk_size: int | None = None,
-    backend: DecodeBackend | None = None,
-) -> torch.Tensor:
-    """Run the prompt input_ids (B, T) into `cache`, `chunk_size` tokens at a time (None: all at
-    once); return the last position's logits (B, vocab). attention_mask: (B, past + T) or None;
-    backend: the model's DecodeBackend, whose laid-out weights the forward may read."""
+def prefill(model, input_ids, attention_mask, cache: Cache, chunk_size: int | None = None) -> torch.Tensor:
+    """Run the prompt input_ids (B, T) into `cache` on the model's forward, `chunk_size` tokens at
+    a time (None: all at once); return the last position's logits (B, vocab). attention_mask:
+    (B, past + T) or None."""
     past = cache.get_seq_length()
     length = input_ids.shape[1]
     end = min(chunk_size or length, length)
     while True:
         mask = None if attention_mask is None else attention_mask[:, : past + end]
-        logits = last_logits(model, _unheld(input_ids, end, cache, past), mask, cache, backend)
+        logits = last_logits(model, _unheld(input_ids, end, cache, past), mask, cache)
         if end == length:
             return logits
         # a cache that kept nothing of the chunk (NoCache) would re-run it with every later
         # chunk: the rest goes in one forward
         assert chunk_size is not None
         end = length if cache.get_seq_length() - past < end else min(end + chunk_size, length)
-
-
-def decode_step(
-    model, backend: DecodeBackend, new_ids: torch.Tensor, attention_mask, cache: Cache
-) -> torch.Tensor:
-    """Logits (B, vocab) after running new_ids (B, T_new), the tokens the cache lacks: one per
-    row on the backend, several (a cache that keeps nothing) on the model's forward."""
-    if new_ids.shape[1] == 1:
-        return backend.decode(new_ids, cache, attention_mask)
-    return last_logits(model, new_ids, attention_mask, cache, backend)
 
 
 def resolve_eos(model, eos_token_id, tokenizer=None) -> tuple[int, ...]:
@@ -132,8 +124,8 @@ def stream_generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    cache: Cache | str | None = "dynamic",
-    backend: DecodeBackend | str | None = "auto",
+    cache: Cache | str | None = "paged",
+    backend: Backend | str | None = "auto",
     tokenizer=None,
     generator: torch.Generator | None = None,
     **settings,
@@ -141,19 +133,35 @@ def stream_generate(
     """Generate, yielding each step's (B,) tokens (pad for stopped rows); the iterator's return
     value (StopIteration.value) is the GenerationResult.
 
-    cache: a kind of `make_cache` ("dynamic", "static", "sliding", "paged", "quantized" (int8),
-        "none": keep nothing and re-run the sequence) or a Cache object; None means "dynamic".
-    backend: what runs the decode steps: "auto" (the fast one where it applies), "numpy",
-        "torch", or a DecodeBackend (`kvcache.backends.choose_backend`).
+    cache: a kind of `make_cache` ("paged", the fast road; "dynamic", "static", "sliding",
+        "quantized" (int8), "none": keep nothing and re-run the sequence, each on the model's
+        forward) or a Cache object; None means "paged".
+    backend: what runs a paged cache's steps: "auto" (the fast one where it applies), "numpy",
+        "half", "blocks", "torch", or a Backend (`kvcache.backends.choose_backend`); the other
+        kinds run on the model's forward, and refuse any backend but "auto" and "torch".
     settings: `GenerationSettings` fields (max_new_tokens, do_sample, temperature, top_k, top_p,
         eos_token_id, pad_token_id, stop_strings, prefill_chunk_size).
     The model must not change while a call runs (its backend was built from it).
     """
     options = GenerationSettings(**settings)
+    cache = "paged" if cache is None else cache
     # built once per model and kept (its weights are packed), outside the loop's inference mode;
     # like loading, not part of the time to first token
-    backend = choose_backend(model, backend)
+    backend = _backend_for(model, cache, backend)
     return _steps(model, input_ids, attention_mask, cache, backend, tokenizer, generator, options)
+
+
+def _backend_for(model, cache, backend) -> Backend | None:
+    """The backend of a paged cache's steps (`choose_backend`); None for the other kinds, which
+    run on the model's forward: ValueError for a backend they would not honour."""
+    if cache == "paged" or isinstance(cache, PagedCache):
+        return choose_backend(model, backend)
+    if backend in (None, "auto", "torch") or isinstance(backend, TorchBackend):
+        return None
+    kind = cache if isinstance(cache, str) else type(cache).__name__
+    named = backend if isinstance(backend, str) else type(backend).__name__
+    raise ValueError(f"backend {named!r} runs a paged cache's steps; cache {kind!r} runs on the model's "
+                     "own forward: give cache='paged', or backend='auto' or 'torch'")
 
 
 def generate(
@@ -185,9 +193,9 @@ def _steps(
     eos_ids, pad_token_id = _stop_ids(model, options, tokenizer)
     batch, prompt_length = input_ids.shape
     cache = _cache_for(model, cache, batch, prompt_length + options.max_new_tokens)
-    past = cache.get_seq_length()  # what a supplied cache holds already
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # no padding: positions and masks follow from the cache alone
+    forwards = _Forwards(model, backend, cache, batch, attention_mask)
     try:  # all or nothing: a call that fails leaves a supplied cache as it was
         ids = input_ids.new_empty((batch, prompt_length + options.max_new_tokens))  # (B, T_prompt + new)
         ids[:, :prompt_length] = input_ids
@@ -195,18 +203,13 @@ def _steps(
                       _grammars(model, options.structured, tokenizer, eos_ids, batch))
         sampling = [options.sampling] * batch
         seen = _seen_tokens(input_ids, attention_mask) if options.sampling.penalizes else None
-        ran = "none"  # no decode step yet
-        logits = prefill(model, input_ids, attention_mask, cache, options.prefill_chunk_size, backend)
+        logits = forwards.prefill(input_ids, options.prefill_chunk_size)
         first_token_at = decode_started = time.perf_counter()
         decode_steps = 0
         for step in range(options.max_new_tokens):
             end = prompt_length + step  # tokens in ids so far
             if step > 0:
-                if attention_mask is not None:
-                    attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], 1)
-                new_ids = _unheld(ids, end, cache, past)
-                ran = backend.name if new_ids.shape[1] == 1 else "torch"
-                logits = decode_step(model, backend, new_ids, attention_mask, cache)
+                logits = forwards.decode(ids, end)
                 decode_steps += 1
             tokens = _choose(logits, sampling, generator, seen, stops).to(ids.device)  # (B,)
             if step == 0:
@@ -221,7 +224,7 @@ def _steps(
     except GeneratorExit:  # the caller stopped reading: what ran stays in the cache
         raise
     except BaseException:
-        cache.abandon_forward(past)
+        forwards.undo()
         raise
     finished_at = time.perf_counter()
     with torch.inference_mode(False):  # a normal tensor: usable in any later forward, with grad too
@@ -234,9 +237,43 @@ def _steps(
         time_to_first_token_s=first_token_at - started,
         decode_time_s=finished_at - decode_started if decode_steps else 0.0,
         decode_steps=decode_steps,
-        backend=ran,
+        backend=forwards.ran if decode_steps else "none",
         cache=cache,
     )
+
+
+class _Forwards:
+    """One call's forwards on its road: a paged cache's steps on the backend (`PagedSteps`), or
+    the model's forward through any other cache (the mask grown a column per step)."""
+
+    def __init__(self, model, backend: Backend | None, cache: Cache, batch: int, attention_mask) -> None:
+        self.model, self.cache, self.attention_mask = model, cache, attention_mask
+        self.past = cache.get_seq_length()  # what a supplied cache holds already
+        self.paged = PagedSteps(model, backend, cache, batch) if backend is not None else None
+        self.ran = "torch" if backend is None else backend.name
+
+    def prefill(self, input_ids: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+        """(B, vocab) logits of the prompt's last position after running it."""
+        if self.paged is not None:
+            return self.paged.prefill(rows_tokens(input_ids, self.attention_mask), chunk_size)
+        return prefill(self.model, input_ids, self.attention_mask, self.cache, chunk_size)
+
+    def decode(self, ids: torch.Tensor, end: int) -> torch.Tensor:
+        """(B, vocab) logits after running what the cache lacks of ids[:, :end] (the newest token
+        of each row; for a cache that keeps nothing, everything)."""
+        if self.paged is not None:
+            return self.paged.decode(ids[:, end - 1])
+        mask = self.attention_mask
+        if mask is not None:
+            mask = self.attention_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
+        return last_logits(self.model, _unheld(ids, end, self.cache, self.past), mask, self.cache)
+
+    def undo(self) -> None:
+        """A failed call: the cache back to what it held before."""
+        if self.paged is not None:
+            self.paged.undo()
+        else:
+            self.cache.abandon_forward(self.past)
 
 
 def _choose(logits, sampling, generator, seen: list[SeenTokens] | None, stops: Stops) -> torch.Tensor:

@@ -18,18 +18,14 @@ multiplies), a K-quant each 256 as int8 with a float32 scale (Q8_K). That is lla
 arithmetic on the same file, and the kernels then dot integers
 (faster); it is an approximation, and rounding is a step function, so answers then move with
 summation order (a cache or not, a batch's size) at near-ties, as llama.cpp's do. The modules'
-own forwards dequantize (with the `gguf` package, the format's own library) a slice of rows at a
-time; inside `block_products(multiply)` their products run on `multiply` instead: how the CPU
-block step (`kvcache.backends.cpu.block_step`, which multiplies by the blocks directly) runs a
-prompt's forward on its kernels.
+own forwards (the reference road) dequantize (with the `gguf` package, the format's own library)
+a slice of rows at a time; the CPU block step (`kvcache.backends.cpu.block_step`) multiplies by
+the blocks directly on its kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -46,19 +42,6 @@ Q8_1_KINDS, Q8_K_KINDS = ("Q4_1", "Q5_1"), ("Q4_K", "Q5_K", "Q6_K")
 ACTIVATIONS = ("float32", "q8")
 #: rows of a weight dequantized at once by the modules' own forwards (bounds their scratch)
 TILE_ROWS = 4096
-#: multiply(x (N, in) float32, weight) -> (N, out) float32, set by `block_products`
-_MULTIPLY: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("block_multiply", default=None)
-
-
-@contextlib.contextmanager
-def block_products(multiply: Callable[[np.ndarray, BlockWeight], np.ndarray]) -> Iterator[None]:
-    """While inside, every QuantizedLinear's product is multiply(x (N, in) float32, its
-    BlockWeight) -> (N, out) float32 (the bias added after)."""
-    token = _MULTIPLY.set(multiply)
-    try:
-        yield
-    finally:
-        _MULTIPLY.reset(token)
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,11 +155,9 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out) in x's dtype: `BlockWeight.times`, or on `block_products`'
-        multiply inside one."""
+        """x (..., in) -> (..., out) in x's dtype (`BlockWeight.times`)."""
         rows = np.ascontiguousarray(x.reshape(-1, self.in_features).detach().float().numpy())
-        multiply = _MULTIPLY.get()
-        out = multiply(rows, self.weight_blocks) if multiply is not None else self.weight_blocks.times(rows)
+        out = self.weight_blocks.times(rows)
         result = torch.from_numpy(out).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             result += self.bias.float()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from backend_runs import forward_logits, paged_logits
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf_files import close_to_the_float_path, quantize_blocks, write_gguf
@@ -21,7 +22,6 @@ from kvcache import generate, load_model
 from kvcache.backends import choose_backend
 from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.block_step import BlockBackend
-from kvcache.cache.factory import make_cache
 from kvcache.model.fingerprint import model_fingerprint
 from kvcache.model.gguf_file import held_bytes
 from kvcache.model.quantized import (
@@ -285,8 +285,9 @@ def test_a_gguf_keeps_its_quantized_weights_as_mapped_blocks(block_files):
         rounded = load_model(block_files["Q4_1"], activations="q8")
         assert "rounded to 8 bits as llama.cpp's" in rounded.weights_note
         close_to_the_float_path(rounded(ids).logits, exact(ids).logits)  # the modules' numpy path
-        with choose_backend(rounded).prompt_products():  # the kernels' integer dots
-            close_to_the_float_path(rounded(ids).logits, exact(ids).logits)
+        no_steps = torch.empty((1, 0), dtype=torch.long)  # the prompt on the kernels' integer dots
+        ours = paged_logits(rounded, choose_backend(rounded), ids, no_steps)[0]
+        close_to_the_float_path(ours, exact(ids).logits[:, -1])
     # keys and values a q8 run saves are never read by a float run of the same file
     assert len({model_fingerprint(m) for m in (model, rounded, exact)}) == 3
 
@@ -297,19 +298,15 @@ def test_the_block_step_decodes_as_the_models_own_forward_on_the_same_blocks(blo
     backend = choose_backend(model)
     assert isinstance(backend, BlockBackend)
     prompts = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
-    for rows in (prompts[:1], prompts):  # one row on the kernels' layer calls, two on products
+    for rows in (prompts[:1], prompts):  # one row, two rows
         ours = generate(model, rows, max_new_tokens=12, backend="auto", eos_token_id=())
         theirs = generate(model, rows, max_new_tokens=12, backend="torch", eos_token_id=())
         assert ours.backend == "blocks"
         assert torch.equal(ours.sequences, theirs.sequences)
-    with torch.no_grad():  # one decode step's logits, each after the same prefill
-        caches = [make_cache("dynamic", config=model.config, dtype=torch.float32, device="cpu")
-                  for _ in range(2)]
-        for cache in caches:
-            model(prompts, past_key_values=cache)
-        step = torch.tensor([[5], [9]])
-        theirs = model(step, past_key_values=caches[1]).logits[:, -1]
-        torch.testing.assert_close(backend.decode(step, caches[0]), theirs, atol=2e-4, rtol=1e-4)
+    step = torch.tensor([[5], [9]])  # the prompt's logits, then one decode step's
+    ours, theirs = paged_logits(model, backend, prompts, step), forward_logits(model, prompts, step)
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine, reference, atol=2e-4, rtol=1e-4)
 
 
 def test_the_engine_serves_kept_blocks_on_the_block_step_as_the_exact_path_answers(block_files):

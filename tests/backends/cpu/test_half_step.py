@@ -1,14 +1,16 @@
 """The half step (bfloat16 / float16 weights on CPU) against the oracles: on many random shapes,
-families, batches, left padding and cache kinds its logits are as close to a float32 forward of
-the very same weights as the model's own torch forward in that dtype (within twice its error);
-its greedy tokens equal transformers' in that dtype on a local checkpoint; a model written to
-since the backend was built gets a new one (an interrupted step: tests/model/test_interrupted_forward.py)."""
+families and batches of rows of their own lengths on a paged cache, its logits are as close to a
+float32 forward of the very same weights as the model's own torch forward in that dtype (within
+twice its error); its greedy tokens equal transformers' in that dtype on a local checkpoint; a
+model written to since the backend was built gets a new one (an interrupted step:
+tests/model/test_interrupted_forward.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import OwnErrors, left_padded_batch, random_model, tiny_config
+from backend_runs import paged_logits
+from tiny_models import OwnErrors, random_model, tiny_config
 
 from kvcache import generate, load_model
 from kvcache.backends import (
@@ -17,26 +19,21 @@ from kvcache.backends import (
     TorchBackend,
     choose_backend,
 )
-from kvcache.backends.cpu import huge_pages, numba_products
-from kvcache.cache import make_cache
+from kvcache.backends.cpu import huge_pages
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # (kernels: not in pytest --fast)
 
-# (config.json overrides, cache kinds to run): GQA groups, biases, per-head q/k norms, a window
+# config.json overrides: GQA groups, biases, per-head q/k norms, a window
 FAMILIES = {
-    "llama, 2 groups": (dict(), ("dynamic", "static", "paged")),
-    "llama, MHA, biases": (dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), ("dynamic",)),
-    "llama, 1 kv head": (dict(num_key_value_heads=1), ("dynamic", "quantized")),
-    "qwen2 (q/k/v bias)": (dict(model_type="qwen2"), ("dynamic", "static")),
-    "qwen3 (q/k norms)": (dict(model_type="qwen3", head_dim=16), ("dynamic", "paged")),
-    "mistral, window 5": (dict(model_type="mistral", sliding_window=5), ("dynamic", "sliding")),
+    "llama, 2 groups": dict(),
+    "llama, MHA, biases": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    "llama, 1 kv head": dict(num_key_value_heads=1),
+    "qwen2 (q/k/v bias)": dict(model_type="qwen2"),
+    "qwen3 (q/k norms)": dict(model_type="qwen3", head_dim=16),
+    "mistral, window 5": dict(model_type="mistral", sliding_window=5),
 }
-
-
-def _cache(kind: str, model, batch: int):
-    options = {"static": dict(max_cache_len=40), "paged": dict(max_cache_len=40, max_batch_size=batch),
-               "quantized": dict(residual_length=2, group_size=8)}.get(kind, {})
-    return make_cache(kind, config=model.config, dtype=model.dtype, **options)
+DTYPES = [torch.bfloat16, torch.float16]
+DTYPE_IDS = ["bf16", "fp16"]
 
 
 def _half_and_exact(overrides: dict, dtype: torch.dtype, seed: int):
@@ -47,66 +44,37 @@ def _half_and_exact(overrides: dict, dtype: torch.dtype, seed: int):
     return half, exact
 
 
-def _road(road: str, monkeypatch) -> None:
-    """One row on numba's kernels (asserting numba runs here: else only the other road would be
-    tested), or on oneDNN's products (float16: F.linear's) and the numpy operations, as where
-    numba is absent."""
-    if road == "numba":
-        assert numba_products.available()
-    else:
-        monkeypatch.setattr(numba_products, "available", lambda: False)
-
-
-# (dtype, road)
-ROADS = [(torch.bfloat16, "numba"), (torch.bfloat16, "oneDNN"), (torch.float16, "numba"),
-         (torch.float16, "F.linear")]
-ROAD_IDS = ["bf16-numba", "bf16-oneDNN", "fp16-numba", "fp16-F.linear"]
-
-
-@pytest.mark.parametrize(("dtype", "road"), ROADS, ids=ROAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(
-    family, dtype, road, monkeypatch
-):
+def test_logits_are_within_the_torch_forwards_own_error_of_a_float32_forward(family, dtype):
     """Errors are measured against a float32 forward of the same (rounded) weights, in units of
     the dtype's eps times the step's largest logit. Rounding makes each step's error a draw, so
-    the property is over the family's 3 batches × cache kinds × 5 steps: the half step's mean
-    error within 1.25× the torch forward's in that dtype, and its worst within 2× of theirs.
-    (batches of several rows take the same road either way.)"""
-    _road(road, monkeypatch)
-    overrides, kinds = FAMILIES[family]
+    the property is over the family's 3 batches × (the prompt and 5 steps): the half step's mean
+    error within 1.25× the torch forward's in that dtype, and its worst within 2× of theirs."""
     errors = OwnErrors(dtype)
     for seed, lengths in enumerate([(7,), (9, 4), (6, 10, 3)]):
-        half, exact = _half_and_exact(overrides, dtype, seed)
-        backend = HalfBackend(half)
-        ids, mask = left_padded_batch(lengths, seed=seed)
-        ids = ids % 64  # the tiny vocabulary
-        steps = torch.randint(0, 64, (len(lengths), 5), generator=torch.Generator().manual_seed(seed))
-        for kind in kinds:
-            if kind == "paged" and len(lengths) > 1:
-                continue  # a paged cache's rows have their own lengths: no left padding
-            ours_cache, theirs_cache = _cache(kind, half, len(lengths)), _cache(kind, half, len(lengths))
-            row_mask = None if kind == "paged" else mask
-            with torch.no_grad():
-                half(ids, attention_mask=row_mask, past_key_values=ours_cache)
-                half(ids, attention_mask=row_mask, past_key_values=theirs_cache)
-                for step in range(steps.shape[1]):
-                    if row_mask is not None:
-                        row_mask = torch.cat([row_mask, torch.ones(len(lengths), 1, dtype=row_mask.dtype)], 1)
-                    token = steps[:, step : step + 1]
-                    ours = backend.decode(token, ours_cache, row_mask)
-                    theirs = TorchBackend(half).decode(token, theirs_cache, row_mask)
-                    sequence = torch.cat([ids, steps[:, : step + 1]], 1)
-                    truth = exact(sequence, attention_mask=row_mask,
-                                  past_key_values=make_cache("none", config=exact.config)).logits[:, -1]
-                    errors.add(ours, theirs, truth)
+        half, exact = _half_and_exact(FAMILIES[family], dtype, seed)
+        generator = torch.Generator().manual_seed(seed)
+        rows = [torch.randint(0, 64, (n,), generator=generator).tolist() for n in lengths]
+        steps = torch.randint(0, 64, (len(lengths), 5), generator=generator)
+        ours = paged_logits(half, HalfBackend(half), rows, steps)
+        theirs = paged_logits(half, TorchBackend(half), rows, steps)
+        with torch.no_grad():
+            for step, (mine, reference) in enumerate(zip(ours, theirs)):
+                truth = torch.stack([
+                    exact(torch.tensor([row + steps[index, :step].tolist()]), use_cache=False).logits[0, -1]
+                    for index, row in enumerate(rows)
+                ])
+                errors.add(mine, reference, truth)
     errors.check()
 
 
-@pytest.mark.parametrize(("dtype", "road"), ROADS, ids=ROAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_tokens_equal_transformers_in_the_same_dtype(checkpoints, arch, dtype, road, monkeypatch):
-    _road(road, monkeypatch)
+def test_greedy_tokens_equal_transformers_in_the_same_dtype_but_at_a_near_tie(checkpoints, arch, dtype):
+    """Greedy tokens equal transformers' in the same dtype; where they part (the prompt and every
+    step ran on kernels that sum in float32), the float32 forward of the same weights ranks the
+    two tokens within the dtype's rounding of each other (a near-tie)."""
     dtype = str(dtype).removeprefix("torch.")
     folder, hf = checkpoints[arch]
     model = load_model(folder, dtype=dtype)
@@ -119,7 +87,15 @@ def test_greedy_tokens_equal_transformers_in_the_same_dtype(checkpoints, arch, d
     with torch.no_grad():
         theirs = theirs_model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)
-    assert ours.new_tokens[0] == theirs[0, ids.shape[1]:].tolist()
+    mine, reference = ours.new_tokens[0], theirs[0, ids.shape[1]:].tolist()
+    if mine != reference:  # rounding in another order may flip a near-tie, and only one
+        first = next(i for i, (a, b) in enumerate(zip(mine, reference)) if a != b)
+        exact = load_model(folder)
+        with torch.no_grad():
+            logits = exact(torch.tensor([ids[0].tolist() + mine[:first]]), use_cache=False).logits[0, -1]
+        gap = float(logits[reference[first]] - logits[mine[first]]).__abs__()
+        eps = torch.finfo(getattr(torch, dtype)).eps
+        assert gap <= 8 * eps * float(logits.abs().max()), (first, gap)
 
 
 def test_a_model_written_to_since_gets_a_new_backend():
@@ -131,18 +107,12 @@ def test_a_model_written_to_since_gets_a_new_backend():
     assert not first.matches(model)
     rebuilt = choose_backend(model)
     assert rebuilt is not first and rebuilt.matches(model)
-    # two rows: oneDNN's products on the laid-out copy (one bfloat16 row reads the model's own
+    # two rows: oneDNN's products on the laid-out copy (one bfloat16 token reads the model's own
     # parameters in place, which see the write)
     ids = torch.tensor([[3, 9, 4, 1], [5, 2, 8, 6]])
     step = torch.tensor([[7], [7]])
-    cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
-    with torch.no_grad():
-        model(ids, past_key_values=cache)
-        stale = first.decode(step, cache)
-        cache.crop(4)
-        fresh = rebuilt.decode(step, cache)
-        cache.crop(4)
-        theirs = TorchBackend(model).decode(step, cache)
+    stale, fresh, theirs = (paged_logits(model, backend, ids, step)[-1]
+                            for backend in (first, rebuilt, TorchBackend(model)))
     assert (fresh - theirs).abs().max() < (stale - theirs).abs().max()
 
 
@@ -155,12 +125,10 @@ def test_it_refuses_what_it_cannot_run_by_name():
         HalfBackend(random_model(tiny_config(), 0))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_one_row_runs_numbas_kernels_and_several_rows_onednns(dtype):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_the_kernels_read_the_models_own_parameters(dtype):
     model = random_model(tiny_config(), 5).to(dtype)
     backend = HalfBackend(model)
-    assert backend._numba_step(1) and backend._threads(1) == 1  # torch on one thread
-    assert not backend._numba_step(2) and backend._threads(2) is None  # torch's threads
     layer = backend.row_layers[0][0]  # the kernels read the model's own parameters
     assert layer.down[0].ctypes.data == model.model.layers[0].mlp.down_proj.weight.data_ptr()
 

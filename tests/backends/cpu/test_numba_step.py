@@ -1,17 +1,17 @@
-"""One row on numba's kernels over caches long enough to split into several attention chunks
-(`numba_kernels.CHUNK`), whole or in part masked out (a compiled static cache attends over its
-whole buffer, masking what is not filled, and over a sliding window's), with GQA groups, q/k
-norms and biases: float32 logits equal the torch forward's, bfloat16 and float16 ones lie within
-the torch forward's own error of a float32 forward of the same weights. (The
+"""One row on numba's kernels over paged caches long enough to split into several attention
+chunks (`numba_kernels.CHUNK`), with sliding windows, GQA groups, q/k norms and biases: float32
+logits equal the torch forward's, bfloat16 and float16 ones lie within the torch forward's own
+error of a float32 forward of the same weights. (The
 property tests on many short shapes, both roads: test_numpy_step.py and test_half_step.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from backend_runs import forward_logits, paged_logits
 from tiny_models import OwnErrors, random_model, step_families, tiny_config
 
-from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend
+from kvcache.backends import HalfBackend, NumpyBackend
 from kvcache.backends.cpu import numba_kernels, numba_products
 from kvcache.cache import make_cache
 
@@ -21,57 +21,37 @@ FAMILIES = step_families(window=37)
 PROMPT = 2 * numba_kernels.CHUNK + 45  # three chunks, the last one partial
 
 
-KINDS = ["dynamic", "static_compiled"]
-
-
-def _steps(model, backend, prompt: torch.Tensor, tokens: torch.Tensor, kind: str) -> list[torch.Tensor]:
-    """The logits of each of `tokens` (1, n) decoded one by one after `prompt` on `backend`, on
-    a dynamic cache or a compiled static one of 4 chunks (the last never filled)."""
-    if kind == "dynamic":
-        cache = make_cache("dynamic", config=model.config, dtype=model.dtype)
-    else:
-        cache = make_cache("static", config=model.config, dtype=model.dtype, max_batch_size=1,
-                           max_cache_len=4 * numba_kernels.CHUNK, compiled=True)
-    with torch.inference_mode():
-        model(prompt, past_key_values=cache)
-        return [backend.decode(tokens[:, i:i + 1], cache) for i in range(tokens.shape[1])]
-
-
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_float32_row_over_a_long_cache_equals_the_torch_forward(family, kind):
+def test_float32_row_over_a_long_cache_equals_the_torch_forward(family):
     assert numba_products.available()
     model = random_model(tiny_config(max_position_embeddings=1024, **FAMILIES[family]), 3)
     backend = NumpyBackend(model)
-    assert backend._numba_step(1)
     generator = torch.Generator().manual_seed(1)
     prompt, tokens = torch.randint(0, 64, (1, PROMPT), generator=generator), torch.randint(0, 64, (1, 4))
-    ours = _steps(model, backend, prompt, tokens, kind)
-    theirs = _steps(model, TorchBackend(model), prompt, tokens, kind)
+    ours = paged_logits(model, backend, prompt, tokens)
+    theirs = forward_logits(model, prompt, tokens)
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_half_row_over_a_long_cache_is_within_the_torch_forwards_own_error(family, kind, dtype):
+def test_half_row_over_a_long_cache_is_within_the_torch_forwards_own_error(family, dtype):
     assert numba_products.available()
     config = tiny_config(max_position_embeddings=1024, **FAMILIES[family])
     half = random_model(config, 4).to(dtype)
     exact = random_model(config, 4)
     exact.load_state_dict({name: value.float() for name, value in half.state_dict().items()})
     backend = HalfBackend(half)
-    assert backend._numba_step(1)
     errors = OwnErrors(dtype)
     for seed in range(3):
         generator = torch.Generator().manual_seed(seed)
         prompt = torch.randint(0, 64, (1, PROMPT), generator=generator)
         tokens = torch.randint(0, 64, (1, 3), generator=generator)
-        ours = _steps(half, backend, prompt, tokens, kind)
-        theirs = _steps(half, TorchBackend(half), prompt, tokens, kind)
+        ours = paged_logits(half, backend, prompt, tokens)
+        theirs = forward_logits(half, prompt, tokens)
         for step, (mine, reference) in enumerate(zip(ours, theirs)):
-            sequence = torch.cat([prompt, tokens[:, :step + 1]], 1)
+            sequence = torch.cat([prompt, tokens[:, :step]], 1)
             with torch.no_grad():
                 truth = exact(sequence, past_key_values=make_cache("none", config=exact.config)).logits[:, -1]
             errors.add(mine, reference, truth)

@@ -1,27 +1,23 @@
-"""The numpy decode step computes what the model's forward computes, on any shape the model takes.
+"""The numpy backend's steps compute what the model's forward computes, on any shape it takes.
 
-One random model, two caches of the same kind filled by the same prefill: decode steps of B rows
-(B in 1, 3, 8, each row at its own length) run on the numpy backend and on the torch backend
-(the model's forward), its one-row products numba's or numpy's (where numba has no OpenMP pool).
-Logits agree to float32 rounding, and so does what each cache holds, for
-every cache kind, left-padded rows, a paged cache's rows at their own lengths, grouped-query
-attention, biases, tied embeddings and sliding-window layers; and each row's last logits equal a
-solo forward of that row's whole sequence without a cache (the naive reference).
+One random model, B rows (B in 1, 3, 8) with prompts of their own lengths, run on a paged cache
+by the numpy backend and by the torch backend (the model's forward over the same blocks), the
+prompt in chunks of any size, then decode steps: logits agree to float32 rounding, and so do
+the keys and values each cache holds, for any block size, grouped-query attention, biases, tied
+embeddings, q/k norms and sliding-window layers; and each row's last logits equal a solo forward
+of that row's whole sequence without a cache (the naive reference).
 """
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
+from backend_runs import paged_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import random_model, tiny_config
 
 from kvcache.backends import BackendError, NumpyBackend, TorchBackend
-from kvcache.backends.cpu import numba_products
-from kvcache.cache import QuantizedCache, make_cache
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcache.model import ConfigError, ModelConfig, RopeScaling
 
@@ -61,113 +57,60 @@ def _config(draw) -> ModelConfig:
 
 @st.composite
 def cases(draw):
-    config = _config(draw)
-    kinds = ["dynamic", "static", "static_compiled", "quantized", "paged", "none"]
-    if FULL_ATTENTION not in config.layer_types:
-        kinds += ["sliding", "sliding_compiled"]  # its rings window every layer
     batch = draw(st.sampled_from([1, 3, 8]))
     return dict(
-        config=config,
-        cache=draw(st.sampled_from(kinds)),
+        config=_config(draw),
         lengths=[draw(st.integers(1, 7)) for _ in range(batch)],
         steps=draw(st.integers(1, 6)),
         seed=draw(st.integers(0, 2**16)),
-        products=draw(st.sampled_from(["numba", "numpy"])),
+        block_size=draw(st.sampled_from([1, 3, 16])),
+        chunk=draw(st.none() | st.integers(1, 4)),
     )
-
-
-def numpy_backend(model, products: str = "numba") -> NumpyBackend:
-    """A NumpyBackend whose one-row steps run on numba's kernels, or on numpy's operations and
-    products as where numba has no OpenMP pool."""
-    if products == "numba":
-        assert numba_products.available()  # (else this environment tests only the numpy side)
-        return NumpyBackend(model)
-    with mock.patch.object(numba_products, "available", lambda: False):
-        return NumpyBackend(model)
-
-
-def _cache(kind: str, model, batch: int, max_length: int):
-    if kind == "quantized":  # a short residual, so the history is quantized within the test
-        return QuantizedCache(config=model.config, bits=8, group_size=2, residual_length=2)
-    compiled = {"compiled": True} if kind.endswith("_compiled") else {}  # whole buffers, masked
-    return make_cache(
-        kind.removesuffix("_compiled"), config=model.config, dtype=model.dtype, max_batch_size=batch,
-        max_cache_len=max_length, **compiled,
-    )
-
-
-def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for index, row in enumerate(rows):
-        ids[index, width - len(row) :] = torch.tensor(row)
-        mask[index, width - len(row) :] = 1
-    return ids, mask
 
 
 @settings(max_examples=60, deadline=None)
 @given(case=cases())
-def test_numpy_step_equals_the_torch_forward_and_the_solo_no_cache_run(case):
-    config, lengths, kind = case["config"], case["lengths"], case["cache"]
-    batch, steps = len(lengths), case["steps"]
+def test_numpy_steps_equal_the_torch_forward_and_the_solo_no_cache_run(case):
+    config, lengths, steps = case["config"], case["lengths"], case["steps"]
     model = random_model(config, case["seed"])
-    numpy, torch_step = numpy_backend(model, case["products"]), TorchBackend(model)
-    assert (numpy.row_layers is not None) == (case["products"] == "numba")
     generator = torch.Generator().manual_seed(case["seed"])
     rows = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
-    ids, mask = _left_padded(rows)
-    # dense caches see the rows left-padded, with a growing mask; a paged cache keeps each row at
-    # its own length and decodes without a mask
-    # (a cache that keeps nothing sees each step's token alone, with no mask)
-    grows = kind not in ("paged", "none") and bool((mask == 0).any())
-    caches = {}
+    tokens = torch.randint(0, config.vocab_size, (len(rows), steps), generator=generator)
+    caches: list = []
+    ours, theirs = (
+        paged_logits(model, backend, rows, tokens, case["block_size"], case["chunk"], keep=caches)
+        for backend in (NumpyBackend(model), TorchBackend(model))
+    )
+    for mine, reference in zip(ours, theirs):
+        assert mine.shape == (len(rows), config.vocab_size) and mine.dtype == torch.float32
+        torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
+    for row in range(len(rows) if SLIDING_ATTENTION not in config.layer_types else 0):
+        for cache in caches:  # (row_state reads rows whose token ids are declared)
+            cache.declare_tokens(row, rows[row] + tokens[row].tolist())
+        mine, reference = (cache.row_state(row) for cache in caches)
+        for a, b in zip((*mine.keys, *mine.values), (*reference.keys, *reference.values)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # after each row's last token (the prompt's, then every decoded one but the last, which
+    # `paged_logits` decodes last), its logits are those of a solo forward of its whole sequence
     with torch.inference_mode():
-        for name in ("numpy", "torch"):
-            caches[name] = _cache(kind, model, batch, ids.shape[1] + steps)
-            model(ids, attention_mask=mask, past_key_values=caches[name])
-        step_mask = mask
-        for _ in range(steps):
-            token = torch.randint(0, config.vocab_size, (batch, 1), generator=generator)
-            for row, chosen in zip(rows, token[:, 0].tolist()):
-                row.append(chosen)
-            step_mask = torch.cat([step_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
-            given_mask = step_mask if grows else None
-            ours = numpy.decode(token, caches["numpy"], given_mask)
-            theirs = torch_step.decode(token, caches["torch"], given_mask)
-            assert ours.shape == (batch, config.vocab_size) and ours.dtype == torch.float32
-            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
-        if kind == "none":
-            return  # it keeps nothing: each step saw only its own token, on both backends alike
-        for layer in range(config.num_hidden_layers):
-            mine, reference = caches["numpy"].layers[layer], caches["torch"].layers[layer]
-            assert mine.get_seq_length() == reference.get_seq_length()
-            torch.testing.assert_close(mine.keys, reference.keys, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(mine.values, reference.values, atol=1e-5, rtol=1e-5)
-        if kind == "quantized":
-            return  # lossy: its logits differ from the full-precision reference by design
-        # the last step fed each row's last token: its logits are those of a solo forward of the
-        # row's whole sequence, unpadded, without a cache
         for index, row in enumerate(rows):
-            solo = model(torch.tensor([row]), use_cache=False).logits[0, -1]
-            torch.testing.assert_close(ours[index], solo, atol=1e-4, rtol=1e-4)
+            sequence = row + tokens[index].tolist()
+            solo = model(torch.tensor([sequence]), use_cache=False).logits[0, -1]
+            torch.testing.assert_close(ours[-1][index], solo, atol=1e-4, rtol=1e-4)
 
 
 def _decode_after(backend, model, ids: torch.Tensor) -> torch.Tensor:
-    """Logits (B, vocab) of one decode step on `backend` after a prefill of ids[:, :-1]."""
-    with torch.inference_mode():
-        cache = make_cache("dynamic", config=model.config)
-        model(ids[:, :-1], past_key_values=cache)
-        return backend.decode(ids[:, -1:], cache)
+    """Logits (B, vocab) of one decode step on `backend` after a prefill of ids[:, :-1], on a
+    paged cache."""
+    return paged_logits(model, backend, ids[:, :-1], ids[:, -1:])[-1]
 
 
-def test_one_row_runs_numpys_products_and_several_rows_onednns_on_a_copy_made_once():
+def test_a_few_tokens_run_on_the_kernels_and_many_on_onednns_copy_made_once():
     model = random_model(tiny_config(), 9)
     backend = NumpyBackend(model)
     laid_out = backend._laid_out  # made with the backend
     assert laid_out is not None
-    assert backend.products(1)[0] is backend.layers  # one row: numpy's, on the model's own memory
-    assert backend.products(3)[0] is laid_out[0]
+    assert backend.products(3)[0] is laid_out[0]  # (a prompt of 3 rows x 5 tokens runs on it)
     ids = torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(5))
     for rows in (ids[:1], ids):
         torch.testing.assert_close(
@@ -217,13 +160,9 @@ def test_a_dynamic_rope_model_checks_its_range_on_both_backends():
 def test_out_of_range_ids_are_refused_like_the_embedding_refuses_them():
     model = random_model(tiny_config(), 9)
     backend = NumpyBackend(model)
-    with torch.inference_mode():
-        cache = model(torch.tensor([[1, 2]])).past_key_values
-        for bad in (-1, 64):
-            with pytest.raises(IndexError, match="token ids must lie in"):
-                backend.decode(torch.tensor([[bad]]), cache)
-        with pytest.raises(ValueError, match=r"\(batch, 1\)"):
-            backend.decode(torch.tensor([[1, 2]]), cache)
+    for bad in (-1, 64):
+        with pytest.raises(IndexError, match="token ids must lie in"):
+            paged_logits(model, backend, torch.tensor([[1, 2]]), torch.tensor([[bad]]))
 
 
 def test_a_model_it_cannot_stand_in_for_is_refused_with_the_reason():

@@ -9,13 +9,13 @@ import gc
 
 import pytest
 import torch
+from backend_runs import paged_logits
 from tiny_models import random_model, tiny_config
 
 from kvcache import generate
 from kvcache.backends import NumpyBackend, TorchBackend
 from kvcache.backends.cpu import huge_pages, packing
 from kvcache.backends.cpu.packing import pack_weights
-from kvcache.cache import make_cache
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 
@@ -62,18 +62,12 @@ def test_values_names_shapes_and_tokens_stay_and_the_model_reads_the_packed_memo
         assert torch.equal(again, tokens), name
 
 
-def test_every_matrix_is_row_major_for_numbas_products_and_tall_ones_column_major_for_numpys():
-    model = random_model(tiny_config(), 1)  # hidden 32: q/k/v (64 rows) and gate/up (128) are tall
+def test_every_matrix_is_row_major_for_numbas_products():
+    model = random_model(tiny_config(), 1)  # hidden 32: q/k/v (64 rows), gate/up (128)
     layer = pack_weights(model).layers[0]  # numba's products: each output one contiguous row
     assert layer.gate_up.T.flags.c_contiguous and layer.gate_up.shape == (32, 128)  # read as (in, out)
     assert layer.down.T.flags.c_contiguous
     assert model.model.layers[0].mlp.gate_proj.weight.is_contiguous()
-    model = random_model(tiny_config(), 1)
-    layer = pack_weights(model, column_major_tall=True).layers[0]  # numpy's (OpenBLAS) products
-    assert layer.gate_up.flags.c_contiguous and layer.gate_up.shape == (32, 128)  # (in, out) rows
-    assert model.model.layers[0].mlp.gate_proj.weight.stride() == (1, 128)  # a transposed view
-    assert layer.down.T.flags.c_contiguous  # (out, in) rows, read as (in, out)
-    assert model.model.layers[0].mlp.down_proj.weight.is_contiguous()
 
 
 @pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="no transparent huge pages on this OS")
@@ -118,12 +112,8 @@ def test_matches_tells_an_in_place_write_from_a_replaced_or_moved_parameter():
         model.load_state_dict({name: t * 1.5 for name, t in model.state_dict().items()})  # in place
     assert backend.matches(model)  # the same memory: the step reads the new values
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
-    logits = {}
-    with torch.inference_mode():
-        for step in (backend, TorchBackend(model)):
-            cache = make_cache("dynamic", config=model.config)
-            model(ids[:, :-1], past_key_values=cache)
-            logits[step.name] = step.decode(ids[:, -1:], cache)
+    logits = {step.name: paged_logits(model, step, ids[:, :-1], ids[:, -1:])[-1]
+              for step in (backend, TorchBackend(model))}
     torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
     down = model.model.layers[0].mlp.down_proj
     down.weight.data = down.weight.data * 2  # the same Parameter, new memory

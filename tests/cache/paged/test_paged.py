@@ -268,25 +268,34 @@ def test_a_refused_row_state_leaves_the_cache_as_it_was():
     assert cache.load_row_state(good) == 0 and cache.row_lengths == [9]
 
 
-def test_numpy_gathers_reuse_one_buffer_per_kind_and_equal_the_tensor_gathers():
-    """update_arrays gathers rows into the cache's scratch memory (no fresh allocation per layer):
-    the gathered arrays live in that memory, and hold the same values as `update`'s."""
-    import numpy as np
-
-    layers, heads, dim = 2, 2, 4
-    by_arrays = PagedCache(16, 4, num_layers=layers, kv_heads=heads, head_dim=dim, dtype=torch.float32)
-    by_tensors = PagedCache(16, 4, num_layers=layers, kv_heads=heads, head_dim=dim, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    for new_tokens in (3, 1, 1, 2):
-        k = torch.randn(2, heads, new_tokens, dim, generator=generator)
-        v = torch.randn(2, heads, new_tokens, dim, generator=generator)
-        for layer in range(layers):
-            want = by_tensors.update(k.clone(), v.clone(), layer)
-            got = by_arrays.update_arrays(k.numpy().copy(), v.numpy().copy(), layer)
-            np.testing.assert_array_equal(got[0], want[0].numpy())
-            np.testing.assert_array_equal(got[1], want[1].numpy())
-            for array, scratch in zip(got, by_arrays.gather_scratch):
-                assert np.shares_memory(array, scratch._memory.numpy())
+def test_truncate_rows_puts_each_row_back_to_its_own_length_all_or_nothing():
+    """generate's rollback: rows at their own lengths, stepped on (reserved, written, committed),
+    go back to what each held; the blocks they took past it are freed, and a row whose window
+    gave back a block it would need refuses before any row changes."""
+    cache = PagedCache(16, 4, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
+    ones = [torch.ones(6, 1, 2)]
+    cache.add_sequence(list(range(6)))
+    cache.append_to_row(0, ones, ones)
+    cache.fork(0)  # row 1 shares row 0's blocks
+    before = (cache.row_lengths, cache.allocator.num_free)
+    cache.reserve([0, 1], [11, 7])
+    cache.commit([0, 1], [11, 7])
+    assert cache.row_lengths == [11, 7]
+    cache.truncate_rows([6, 6])
+    # every block past position 6 is free again; the shared partial block stays copied on write
+    assert (cache.row_lengths, cache.allocator.num_free) == (before[0], before[1] - 1)
+    cache.allocator.check_invariants()
+    with pytest.raises(CacheShapeError, match="one length per row"):
+        cache.truncate_rows([6])
+    window = dict(num_hidden_layers=1, num_key_value_heads=1, head_dim=2, sliding_window=4,
+                  layer_types=["sliding_attention"])
+    sliding = PagedCache(16, 2, config=window, dtype=torch.float32)
+    sliding.add_sequence()
+    sliding.reserve([0], [12])
+    sliding.commit([0], [12])  # the window gave back the first blocks
+    with pytest.raises(CacheError):
+        sliding.truncate_rows([1])
+    assert sliding.row_lengths == [12]
 
 
 def test_a_forward_the_pool_cannot_hold_reserves_nothing_in_any_group_of_layers():

@@ -6,9 +6,6 @@ block_step.py.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import torch
 from torch import nn
@@ -18,14 +15,7 @@ from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.array_step import ArrayStep
 from kvcache.backends.cpu.packing import LayerWeights
 from kvcache.backends.cpu.support import fused_products, unsupported_parameters, unsupported_structure
-from kvcache.backends.cpu.threads import torch_threads
-from kvcache.model.quantized import (
-    BlockWeight,
-    QuantizedEmbedding,
-    QuantizedLinear,
-    block_products,
-    block_weights,
-)
+from kvcache.model.quantized import QuantizedEmbedding, QuantizedLinear, block_weights
 
 _BLOCK_MODULES = (QuantizedLinear, QuantizedEmbedding)
 
@@ -130,30 +120,9 @@ class BlockBackend(ArrayStep):
             and block_weights(model) == self._blocks
         )
 
-    def _on_torch_threads(self, batch: int) -> bool:
-        """Every product runs on numba's kernels or numpy's (OpenBLAS) threads, none on torch's."""
-        return False
-
-    def _threads(self, batch: int) -> int | None:
-        """torch on one thread; numba's kernels on the caller's torch thread count."""
-        numba_products.set_threads(torch.get_num_threads())
-        return 1
-
     def _linear(self, x: np.ndarray, parts: tuple, bias: np.ndarray | None) -> np.ndarray:
         """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels."""
         return numba_products.product(x, parts, bias)
-
-    def _multiply(self, x: np.ndarray, weight: BlockWeight) -> np.ndarray:
-        """x (N, in) float32 times a QuantizedLinear's blocks -> (N, out), on the kernels."""
-        return numba_products.product(x, (numba_products.block_part(weight),))
-
-    @contextlib.contextmanager
-    def prompt_products(self) -> Iterator[None]:
-        """A prompt's forward multiplies by the blocks on this step's products (`_linear`:
-        `kvcache.model.quantized.block_products`), torch on one thread meanwhile (the products'
-        threads are numba's and OpenBLAS's: two pools spinning beside them make all wait)."""
-        with torch_threads(self._threads(0)), block_products(self._multiply):
-            yield
 
     def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """The embedding rows of token_ids (B,) as float32 (B, hidden), dequantized when kept as
@@ -161,10 +130,3 @@ class BlockBackend(ArrayStep):
         if isinstance(self.embed, QuantizedEmbedding):
             return self.embed.weight_blocks.take_rows(token_ids)
         return self.embed.weight.detach()[torch.from_numpy(token_ids)].float().numpy()
-
-    def _store(self, cache, k, v, index):
-        keys, values = cache.update_arrays(k, v, index)  # numpy (B, H_kv, T_kv, D)
-        return torch.from_numpy(keys), torch.from_numpy(values)
-
-    def _store_rows(self, cache, k, v, index):
-        return cache.update_arrays(k, v, index)  # numpy (1, H_kv, T_kv, D) float32

@@ -12,8 +12,7 @@ import torch
 from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import huge_pages, numba_products, onednn
 from kvcache.backends.cpu.array_step import ArrayStep
-from kvcache.backends.cpu.onednn import LaidOutLayer, laid_out_product, product
-from kvcache.backends.cpu.prompt_products import LaidOutProduct, PromptProducts
+from kvcache.backends.cpu.onednn import LaidOutLayer, LaidOutProduct, laid_out_product, product
 from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -26,6 +25,8 @@ def unsupported(model) -> str | None:
     )
     if reason is None and model.dtype == torch.bfloat16 and not onednn.available():
         reason = "this torch build has no oneDNN (mkldnn), whose bfloat16 products the half step uses"
+    if reason is None and not numba_products.available():
+        reason = "its steps run on numba's kernels: install numba (with OpenMP or TBB threads)"
     return reason
 
 
@@ -44,10 +45,8 @@ class HalfBackend(ArrayStep):
 
     def __init__(self, model) -> None:
         require_supported(model)
-        numba = numba_products.available()
-        if numba:  # the kernels read the parameters in place: onto 2 MB pages (a copy, once)
-            with torch.inference_mode(False):
-                huge_pages.move_parameters(model)
+        with torch.inference_mode(False):  # the kernels read the parameters in place: onto 2 MB
+            huge_pages.move_parameters(model)  # pages (a copy, once)
         super().__init__(model)
         self.dtype = model.dtype
         with torch.inference_mode(False), torch.no_grad():
@@ -58,29 +57,20 @@ class HalfBackend(ArrayStep):
             self._head = laid_out_product(model.lm_head)
             self.lm_head = self._head.weight
         self.remember_parameters(model)
-        if numba:
-            self.row_layers = kernel_layers(self.layers, self._head, self.dtype)
+        row_layers = kernel_layers(self.layers, self._head, self.dtype)
+        if row_layers is None:
+            raise BackendError("the half backend reads the weights in place: every one must be contiguous")
+        self.row_layers = row_layers
         # several rows: oneDNN's bfloat16 product reads its weight once for all of them at about
         # one row's cost, where the kernels' costs grow with the rows; float16's product for many
         # rows (F.linear) is slower than the kernels at any count (docs/backends.md)
         self.kernel_rows = 1 if self.dtype == torch.bfloat16 else 1 << 30
-
-    def _on_torch_threads(self, batch: int) -> bool:
-        """A step on numba's kernels runs on numba's threads; any other on torch's."""
-        return not self._numba_step(batch)
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
         the one it copied, in place and unwritten since (its version counter), every buffer the
         one it read."""
         return self.same_model_config(model) and self.same_parameters(model)
-
-    def prompt_products(self):
-        """A bfloat16 model's prompt runs its products on the step's packed copy
-        (`prompt_products`); a float16 one's on torch's (float16 copies are not packed)."""
-        if self.dtype not in onednn.PACKED_DTYPES:
-            return super().prompt_products()
-        return PromptProducts.of_layers(self.layers, self._head)
 
     def _linear(self, x: np.ndarray, weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
         """x (B, in) float32, rounded to the weights' dtype, through oneDNN's packed bfloat16
@@ -94,21 +84,6 @@ class HalfBackend(ArrayStep):
         if self.dtype == torch.bfloat16:
             return (rows.astype(np.uint32) << 16).view(np.float32)
         return rows.view(np.float16).astype(np.float32)
-
-    def _store(self, cache, k, v, index):
-        return cache.update(torch.from_numpy(k).to(self.dtype), torch.from_numpy(v).to(self.dtype), index)
-
-    def _store_rows(self, cache, k, v, index):
-        """k, v rounded to the weights' dtype and stored through the cache's numpy seam
-        (`update_arrays`: no torch call where the buffers have room; bfloat16 as its bits); the
-        keys and values come back as the kernels read them: bfloat16 and float16 as their bits
-        (uint16 and int16: numba has no float16 values)."""
-        if self.dtype == torch.bfloat16:
-            k, v = numba_products.bfloat16_bits_of(k), numba_products.bfloat16_bits_of(v)
-        else:  # (numpy rounds float32 to float16 to nearest, ties to even, as torch does)
-            k, v = k.astype(np.float16), v.astype(np.float16)
-        keys, values = cache.update_arrays(k, v, index)
-        return numba_products.as_kernel_array(keys), numba_products.as_kernel_array(values)
 
 
 def kernel_layers(layers: list[LaidOutLayer], head: LaidOutProduct, dtype: torch.dtype) -> tuple | None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import as_strided
 
 from kvcache.cache.arrays import array_of
 
@@ -123,8 +122,7 @@ def half_bits(weight) -> np.ndarray | None:
 def bfloat16_bits_of(x: np.ndarray) -> np.ndarray:
     """x float32 (any shape, C-contiguous) rounded to the nearest bfloat16 (ties to even, as
     torch rounds; the kernels' products round the same way), as the bfloat16 values' bits:
-    uint16 of x's shape, a new array (how a bfloat16 cache takes keys and values from numpy,
-    `Cache.update_arrays`)."""
+    uint16 of x's shape, a new array (the kernels' own rounding of what they store)."""
     out = np.empty(x.shape, np.uint16)
     kernels().bfloat16_halves(x.reshape(-1).view(np.uint32), out.reshape(-1))
     return out
@@ -210,22 +208,8 @@ class RowLayer:
         )
 
 
-#: a block size no cache reaches: a cache buffer's rows are one block to the kernels' attention
-WHOLE = 1 << 62
-_ONE_TABLE = np.zeros((1, 1), np.int64)  # one table row, its one block the buffer's rows
-_FIRST_ROW = np.zeros(1, np.int64)
-
-
 #: the kernels' attention's `recent` argument where there is no full-precision window
 NO_RECENT = (np.empty((0, 1), np.float32), np.empty((0, 1), np.float32), np.empty((0, 2), np.int64))
-
-
-def buffer_layout(length: int, key_step: int, value_step: int) -> tuple[tuple, np.ndarray]:
-    """How the kernels' attention (`numba_kernels.attend`) finds one row's `length` keys and
-    values in rows of a cache buffer (`stored_rows`: kv head h's token t at row h·step + t):
-    ((tables, token_row, lengths), layout)."""
-    table = (_ONE_TABLE, _FIRST_ROW, np.array([length], np.int64))
-    return table, np.array([WHOLE, 1, key_step, value_step, 0, 0], np.int64)
 
 
 def paged_layout(block_size: int, kv_heads: int, window: int | None, recent: int = 0) -> np.ndarray:
@@ -235,17 +219,3 @@ def paged_layout(block_size: int, kv_heads: int, window: int | None, recent: int
     return np.array([block_size, kv_heads, 1, 1, window or 0, recent], np.int64)
 
 
-def stored_rows(stored: np.ndarray) -> tuple[np.ndarray, int]:
-    """One row's stored keys or values (1, H_kv, T, D) as the kernels read them: (rows (R, D),
-    step), C-contiguous, kv head h's token t at row h·step + t. A view when every (T, D) block is
-    contiguous and the blocks evenly spaced (a cache buffer's narrowed view: step is its
-    capacity), else a contiguous copy."""
-    _, kv_heads, length, dim = stored.shape
-    if stored.flags.c_contiguous:
-        return stored.reshape(kv_heads * length, dim), length
-    row_stride, item = stored.strides[2], stored.itemsize
-    if stored.strides[3] == item and row_stride == dim * item and stored.strides[1] % row_stride == 0:
-        step = stored.strides[1] // row_stride
-        rows = (kv_heads - 1) * step + length
-        return as_strided(stored, shape=(rows, dim), strides=(row_stride, item)), step
-    return stored_rows(np.ascontiguousarray(stored))

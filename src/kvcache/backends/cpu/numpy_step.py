@@ -13,15 +13,17 @@ from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import numba_products, onednn
 from kvcache.backends.cpu.array_step import ArrayStep
 from kvcache.backends.cpu.packing import pack_weights
-from kvcache.backends.cpu.prompt_products import PromptProducts
 from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
 
 
 def unsupported(model) -> str | None:
     """Why the numpy step cannot stand in for `model`'s decode forward, or None when it can."""
-    return unsupported_structure(model, "the numpy step") or unsupported_parameters(
+    reason = unsupported_structure(model, "the numpy step") or unsupported_parameters(
         model, (torch.float32,), "the numpy step"
     )
+    if reason is None and not numba_products.available():
+        reason = "its steps run on numba's kernels: install numba (with OpenMP or TBB threads)"
+    return reason
 
 
 def require_supported(model) -> None:
@@ -45,21 +47,20 @@ class NumpyBackend(ArrayStep):
         super().__init__(model)
         # packed outside inference mode (a caller's, or generate's), so the model's parameters
         # stay ordinary tensors it can still train
-        numba = numba_products.available()  # else numpy's (OpenBLAS) one-row products
         with torch.inference_mode(False), torch.no_grad():
-            self.weights = pack_weights(model, column_major_tall=not numba)
+            self.weights = pack_weights(model)
         self.layers = self.weights.layers
         self.final_norm = self.weights.final_norm
         self.lm_head = self.weights.lm_head
-        if numba:  # the kernels read the same row-major arrays: (out, in) is (in, out).T
-            self.row_layers = [
-                numba_products.RowLayer.of(w, [
-                    ((w.qkv.T,), w.qkv_bias), ((w.o.T,), w.o_bias),
-                    ((w.gate_up.T,), w.gate_up_bias), ((w.down.T,), w.down_bias),
-                ]) for w in self.layers
-            ], numba_products.row_product((self.lm_head.T,), None), numba_products.rounding_of(torch.float32)
-        # oneDNN's copy (steps of several rows, prompts), made from the modules (which read the
-        # packed arrays), and the parameters' version counters it was made at
+        # the kernels read the same row-major arrays: (out, in) is (in, out).T
+        self.row_layers = [
+            numba_products.RowLayer.of(w, [
+                ((w.qkv.T,), w.qkv_bias), ((w.o.T,), w.o_bias),
+                ((w.gate_up.T,), w.gate_up_bias), ((w.down.T,), w.down_bias),
+            ]) for w in self.layers
+        ], numba_products.row_product((self.lm_head.T,), None), numba_products.rounding_of(torch.float32)
+        # oneDNN's copy (steps of many tokens), made from the modules (which read the packed
+        # arrays), and the parameters' version counters it was made at
         self._modules = list(model.model.layers), model.lm_head
         self._laid_out: tuple[list, object] | None = None
         self._laid_out_versions: list[int] = []
@@ -80,25 +81,12 @@ class NumpyBackend(ArrayStep):
         return self._laid_out
 
     def products(self, batch: int):
-        """Numpy's products for one row (numba's kernels run their own); oneDNN's on its copy
-        for several."""
+        """oneDNN's products on its copy for several tokens; numpy's without oneDNN."""
         copy = self._oneDNN_copy() if batch > 1 else None
         if copy is None:
             return self.layers, self.lm_head, self._linear
         layers, head = copy
         return layers, head.weight, self._linear_rows
-
-    def prompt_products(self):
-        """A prompt's products on oneDNN's copy (`prompt_products`), when there is one."""
-        copy = self._oneDNN_copy()
-        if copy is None:
-            return super().prompt_products()
-        layers, head = copy
-        return PromptProducts.of_layers(layers, head)
-
-    def _on_torch_threads(self, batch: int) -> bool:
-        """Several rows run on oneDNN (torch's threads); one on numba's kernels or OpenBLAS's."""
-        return batch > 1 and onednn.available()
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config and eps, every
@@ -120,10 +108,3 @@ class NumpyBackend(ArrayStep):
 
     def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
         return self.weights.embed[token_ids]  # (B, hidden), a copy
-
-    def _store(self, cache, k, v, index):
-        keys, values = cache.update_arrays(k, v, index)  # numpy (B, H_kv, T_kv, D)
-        return torch.from_numpy(keys), torch.from_numpy(values)
-
-    def _store_rows(self, cache, k, v, index):
-        return cache.update_arrays(k, v, index)  # numpy (1, H_kv, T_kv, D) float32

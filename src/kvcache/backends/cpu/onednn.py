@@ -7,16 +7,17 @@ float32 product of a few rows (a matrix-matrix product) packs its weight on ever
 costs about twice its one-row matrix-vector product, which reads the weight once
 (`docs/backends.md`). The half step's products are these for bfloat16 weights (float16 ones stay
 plain for `F.linear`: packing them needs AVX512-FP16), the numpy step's are these for steps
-of two rows or more, and a prompt's forward reads the same copies (`prompt_products`).
+of many tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcache.backends.cpu.prompt_products import LaidOutProduct, Member
 from kvcache.backends.cpu.support import fused_products
 
 #: weight dtypes oneDNN's packed product takes on the CPUs measured
@@ -25,6 +26,27 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: read slower than the one for a few rows at every row count measured (1 to 16); for bfloat16
 #: the hint made no difference
 PACKED_FOR_ROWS = 4
+
+
+@dataclass(frozen=True)
+class Member:
+    """One module's share of a laid-out product: its parameters and the output columns
+    [start, stop) of the fused matrix that are its outputs."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class LaidOutProduct:
+    """A `laid_out` matrix (out, in) with its fused bias, and the modules it stands for."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+    members: tuple[Member, ...]
 
 
 def available() -> bool:

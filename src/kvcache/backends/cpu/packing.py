@@ -15,9 +15,6 @@ from torch import nn
 from kvcache.backends.cpu.huge_pages import MOVE_LIMIT, Arena, aligned, huge_pages_available
 from kvcache.model.heap import release_freed_memory
 
-#: out/in ratio from which a product's weight is stored column-major
-TALL = 1.5
-
 
 @dataclass
 class LayerWeights:
@@ -74,25 +71,19 @@ class _Packer:
         """A norm weight or bias (n,), copied into the arena when there is one."""
         if parameter is None:
             return None
-        return self.matrices([parameter], column_major=False)
+        return self.matrices([parameter])
 
-    def matrices(self, parameters: list[nn.Parameter], *, column_major: bool) -> np.ndarray:
+    def matrices(self, parameters: list[nn.Parameter]) -> np.ndarray:
         """The (out_i, in) weights (or (n_i,) biases) of `parameters`, stacked along out, as
         (in, sum out) for a product (biases: (sum n,)). Each parameter is pointed at its slice
         where the memory is new."""
         tensors = [parameter.detach() for parameter in parameters]
         rows = sum(tensor.shape[0] for tensor in tensors)
         rest = tuple(tensors[0].shape[1:])
-        single = len(tensors) == 1 and not column_major and self.arena is None
-        if single and tensors[0].is_contiguous():
+        if len(tensors) == 1 and self.arena is None and tensors[0].is_contiguous():
             array = tensors[0].numpy()  # already laid out: a view, nothing moves
             return array.T if array.ndim == 2 else array
-        if column_major:
-            packed = self._new((rest[0], rows))  # (in, sum out), C-contiguous
-            stacked = packed.T  # (sum out, in) view, column-major
-        else:
-            packed = self._new((rows, *rest))  # (sum out, in) or (sum n,)
-            stacked = packed
+        packed = stacked = self._new((rows, *rest))  # (sum out, in) or (sum n,)
         start = 0
         with torch.no_grad():
             for parameter, tensor in zip(parameters, tensors):
@@ -101,7 +92,7 @@ class _Packer:
                 view[...] = tensor.numpy()
                 parameter.data = torch.from_numpy(view)  # same values and shape, packed memory
                 start += count
-        return packed if column_major or packed.ndim == 1 else packed.T
+        return packed if packed.ndim == 1 else packed.T
 
 
 def _layout_bytes(model) -> int:
@@ -115,42 +106,32 @@ def _layout_bytes(model) -> int:
     return total
 
 
-def pack_weights(model, column_major_tall: bool = False) -> PackedWeights:
+def pack_weights(model) -> PackedWeights:
     """Pack a float32 CPU LlamaForCausalLM's weights for the numpy step (see the module
-    docstring): row-major, or tall ones column-major when `column_major_tall` (for numpy's
-    products); its parameters are pointed at the packed memory where it is new."""
+    docstring), row-major: each output one contiguous row, as numba's kernels read them; its
+    parameters are pointed at the packed memory where it is new."""
     total = _layout_bytes(model)
     arena = Arena(total) if huge_pages_available() and total <= MOVE_LIMIT else None
     packer = _Packer(arena)
     decoder = model.model
-    embed = packer.matrices([decoder.embed_tokens.weight], column_major=False).T  # (vocab, hidden)
+    embed = packer.matrices([decoder.embed_tokens.weight]).T  # (vocab, hidden)
     layers = []
-
-    def tall(linear: nn.Linear, rows: int) -> bool:
-        """Whether a product of `rows` outputs from `linear`'s inputs is stored column-major."""
-        return column_major_tall and rows >= TALL * linear.in_features
 
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up = [mlp.gate_proj, mlp.up_proj]
-        qkv_rows = sum(p.out_features for p in projections)
-        gate_up_rows = sum(p.out_features for p in gate_up)
         layers.append(
             LayerWeights(
                 norm1=packer.vector(layer.input_layernorm.weight),
-                qkv=packer.matrices(
-                    [p.weight for p in projections], column_major=tall(attn.q_proj, qkv_rows)
-                ),
+                qkv=packer.matrices([p.weight for p in projections]),
                 qkv_bias=_biases(packer, projections),
-                o=packer.matrices([attn.o_proj.weight], column_major=False),
+                o=packer.matrices([attn.o_proj.weight]),
                 o_bias=packer.vector(attn.o_proj.bias),
                 norm2=packer.vector(layer.post_attention_layernorm.weight),
-                gate_up=packer.matrices(
-                    [p.weight for p in gate_up], column_major=tall(mlp.gate_proj, gate_up_rows)
-                ),
+                gate_up=packer.matrices([p.weight for p in gate_up]),
                 gate_up_bias=_biases(packer, gate_up),
-                down=packer.matrices([mlp.down_proj.weight], column_major=False),
+                down=packer.matrices([mlp.down_proj.weight]),
                 down_bias=packer.vector(mlp.down_proj.bias),
                 q_norm=packer.vector(attn.q_norm.weight) if attn.qk_norm == "head" else None,
                 k_norm=packer.vector(attn.k_norm.weight) if attn.qk_norm == "head" else None,
@@ -162,7 +143,7 @@ def pack_weights(model, column_major_tall: bool = False) -> PackedWeights:
     if head.weight is decoder.embed_tokens.weight:  # tied: the embedding, read as (hidden, vocab)
         lm_head = embed.T
     else:
-        lm_head = packer.matrices([head.weight], column_major=tall(head, head.out_features))
+        lm_head = packer.matrices([head.weight])
     release_freed_memory()
     sources = [(parameter, parameter.data_ptr()) for parameter in model.parameters()]
     assert final_norm is not None
@@ -176,4 +157,4 @@ def _biases(packer: _Packer, linears: list[nn.Linear]) -> np.ndarray | None:
         return None
     if any(bias is None for bias in biases):
         raise ValueError("cannot fuse projections of which only some have a bias")
-    return packer.matrices(biases, column_major=False)
+    return packer.matrices(biases)

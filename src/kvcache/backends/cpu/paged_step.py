@@ -66,6 +66,9 @@ def run(step, batch) -> torch.Tensor:
     `row_layers` are set) over `batch`, every row's keys and values written to its slots."""
     rows = token_rows(batch)
     count = len(rows.ids)
+    if count and (int(rows.ids.min()) < 0 or int(rows.ids.max()) >= step.vocab):
+        raise IndexError(f"token ids must lie in [0, {step.vocab}), got min {int(rows.ids.min())} and "
+                         f"max {int(rows.ids.max())}")
     on_kernels = count <= step.kernel_rows
     cache = batch.cache
     storages = [layer.storage_rows() for layer in cache.layers]

@@ -1,6 +1,6 @@
 """PagedBatch: one step of many rows of a PagedCache, their blocks reserved already (the engine's
 pool reserves a whole step's blocks before any forward): what a backend runs in one call
-(`DecodeBackend.step`). Row r runs `tokens[r]` (one token when it decodes, a chunk of its prompt
+(`Backend.step`). Row r runs `tokens[r]` (one token when it decodes, a chunk of its prompt
 when it prefills) at positions starts[r], starts[r] + 1, …; the logits of the rows that `sample`
 are wanted. The forward only reads the block tables and writes the reserved slots; the owner
 commits the positions afterwards."""

@@ -21,7 +21,7 @@ from .forward import check_windows, first_forward_plan, group_mask, new_columns,
 from .layer import PagedLayer
 from .recent import RecentRows, checked_window
 from .rows import RowState, append_to_row, prefix_cost, read_row, write_row
-from .storage import ScratchBuffer, Step
+from .storage import Step
 
 __all__ = ["PagedCache"]
 
@@ -97,7 +97,6 @@ class PagedCache(Cache):
         self._steps: list[Step] | None = None  # this forward's, one per group
         self._step_counter = 0
         self._reserved = False  # a view: its forwards only read the block tables (see view)
-        self.gather_scratch = (ScratchBuffer(), ScratchBuffer())  # keys, values: update_arrays' gathers
         super().__init__([PagedLayer(self, group) for group in self._groups], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
             for layer in self.layers:
@@ -297,11 +296,11 @@ class PagedCache(Cache):
         return layouts
 
     def update_layer(
-        self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor, scratch: tuple | None = None
+        self, layer: PagedLayer, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The seam's update of `layer` (its `update` calls it): check k, v (B, H_kv, T_new, D), plan
         the forward at layer 0 when `begin` did not, write the rows and return every row's visible
-        K, V (B, H_kv, T_kv, D) (gathered into `scratch`'s buffers when given)."""
+        K, V (B, H_kv, T_kv, D)."""
         layer.check(k, v)
         batch, _, new_tokens, _ = k.shape
         steps = self._steps
@@ -331,7 +330,7 @@ class PagedCache(Cache):
                 f"k{where(layer.layer_idx)} has {new_tokens} tokens of batch {batch}; layer 0 "
                 f"stored {step.new_tokens} tokens of batch {step.batch} in this forward"
             )
-        return layer.write_and_gather(k, v, step, scratch)
+        return layer.write_and_gather(k, v, step)
 
     # ---- a row out and back in (prompt-cache files), and views for batched forwards -------------
     def row_state(self, row: int) -> RowState:
@@ -386,7 +385,6 @@ class PagedCache(Cache):
         view.allocators, view._groups, view._seq_ids = self.allocators, self._groups, self._seq_ids
         view.rows = [self.sequence_id(row) for row in rows]
         view._steps, view._step_counter, view._reserved = None, 0, True
-        view.gather_scratch = self.gather_scratch  # every view's forwards reuse the same memory
         view.kv_dtype, view.recent = self.kv_dtype, self.recent
         Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):
@@ -413,6 +411,26 @@ class PagedCache(Cache):
             for seq, keep in zip(self.rows, keeps):
                 allocator.truncate(seq, keep)
         self._set_columns(max_length)
+        self._steps = None
+
+    def truncate_rows(self, lengths: Sequence[int]) -> None:
+        """Keep each row r's first lengths[r] positions (a step undone: `generate`'s rollback
+        after a failed step); all or nothing (`CacheCropError` when a sliding window already gave
+        back a block a kept position needs). A row holding fewer keeps what it holds."""
+        if len(lengths) != len(self.rows):
+            raise CacheShapeError(
+                f"truncate_rows takes one length per row ({len(self.rows)}), got {len(lengths)}")
+        held = self.row_lengths
+        for allocator in self.allocators:
+            for seq, keep in zip(self.rows, lengths):
+                allocator.validate_truncate(seq, keep)
+        if self.recent is not None:
+            for seq, had, keep in zip(self.rows, held, lengths):
+                self.recent.truncate(seq, had, min(had, keep))
+        for allocator in self.allocators:
+            for seq, keep in zip(self.rows, lengths):
+                allocator.truncate(seq, keep)
+        self._set_columns(max(self.row_lengths, default=0))
         self._steps = None
 
     def select(self, indices: torch.Tensor | Sequence[int]) -> None:

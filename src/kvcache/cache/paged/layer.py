@@ -11,7 +11,6 @@ import torch
 
 from kvcache.blocks.allocator import HOLE
 
-from ..arrays import array_of, tensor_of
 from ..checks import check_kv_pair, where
 from ..errors import CacheDeviceError, CacheDtypeError, CacheShapeError
 from ..layer import CacheLayer, normal_tensors
@@ -36,15 +35,6 @@ class PagedLayer(CacheLayer):
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, H_kv, T_new, D); return K, V (B, H_kv, T_kv, D), rows right-padded."""
         return self._cache.update_layer(self, k, v)
-
-    def update_arrays(self, k, v):
-        """`update` on numpy arrays (see CacheLayer.update_arrays). Gathered rows land in the
-        cache's scratch buffers, shared by its layers: the returned arrays are valid until the
-        next update_arrays on this cache (the numpy step attends with them before that)."""
-        keys, values = self._cache.update_layer(
-            self, tensor_of(k), tensor_of(v), scratch=self._cache.gather_scratch
-        )
-        return array_of(keys), array_of(values)
 
     def get_seq_length(self) -> int:
         """Columns of the batch timeline seen (padding columns included, as in attention_mask)."""
@@ -164,18 +154,16 @@ class PagedLayer(CacheLayer):
                                   f"{keys.dtype}, {values.dtype}")
 
     def write_and_gather(
-        self, k: torch.Tensor, v: torch.Tensor, step: Step, scratch: tuple | None = None
+        self, k: torch.Tensor, v: torch.Tensor, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's k, v to their slots; return every row's visible K, V (gathered
-        into scratch's (keys, values) ScratchBuffers when given)."""
+        """Write this forward's k, v to their slots; return every row's visible K, V."""
         assert self._keys is not None and self._values is not None
         self.last_step = step.step_id
         self.columns += k.shape[2]
-        key_scratch, value_scratch = scratch or (None, None)
         if self.formats is not None:  # in the kv_dtype on the way in, the forward's on the way out
             key_rows, value_rows = self.formats
-            keys = write_and_gather(self._keys, key_rows.pack(k), step, key_scratch)
-            values = write_and_gather(self._values, value_rows.pack(v), step, value_scratch)
+            keys = write_and_gather(self._keys, key_rows.pack(k), step)
+            values = write_and_gather(self._values, value_rows.pack(v), step)
             keys, values = key_rows.unpack(keys, k.dtype), value_rows.unpack(values, v.dtype)
             recent = self._cache.recent
             if recent is not None:
@@ -183,8 +171,8 @@ class PagedLayer(CacheLayer):
                 put_exact_rows(recent, self.layer_idx, self._cache.rows, step, (k, v), copies)
             return keys, values
         return (
-            write_and_gather(self._keys, k, step, key_scratch),
-            write_and_gather(self._values, v, step, value_scratch),
+            write_and_gather(self._keys, k, step),
+            write_and_gather(self._values, v, step),
         )
 
     def _is_storage(self, rows: torch.Tensor) -> bool:

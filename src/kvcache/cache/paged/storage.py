@@ -7,12 +7,9 @@ s % block_size of block s // block_size.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-
-from ..layer import normal_tensors
 
 
 @dataclass
@@ -33,12 +30,10 @@ class Step:
     pending: bool = True  # layer 0 has not written it yet
 
 
-def write_and_gather(
-    storage: torch.Tensor, new: torch.Tensor, step: Step, scratch: ScratchBuffer | None = None
-) -> torch.Tensor:
+def write_and_gather(storage: torch.Tensor, new: torch.Tensor, step: Step) -> torch.Tensor:
     """Write new (B, H_kv, T_new, D) to its slots of storage (blocks, S, H_kv, D); return each
-    row's visible rows (B, H_kv, T_kv, D): a view for one row on consecutive blocks, else a gather,
-    into `scratch`'s memory when given (then valid only until scratch is used again)."""
+    row's visible rows (B, H_kv, T_kv, D): a view for one row on consecutive blocks, else a
+    gather."""
     batch, heads, new_tokens, dim = new.shape
     blocks, size = storage.shape[:2]
     rows = new.transpose(1, 2).reshape(batch * new_tokens, heads, dim)  # (B·T_new, H_kv, D)
@@ -49,32 +44,9 @@ def write_and_gather(
         width = -(-step.visible // size)
         gathered = storage.narrow(0, step.first_block, width)  # (n, S, H_kv, D)
     else:
-        shape = (step.read_blocks.numel(), *storage.shape[1:])
-        out = None if scratch is None else scratch.take(shape, storage)
-        gathered = torch.index_select(storage, 0, step.read_blocks, out=out)  # (B·n, S, H_kv, D)
+        gathered = torch.index_select(storage, 0, step.read_blocks)  # (B·n, S, H_kv, D)
     gathered = gathered.view(batch, -1, heads, dim).narrow(1, 0, step.visible)  # (B, T_kv, H_kv, D)
     return gathered.transpose(1, 2)  # (B, H_kv, T_kv, D)
-
-
-class ScratchBuffer:
-    """Memory reused by every gather of one kind (keys or values) for a caller that consumes each
-    layer's gathered rows before the next layer's (the numpy decode step). A fresh tensor per
-    gather costs more than the copy: large allocations come from the OS each time and every page
-    is faulted in again, where a reused buffer stays mapped."""
-
-    def __init__(self) -> None:
-        self._memory: torch.Tensor | None = None  # (capacity,) flat
-
-    def take(self, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-        """A tensor of `shape` with like's dtype and device on this buffer's memory (grown when
-        needed); what the previous take returned is overwritten by its next user."""
-        size = math.prod(shape)
-        memory = self._memory
-        fits = memory is not None and memory.numel() >= size
-        if not fits or (memory.dtype, memory.device) != (like.dtype, like.device):
-            with normal_tensors():
-                memory = self._memory = torch.empty(size, dtype=like.dtype, device=like.device)
-        return memory[:size].view(shape)
 
 
 def gather_rows(storage: torch.Tensor, slots: list[list[int]]) -> torch.Tensor:
