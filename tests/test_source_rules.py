@@ -211,35 +211,3 @@ def test_nothing_points_outside_the_repository():
     outside = re.compile(r"PERF-NOTES|\.\./shared/")
     found = [str(path) for path in texts if outside.search(path.read_text(encoding="utf-8"))]
     assert not found, found
-
-
-# the engine's step and the methods it calls: features watch it from `Engine.observers`
-STEP_METHODS = ("step", "_step", "_preempt", "_run", "_retire")
-
-
-def _feature_conditionals(tree: ast.Module) -> list[str]:
-    """`if self.<name> is (not) None` inside the Engine's step methods, as 'method: self.name'."""
-    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
-    found = []
-    for method in engine.body:
-        if not (isinstance(method, ast.FunctionDef) and method.name in STEP_METHODS):
-            continue
-        for node in ast.walk(method):
-            test = node.test if isinstance(node, (ast.If, ast.IfExp)) else None
-            if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute)
-                    and isinstance(test.left.value, ast.Name) and test.left.value.id == "self"
-                    and isinstance(test.ops[0], (ast.Is, ast.IsNot))
-                    and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
-                found.append(f"{method.name}: self.{test.left.attr}")
-    return found
-
-
-def test_the_engines_step_has_no_feature_conditionals():
-    """A feature (drift probe, KV events, the store tier's writes) is an observer on the engine's
-    one list, called at every step; the step never asks whether one is on."""
-    source = (SOURCE / "engine" / "engine.py").read_text(encoding="utf-8")
-    assert not _feature_conditionals(ast.parse(source))
-    loop = "        for observer in self.observers:\n            observer.admitted(admitted)"
-    branch = "        if self.drift_probe is not None:\n            self.drift_probe.admitted(admitted)"
-    planted = source.replace(loop, branch)
-    assert planted != source and _feature_conditionals(ast.parse(planted)) == ["_step: self.drift_probe"]

@@ -22,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvcache.backends import choose_backend
+from kvcache.engine.config import PoolConfig, SchedulerConfig, configs_from
 from kvcache.engine.drift_probe import DriftProbe
 from kvcache.engine.kv_events import KVEventPublisher
 from kvcache.engine.metrics import EngineMetrics
@@ -64,37 +66,21 @@ def check_request(ids: list[int], params: SamplingParams, config, pool_tokens: i
 
 
 class Engine:
-    """Continuous batching of many requests over one PagedCache of `kv_budget` bytes (or
-    `num_blocks` blocks) of `block_size` tokens.
+    """Continuous batching of many requests over one PagedCache (`PoolConfig`: its bytes or
+    blocks, block size, dtype), its steps bounded by a `SchedulerConfig`.
 
     Args:
         model: a kvcache model; tokenizer: for text and chat prompts and stop strings.
         backend: what runs the steps ("auto", "blocks", "numpy", "half", "torch" or a Backend).
-        kv_budget: bytes for keys and values (an int, or "256MiB"); the pool holds as many whole
-            blocks as `kvcache.memory` says fit. num_blocks: the pool's size in blocks instead.
-        max_running: sequences holding a row at once. token_budget: tokens one step runs (decode
-            rows and prefill chunks together), so a long prompt is prefilled in chunks while the
-            others keep decoding.
-        prefill_slowdown: while rows decode, a step with prompt tokens costs at most about this
-            many steps of those rows alone: its prompt tokens are capped by step costs measured
-            as the engine runs (`step_costs`); None: only token_budget bounds them.
-        prefix_caching: attach cached blocks of earlier prompts that start the same way (False:
-            every prompt is prefilled whole).
-        kv_store: a second tier of prefix blocks shared with other replicas: a URL
-            ("redis://127.0.0.1:6379/0") or a store object (`RedisBlockStore`); see store_tier.py.
+        pool: the KV pool's `PoolConfig`; scheduler: the steps' `SchedulerConfig` (`config.py`
+            says each field). Their fields may be given as keywords instead (kv_budget="1GiB",
+            max_running=32: `config.configs_from`), not both for one config.
         kv_events: publish the pool's block events for KV-aware routers: an endpoint to bind
             ("tcp://127.0.0.1:5557") or a `KVEventPublisher`; see kv_events.py.
-        kv_dtype: what the pool stores keys and values as, "bfloat16", "float16", or quantized
-            "fp8", "int8", "int4" (each token's kv head one group with a float16 scale:
-            `kvcache.cache.paged.formats`), keys and values apart as "int8/int4", so the budget
-            holds more tokens (`kvcache.memory.paged_row_bytes`); None: the model's dtype.
-        kv_drift_sample: with kv_dtype, the share of requests (0 to 1) that also run on a
-            full-precision shadow pool of a quarter of the pool's bytes, measuring at each of their
-            positions how far the stored blocks moved the next-token distribution (`drift_probe`;
-            each Completion's `kv_drift`, `stats()["kv_drift"]`); 0: no probe.
-        kv_window: with kv_dtype, each running row's last kv_window tokens also kept in the
-            model's dtype and read from there (`PagedCache`'s full-precision window; its bytes
-            for max_running rows come out of kv_budget); 0: none.
+        kv_drift_sample: with the pool's kv_dtype, the share of requests (0 to 1) that also run on
+            a full-precision shadow pool of a quarter of the pool's bytes, measuring at each of
+            their positions how far the stored blocks moved the next-token distribution
+            (`drift_probe`; each Completion's `kv_drift`, `stats()["kv_drift"]`); 0: no probe.
     """
 
     def __init__(
@@ -103,41 +89,37 @@ class Engine:
         tokenizer=None,
         *,
         backend="auto",
-        kv_budget: int | str | None = "256MiB",
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_running: int = 16,
-        token_budget: int = 256,
-        prefill_slowdown: float | None = 2.0,
-        prefix_caching: bool = True,
-        kv_store=None,
+        pool: PoolConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
         kv_events=None,
-        kv_dtype: str | None = None,
         kv_drift_sample: float = 0.0,
-        kv_window: int = 0,
+        **settings,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        if max_running < 1 or token_budget < max_running:
-            raise RequestError(
-                f"need max_running >= 1 and token_budget >= max_running, got {max_running} and {token_budget}"
-            )
-        self.limits = Limits(block_size, max_running, token_budget)
-        store = None if kv_store is None else open_store(kv_store)
+        pool, scheduler = configs_from(pool, scheduler, settings)
+        self.pool_config, self.scheduler_config = pool, scheduler
+        self.limits = Limits(pool.block_size, scheduler.max_running, scheduler.token_budget)
+        store = None if pool.kv_store is None else open_store(pool.kv_store)
         self.pool = KVPool(
-            model, self.limits, kv_budget, num_blocks, prefix_caching, store, kv_dtype, kv_window
+            model, self.limits, pool.kv_budget, pool.num_blocks, pool.prefix_caching, store, pool.kv_dtype,
+            pool.kv_window,
         )
         self.kv_events = KVEventPublisher(kv_events) if isinstance(kv_events, str) else kv_events
         if self.kv_events is not None:
             self.kv_events.attach(self.pool.cache.allocator)  # (the full layers', or the window's)
         self.backend = choose_backend(model, backend)
         self.runner = Runner(model, self.backend)
-        self.drift_probe = self._drift_probe(kv_drift_sample, kv_dtype)
-        # what watches the steps (`observers`): the features that are on, each called at every step
-        features = (self.store_tier, self.drift_probe, self.kv_events)
-        self.observers: list[StepObserver] = [feature for feature in features if feature is not None]
+        self.drift_probe = self._drift_probe(kv_drift_sample, pool.kv_dtype)
         # bounds what a prompt adds to a step while rows decode (a factor of None: only the budget)
-        self.step_costs = StepCosts(prefill_slowdown, maximum=token_budget)
+        self.step_costs = StepCosts(scheduler.prefill_slowdown, maximum=scheduler.token_budget)
         self.metrics = EngineMetrics()
+        # what watches the steps (`observers`): the counters, the step costs, and the features that
+        # are on, each called at every step
+        features = (self.store_tier, self.drift_probe, self.kv_events)
+        self.observers: list[StepObserver] = [
+            self.metrics, self.step_costs, *(feature for feature in features if feature is not None)
+        ]
+        self.clock = time.perf_counter  # what the step's forwards and tokens are timed by
         # called with every Completion as its request ends (a server's metrics); `notify_all` says
         self.on_finish: Callable[[Completion], None] | None = None
         self.waiting: deque[Request] = deque()
@@ -255,9 +237,10 @@ class Engine:
         warm_up(self)
 
     def reset_counters(self) -> None:
-        """Start the counters (`metrics`) and the measured step costs again (after a warm-up)."""
-        self.metrics = EngineMetrics()
-        self.step_costs.forget()
+        """Start the counters (`metrics`) and the measured step costs again (after a warm-up):
+        every observer's `restarted`."""
+        for observer in self.observers:
+            observer.restarted()
 
     def stats(self) -> dict:
         """The counters (`metrics`) and the pool now: running, waiting, blocks used/free/cached."""
@@ -333,13 +316,13 @@ class Engine:
         work = self.pool.apply(plan, admitted)
         for observer in self.observers:
             observer.admitted(admitted)
-        self.metrics.count_cached(admitted, self.running, work.attached, work.loaded)
+        for observer in self.observers:
+            observer.applied(work, self.running)
         if work.requests:
             self._run(work)
         for observer in self.observers:
             observer.stepped(self.pool.cache)
         self._retire([r for r in self.running if r.finish is not None], None)
-        self.metrics.steps += 1
         return True
 
     def _preempt(self, victims: list[Request]) -> None:
@@ -351,7 +334,8 @@ class Engine:
             request.first_pass = False
         for request in sorted(victims, key=lambda r: r.arrival, reverse=True):
             self.waiting.appendleft(request)  # recomputed first, in arrival order
-        self.metrics.preemptions += len(victims)
+        for observer in self.observers:
+            observer.preempted(victims)
 
     def _run(self, work: StepWork) -> None:
         """The step's forward on the runner, what it wrote committed, the sampling rows' tokens
@@ -362,27 +346,29 @@ class Engine:
         prompt_tokens = sum(map(len, batch.tokens)) - decoding
         sampling = [work.requests[index] for index in batch.sampled]
         masks = self.runner.masks_ahead(sampling)  # grammars' masks, computed while the forward runs
-        started = self.metrics.now()
-        with self.metrics.timing(decoding, prompt_tokens):
-            try:
-                logits = self.runner.run(work)
-            except Exception as error:  # noqa: BLE001 (the forward's requests fail, the engine goes on)
-                for request in work.requests:
-                    request.finish = ("error", f"{type(error).__name__}: {error}")
-                return
-        self.step_costs.record(decoding, prompt_tokens, self.metrics.now() - started)
+        started = self.clock()
+        try:
+            logits = self.runner.run(work)
+        except Exception as error:  # noqa: BLE001 (the forward's requests fail, the engine goes on)
+            for request in work.requests:
+                request.finish = ("error", f"{type(error).__name__}: {error}")
+            return
+        seconds = self.clock() - started
+        for observer in self.observers:
+            observer.ran(decoding, prompt_tokens, seconds)
         self.pool.commit(work)
         for observer in self.observers:
             observer.forwarded(work, logits)
         chosen, failed = self.runner.choose(logits, sampling, masks)
         for request, message in failed:
             request.finish = ("error", message)
-        now = self.metrics.now()
+        now = self.clock()
         for request, token, logprobs in chosen:
             piece = request.append(token, now, logprobs)
             self.pool.declare(request, token)
             request.deliver(token, piece)
-            self.metrics.generated_tokens += 1
+        for observer in self.observers:
+            observer.delivered(len(chosen))
 
     def _retire(self, requests: list[Request], reason: str | None, error: str | None = None) -> None:
         """Finish these requests (reason and error, or each one's own) and free their rows."""
@@ -397,8 +383,9 @@ class Engine:
                 self.waiting.remove(request)
             finish, message = (reason, error) if reason is not None else request.finish
             completions.append(request.completion(finish, message))
-            self.metrics.finished[finish] = self.metrics.finished.get(finish, 0) + 1
             request.finished(completions[-1])
+        for observer in self.observers:
+            observer.completed(completions)
         notify_all(self.on_finish, completions)
 
     # ---- running many ------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
-"""What the engine counts: requests, tokens, preemptions, and the time its forwards take."""
+"""What the engine counts: requests, tokens, preemptions, and the time its forwards take; an
+observer of the engine's steps (`observers`), on its one list."""
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass, field
+
+from kvcache.engine.observers import StepObserver
 
 
 @dataclass
-class EngineMetrics:
-    """Counters since the engine was made (gauges of the pool: `Engine.stats`)."""
+class EngineMetrics(StepObserver):
+    """Counters since the engine was made or last restarted (gauges of the pool: `Engine.stats`)."""
 
     submitted: int = 0
     steps: int = 0
@@ -32,23 +34,61 @@ class EngineMetrics:
     one_row_steps: int = 0
     one_row_seconds: float = 0.0
 
-    def count_cached(self, admitted: list, running: list, attached: dict, loaded: dict) -> None:
-        """Prompt tokens served without a forward in a step (attached from the pool: `attached`,
-        loaded from the store: `loaded`, by request id) in each request's usage and the counters,
-        while a request is on its first pass: a recomputation after a preemption is not counted
-        again."""
-        for request in admitted:
-            if not request.admitted:
+    def applied(self, work, running: list) -> None:
+        """Prompt tokens served without a forward in a step (attached from the pool:
+        `work.attached`, loaded from the store: `work.loaded`, by request id) in each request's
+        usage and the counters, while a request is on its first pass: a recomputation after a
+        preemption is not counted again."""
+        for request in running:
+            if request.id in work.attached and not request.admitted:
                 request.admitted = True
                 self.prompt_tokens += len(request.prompt)
-                request.usage.cached_tokens += attached[request.id]
-                self.cached_prompt_tokens += attached[request.id]
-        for request in running:
-            if request.first_pass and request.id in loaded:
-                request.usage.cached_tokens += loaded[request.id]
-                self.cached_prompt_tokens += loaded[request.id]
-                self.unpriced_tokens += loaded[request.id]
+                request.usage.cached_tokens += work.attached[request.id]
+                self.cached_prompt_tokens += work.attached[request.id]
+            if request.first_pass and request.id in work.loaded:
+                request.usage.cached_tokens += work.loaded[request.id]
+                self.cached_prompt_tokens += work.loaded[request.id]
+                self.unpriced_tokens += work.loaded[request.id]
         self._price_loaded()
+
+    def ran(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+        """Count a step's decode rows and prefill tokens, and add its seconds to the decode time
+        when it had decode rows and to the prefill time when it had prompt tokens (a step that
+        mixes both counts in both); a step of prompt chunks alone, or of one decode row alone,
+        also measures `prefill_token_seconds`."""
+        if prompt_tokens:
+            self.prefill_seconds += seconds
+            self.prefill_tokens += prompt_tokens
+        if decode_rows:
+            self.decode_seconds += seconds
+            self.decode_tokens += decode_rows
+        if prompt_tokens and not decode_rows:
+            self.prefill_only_steps += 1
+            self.prefill_only_tokens += prompt_tokens
+            self.prefill_only_seconds += seconds
+        elif decode_rows == 1 and not prompt_tokens:
+            self.one_row_steps += 1
+            self.one_row_seconds += seconds
+        self._price_loaded()
+
+    def delivered(self, tokens: int) -> None:
+        self.generated_tokens += tokens
+
+    def preempted(self, requests: list) -> None:
+        self.preemptions += len(requests)
+
+    def stepped(self, cache) -> None:
+        self.steps += 1
+
+    def completed(self, completions: list) -> None:
+        for completion in completions:
+            self.finished[completion.finish_reason] = self.finished.get(completion.finish_reason, 0) + 1
+
+    def restarted(self) -> None:
+        """Every counter back to zero (in place: the engine's observer list holds this object)."""
+        for counter in dataclasses.fields(self):
+            default = counter.default_factory() if counter.default is dataclasses.MISSING else counter.default
+            setattr(self, counter.name, default)
 
     @property
     def prefill_token_seconds(self) -> float | None:
@@ -72,36 +112,6 @@ class EngineMetrics:
         if self.unpriced_tokens and price is not None:
             self.prefill_seconds_saved += self.unpriced_tokens * price
             self.unpriced_tokens = 0
-
-    @staticmethod
-    def now() -> float:
-        return time.perf_counter()
-
-    @contextmanager
-    def timing(self, decode_tokens: int, prefill_tokens: int):
-        """Count a step's decode rows and prefill tokens, and add its seconds to the decode time
-        when it had decode rows and to the prefill time when it had prompt tokens (a step that
-        mixes both counts in both); a step of prompt chunks alone, or of one decode row alone,
-        also measures `prefill_token_seconds`."""
-        started = self.now()
-        try:
-            yield
-        finally:
-            elapsed = self.now() - started
-            if prefill_tokens:
-                self.prefill_seconds += elapsed
-                self.prefill_tokens += prefill_tokens
-            if decode_tokens:
-                self.decode_seconds += elapsed
-                self.decode_tokens += decode_tokens
-            if prefill_tokens and not decode_tokens:
-                self.prefill_only_steps += 1
-                self.prefill_only_tokens += prefill_tokens
-                self.prefill_only_seconds += elapsed
-            elif decode_tokens == 1 and not prefill_tokens:
-                self.one_row_steps += 1
-                self.one_row_seconds += elapsed
-            self._price_loaded()
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -11,16 +11,19 @@ prefilled and waiting have joined: a step is held to the cost of the batch being
 the few rows decoding while the others wait (a cap measured on those would admit the others at a
 trickle, and they would decode in small batches for long). A row count not measured yet is
 estimated from the nearest one measured, each further row costing about a prompt token. Until a
-token's cost is measured the cap is `initial`.
+token's cost is measured the cap is `initial`. It learns as an observer of the engine's steps
+(`observers`: `ran`, and `restarted` after the warm-up), on the engine's one list.
 """
 
 from __future__ import annotations
+
+from kvcache.engine.observers import StepObserver
 
 #: weight of a new observation in the moving averages
 _NEW = 0.2
 
 
-class StepCosts:
+class StepCosts(StepObserver):
     """Moving averages of step costs (see the module docstring). factor: a step with prompt tokens
     costs at most this many decode-only steps (None: no cap, only the token budget bounds a step);
     initial, minimum, maximum: the cap before it is measured, and its bounds (at least a few
@@ -32,14 +35,14 @@ class StepCosts:
         if factor is not None and factor <= 1:
             raise ValueError(f"factor must be > 1 (a step with prompt tokens costs more), got {factor}")
         self.factor, self.initial, self.minimum, self.maximum = factor, initial, minimum, maximum
-        self.forget()
+        self.restarted()
 
-    def forget(self) -> None:
+    def restarted(self) -> None:
         """Measure afresh: drop every cost learned so far (the engine's warm-up's steps)."""
         self.decode: dict[int, float] = {}  # rows -> seconds of a step of only those decode rows
         self.token_seconds: float | None = None  # what one prompt token adds to a step
 
-    def record(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+    def ran(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         """One step's forward: `decode_rows` rows of one token, `prompt_tokens` prompt tokens."""
         if prompt_tokens == 0:
             if decode_rows:
