@@ -77,3 +77,44 @@ def test_the_counters_and_step_costs_learn_from_the_observer_list_and_restart_in
     assert engine.observers[:2] == [metrics, engine.step_costs] and engine.metrics is metrics
     assert (metrics.steps, metrics.generated_tokens, metrics.finished) == (0, 0, {})
     assert engine.step_costs.decode == {}
+
+
+def test_the_warm_up_runs_inside_every_observers_warming_and_counts_from_zero_after():
+    import contextlib
+
+    from kvcache.engine.observers import StepObserver
+
+    class Watcher(StepObserver):
+        def __init__(self):
+            self.admitted_while_warming, self.warming_now, self.exited = 0, False, False
+
+        @contextlib.contextmanager
+        def warming(self):
+            self.warming_now = True
+            yield
+            self.warming_now, self.exited = False, True
+
+        def admitted(self, requests):
+            self.admitted_while_warming += len(requests) if self.warming_now else 0
+
+    engine = Engine(tiny_model(), backend="torch", num_blocks=32, block_size=4, max_running=6,
+                    token_budget=48)
+    watcher = Watcher()
+    engine.observers.append(watcher)
+    engine.warm_up()
+    assert watcher.exited and watcher.admitted_while_warming == 7  # every warm-up request, inside it
+    assert engine.metrics.steps == engine.metrics.generated_tokens == 0 and engine.step_costs.decode == {}
+
+
+def test_the_warm_up_neither_reads_nor_writes_the_kv_store(tmp_path):
+    from kvcache.engine.disk_store import DiskBlockStore
+
+    engine = Engine(tiny_model(), backend="torch", num_blocks=32, block_size=4, max_running=6,
+                    token_budget=48, kv_store=DiskBlockStore(tmp_path / "blocks"))
+    try:
+        before = engine.stats()["kv_store"]
+        engine.warm_up()
+        engine.step()  # (a store write is offered after a step: none comes of the warm-up's blocks)
+        assert engine.stats()["kv_store"] == before
+    finally:
+        engine.close()

@@ -82,3 +82,18 @@ def test_the_engines_step_names_no_feature_only_its_observers():
     planted = source.replace("        return True\n\n    def _preempt",
                              "        self.metrics.steps += 1\n        return True\n\n    def _preempt")
     assert planted != source and features_named(planted) == ["_step: self.metrics"]
+
+
+def engine_fields_read_by_warm_up(source: str) -> list[str]:
+    """What offline.warm_up reads of the engine (`engine.x`), as 'x'."""
+    tree = ast.parse(source)
+    warm_up = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "warm_up")
+    return sorted({node.attr for node in ast.walk(warm_up) if isinstance(node, ast.Attribute)
+                   and isinstance(node.value, ast.Name) and node.value.id == "engine"})
+
+
+def test_the_warm_up_uses_the_engines_public_methods_and_names_no_feature():
+    """The warm-up runs inside `Engine.warming` (each observer's own warm-up context): it reaches
+    into no pool, store tier or drift probe of the engine."""
+    source = (ENGINE.parent / "offline.py").read_text(encoding="utf-8")
+    assert engine_fields_read_by_warm_up(source) == ["model", "pool_tokens", "submit", "warming"]

@@ -74,7 +74,7 @@ class DriftProbe(StepObserver):
                 "seconds": self.seconds}
 
     @contextlib.contextmanager
-    def sampling_every_request(self):
+    def warming(self):
         """Probe every request admitted meanwhile (the engine's warm-up, so the shadow's road runs
         too); the counters start again after."""
         sample, self.sample = self.sample, 1.0

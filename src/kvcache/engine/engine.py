@@ -163,6 +163,12 @@ class Engine:
         """Blocks of the full-attention layers' pool (0 when every layer slides)."""
         return 0 if self.pool.full_allocator is None else self.pool.cache.num_blocks
 
+    @property
+    def pool_tokens(self) -> int | None:
+        """Tokens the full-attention layers' pool holds (None when every layer slides: any length
+        fits)."""
+        return None if self.pool.full_allocator is None else self.num_blocks * self.limits.block_size
+
     def capacity(self, tokens: int) -> int:
         """How many sequences of `tokens` tokens the pool holds at once (no prefix shared); the
         sliding layers' blocks are sized for max_running sequences of any length."""
@@ -192,8 +198,7 @@ class Engine:
         nothing queued, when a field is out of range or the request cannot fit even alone."""
         params = params if params is not None else SamplingParams(**fields)
         ids = prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
-        pool = None if self.pool.full_allocator is None else self.num_blocks * self.limits.block_size
-        check_request(ids, params, self.model.config, pool, self.limits.block_size)
+        check_request(ids, params, self.model.config, self.pool_tokens, self.limits.block_size)
         config = self.model.config
         eos = () if params.ignore_eos else (*config.eos_token_id, *tokenizer_eos(self.tokenizer))
         if params.stop and self.tokenizer is None:
@@ -235,6 +240,17 @@ class Engine:
         costs start again after; the requests' blocks are freed, and the KV store is neither read
         nor written (their blocks are no one's to share)."""
         warm_up(self)
+
+    @contextlib.contextmanager
+    def warming(self):
+        """The context to run warm-up requests in: each observer's `warming` (the store tier
+        neither read nor written, the drift probe sampling every request); the counters and the
+        step costs start again after (`reset_counters`)."""
+        with contextlib.ExitStack() as observers:
+            for observer in self.observers:
+                observers.enter_context(observer.warming())
+            yield
+        self.reset_counters()
 
     def reset_counters(self) -> None:
         """Start the counters (`metrics`) and the measured step costs again (after a warm-up):

@@ -12,10 +12,13 @@ back to be recomputed later), `released` (requests whose rows were freed: finish
 failed or preempted), `stepped` (after the step's tokens were delivered, before its finished
 requests retire), `completed` (the Completions of the requests that ended), `step_ended`
 (always, last, even when the step raised); `restarted` when the engine's counters start again
-(after a warm-up), `close` when the engine closes.
+(after a warm-up), `close` when the engine closes. `warming` is the context the engine's warm-up
+runs in (`Engine.warming`): an observer that must act otherwise meanwhile returns its own.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 
 class StepObserver:
@@ -54,6 +57,10 @@ class StepObserver:
 
     def step_ended(self) -> None:
         """The step is over (called even when it raised)."""
+
+    def warming(self) -> contextlib.AbstractContextManager:
+        """The context the engine's warm-up requests run in (here: nothing changes)."""
+        return contextlib.nullcontext()
 
     def restarted(self) -> None:
         """Count and measure afresh from now (the engine's warm-up is over)."""

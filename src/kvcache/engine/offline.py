@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 from kvcache.engine.prompts import prompt_ids
@@ -36,23 +35,19 @@ def run_to_completion(
 
 def warm_up(engine) -> None:
     """`Engine.warm_up`: a prompt chunk beside five single tokens, then one row alone, two new
-    tokens each, sized to the pool and the context; the store tier off meanwhile; the counters
-    and the step costs anew after. Under a salt of their own, so no request attaches what they
-    left cached (a token or two of theirs can start a real prompt)."""
+    tokens each, sized to the pool and the context, inside `Engine.warming` (the observers' warm-up:
+    the store tier off, every request probed; the counters and the step costs anew after). Under a
+    salt of their own, so no request attaches what they left cached (a token or two of theirs can
+    start a real prompt)."""
     params = SamplingParams(max_tokens=2, ignore_eos=True, cache_salt="kvcache warm-up")
     room = engine.model.config.max_position_embeddings
-    if engine.pool.full_allocator is not None:  # (the batch's blocks: a small pool's quarter)
-        room = min(room, engine.num_blocks * engine.limits.block_size // 4)
+    if engine.pool_tokens is not None:  # (the batch's blocks: a small pool's quarter)
+        room = min(room, engine.pool_tokens // 4)
     chunk = max(1, min(40, room - 2))
-    with contextlib.ExitStack() as features:
-        if engine.store_tier is not None:
-            features.enter_context(engine.store_tier.paused())
-        if engine.drift_probe is not None:  # (every warm-up request probed: the shadow's road runs too)
-            features.enter_context(engine.drift_probe.sampling_every_request())
+    with engine.warming():
         for batch in ([[0] * chunk, *([token] for token in range(5))], [[0]]):
             for handle in [engine.submit(prompt, params) for prompt in batch]:
                 handle.result()
-    engine.reset_counters()
 
 def _progress_reporter(progress) -> Callable[[int, int], None] | None:
     """The progress argument as a callable (done, total), or None."""

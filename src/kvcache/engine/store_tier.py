@@ -77,7 +77,7 @@ class StoreTier(StepObserver):
         self._paused = False
 
     @contextlib.contextmanager
-    def paused(self):
+    def warming(self):
         """Neither read nor written meanwhile (the engine's warm-up: its blocks are no one's to
         share, and no store read should slow it)."""
         self._paused = True
