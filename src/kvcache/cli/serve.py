@@ -391,7 +391,7 @@ def _replica_set(args: argparse.Namespace):
 
     folder = Path(resolve_model_dir(args.model))
     tokenizer = load_tokenizer(folder)
-    engine = {**_engine_arguments(args), "kv_store": args.kv_store}
+    engine = _engine_arguments(args, args.kv_store)
     settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine,
                                activations_of(args))
     return start_replicas(settings, args.replicas, address=args.ray_address,
@@ -399,12 +399,17 @@ def _replica_set(args: argparse.Namespace):
                           max_ongoing=args.max_running + args.max_waiting), tokenizer
 
 
-def _engine_arguments(args: argparse.Namespace) -> dict:
-    """The Engine's keyword arguments the flags give, in this process or on each replica."""
-    return {"backend": args.backend, "kv_budget": args.kv_budget, "block_size": args.block_size,
-            "max_running": args.max_running, "token_budget": args.token_budget,
-            "prefill_slowdown": args.prefill_slowdown or None, "kv_dtype": kv_dtype_of(args),
-            "kv_drift_sample": args.kv_drift_sample, "kv_window": kv_window_of(args)}
+def _engine_arguments(args: argparse.Namespace, kv_store) -> dict:
+    """The Engine's keyword arguments the flags give, in this process or on each replica, its
+    pool's second tier `kv_store` (a URL or a store object; None: none)."""
+    from kvcache.engine.config import PoolConfig, SchedulerConfig
+
+    pool = PoolConfig(kv_budget=args.kv_budget, block_size=args.block_size, kv_dtype=kv_dtype_of(args),
+                      kv_window=kv_window_of(args), kv_store=kv_store)
+    scheduler = SchedulerConfig(max_running=args.max_running, token_budget=args.token_budget,
+                                prefill_slowdown=args.prefill_slowdown or None)
+    return {"backend": args.backend, "pool": pool, "scheduler": scheduler,
+            "kv_drift_sample": args.kv_drift_sample}
 
 
 def _event_publisher(args: argparse.Namespace):
@@ -442,7 +447,7 @@ def _engine(args: argparse.Namespace, events=None):
     store = open_tiers(args.kv_disk, disk_bytes=args.kv_disk_size, url=args.kv_store, ttl_s=args.kv_store_ttl)
     print(f"kvcache serve: building the engine (the weights laid out for its kernels, a KV pool of "
           f"{format_bytes(args.kv_budget)})…", file=sys.stderr, flush=True)
-    engine = Engine(model, tokenizer, **_engine_arguments(args), kv_store=store, kv_events=events)
+    engine = Engine(model, tokenizer, **_engine_arguments(args, store), kv_events=events)
     return engine, tokenizer, _context(args, engine)
 
 

@@ -1,7 +1,9 @@
 """The serving engine: continuous batching over one paged KV pool, with prefix sharing across
-requests (`Engine`), its pure scheduler (`schedule`), per-request sampling (`SamplingParams`) and
-what a request gives back (`RequestHandle`, `Completion`, `Usage`)."""
+requests (`Engine`, its settings `PoolConfig` and `SchedulerConfig`), its pure scheduler
+(`schedule`), per-request sampling (`SamplingParams`) and what a request gives back
+(`RequestHandle`, `Completion`, `Usage`)."""
 
+from kvcache.engine.config import PoolConfig, SchedulerConfig
 from kvcache.engine.engine import Engine
 from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.request import FINISH_REASONS, Completion, RequestHandle, Usage
@@ -15,10 +17,12 @@ __all__ = [
     "EngineMetrics",
     "Limits",
     "Plan",
+    "PoolConfig",
     "RequestError",
     "RequestHandle",
     "RunningSeq",
     "SamplingParams",
+    "SchedulerConfig",
     "Usage",
     "WaitingSeq",
     "schedule",

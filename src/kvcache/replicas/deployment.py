@@ -14,8 +14,9 @@ from kvcache.generation.params import SamplingParams
 @dataclass(frozen=True)
 class ReplicaSettings:
     """What every replica is built from: the model's folder or GGUF file (a path each Ray node
-    can read), its dtype, torch threads per replica, the Engine's keyword arguments, and how
-    products with GGUF blocks read activations (`load_model`'s activations)."""
+    can read), its dtype, torch threads per replica, the Engine's keyword arguments (its `pool`
+    and `scheduler` configs among them), and how products with GGUF blocks read activations
+    (`load_model`'s activations)."""
 
     model: str
     dtype: str | None = None

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import ray
 from ray import serve
 
+from kvcache.engine.config import PoolConfig
 from kvcache.engine.engine import check_request
 from kvcache.engine.request import Completion, ReplyReader, Usage
 from kvcache.generation.params import SamplingParams
@@ -189,7 +190,7 @@ def start_replicas(settings: ReplicaSettings, replicas: int, *, address: str | N
     ("prefix" or "round_robin"); imbalance: requests a replica holding a conversation's earlier
     turns may have over the least loaded replica's (`PrefixIndex.rank`: a shared prefix holds
     only up to min(imbalance, SHARED_IMBALANCE))."""
-    block_size = settings.engine.get("block_size", 16)
+    block_size = settings.engine.get("pool", PoolConfig()).block_size
     ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"location": "NoServer"})  # the server is kvcache's own
     router = {"block_size": block_size, "policy": policy, "imbalance": imbalance}
