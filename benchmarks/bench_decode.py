@@ -5,7 +5,7 @@
         --llama-bench /path/to/llama-bench --gguf 100m=f32.gguf,f16.gguf --gguf smollm2=a.gguf,b.gguf
 
 For each model, every configuration runs in its own process (no shared thread pools): kvcache
-in float32 (the numpy step), bfloat16 and float16 (the half step), bfloat16 on the model's torch
+in float32 (the float32 step), bfloat16 and float16 (the half step), bfloat16 on the model's torch
 forward (what half-precision models ran on before the half step), and transformers in float32
 and bfloat16; kvcache's half step and numpy step also at each `--batches` row count (B rows of
 the prompt, one new token each per step). With `--llama-bench` and `--gguf NAME=F32_FILE,F16_FILE`
@@ -39,7 +39,7 @@ HUNDRED_M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, 
                  intermediate_size=2048, vocab_size=32000)
 # (library, dtype, backend)
 CONFIGS = [
-    ("kvcache", "float32", "numpy"),
+    ("kvcache", "float32", "float32"),
     ("kvcache", "bfloat16", "half"),
     ("kvcache", "float16", "half"),
     ("kvcache", "bfloat16", "torch"),
@@ -225,7 +225,7 @@ def main() -> None:
             checkpoint = smollm2_gguf() if name == "smollm2" else build_100m(Path(scratch) / name)
             plan = [(lib, dtype, backend, 1) for lib, dtype, backend in CONFIGS]
             plan += [("kvcache", dtype, backend, b) for b in batches if b > 1
-                     for dtype, backend in (("float32", "numpy"), ("bfloat16", "half"))]
+                     for dtype, backend in (("float32", "float32"), ("bfloat16", "half"))]
             rounds = []
             for number in range(args.rounds):
                 rows = []

@@ -6,9 +6,10 @@
 
 For each model (a ~100M random Llama and a ~3M one, float32, saved once with transformers'
 save_pretrained) every configuration runs in its own process (so no two share thread
-pools or caches, and peak memory is that configuration's own): kvcache with a dynamic cache
-(the default backend, "auto", and the torch and numpy backends named), a static cache, and no
-cache; transformers with its dynamic cache, static cache and no cache; with `--baseline DIR`,
+pools or caches, and peak memory is that configuration's own): kvcache with a paged cache (the
+default backend, "auto", and the torch and float32 backends named), a dynamic and a static cache
+(the model's own forward), and no cache; transformers with its dynamic cache, static cache and
+no cache; with `--baseline DIR`,
 also kvcache's rows as the checkout in DIR runs them (its own benchmark's worker, its own
 source), for a before/after comparison. Each process warms up once, then times `--repeats`
 runs (its fastest kept); all configurations run `--rounds` times in turn, and the table gives
@@ -56,9 +57,10 @@ MODELS = {
 }
 # (library, cache, backend); the backend only matters for kvcache
 CONFIGS = [
+    ("kvcache", "paged", "auto"),
+    ("kvcache", "paged", "torch"),
+    ("kvcache", "paged", "float32"),
     ("kvcache", "dynamic", "auto"),
-    ("kvcache", "dynamic", "torch"),
-    ("kvcache", "dynamic", "numpy"),
     ("kvcache", "static", "auto"),
     ("kvcache", "none", "auto"),
     ("transformers", "dynamic", None),
@@ -143,10 +145,7 @@ def worker(args: argparse.Namespace) -> None:
     chosen = args.kernel
     if args.library == "kvcache":
         chosen = f"{args.kernel}: {ran[-1]}"
-        if ran[-1] == "numpy":  # its products run on OpenBLAS's threads, torch's cache calls on one
-            chosen += f", OpenBLAS {os.environ.get('OPENBLAS_NUM_THREADS', 'default')} thr, torch 1 thr"
-        else:
-            chosen += f", torch {args.threads} thr"
+        chosen += f", {args.threads} thr"
     print(
         json.dumps(
             {

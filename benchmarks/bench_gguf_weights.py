@@ -27,7 +27,6 @@ Results: benchmarks/results/gguf_weights.json. Not a test.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -137,15 +136,19 @@ def margins_worker(args: argparse.Namespace) -> None:
 
 def teacher_forced_worker(args: argparse.Namespace) -> None:
     """For each (sequence, length) read as JSON from stdin: the stored path's logits over the
-    sequence in one forward on the block step's kernels (as `generate`'s prompt runs), and at
-    each of its new tokens (past `length`) whether that token is the path's top one given the
-    tokens before it; where not, the path's logit gap between its top token and that one.
+    sequence on the block step's kernels as `generate` runs them (its first `length` tokens as
+    the prompt, then one decode step per token; --modules-path: one forward of the modules' own
+    numpy path), and at each of its new tokens (past `length`) whether that token is the path's
+    top one given the tokens before it; where not, the path's logit gap between its top token and
+    that one.
     Prints one JSON line: {tokens, agreeing (share), gaps (sorted)}."""
     import kvcache  # noqa: F401, I001 (first: it sets OpenBLAS's spin before numpy loads)
     import torch
 
     from kvcache import load_model
     from kvcache.backends import choose_backend
+    from kvcache.cache import make_cache
+    from kvcache.generation.paged_steps import PagedSteps
 
     torch.set_num_threads(args.threads)
     model = load_model(args.checkpoint, activations=args.activations)
@@ -154,10 +157,16 @@ def teacher_forced_worker(args: argparse.Namespace) -> None:
     for sequence, length in json.loads(sys.stdin.read()):
         if len(sequence) <= length:
             continue
-        # the kernels' products, as `generate`'s prompt; --modules-path: the modules' own (numpy)
-        products = contextlib.nullcontext() if args.modules_path else backend.prompt_products()
-        with torch.no_grad(), products:
-            logits = model(torch.tensor([sequence[:-1]])).logits[0, length - 1:].float()
+        with torch.inference_mode():
+            if args.modules_path:
+                logits = model(torch.tensor([sequence[:-1]])).logits[0, length - 1:].float()
+            else:
+                cache = make_cache("paged", config=model.config, dtype=model.dtype, max_batch_size=1,
+                                   max_cache_len=len(sequence))
+                steps = PagedSteps(model, backend, cache, 1)
+                rows = [steps.prefill([sequence[:length]], None)[0]]
+                rows += [steps.decode(torch.tensor([token]))[0] for token in sequence[length:-1]]
+                logits = torch.stack(rows)
         for row, token in zip(logits, sequence[length:]):
             total += 1
             if int(row.argmax()) != token:

@@ -135,7 +135,7 @@ def resolve_model_dir(path: str | Path | None) -> Path | str:
 CACHE_KINDS = ("dynamic", "static", "sliding", "quantized", "paged", "none")
 #: `kvcache.backends.choose_backend` names ("auto": blocks for a GGUF's kept quantized weights,
 #: numpy for float32 CPU models, half for bfloat16/float16 ones, where they apply, else torch)
-BACKEND_NAMES = ("auto", "numpy", "half", "blocks", "torch")
+BACKEND_NAMES = ("auto", "float32", "half", "blocks", "torch")
 
 GGUF_MAGIC = b"GGUF"
 

@@ -1,5 +1,5 @@
-"""Choosing the backend: a fixed rule (float32 CPU weights and plain modules: numpy; bfloat16 or
-float16 ones: half; else torch), never a timing; a numpy backend is built once per model and
+"""Choosing the backend: a fixed rule (float32 CPU weights and plain modules: float32; bfloat16 or
+float16 ones: half; else torch), never a timing; a float32 backend is built once per model and
 rebuilt when the model's parameters are replaced; every choice gives the same tokens."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from tiny_models import left_padded_batch, random_model, tiny_config
 from kvcache import generate, load_model
 from kvcache.backends import (
     BackendError,
+    Float32Backend,
     HalfBackend,
-    NumpyBackend,
     TorchBackend,
     choose_backend,
     torch_threads,
@@ -21,15 +21,15 @@ from kvcache.backends import (
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 
 
-def test_auto_takes_numpy_for_float32_cpu_and_torch_otherwise():
+def test_auto_takes_float32_for_float32_cpu_and_torch_otherwise():
     model = random_model(tiny_config(), 0)
-    assert isinstance(choose_backend(model), NumpyBackend)
-    assert isinstance(choose_backend(model, None), NumpyBackend)
+    assert isinstance(choose_backend(model), Float32Backend)
+    assert isinstance(choose_backend(model, None), Float32Backend)
     assert isinstance(choose_backend(model, "torch"), TorchBackend)
     half = random_model(tiny_config(), 0).to(torch.bfloat16)
     assert isinstance(choose_backend(half), HalfBackend)
     with pytest.raises(BackendError, match="float32 on CPU"):
-        choose_backend(half, "numpy")
+        choose_backend(half, "float32")
     with pytest.raises(BackendError, match="bfloat16 or float16 on CPU"):
         choose_backend(model, "half")
     mixed = random_model(tiny_config(), 0).to(torch.bfloat16)
@@ -39,7 +39,7 @@ def test_auto_takes_numpy_for_float32_cpu_and_torch_otherwise():
     try:
         assert isinstance(choose_backend(model), TorchBackend)  # a hook must run: the module path
         with pytest.raises(BackendError, match="hooks"):
-            choose_backend(model, "numpy")
+            choose_backend(model, "float32")
     finally:
         handle.remove()
     mine = TorchBackend(model)
@@ -48,7 +48,7 @@ def test_auto_takes_numpy_for_float32_cpu_and_torch_otherwise():
         choose_backend(model, "mkl")
 
 
-def test_a_numpy_backend_is_built_once_per_model_until_its_parameters_are_replaced():
+def test_a_float32_backend_is_built_once_per_model_until_its_parameters_are_replaced():
     model = random_model(tiny_config(), 1)
     first = choose_backend(model)
     assert choose_backend(model) is first  # no second packing
@@ -70,14 +70,15 @@ def test_every_backend_gives_the_same_tokens_on_a_checkpoint(checkpoints, arch):
     model = load_model(checkpoints[arch][0])
     ids, mask = left_padded_batch((8, 5), seed=21)
     results = {}
-    for name in ("auto", "numpy", "torch"):  # the float32 ones (the half step: test_half_step)
+    for name in ("auto", "float32", "torch"):  # the float32 ones (the half step: test_half_step)
         result = generate(model, ids, mask, max_new_tokens=8, eos_token_id=(), backend=name)
         results[name] = result.sequences
-        assert result.backend == ("torch" if name == "torch" else "numpy")
-    assert torch.equal(results["numpy"], results["torch"]) and torch.equal(results["auto"], results["torch"])
+        assert result.backend == ("torch" if name == "torch" else "float32")
+    assert torch.equal(results["float32"], results["torch"])
+    assert torch.equal(results["auto"], results["torch"])
 
 
-def test_threads_are_restored_after_a_numpy_decode():
+def test_threads_are_restored_after_a_float32_decode():
     model = random_model(tiny_config(), 3)
     before = torch.get_num_threads()
     seen = []

@@ -79,10 +79,10 @@ def test_building_the_parser_does_not_import_torch():
 
 
 def test_the_summary_names_the_decode_path_that_ran(llama_dir, capsys):
-    """float32 on CPU runs the numpy step by default, bfloat16 and float16 the half step; a
+    """float32 on CPU runs the float32 step by default, bfloat16 and float16 the half step; a
     forced torch backend and the no-cache path run the model's forward, and the summary says so."""
     cases = [
-        ([], "decode step numpy"),
+        ([], "decode step float32"),
         (["--backend", "torch"], "decode step torch"),
         (["--dtype", "bfloat16"], "decode step half"),
         (["--dtype", "float16"], "decode step half"),
@@ -106,12 +106,12 @@ def test_the_summary_names_the_decode_path_that_ran(llama_dir, capsys):
                 "--dtype",
                 "bfloat16",
                 "--backend",
-                "numpy",
+                "float32",
             ]
         )
         == 2
     )
-    assert "numpy backend cannot run this model" in capsys.readouterr().err
+    assert "float32 backend cannot run this model" in capsys.readouterr().err
 
 
 def test_stdout_holds_only_the_text_and_json_prints_one_object(llama_dir, capsys):

@@ -81,7 +81,7 @@ def test_each_request_gives_its_solo_tokens_whatever_runs_beside_it(
     budgets (chunked prefill) and pool sizes (preemption), on every road a step takes (numba's
     kernels for every product, oneDNN's past two rows, the model's forward): greedy tokens equal
     the solo run, a cancelled request's are a prefix of it, and every block comes back."""
-    backend = kvcache.backends.TorchBackend(model) if road == "torch" else "numpy"
+    backend = kvcache.backends.TorchBackend(model) if road == "torch" else "float32"
     engine = Engine(model, backend=backend, num_blocks=blocks, block_size=4, max_running=4,
                     token_budget=budget)
     rows = engine.backend.kernel_rows if road != "torch" else None

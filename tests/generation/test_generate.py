@@ -281,12 +281,12 @@ def test_chunked_prefill_without_a_cache_runs_the_rest_in_one_forward(models):
 
 
 def test_a_backend_built_before_the_model_changed_is_refused(models):
-    from kvcache.backends import BackendError, NumpyBackend
+    from kvcache.backends import BackendError, Float32Backend
 
     model = copy.deepcopy(models["llama"])
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
     ids = torch.tensor([[5, 6, 7]])
-    assert generate(model, ids, max_new_tokens=2, backend=backend).backend == "numpy"
+    assert generate(model, ids, max_new_tokens=2, backend=backend).backend == "float32"
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     with pytest.raises(BackendError, match="build a new one"):
         generate(model, ids, max_new_tokens=2, backend=backend)

@@ -73,7 +73,7 @@ def test_a_cache_whose_layers_disagree_is_refused_until_crop():
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["numpy", "half"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "half"])
 def test_a_paged_step_interrupted_before_its_commit_is_undone(dtype):
     """generate on a paged cache runs each forward as reserve -> the backend's step -> commit:
     interrupted after the kernels wrote every layer's rows, before the cache records them, the

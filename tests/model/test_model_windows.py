@@ -1,6 +1,6 @@
 """The sliding window is the model's, not the cache's: a model with a window applies it whatever
 cache it is handed (one built without a config, from a config.json dict, a transformers-style
-loop), in the torch forward and the numpy step alike, and its logits equal transformers'."""
+loop), in the torch forward and the float32 step alike, and its logits equal transformers'."""
 
 from __future__ import annotations
 
@@ -54,13 +54,13 @@ def test_a_models_window_applies_whatever_cache_it_is_handed(pairs, arch, kind):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("arch", ["mistral", "qwen2_mixed", "phi3"])
-def test_the_numpy_step_applies_the_window(pairs, arch):
+def test_the_float32_step_applies_the_window(pairs, arch):
     hf, ours, _ = pairs[arch]
     ids = torch.randint(3, 259, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=LENGTH, do_sample=False, pad_token_id=0)
-    result = kvcache.generate(ours, ids, cache="paged", max_new_tokens=LENGTH, backend="numpy")
-    assert result.backend == "numpy"
+    result = kvcache.generate(ours, ids, cache="paged", max_new_tokens=LENGTH, backend="float32")
+    assert result.backend == "float32"
     assert result.sequences.tolist() == expected.tolist()
 
 

@@ -1,6 +1,6 @@
 """Choosing a decode backend for a model by a fixed rule, never by timing.
 
-"auto": the block step for a model whose weights are a GGUF's kept blocks, the numpy step for
+"auto": the block step for a model whose weights are a GGUF's kept blocks, the float32 step for
 float32 weights on CPU, the half step for bfloat16 or float16 ones, each where it can stand in
 for the model (every module one whose forward it computes, none hooked: `<step>.unsupported`),
 else the model's torch forward. The rule is checked at every call, which costs a walk over the
@@ -14,18 +14,18 @@ from __future__ import annotations
 import weakref
 
 from kvcache.backends.base import Backend, BackendError
-from kvcache.backends.cpu import block_step, half_step, numpy_step
+from kvcache.backends.cpu import block_step, float32_step, half_step
 from kvcache.backends.cpu.block_step import BlockBackend
+from kvcache.backends.cpu.float32_step import Float32Backend
 from kvcache.backends.cpu.half_step import HalfBackend
-from kvcache.backends.cpu.numpy_step import NumpyBackend
 from kvcache.backends.torch_step import TorchBackend
 from kvcache.defaults import BACKEND_NAMES
 
 BACKENDS = BACKEND_NAMES
 
-# model -> its NumpyBackend / HalfBackend, kept while it matches
+# model -> its Float32Backend / HalfBackend, kept while it matches
 _built: dict[type, weakref.WeakKeyDictionary] = {
-    kind: weakref.WeakKeyDictionary() for kind in (NumpyBackend, HalfBackend, BlockBackend)}
+    kind: weakref.WeakKeyDictionary() for kind in (Float32Backend, HalfBackend, BlockBackend)}
 
 
 def _kept(kind: type, model) -> Backend:
@@ -37,7 +37,7 @@ def _kept(kind: type, model) -> Backend:
 
 def choose_backend(model, backend: str | Backend | None = "auto") -> Backend:
     """The decode backend for `model`: a Backend as given; "torch" (the model's forward);
-    "numpy", "half" or "blocks" (raise `BackendError` saying why if the model is not one they can
+    "float32", "half" or "blocks" (raise `BackendError` saying why if the model is not one they can
     run);
     "auto" or None (the rule in the module docstring)."""
     if isinstance(backend, Backend):
@@ -53,9 +53,9 @@ def choose_backend(model, backend: str | Backend | None = "auto") -> Backend:
         raise BackendError(f"backend must be one of {BACKENDS} or a Backend, got {backend!r}")
     if backend == "torch":
         return TorchBackend(model)
-    if backend == "numpy":
-        numpy_step.require_supported(model)
-        return _kept(NumpyBackend, model)
+    if backend == "float32":
+        float32_step.require_supported(model)
+        return _kept(Float32Backend, model)
     if backend == "half":
         half_step.require_supported(model)
         return _kept(HalfBackend, model)
@@ -64,8 +64,8 @@ def choose_backend(model, backend: str | Backend | None = "auto") -> Backend:
         return _kept(BlockBackend, model)
     if block_step.unsupported(model) is None:
         return _kept(BlockBackend, model)
-    if numpy_step.unsupported(model) is None:
-        return _kept(NumpyBackend, model)
+    if float32_step.unsupported(model) is None:
+        return _kept(Float32Backend, model)
     if half_step.unsupported(model) is None:
         return _kept(HalfBackend, model)
     return TorchBackend(model)

@@ -5,18 +5,15 @@ from __future__ import annotations
 import torch
 
 from kvcache.backends.base import Backend
-from kvcache.backends.cpu.float16_products import float32_products
 from kvcache.cache.paged.rows import prefill_inputs
 
 
 def last_logits(model, input_ids: torch.Tensor, attention_mask, cache) -> torch.Tensor:
     """(B, vocab) float logits of the last position after running input_ids (B, T) on `cache`
-    through the model's forward (attention_mask: (B, past + T) or None). A float16 model on CPU
-    runs the products and attention of many rows in float32 (`float16_products`)."""
-    with float32_products(model, input_ids.numel()):
-        out = model(
-            input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
-        )
+    through the model's forward (attention_mask: (B, past + T) or None)."""
+    out = model(
+        input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
+    )
     return out.logits[:, -1].float()
 
 

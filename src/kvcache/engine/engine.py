@@ -71,7 +71,7 @@ class Engine:
 
     Args:
         model: a kvcache model; tokenizer: for text and chat prompts and stop strings.
-        backend: what runs the steps ("auto", "blocks", "numpy", "half", "torch" or a Backend).
+        backend: what runs the steps ("auto", "blocks", "float32", "half", "torch" or a Backend).
         pool: the KV pool's `PoolConfig`; scheduler: the steps' `SchedulerConfig` (`config.py`
             says each field). Their fields may be given as keywords instead (kv_budget="1GiB",
             max_running=32: `config.configs_from`), not both for one config.

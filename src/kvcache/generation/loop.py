@@ -136,7 +136,7 @@ def stream_generate(
     cache: a kind of `make_cache` ("paged", the fast road; "dynamic", "static", "sliding",
         "quantized" (int8), "none": keep nothing and re-run the sequence, each on the model's
         forward) or a Cache object; None means "paged".
-    backend: what runs a paged cache's steps: "auto" (the fast one where it applies), "numpy",
+    backend: what runs a paged cache's steps: "auto" (the fast one where it applies), "float32",
         "half", "blocks", "torch", or a Backend (`kvcache.backends.choose_backend`); the other
         kinds run on the model's forward, and refuse any backend but "auto" and "torch".
     settings: `GenerationSettings` fields (max_new_tokens, do_sample, temperature, top_k, top_p,

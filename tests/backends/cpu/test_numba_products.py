@@ -4,7 +4,7 @@ and 2 threads, bfloat16 and float16 read in place as their bits; its rounding to
 torch's (ties, NaN, infinities, subnormals); stored keys become rows without a copy where they
 can; and numba is
 available here with an OpenMP or TBB pool, so the steps' tests run its kernels
-(tests/backends/test_numpy_step.py and test_half_step.py run both roads, test_numba_step.py
+(tests/backends/test_float32_step.py and test_half_step.py run both roads, test_numba_step.py
 long caches)."""
 
 from __future__ import annotations

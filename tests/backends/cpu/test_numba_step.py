@@ -2,7 +2,7 @@
 chunks (`numba_kernels.CHUNK`), with sliding windows, GQA groups, q/k norms and biases: float32
 logits equal the torch forward's, bfloat16 and float16 ones lie within the torch forward's own
 error of a float32 forward of the same weights. (The
-property tests on many short shapes, both roads: test_numpy_step.py and test_half_step.py.)"""
+property tests on many short shapes, both roads: test_float32_step.py and test_half_step.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from backend_runs import forward_logits, paged_logits
 from tiny_models import OwnErrors, random_model, step_families, tiny_config
 
-from kvcache.backends import HalfBackend, NumpyBackend
+from kvcache.backends import Float32Backend, HalfBackend
 from kvcache.backends.cpu import numba_kernels, numba_products
 from kvcache.cache import make_cache
 
@@ -25,7 +25,7 @@ PROMPT = 2 * numba_kernels.CHUNK + 45  # three chunks, the last one partial
 def test_float32_row_over_a_long_cache_equals_the_torch_forward(family):
     assert numba_products.available()
     model = random_model(tiny_config(max_position_embeddings=1024, **FAMILIES[family]), 3)
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
     generator = torch.Generator().manual_seed(1)
     prompt, tokens = torch.randint(0, 64, (1, PROMPT), generator=generator), torch.randint(0, 64, (1, 4))
     ours = paged_logits(model, backend, prompt, tokens)

@@ -1,4 +1,4 @@
-"""Packing the weights for the numpy step is a layout only: the model keeps its Parameters, names,
+"""Packing the weights for the float32 step is a layout only: the model keeps its Parameters, names,
 shapes and values, reads the packed memory itself (one copy of every weight), and decodes the
 same tokens; a small model's weights sit in one block on 2 MB pages that lives as long as any
 weight viewing it."""
@@ -13,7 +13,7 @@ from backend_runs import paged_logits
 from tiny_models import random_model, tiny_config
 
 from kvcache import generate
-from kvcache.backends import NumpyBackend, TorchBackend
+from kvcache.backends import Float32Backend, TorchBackend
 from kvcache.backends.cpu import huge_pages, packing
 from kvcache.backends.cpu.packing import pack_weights
 
@@ -39,7 +39,7 @@ def test_values_names_shapes_and_tokens_stay_and_the_model_reads_the_packed_memo
     prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
     tokens = generate(model, prompt, max_new_tokens=12, eos_token_id=(), backend="torch").sequences
 
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
 
     for name, parameter in model.named_parameters():
         identity, shape, values = before[name]
@@ -57,7 +57,7 @@ def test_values_names_shapes_and_tokens_stay_and_the_model_reads_the_packed_memo
         assert layer.qkv_bias is not None
         assert attention.q_proj.bias.data_ptr() == layer.qkv_bias.ctypes.data
     assert backend.matches(model)
-    for name in ("numpy", "torch"):
+    for name in ("float32", "torch"):
         again = generate(model, prompt, max_new_tokens=12, eos_token_id=(), backend=name).sequences
         assert torch.equal(again, tokens), name
 
@@ -73,7 +73,7 @@ def test_every_matrix_is_row_major_for_numbas_products():
 @pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="no transparent huge pages on this OS")
 def test_a_small_model_moves_into_one_aligned_block_that_lives_as_long_as_a_weight():
     model = random_model(tiny_config(), 2)
-    assert NumpyBackend(model).weights.on_huge_pages
+    assert Float32Backend(model).weights.on_huge_pages
     storages = _storages(model)
     starts = sorted(storages)
     assert starts[0] % huge_pages.HUGE_PAGE == 0  # the block starts on a 2 MB boundary
@@ -98,7 +98,7 @@ def test_a_large_model_keeps_its_layout_where_it_fits(monkeypatch):
         for name, p in model.named_parameters()
         if name.endswith(("o_proj.weight", "down_proj.weight", "norm.weight", "embed_tokens.weight"))
     }
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
     assert not backend.weights.on_huge_pages
     now = dict((name, p.data_ptr()) for name, p in model.named_parameters())
     assert all(now[name] == pointer for name, pointer in kept.items())
@@ -107,18 +107,18 @@ def test_a_large_model_keeps_its_layout_where_it_fits(monkeypatch):
 
 def test_matches_tells_an_in_place_write_from_a_replaced_or_moved_parameter():
     model = random_model(tiny_config(), 4)
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
     with torch.no_grad():
         model.load_state_dict({name: t * 1.5 for name, t in model.state_dict().items()})  # in place
     assert backend.matches(model)  # the same memory: the step reads the new values
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
     logits = {step.name: paged_logits(model, step, ids[:, :-1], ids[:, -1:])[-1]
               for step in (backend, TorchBackend(model))}
-    torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits["float32"], logits["torch"], atol=1e-4, rtol=1e-4)
     down = model.model.layers[0].mlp.down_proj
     down.weight.data = down.weight.data * 2  # the same Parameter, new memory
     assert not backend.matches(model)
-    rebuilt = NumpyBackend(model)
+    rebuilt = Float32Backend(model)
     assert rebuilt.matches(model)
     model.lm_head = torch.nn.Linear(32, 64, bias=False)  # a new module, a new Parameter
     assert not rebuilt.matches(model)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import OwnErrors, random_model, step_families, tiny_config
 
-from kvcache.backends import HalfBackend, NumpyBackend, TorchBackend
+from kvcache.backends import Float32Backend, HalfBackend, TorchBackend
 from kvcache.backends.cpu import numba_products
 from kvcache.cache import PagedBatch, PagedCache
 
@@ -87,7 +87,7 @@ def shuffled_cache(model, rows: int, seed: int, kv_dtype: str | None = None, kv_
 def test_float32_steps_equal_the_forward_on_the_same_blocks(family, seed, rows, kernel_rows):
     assert numba_products.available()
     model = random_model(tiny_config(**FAMILIES[family]), seed % 7)
-    ours, theirs = NumpyBackend(model), TorchBackend(model)
+    ours, theirs = Float32Backend(model), TorchBackend(model)
     ours.kernel_rows = kernel_rows  # 4: steps of more tokens run their products on oneDNN
     mine, reference = shuffled_cache(model, rows, seed), shuffled_cache(model, rows, seed)
     for tokens in scenario(seed, rows, model.config.vocab_size):
@@ -132,7 +132,7 @@ def test_quantized_blocks_are_read_in_place_as_the_forward_reads_them_dequantize
     converts every read), on the kernels alone and with prompt chunks on the products; int4
     drifts further from the exact cache than int8 does."""
     model = random_model(tiny_config(**FAMILIES[family]), 6)
-    ours, theirs = NumpyBackend(model), TorchBackend(model)
+    ours, theirs = Float32Backend(model), TorchBackend(model)
     drift = {}
     for kernel_rows in (1 << 30, 4):
         ours.kernel_rows = kernel_rows
@@ -162,7 +162,7 @@ def test_a_full_precision_window_is_read_on_the_kernels_as_the_seam_reads_it(fam
     logits equal the torch forward's over the same cache; a window wider than every row reads
     what a float pool reads."""
     model = random_model(tiny_config(**FAMILIES[family]), 6)
-    ours, theirs = NumpyBackend(model), TorchBackend(model)
+    ours, theirs = Float32Backend(model), TorchBackend(model)
     for kernel_rows in (1 << 30, 4):
         ours.kernel_rows = kernel_rows
         caches = [shuffled_cache(model, 3, 8, "int4", kv_window) for _ in range(2)]
@@ -182,7 +182,7 @@ def test_a_full_precision_window_is_read_on_the_kernels_as_the_seam_reads_it(fam
 
 def test_a_row_that_does_not_sample_gets_no_logits_and_its_keys_are_stored():
     model = random_model(tiny_config(), 2)
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
     cache = shuffled_cache(model, 2, 3)
     batch = PagedBatch(cache, [0, 1], [[1, 2, 3], [4, 5]], [False, True])
     for allocator in cache.allocators:
@@ -206,7 +206,7 @@ def test_generate_on_a_paged_cache_decodes_on_the_kernels_as_the_seam_does(kv_dt
     prompts = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
     for ids in (prompts[:1], prompts):
         found = []
-        for backend in (NumpyBackend(model), TorchBackend(model)):
+        for backend in (Float32Backend(model), TorchBackend(model)):
             cache = PagedCache(32, BLOCK, config=model.config, dtype=model.dtype, kv_dtype=kv_dtype)
             found.append(generate(model, ids, cache=cache, backend=backend, max_new_tokens=12,
                                   eos_token_id=()).new_tokens)
@@ -229,13 +229,13 @@ def test_a_kv_dtype_equal_to_the_models_changes_nothing_on_the_kernels():
 @pytest.mark.parametrize("rows", [0, 2])
 def test_a_decode_whose_rows_are_not_the_caches_takes_the_seam_as_before(rows):
     """One token on a PagedCache of another row count (none yet, or two) is not the engine's step:
-    the numpy backend answers as the torch forward's seam does, or refuses as it does."""
+    the float32 backend answers as the torch forward's seam does, or refuses as it does."""
     from kvcache.generation import generate
 
     model = random_model(tiny_config(), 5)
     ids = torch.tensor([[3, 1, 4]])
     outcomes = []
-    for backend in (NumpyBackend(model), TorchBackend(model)):
+    for backend in (Float32Backend(model), TorchBackend(model)):
         cache = PagedCache(32, BLOCK, config=model.config, dtype=model.dtype)
         for _ in range(rows):
             cache.add_sequence()

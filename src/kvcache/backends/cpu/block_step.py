@@ -12,7 +12,7 @@ from torch import nn
 
 from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import numba_products
-from kvcache.backends.cpu.array_step import ArrayStep
+from kvcache.backends.cpu.cpu_backend import CpuBackend
 from kvcache.backends.cpu.packing import LayerWeights
 from kvcache.backends.cpu.support import fused_products, unsupported_parameters, unsupported_structure
 from kvcache.model.quantized import QuantizedEmbedding, QuantizedLinear, block_weights
@@ -74,15 +74,16 @@ def _vector(parameter: nn.Parameter | None) -> np.ndarray | None:
     return None if parameter is None else parameter.detach().float().contiguous().numpy()
 
 
-class BlockBackend(ArrayStep):
+class BlockBackend(CpuBackend):
     """Decode steps of a CPU LlamaForCausalLM whose projections (and embedding) are kept as ggml
     blocks (`kvcache.model.quantized`), every product on numba's kernels reading the blocks in
     place (see the module docstring). Raises `BackendError` for a model it cannot stand in for."""
 
     name = "blocks"
-    #: every step on the kernels, whatever its rows: they read each weight row once for all of a
-    #: step's rows (docs/backends.md, block_step.py, says why not dequantized tiles)
-    kernel_rows = 1 << 30
+    #: a step of more tokens (a prompt chunk) runs the same kernels' products outside the layer
+    #: calls (`_linear`), so each chunk attends on torch's fused attention, its keys read once for
+    #: all its queries (docs/backends.md, block_step.py)
+    kernel_rows = 16
 
     def __init__(self, model) -> None:
         require_supported(model)

@@ -11,7 +11,7 @@ import torch
 
 from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import huge_pages, numba_products, onednn
-from kvcache.backends.cpu.array_step import ArrayStep
+from kvcache.backends.cpu.cpu_backend import CpuBackend
 from kvcache.backends.cpu.onednn import LaidOutLayer, LaidOutProduct, laid_out_product, product
 from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
 
@@ -37,7 +37,7 @@ def require_supported(model) -> None:
         raise BackendError(f"the half backend cannot run this model: {reason}; use the torch backend")
 
 
-class HalfBackend(ArrayStep):
+class HalfBackend(CpuBackend):
     """Decode steps of a bfloat16 or float16 CPU LlamaForCausalLM on weights laid out once (see
     the module docstring). Raises `BackendError` for a model it cannot stand in for."""
 
@@ -87,7 +87,7 @@ class HalfBackend(ArrayStep):
 
 
 def kernel_layers(layers: list[LaidOutLayer], head: LaidOutProduct, dtype: torch.dtype) -> tuple | None:
-    """The laid-out layers and lm_head as numba's kernels read them (`ArrayStep.row_layers`),
+    """The laid-out layers and lm_head as numba's kernels read them (`CpuBackend.row_layers`),
     each product's parts its members' own parameters (the model's memory) viewed as their bits
     (`numba_products.half_bits`); None when a weight cannot be viewed so (not contiguous)."""
 

@@ -6,7 +6,7 @@ out: torch's bfloat16 `F.linear` re-lays its weight out for oneDNN on every call
 float32 product of a few rows (a matrix-matrix product) packs its weight on every call, so it
 costs about twice its one-row matrix-vector product, which reads the weight once
 (`docs/backends.md`). The half step's products are these for bfloat16 weights (float16 ones stay
-plain for `F.linear`: packing them needs AVX512-FP16), the numpy step's are these for steps
+plain for `F.linear`: packing them needs AVX512-FP16), the float32 step's are these for steps
 of many tokens.
 """
 
@@ -82,7 +82,7 @@ def _vector(values: torch.Tensor) -> np.ndarray:
 
 
 class LaidOutLayer:
-    """One decoder layer as `array_step.ArrayStep` reads it (norm1, norm2, q_norm, k_norm as float32
+    """One decoder layer as `cpu_backend.CpuBackend` reads it (norm1, norm2, q_norm, k_norm as float32
     arrays or None; qkv, o, gate_up, down `laid_out`, each with its bias or None; q/k/v and
     gate/up fused), made from the model's DecoderLayer; `products` lists the same matrices with
     the modules each stands for (`prompt_products`: a prompt's forward reads them too)."""

@@ -1,4 +1,4 @@
-"""The weights of a float32 CPU model, packed once for the numpy decode step.
+"""The weights of a float32 CPU model, packed once for the float32 backend.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 packing.py.
@@ -107,7 +107,7 @@ def _layout_bytes(model) -> int:
 
 
 def pack_weights(model) -> PackedWeights:
-    """Pack a float32 CPU LlamaForCausalLM's weights for the numpy step (see the module
+    """Pack a float32 CPU LlamaForCausalLM's weights for the float32 step (see the module
     docstring), row-major: each output one contiguous row, as numba's kernels read them; its
     parameters are pointed at the packed memory where it is new."""
     total = _layout_bytes(model)

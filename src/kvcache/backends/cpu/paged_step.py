@@ -62,7 +62,7 @@ def token_rows(batch) -> TokenRows:
 
 
 def run(step, batch) -> torch.Tensor:
-    """(sampling rows, vocab) float32 logits of one engine step of `step` (an `ArrayStep` whose
+    """(sampling rows, vocab) float32 logits of one engine step of `step` (an `CpuBackend` whose
     `row_layers` are set) over `batch`, every row's keys and values written to its slots."""
     rows = token_rows(batch)
     count = len(rows.ids)

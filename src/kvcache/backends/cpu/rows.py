@@ -1,4 +1,4 @@
-"""numpy operations on float32 rows that the array steps share (`array_step`, `paged_step`)."""
+"""numpy operations on float32 rows that the array steps share (`cpu_backend`, `paged_step`)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
 def rotate(x: np.ndarray, cos: np.ndarray, signed_sin: np.ndarray) -> np.ndarray:
     """RoPE on numpy rows, the formula of the model's `apply_rope` and the kernels' `turned`:
     x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, for x (..., D) and cos, signed_sin broadcast
-    to it (each row's position, from `ArrayStep.rope_rows`); a new float32 array."""
+    to it (each row's position, from `CpuBackend.rope_rows`); a new float32 array."""
     half = x.shape[-1] // 2
     swapped = np.concatenate((x[..., half:], x[..., :half]), axis=-1)  # halves exchanged
     swapped *= signed_sin

@@ -1,4 +1,4 @@
-"""Which models a step that calls no module can stand in for (the numpy and half steps).
+"""Which models a step that calls no module can stand in for (the float32, half and blocks steps).
 
 Such a step computes the forward of the plain decoder layout (norms before each sublayer,
 queries and keys normalised per head or not at all, SwiGLU, no gemma scalings or soft-caps)
@@ -40,7 +40,7 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def unsupported_structure(model, step: str, more_modules: tuple[type, ...] = ()) -> str | None:
-    """Why a step named `step` ("the numpy step") cannot compute `model`'s decode forward
+    """Why a step named `step` ("the float32 step") cannot compute `model`'s decode forward
     whatever its weights' dtype, or None when it can; `more_modules`: module classes besides
     the standard ones whose forwards it computes too."""
     config = model.config

@@ -96,7 +96,6 @@ class PagedCache(Cache):
         self._seq_ids = count()
         self._steps: list[Step] | None = None  # this forward's, one per group
         self._step_counter = 0
-        self._reserved = False  # a view: its forwards only read the block tables (see view)
         super().__init__([PagedLayer(self, group) for group in self._groups], device=device)
         if geometry.kv_heads and geometry.head_dim and dtype is not None:
             for layer in self.layers:
@@ -281,12 +280,10 @@ class PagedCache(Cache):
         self._step_counter += 1
         columns = self.get_seq_length()
         new = new_columns(self.allocators[0], self.rows, columns, new_tokens, attention_mask, device)
-        if not self._reserved:  # every group's blocks checked first: all of them reserved, or none
-            for allocator in self.allocators:
-                allocator.check_reserve(self.rows, row_totals(allocator, self.rows, new[1])[1])
+        for allocator in self.allocators:  # every group's blocks checked first: all reserved, or none
+            allocator.check_reserve(self.rows, row_totals(allocator, self.rows, new[1])[1])
         layouts = [
-            plan_forward(allocator, self.rows, new_tokens, new, device, self._step_counter,
-                         reserve=not self._reserved)
+            plan_forward(allocator, self.rows, new_tokens, new, device, self._step_counter)
             for allocator in self.allocators
         ]
         for layer, group in zip(self.layers, self._groups):
@@ -317,9 +314,8 @@ class PagedCache(Cache):
         step = None if steps is None else steps[layer.group]
         if step is not None and step.pending and layer.layer_idx == self._groups.index(layer.group):
             step.pending = False  # the group's first layer: its rows' positions are written now
-            if not self._reserved:  # (a reserved view's owner commits after the forward)
-                for seq, total in zip(self.rows, step.totals):
-                    self.allocators[layer.group].commit(seq, total)
+            for seq, total in zip(self.rows, step.totals):
+                self.allocators[layer.group].commit(seq, total)
         elif step is None or step.pending or layer.last_step == step.step_id:
             raise CacheShapeError(
                 f"layer {layer.layer_idx} updated before layer 0 in this forward: update the layers "
@@ -374,17 +370,17 @@ class PagedCache(Cache):
         self._set_columns(max([self.get_seq_length(), *totals]))
 
     def view(self, rows: Sequence[int]) -> PagedCache:
-        """A cache of rows `rows` (indices, in that order) over the same blocks, for a forward
-        whose blocks were reserved on this cache's allocators before (the engine's pool does it
-        for a whole step): the forward only reads the block tables and writes the reserved slots,
-        each row at its own length, and the caller commits what it wrote. Rows are added,
-        dropped and declared on this cache."""
+        """A cache of rows `rows` (indices, in that order) over the same blocks and allocators,
+        for a model forward over just them (the torch backend's step over some rows of a batch):
+        each row runs at its own length, its blocks reserved as any forward's are (none more
+        where they were reserved before, as the engine's pool does for a whole step) and its
+        positions committed. Rows are added, dropped and declared on this cache."""
         if self.layers and not self.layers[0].allocated:
             raise CacheShapeError("a view needs the blocks allocated: build the PagedCache with its dtype")
         view = PagedCache.__new__(PagedCache)
         view.allocators, view._groups, view._seq_ids = self.allocators, self._groups, self._seq_ids
         view.rows = [self.sequence_id(row) for row in rows]
-        view._steps, view._step_counter, view._reserved = None, 0, True
+        view._steps, view._step_counter = None, 0
         view.kv_dtype, view.recent = self.kv_dtype, self.recent
         Cache.__init__(view, [PagedLayer(view, group) for group in self._groups], device=self._device)
         for mine, theirs in zip(view.layers, self.layers):

@@ -15,7 +15,7 @@ import torch
 from kvcache.blocks.allocator import BlockAllocator
 
 from ..base import ForwardPlan, LayerMasks
-from ..errors import CacheConfigError, CacheError, CacheShapeError
+from ..errors import CacheConfigError, CacheShapeError
 from .storage import Step
 
 
@@ -57,16 +57,14 @@ def plan_forward(
     new: tuple[torch.Tensor | None, list[int]],
     device: torch.device,
     step_id: int,
-    reserve: bool = True,
 ) -> ForwardLayout:
     """Reserve the blocks of one forward of `new_tokens` columns over `rows` (allocator sequence
     ids, one per batch row) and lay it out; `new` is the forward's `new_columns`. Raises
-    `OutOfBlocksError` (nothing reserved) when the pool is short. reserve=False:
-    the blocks were reserved before (the engine's pool, `kvcache.engine.pool`); the block tables
-    are only read, and a row without its blocks raises `CacheError`."""
+    `OutOfBlocksError` (nothing reserved) when the pool is short; blocks reserved before (the
+    engine's pool, `kvcache.engine.pool`) are not reserved again."""
     real, counts = new
     lengths, totals = row_totals(allocator, rows, counts)
-    copies = allocator.reserve(rows, totals) if reserve else _check_reserved(allocator, rows, totals)
+    copies = allocator.reserve(rows, totals)
     firsts, visible = _read_span(allocator, lengths, totals)
     width = -(-visible // allocator.block_size)  # blocks per row in the gather
     first_block, read_blocks = _read_blocks(allocator, rows, firsts, width, device)
@@ -166,14 +164,6 @@ def _mask(
     # a padding query sees key 0 of its row, so no row of the mask is empty (no NaN)
     allowed |= (query[:, :, None] < 0) & (key_positions == 0)
     return allowed[:, None]  # (B, 1, T_new, T_kv)
-
-
-def _check_reserved(allocator: BlockAllocator, rows: list[int], totals: list[int]) -> list:
-    """No copies to make: raise CacheError unless every row's blocks hold its total already."""
-    for seq, total in zip(rows, totals):
-        if allocator.blocks_needed(seq, total):
-            raise CacheError(f"sequence {seq!r} runs {total} tokens but its blocks were not reserved")
-    return []
 
 
 def check_windows(windows, kept: list[int | None]) -> None:

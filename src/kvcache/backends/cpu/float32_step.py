@@ -1,7 +1,7 @@
-"""NumpyBackend: the decode step of a float32 CPU Llama-family model, one row on numba's kernels.
+"""Float32Backend: the decode step of a float32 CPU Llama-family model, one row on numba's kernels.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
-numpy_step.py.
+float32_step.py.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import torch
 
 from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import numba_products, onednn
-from kvcache.backends.cpu.array_step import ArrayStep
+from kvcache.backends.cpu.cpu_backend import CpuBackend
 from kvcache.backends.cpu.packing import pack_weights
 from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
 
 
 def unsupported(model) -> str | None:
-    """Why the numpy step cannot stand in for `model`'s decode forward, or None when it can."""
-    reason = unsupported_structure(model, "the numpy step") or unsupported_parameters(
-        model, (torch.float32,), "the numpy step"
+    """Why the float32 step cannot stand in for `model`'s decode forward, or None when it can."""
+    reason = unsupported_structure(model, "the float32 step") or unsupported_parameters(
+        model, (torch.float32,), "the float32 step"
     )
     if reason is None and not numba_products.available():
         reason = "its steps run on numba's kernels: install numba (with OpenMP or TBB threads)"
@@ -27,17 +27,17 @@ def unsupported(model) -> str | None:
 
 
 def require_supported(model) -> None:
-    """Raise `BackendError` saying why, unless the numpy step can stand in for `model`."""
+    """Raise `BackendError` saying why, unless the float32 step can stand in for `model`."""
     reason = unsupported(model)
     if reason is not None:
-        raise BackendError(f"the numpy backend cannot run this model: {reason}; use the torch backend")
+        raise BackendError(f"the float32 backend cannot run this model: {reason}; use the torch backend")
 
 
-class NumpyBackend(ArrayStep):
+class Float32Backend(CpuBackend):
     """Decode steps of a float32 CPU LlamaForCausalLM with numpy products, on weights packed
     once (see the module docstring). Raises `BackendError` for a model it cannot stand in for."""
 
-    name = "numpy"
+    name = "float32"
     #: past a few rows oneDNN's float32 product (compute-bound, blocked for the cache) beats the
     #: kernels' (docs/backends.md)
     kernel_rows = 4

@@ -1,7 +1,7 @@
-"""ArrayStep: a decode step whose per-token arithmetic runs on numpy float32 rows.
+"""CpuBackend: a decode step whose per-token arithmetic runs on numpy float32 rows.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
-array_step.py.
+cpu_backend.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvcache.backends.base import Backend
 from kvcache.backends.cpu import paged_step
 
 
-class ArrayStep(Backend):
+class CpuBackend(Backend):
     """The step's arithmetic on numpy rows and numba's kernels (see the module docstring). A
     subclass sets `layers` (each with norm1, norm2, q_norm, k_norm as float32 arrays or None, and
     the products' weights qkv, o, gate_up, down with their biases), `row_layers`, `final_norm`

@@ -1,7 +1,7 @@
-"""The numpy backend's steps compute what the model's forward computes, on any shape it takes.
+"""The float32 backend's steps compute what the model's forward computes, on any shape it takes.
 
 One random model, B rows (B in 1, 3, 8) with prompts of their own lengths, run on a paged cache
-by the numpy backend and by the torch backend (the model's forward over the same blocks), the
+by the float32 backend and by the torch backend (the model's forward over the same blocks), the
 prompt in chunks of any size, then decode steps: logits agree to float32 rounding, and so do
 the keys and values each cache holds, for any block size, grouped-query attention, biases, tied
 embeddings, q/k norms and sliding-window layers; and each row's last logits equal a solo forward
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import random_model, tiny_config
 
-from kvcache.backends import BackendError, NumpyBackend, TorchBackend
+from kvcache.backends import BackendError, Float32Backend, TorchBackend
 from kvcache.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcache.model import ConfigError, ModelConfig, RopeScaling
 
@@ -70,7 +70,7 @@ def cases(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(case=cases())
-def test_numpy_steps_equal_the_torch_forward_and_the_solo_no_cache_run(case):
+def test_float32_steps_equal_the_torch_forward_and_the_solo_no_cache_run(case):
     config, lengths, steps = case["config"], case["lengths"], case["steps"]
     model = random_model(config, case["seed"])
     generator = torch.Generator().manual_seed(case["seed"])
@@ -79,7 +79,7 @@ def test_numpy_steps_equal_the_torch_forward_and_the_solo_no_cache_run(case):
     caches: list = []
     ours, theirs = (
         paged_logits(model, backend, rows, tokens, case["block_size"], case["chunk"], keep=caches)
-        for backend in (NumpyBackend(model), TorchBackend(model))
+        for backend in (Float32Backend(model), TorchBackend(model))
     )
     for mine, reference in zip(ours, theirs):
         assert mine.shape == (len(rows), config.vocab_size) and mine.dtype == torch.float32
@@ -107,7 +107,7 @@ def _decode_after(backend, model, ids: torch.Tensor) -> torch.Tensor:
 
 def test_a_few_tokens_run_on_the_kernels_and_many_on_onednns_copy_made_once():
     model = random_model(tiny_config(), 9)
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
     laid_out = backend._laid_out  # made with the backend
     assert laid_out is not None
     assert backend.products(3)[0] is laid_out[0]  # (a prompt of 3 rows x 5 tokens runs on it)
@@ -129,7 +129,7 @@ def test_a_few_tokens_run_on_the_kernels_and_many_on_onednns_copy_made_once():
 def test_the_rope_table_grows_past_its_first_block():
     model = random_model(tiny_config(max_position_embeddings=1024), 8)
     ids = torch.randint(0, 64, (2, 300), generator=torch.Generator().manual_seed(4))
-    ours = _decode_after(NumpyBackend(model), model, ids)  # position 299: past the first 256 rows
+    ours = _decode_after(Float32Backend(model), model, ids)  # position 299: past the first 256 rows
     torch.testing.assert_close(ours, _decode_after(TorchBackend(model), model, ids), atol=1e-4, rtol=1e-4)
 
 
@@ -150,16 +150,16 @@ def test_a_dynamic_rope_model_checks_its_range_on_both_backends():
     )
     model = random_model(config, 5)
     logits = {}
-    for backend in (NumpyBackend(model), TorchBackend(model)):
+    for backend in (Float32Backend(model), TorchBackend(model)):
         logits[backend.name] = _decode_after(backend, model, torch.tensor([[1, 2, 3, 4]]))
         with pytest.raises(ConfigError, match="dynamic RoPE scaling"):
             _decode_after(backend, model, torch.tensor([[1, 2, 3, 4, 5]]))
-    torch.testing.assert_close(logits["numpy"], logits["torch"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits["float32"], logits["torch"], atol=1e-4, rtol=1e-4)
 
 
 def test_out_of_range_ids_are_refused_like_the_embedding_refuses_them():
     model = random_model(tiny_config(), 9)
-    backend = NumpyBackend(model)
+    backend = Float32Backend(model)
     for bad in (-1, 64):
         with pytest.raises(IndexError, match="token ids must lie in"):
             paged_logits(model, backend, torch.tensor([[1, 2]]), torch.tensor([[bad]]))
@@ -181,12 +181,12 @@ def test_a_model_it_cannot_stand_in_for_is_refused_with_the_reason():
         handle = register()
         try:
             with pytest.raises(BackendError, match="hook"):
-                NumpyBackend(model)
+                Float32Backend(model)
         finally:
             handle.remove()
     layer.forward = lambda *args, **kwargs: None
     with pytest.raises(BackendError, match="its own forward"):
-        NumpyBackend(model)
+        Float32Backend(model)
     del layer.forward
 
     class LoudMLP(MLP):
@@ -196,8 +196,8 @@ def test_a_model_it_cannot_stand_in_for_is_refused_with_the_reason():
     old = layer.mlp
     layer.mlp = LoudMLP(model.config)
     with pytest.raises(BackendError, match="LoudMLP"):
-        NumpyBackend(model)
+        Float32Backend(model)
     layer.mlp = old
     with pytest.raises(BackendError, match="float32 on CPU"):
-        NumpyBackend(random_model(tiny_config(), 11).to(torch.bfloat16))
-    NumpyBackend(model)  # every hook removed: accepted again
+        Float32Backend(random_model(tiny_config(), 11).to(torch.bfloat16))
+    Float32Backend(model)  # every hook removed: accepted again
