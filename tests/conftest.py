@@ -54,6 +54,14 @@ def pytest_addoption(parser):
                           "other test that compiles a numba kernel or starts a server or a process")
 
 
+def pytest_configure(config):
+    """In --fast, one torch thread for the whole run: the lane's tensors are tiny, and two threads
+    on a shared 2-core machine wait for each other (spinning) whenever one is descheduled, which
+    makes the same tests several times slower beside other work (docs/testing.md)."""
+    if config.getoption("--fast"):
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--fast"):
         return
