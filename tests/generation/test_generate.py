@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_models import ARCHS, left_padded_batch
 
+import kvcache
 from kvcache import generate, load_model, load_tokenizer, make_cache
 from kvcache.cache import CacheConfigError
 from kvcache.generation import stream_generate
@@ -292,3 +293,20 @@ def test_a_backend_built_before_the_model_changed_is_refused(models):
         generate(model, ids, max_new_tokens=2, backend=backend)
     with pytest.raises(BackendError, match="another model"):
         generate(copy.deepcopy(model), ids, max_new_tokens=2, backend=backend)
+
+
+def test_the_two_roads_give_the_same_tokens_and_a_backend_the_road_would_not_honour_is_refused(models):
+    """A paged cache (the default) runs every forward as a step of the backend, as the engine
+    does; the other kinds run the model's own forward and take no backend: one they would not
+    honour is an error naming both, never ignored."""
+    model = models["llama"]
+    ids, mask = left_padded_batch([3, 7, 5])
+    paged = generate(model, ids, mask, max_new_tokens=6, eos_token_id=())
+    dynamic = generate(model, ids, mask, max_new_tokens=6, eos_token_id=(), cache="dynamic")
+    assert paged.backend == "float32" and isinstance(paged.cache, kvcache.cache.PagedCache)
+    assert dynamic.backend == "torch"
+    assert paged.new_tokens == dynamic.new_tokens
+    for kind in ("dynamic", "static", make_cache("dynamic", config=model.config)):
+        with pytest.raises(ValueError, match=r"backend 'float32' runs a paged cache's steps; cache"):
+            generate(model, ids, max_new_tokens=2, cache=kind, backend="float32")
+    assert generate(model, ids, max_new_tokens=2, cache="dynamic", backend="torch").backend == "torch"
