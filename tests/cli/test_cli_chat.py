@@ -14,8 +14,8 @@ import time
 import pytest
 
 import kvcache
-from kvcache.engine.prompts import tokenizer_eos
 from kvcache.reuse.prefix import ChatSession
+from kvcache.text.eos import default_eos
 
 pytestmark = pytest.mark.processes  # (the fast lane, pytest --fast, leaves it out)
 
@@ -30,7 +30,7 @@ def _command(*extra: str) -> list[str]:
 def _expected_replies() -> list[str]:
     model, tokenizer = kvcache.load_model(), kvcache.load_tokenizer()
     session = ChatSession(model, tokenizer, num_blocks=512)
-    eos = (*model.config.eos_token_id, *tokenizer_eos(tokenizer))
+    eos = default_eos(model.config.eos_token_id, tokenizer)
     return [session.send(turn, max_new_tokens=16, eos_token_id=eos) for turn in TURNS]
 
 
@@ -62,7 +62,7 @@ def test_a_repetition_penalty_reaches_the_replies_and_a_bad_min_p_is_refused_by_
     from kvcache.cli import main
 
     model, tokenizer = kvcache.load_model(), kvcache.load_tokenizer()
-    eos = (*model.config.eos_token_id, *tokenizer_eos(tokenizer))
+    eos = default_eos(model.config.eos_token_id, tokenizer)
     penalized = ChatSession(model, tokenizer, num_blocks=512).send(
         TURNS[0], max_new_tokens=16, eos_token_id=eos, repetition_penalty=1.8)
     done = subprocess.run(_command("--repetition-penalty", "1.8"), input=TURNS[0] + "\n", capture_output=True,

@@ -16,8 +16,8 @@ from conftest import API_KEY, start_server, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvcache
-from kvcache.engine.prompts import tokenizer_eos
 from kvcache.server import ServerSettings
+from kvcache.text.eos import default_eos
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 
@@ -32,7 +32,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def solo(model, tokenizer):
     """Greedy kvcache.generate of prompt ids: (token ids, text)."""
-    eos = (*model.config.eos_token_id, *tokenizer_eos(tokenizer))
+    eos = default_eos(model.config.eos_token_id, tokenizer)
 
     def run(ids: list[int], max_tokens: int) -> tuple[list[int], str]:
         result = kvcache.generate(model, torch.tensor([ids]), max_new_tokens=max_tokens, eos_token_id=eos)

@@ -12,7 +12,7 @@ from conftest import API_KEY
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvcache
-from kvcache.engine.prompts import tokenizer_eos
+from kvcache.text.eos import default_eos
 
 pytestmark = [pytest.mark.kernels, pytest.mark.processes]
 
@@ -75,7 +75,7 @@ def test_an_unknown_id_is_a_404_naming_it(server):
 
 def test_the_explainer_changes_no_answer(client, model, tokenizer):
     """Every cause's request answers kvcache.generate's greedy tokens for its prompt."""
-    eos = (*model.config.eos_token_id, *tokenizer_eos(tokenizer))
+    eos = default_eos(model.config.eos_token_id, tokenizer)
     for system in (SYSTEM, SYSTEM, SYSTEM.replace("48213", "48214"), "Another system prompt entirely."):
         answer = ask(client, system, max_tokens=12)
         ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, QUESTION],

@@ -81,15 +81,15 @@ class _Chat:
     def __init__(self, model, tokenizer, args, out, err) -> None:
         import torch
 
-        from kvcache.engine.prompts import tokenizer_eos
         from kvcache.generation.settings import GenerationSettings
+        from kvcache.text.eos import default_eos
 
         self.model, self.tokenizer, self.args, self.out, self.err = model, tokenizer, args, out, err
         self.system = args.system
         self.generator = torch.Generator().manual_seed(args.seed)
         self.options = dict(
             max_new_tokens=args.max_tokens,
-            eos_token_id=(*model.config.eos_token_id, *tokenizer_eos(tokenizer)),
+            eos_token_id=default_eos(model.config.eos_token_id, tokenizer),
             do_sample=args.temperature > 0,
             temperature=args.temperature if args.temperature > 0 else 1.0,
             top_p=args.top_p,

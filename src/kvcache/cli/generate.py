@@ -244,7 +244,7 @@ class _Runs:
     no-cache run it is compared with, on the same options."""
 
     def __init__(self, model, tokenizer, input_ids, sampling: dict, seed: int, args) -> None:
-        from kvcache.engine.prompts import tokenizer_eos
+        from kvcache.text.eos import default_eos
 
         self.model, self.tokenizer, self.input_ids = model, tokenizer, input_ids
         self.sampling, self.seed, self.args = sampling, seed, args
@@ -252,7 +252,7 @@ class _Runs:
         self.options = dict(
             max_new_tokens=args.max_new_tokens,
             **sampling,
-            eos_token_id=(*model.config.eos_token_id, *tokenizer_eos(tokenizer)),
+            eos_token_id=default_eos(model.config.eos_token_id, tokenizer),
             stop_strings=args.stop or None,
             tokenizer=tokenizer,
             prefill_chunk_size=args.prefill_chunk,

@@ -34,7 +34,7 @@ from kvcache.engine.metrics import EngineMetrics
 from kvcache.engine.observers import StepObserver
 from kvcache.engine.offline import run_to_completion, warm_up
 from kvcache.engine.pool import KVPool, StepWork
-from kvcache.engine.prompts import prompt_ids, tokenizer_eos
+from kvcache.engine.prompts import prompt_ids
 from kvcache.engine.request import Completion, Request, RequestHandle, notify_all
 from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
@@ -44,6 +44,7 @@ from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
 from kvcache.generation.structured import GrammarState, TokenTable
 from kvcache.memory import PACKED_KV_DTYPES, paged_block_bytes
+from kvcache.text.eos import default_eos
 
 
 def check_request(ids: list[int], params: SamplingParams, config, pool_tokens: int | None,
@@ -200,7 +201,7 @@ class Engine:
         ids = prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
         check_request(ids, params, self.model.config, self.pool_tokens, self.limits.block_size)
         config = self.model.config
-        eos = () if params.ignore_eos else (*config.eos_token_id, *tokenizer_eos(self.tokenizer))
+        eos = () if params.ignore_eos else default_eos(config.eos_token_id, self.tokenizer)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer to read the generated text")
         rule = StopRule((*eos, *params.stop_token_ids), params.stop, self.tokenizer, text=True)
@@ -223,7 +224,7 @@ class Engine:
             raise RequestError(f"{structured.field} needs the engine's tokenizer (its token table)")
         if self._token_table is None:
             config = self.model.config
-            eos = (*config.eos_token_id, *tokenizer_eos(self.tokenizer))
+            eos = default_eos(config.eos_token_id, self.tokenizer)
             self._token_table = TokenTable(self.tokenizer, config.vocab_size, tuple(dict.fromkeys(eos)))
         return GrammarState(structured, self._token_table)
 

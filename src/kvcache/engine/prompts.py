@@ -8,12 +8,6 @@ import torch
 from kvcache.generation.params import RequestError
 
 
-def tokenizer_eos(tokenizer) -> tuple[int, ...]:
-    """The tokenizer's EOS id, if it has one."""
-    eos = None if tokenizer is None else tokenizer.eos_token_id
-    return () if eos is None else (eos,)
-
-
 def prompt_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     """Token ids of `prompt`: a list or tensor of ids, a text, or chat messages [{"role",
     "content"}, …]. Raises RequestError for an empty prompt, an id outside [0, vocab_size), or

@@ -36,6 +36,7 @@ from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
 from kvcache.generation.stops import Stops
 from kvcache.generation.structured import GrammarState, TokenTable, allowed_rows, packed_masks
+from kvcache.text.eos import default_eos
 
 
 @dataclass
@@ -87,11 +88,7 @@ def resolve_eos(model, eos_token_id, tokenizer=None) -> tuple[int, ...]:
     """EOS ids: the argument (an int, a list, or () for none), else the config's and tokenizer's."""
     if eos_token_id is not None:
         return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    ids = list(model.config.eos_token_id)
-    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
-    if tokenizer_eos is not None and tokenizer_eos not in ids:
-        ids.append(tokenizer_eos)
-    return tuple(ids)
+    return default_eos(model.config.eos_token_id, tokenizer)
 
 
 def _cache_for(model, cache, batch_size: int, max_length: int) -> Cache:
