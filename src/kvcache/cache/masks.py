@@ -12,6 +12,17 @@ import torch
 from .errors import CacheShapeError
 
 
+def visible_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The one rule of which key a query sees, True = may attend: a key at or before the query's
+    position (and not an empty slot, -1), within the last `window` positions when a window is
+    given (a query at q sees keys in (q - window, q]). queries and keys are absolute positions of
+    shapes that broadcast (e.g. (..., T_new, 1) against (..., 1, T_kv)); the result has theirs."""
+    allowed = (keys <= queries) & (keys >= 0)
+    if window:
+        allowed &= keys > queries - window
+    return allowed
+
+
 def build_mask(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
@@ -34,9 +45,7 @@ def build_mask(
     """
     q = query_positions[:, None]  # (T_new, 1)
     kpos = key_positions[None, :]  # (1, T_kv)
-    allowed = (kpos <= q) & (kpos >= 0)  # (T_new, T_kv)
-    if window is not None:
-        allowed = allowed & (kpos > q - window)
+    allowed = visible_keys(q, kpos, window)  # (T_new, T_kv)
     own = kpos == q  # (T_new, T_kv)
     if attention_mask is None:
         return (allowed | own)[None, None]  # (1, 1, T_new, T_kv)

@@ -17,6 +17,7 @@ from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.rows import rms_norm, swiglu
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.cache.arrays import array_of, tensor_of
+from kvcache.cache.masks import visible_keys
 
 _NO_MASK = np.empty(0, np.bool_)  # the kernels' "every key the layout allows"
 
@@ -260,9 +261,7 @@ def _chunk_attention(qkv, k, v, key_positions, query_positions, window, heads, k
     if k.dtype != torch.float32:
         q = q.to(k.dtype)
     keys_at, queries_at = torch.from_numpy(key_positions), torch.from_numpy(query_positions)
-    visible = keys_at[None, :] <= queries_at[:, None]  # (n, T)
-    if window:
-        visible &= keys_at[None, :] > queries_at[:, None] - window
+    visible = visible_keys(queries_at[:, None], keys_at[None, :], window)  # (n, T)
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=visible, scale=1.0, enable_gqa=heads != kv_heads
     )  # (1, H, n, D)

@@ -16,6 +16,7 @@ from kvcache.blocks.allocator import BlockAllocator
 
 from ..base import ForwardPlan, LayerMasks
 from ..errors import CacheConfigError, CacheShapeError
+from ..masks import visible_keys
 from .storage import Step
 
 
@@ -150,17 +151,17 @@ def _mask(
             visible, device=device
         )
         keys, queries = key_positions[:, None, :], query[:, :, None]  # (B, 1, T_kv), (B, T_new, 1)
-        allowed = (keys <= queries) & (keys > queries - window)  # (B, T_new, T_kv)
+        allowed = visible_keys(queries, keys, window)  # (B, T_new, T_kv)
         allowed |= (queries < 0) & (torch.arange(visible, device=device) == 0)  # padding: its first key
         return allowed[:, None]  # (B, 1, T_new, T_kv)
     if uniform and query.shape[1] == 1:
         return None  # every row holds the same keys, all visible to its one new token
     key_positions = torch.arange(visible, device=device)  # (T_kv,)
     if uniform:
-        return (key_positions[None, :] <= query[0][:, None])[None, None]  # (1, 1, T_new, T_kv)
+        return visible_keys(query[0][:, None], key_positions[None, :])[None, None]  # (1, 1, T_new, T_kv)
     # a key past the row's own length (right padding of a shorter row) lies past its queries, so
     # causality hides it
-    allowed = key_positions[None, None, :] <= query[:, :, None]  # (B, T_new, T_kv)
+    allowed = visible_keys(query[:, :, None], key_positions[None, None, :])  # (B, T_new, T_kv)
     # a padding query sees key 0 of its row, so no row of the mask is empty (no NaN)
     allowed |= (query[:, :, None] < 0) & (key_positions == 0)
     return allowed[:, None]  # (B, 1, T_new, T_kv)
@@ -193,6 +194,5 @@ def first_forward_plan(new_tokens: int, windows: list[int | None], device: torch
     layer's keys are the new tokens, causal, within the layer's window where it has one."""
     positions = torch.arange(new_tokens, device=device)  # (T_new,)
     keys, queries = positions[None, :], positions[:, None]
-    causal = keys <= queries  # (T_new, T_new)
-    masks = [causal if window is None else causal & (keys > queries - window) for window in windows]
+    masks = [visible_keys(queries, keys, window) for window in windows]  # (T_new, T_new) each
     return ForwardPlan(LayerMasks([mask[None, None] for mask in masks]), positions=positions[None])
