@@ -81,7 +81,7 @@ def test_defaults_follow_openai():
         ("chat", {**CHAT, "n": 2}, "n"),
         ("chat", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("chat", {**CHAT, "stream": "yes"}, "stream"),
-        ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools[0]"),
         ("chat", {**CHAT, "seed": 1.5}, "seed"),
         ("chat", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
         ("completion", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),

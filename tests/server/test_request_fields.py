@@ -1,6 +1,6 @@
 """Nothing a client sends is silently ignored: a field kvcache does not implement is a 400 naming
-it, a field it reads only at its default is refused at any other value, a tool message or tool
-call is refused naming the message, and only the documented few fields are accepted and ignored
+it, a field it reads only at its default is refused at any other value, a legacy function message
+is refused naming the message, and only the documented few fields are accepted and ignored
 (each of which cannot change the answer). docs/serve.md lists every field and route the server
 takes, and says which it accepts and ignores."""
 
@@ -19,14 +19,11 @@ SERVE_MD = Path(__file__).resolve().parents[2] / "docs" / "serve.md"
 BODIES = {"chat": {"model": "m", "messages": MESSAGES}, "completion": {"model": "m", "prompt": "x"}}
 
 #: the accepted-and-ignored list, as docs/serve.md gives it (each tags, bills, stores or routes
-#: the request, or shapes tool calls when no tool is offered)
+#: the request)
 IGNORED = {"user": "u-1", "safety_identifier": "s-1", "prompt_cache_key": "k", "metadata": {"a": "b"},
-           "store": True, "service_tier": "auto", "parallel_tool_calls": False, "cache_prompt": True}
+           "store": True, "service_tier": "auto", "cache_prompt": True}
 
 REFUSED = [
-    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("chat", "tool_choice", "required"),
-    ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("chat", "functions", [{"name": "f", "parameters": {}}]),
     ("chat", "function_call", {"name": "f"}),
     ("chat", "n", 2),
@@ -47,6 +44,8 @@ REFUSED = [
     ("completion", "messages", MESSAGES),
     ("completion", "frobnicate", 1),
     ("completion", "min_tokens", 4),
+    ("completion", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("completion", "parallel_tool_calls", False),
 ]
 
 
@@ -87,17 +86,11 @@ def test_a_field_read_only_at_its_default_takes_its_default(kind, defaults):
     assert read_call(kind, {**BODIES[kind], **defaults}, LIMITS) == read_call(kind, BODIES[kind], LIMITS)
 
 
-TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-
-
 @pytest.mark.parametrize(("messages", "param", "words"), [
-    ([*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
-      {"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[1].tool_calls", "tool calls"),
-    ([*MESSAGES, {"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[1]", "tool calls"),
     ([*MESSAGES, {"role": "function", "name": "f", "content": "42"}], "messages[1]", "tool calls"),
-    ([{"role": "user", "content": "hi", "name": "ann"}], "messages[0].name", "role and content only"),
+    ([{"role": "user", "content": "hi", "name": "ann"}], "messages[0].name", "role and content"),
 ])
-def test_a_tool_message_or_a_dropped_message_key_is_a_400_naming_it(messages, param, words):
+def test_a_function_message_or_a_dropped_message_key_is_a_400_naming_it(messages, param, words):
     with pytest.raises(ApiError) as raised:
         read_call("chat", {"messages": messages}, LIMITS)
     assert raised.value.param == param and words in raised.value.message

@@ -81,10 +81,10 @@ def test_apply_template_and_tokenized_messages_are_what_the_chat_route_renders(s
     ("/tokenize", {"content": "x", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/tokenize", {"content": "x", "with_pieces": True}, "with_pieces"),
     ("/tokenize", {"content": "x", "parse_special": False}, "parse_special"),
-    ("/tokenize", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0]"),
+    ("/tokenize", {"messages": [{"role": "function", "content": "42"}]}, "messages[0]"),
     ("/tokenize", {"content": "x", "model": "other"}, "model"),
     ("/apply-template", {"messages": []}, "messages"),
-    ("/apply-template", {"messages": [*MESSAGES, {"role": "tool", "content": "42"}]}, "messages[2]"),
+    ("/apply-template", {"messages": [*MESSAGES, {"role": "function", "content": "42"}]}, "messages[2]"),
     ("/apply-template", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     ("/apply-template", b"[not json", None),
 ])
@@ -116,7 +116,6 @@ def test_unknown_routes_and_methods_are_json_404s_and_405s(server, client):
 
 
 @pytest.mark.parametrize(("route", "fields", "param"), [
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("chat", {"n": 2}, "n"),
     ("completion", {"suffix": " and so on"}, "suffix"),
     ("completion", {"echo": True}, "echo"),

@@ -56,7 +56,9 @@ from kvcache.server.openai_api import (
 )
 from kvcache.server.tenants import ApiKeys, Tenant
 from kvcache.server.token_api import read_apply_template, read_detokenize, read_tokenize
+from kvcache.server.tools import tool_call_objects
 from kvcache.server.why import RequestExplainer
+from kvcache.text.tool_calls import FAMILIES, ToolStream, parse_tool_calls, tool_format
 
 PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepared at once
 ROUTES_SAID = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
@@ -307,16 +309,21 @@ class _Server:
         completion = handle.result()
         if completion.finish_reason in ("error", "cancelled"):
             return self._failed(completion)
+        text, finish, calls = completion.text or "", completion.finish_reason, []
+        if _reads_calls(call):
+            content, calls = parse_tool_calls(text, call.tools.names)
+            text, finish = (content, "tool_calls") if calls else (text, finish)
         return JSONResponse(
             response_object(
                 call,
                 rid,
                 self.settings.model_name,
-                completion.text or "",
-                completion.finish_reason,
+                text,
+                finish,
                 _usage(completion, why),
                 _drift(completion),
                 self._logprobs(call, completion.logprobs),
+                tool_call_objects(calls),
             )
         )
 
@@ -328,8 +335,10 @@ class _Server:
             if call.kind == "chat":
                 yield _sse(chunk_object(call, rid, model, None, None, first=True))
             tokens = sent = offset = 0  # tokens made, those whose logprobs went out, text sent
+            calls = ToolStream(call.tools.names) if _reads_calls(call) else None  # (text held for calls)
             async for token, piece in handle.updates():  # the engine's reading of the reply, stops cut
                 tokens += token is not None
+                piece = piece if calls is None else calls.feed(piece)
                 if piece:
                     logprobs = self._streamed_logprobs(call, handle, sent, tokens, offset)
                     sent, offset = tokens, offset + len(piece)
@@ -339,7 +348,14 @@ class _Server:
                 yield _sse(_failure(completion).body())
             else:
                 rest = self._streamed_logprobs(call, handle, sent, tokens, offset) if sent < tokens else None
-                yield _sse(chunk_object(call, rid, model, None, completion.finish_reason, logprobs=rest))
+                finish = completion.finish_reason
+                if calls is not None:
+                    held, found = calls.finish()
+                    if held or found:
+                        yield _sse(chunk_object(call, rid, model, held, None, logprobs=rest,
+                                                tool_calls=tool_call_objects(found, streamed=True)))
+                        rest, finish = None, "tool_calls" if found else finish
+                yield _sse(chunk_object(call, rid, model, None, finish, logprobs=rest))
                 if call.include_usage:
                     yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion, why),
                                             kv_drift=_drift(completion)))
@@ -399,14 +415,34 @@ class _Server:
             )
 
     def _prompt_ids(self, call: Call) -> list[int]:
+        """The prompt's token ids (chat messages through the chat template, with the tools offered);
+        ApiError(400) naming tools when the template writes tool calls in no format kvcache reads."""
+        prompt = call.prompt
+        if call.tools is not None:
+            if tool_format(getattr(self.tokenizer, "chat_template", None)) is None:
+                families = ", ".join(FAMILIES)
+                raise ApiError(400, "tools: this model's chat template renders no tools, or writes tool "
+                               f"calls in a format kvcache cannot read back (it reads the {families} "
+                               "family: <tool_call>{json}</tool_call>, as Qwen2.5's template writes); "
+                               "serve a model whose template does, or send no tools", param="tools")
+            prompt = self._with_tools(call)
         try:
-            return prompt_ids(call.prompt, self.tokenizer, self.vocab)
+            return prompt_ids(prompt, self.tokenizer, self.vocab)
         except RequestError:
             raise
         except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
             raise ApiError(
                 400, f"the chat template could not render these messages: {error}", param="messages"
             ) from None
+
+    def _with_tools(self, call: Call) -> list[int]:
+        """The token ids of the chat template's prompt with `tools` offered."""
+        try:
+            return self.tokenizer.apply_chat_template(call.prompt, add_generation_prompt=True,
+                                                      tools=list(call.tools.tools))
+        except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
+            raise ApiError(400, f"the chat template could not render these messages and tools: {error}",
+                           param="messages") from None
 
     def _salted(self, call: Call, tenant: Tenant | None) -> Call:
         """`call` with its tenant's cache salt (its own salt combined in); ApiError(400) for a
@@ -505,6 +541,11 @@ def _stream_logger(request: Request, started: float):
                     note=note)
 
     return finished
+
+
+def _reads_calls(call: Call) -> bool:
+    """Whether the reply is read for tool calls: tools offered and tool_choice not "none"."""
+    return call.tools is not None and call.tools.choice != "none"
 
 
 def _usage(completion: Completion, why: Explanation) -> dict:

@@ -4,7 +4,7 @@ nothing a client sends is silently ignored. docs/serve.md shows the same table (
 them together).
 
 A field is ignored only when ignoring it cannot change the answer: it tags, bills, stores or
-routes the request, or it only shapes something kvcache never does (tool calls with no tools).
+routes the request.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ _SAMPLING = frozenset({
     "response_format",
 })
 READ: dict[str, frozenset[str]] = {
-    "chat": _SAMPLING | {"messages", "logprobs", "top_logprobs"},
+    "chat": _SAMPLING | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"},
     "completion": _SAMPLING | {"prompt", "logprobs"},
     # llama-server's content and add_special, vLLM's prompt or messages and add_special_tokens
     "tokenize": frozenset({"model", "content", "prompt", "messages", "add_special", "add_special_tokens",
@@ -42,7 +43,6 @@ IGNORED: dict[str, str] = {
     "metadata": "tags for completions OpenAI stores; kvcache stores none",
     "store": "asks OpenAI to keep the completion for its dashboard; kvcache keeps none",
     "service_tier": "OpenAI's billing and latency tier; one tier here",
-    "parallel_tool_calls": "shapes tool calls; no tool is ever offered (tools is refused unless empty)",
     "cache_prompt": "llama-server's switch for reusing a cached prefix; kvcache always reuses one, and "
                     "a reused prefix gives the tokens a recomputed one gives",
 }
@@ -71,18 +71,17 @@ def _is(*values: object) -> Callable[[object], bool]:
 
 
 _N = DefaultOnly(_is(None, 1), "1 or null", "more than one choice per request is not implemented")
-_TOOLS = DefaultOnly(_is(None, []), "an empty list or null", "tool calls are not implemented")
-_TOOL_CHOICE = DefaultOnly(_is(None, "none", "auto"), '"none", "auto" or null (no tool is offered)',
-                           "tool calls are not implemented")
+_FUNCTIONS = DefaultOnly(_is(None, []), "an empty list or null", "OpenAI's older functions are not "
+                         "implemented: send tools")
+_FUNCTION_CALL = DefaultOnly(_is(None, "none", "auto"), '"none", "auto" or null', "OpenAI's older "
+                             "function_call is not implemented: send tool_choice")
 
 #: fields accepted only at their default, by route
 DEFAULT_ONLY: dict[str, dict[str, DefaultOnly]] = {
     "chat": {
         "n": _N,
-        "tools": _TOOLS,
-        "tool_choice": _TOOL_CHOICE,
-        "functions": _TOOLS,
-        "function_call": _TOOL_CHOICE,
+        "functions": _FUNCTIONS,
+        "function_call": _FUNCTION_CALL,
         "modalities": DefaultOnly(_is(None, ["text"]), '["text"] or null', "only text is generated"),
     },
     "completion": {

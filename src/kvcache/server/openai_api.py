@@ -2,7 +2,8 @@
 field checked, a bad one named in a 400), and the response, chunk and error objects.
 
 Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
-type "text"), no tools (nor tool messages). A field kvcache does not implement is a
+type "text"). Tools, tool_choice, assistant tool_calls and tool messages are read by
+`kvcache.server.tools`. A field kvcache does not implement is a
 400 naming it, unless `kvcache.server.fields` lists it as accepted and ignored (ignoring it
 cannot change the answer); a string that is not text (a lone surrogate, "\\ud800") is a 400
 wherever it is.
@@ -24,6 +25,7 @@ from kvcache.engine import SamplingParams
 from kvcache.generation.params import RequestError, encodes_as_utf8
 from kvcache.generation.structured import StructuredOutput
 from kvcache.server.fields import refused_field
+from kvcache.server.tools import ToolFieldError, ToolRequest, history_tool_calls, read_tools
 
 
 class ApiError(Exception):
@@ -77,6 +79,7 @@ class Call:
     stream: bool
     include_usage: bool
     model: str | None
+    tools: ToolRequest | None = None  # (chat) the tools offered, and how the reply may call them
 
 
 def read_call(kind: str, body: object, limits: Limits) -> Call:
@@ -102,6 +105,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     include_usage = bool(options.get("include_usage", False))
+    tools = _tools(body) if kind == "chat" else None
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -112,14 +116,35 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: run to max_tokens
         cache_salt=body.get("cache_salt"),  # vLLM's: requests of other salts share no cached blocks
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),  # vLLM's
-        structured=response_format(body.get("response_format")),
+        structured=_structured_output(body, tools),
         logprobs=_logprobs(kind, body),
         **_logit_changes(body),
     )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"model must be a string, got {type(model).__name__}", param="model")
-    return Call(kind, prompt, params, stream, include_usage, model)
+    return Call(kind, prompt, params, stream, include_usage, model, tools)
+
+
+def _tools(body: dict) -> ToolRequest | None:
+    try:
+        return read_tools(body)
+    except ToolFieldError as error:
+        raise ApiError(400, str(error), param=error.param) from None
+
+
+def _structured_output(body: dict, tools: ToolRequest | None) -> StructuredOutput | None:
+    """response_format's output, or the grammar of a forced tool call (tool_choice "required" or a
+    function); both at once is a 400 naming tool_choice."""
+    output = response_format(body.get("response_format"))
+    try:
+        forced = None if tools is None else tools.grammar()
+    except ToolFieldError as error:
+        raise ApiError(400, str(error), param=error.param) from None
+    if forced is not None and output is not None:
+        raise ApiError(400, f"tool_choice {tools.choice!r} holds the reply to tool calls, and "
+                       "response_format to its format: give one of them", param="tool_choice")
+    return forced or output
 
 
 def check_prompt_length(tokens: int, max_tokens: int, limits: Limits, context: int) -> None:
@@ -160,21 +185,25 @@ def usage_object(prompt: int, cached: int, completion: int) -> dict:
 
 
 def response_object(
-    call: Call, rid: str, model: str, text: str, finish: str, usage: dict, kv_drift: dict | None = None,
-    logprobs: dict | None = None,
+    call: Call, rid: str, model: str, text: str | None, finish: str, usage: dict,
+    kv_drift: dict | None = None, logprobs: dict | None = None, tool_calls: list[dict] | None = None,
 ) -> dict:
     """The whole (non-streamed) answer; kv_drift (when the drift probe sampled the request) beside
-    its usage; logprobs: the choice's (`logprobs_object`), when asked."""
+    its usage; logprobs: the choice's (`logprobs_object`), when asked; tool_calls: the calls read
+    from the reply (`text` is then what it said beside them, or None)."""
     if call.kind == "chat":
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": finish,
         }
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         kind = "text_completion"
     return {
         "id": rid,
@@ -198,16 +227,19 @@ def chunk_object(
     usage: dict | None = None,
     kv_drift: dict | None = None,
     logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
-    """One streamed event: a piece of text (with its tokens' logprobs when asked), the finish
-    reason, or (choices empty) the usage (and kv_drift beside it when the drift probe sampled the
-    request)."""
+    """One streamed event: a piece of text (with its tokens' logprobs when asked), tool calls
+    (`tool_call_objects(..., streamed=True)`), the finish reason, or (choices empty) the usage (and
+    kv_drift beside it when the drift probe sampled the request)."""
     if usage is not None:
         choices: list = []
     elif call.kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
         choices = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
@@ -251,8 +283,9 @@ def _not_text(where: str, key: bool = False) -> ApiError:
                     "not text", param=where or None)
 
 
-def read_messages(messages: object, limit: int) -> list[dict[str, str]]:
-    """The {role, content} messages of a chat body; ApiError(400) naming a bad one, or more than `limit`."""
+def read_messages(messages: object, limit: int) -> list[dict]:
+    """The {role, content} messages (tool calls and results too) of a chat body; ApiError(400)
+    naming a bad one, or more than `limit`."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     if len(messages) > limit:
@@ -262,27 +295,46 @@ def read_messages(messages: object, limit: int) -> list[dict[str, str]]:
     return [_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
 
 
-def _message(message: object, where: str) -> dict[str, str]:
-    """{role, content} of one chat message; ApiError(400) naming a tool message, a tool call, or a
-    key kvcache would drop (its other keys may be null or empty, as a replayed reply's are)."""
+def _message(message: object, where: str) -> dict:
+    """{role, content} of one chat message (with an assistant's tool_calls, a tool message's
+    tool_call_id); ApiError(400) naming a legacy function message, or a key kvcache would drop
+    (its other keys may be null or empty, as a replayed reply's are)."""
     if not isinstance(message, dict):
         raise ApiError(400, f"{where} must be an object", param=where)
     role = message.get("role")
-    if role in ("tool", "function"):
-        raise ApiError(400, f"{where} is a {role} message (role {role!r}): tool calls are not supported by "
-                       "this server (yet), so neither are their results", param=where)
-    if role not in ("system", "developer", "user", "assistant"):
-        raise ApiError(400, f"{where}.role must be system, user or assistant, got {role!r}", param=where)
+    if role == "function":
+        raise ApiError(400, f"{where} is a function message (role 'function', OpenAI's older form): send "
+                       "tool calls and tool messages (role 'tool') instead; it is not supported by this "
+                       "server (yet)", param=where)
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise ApiError(400, f"{where}.role must be system, user, assistant or tool, got {role!r}",
+                       param=where)
+    read = {"role": "system" if role == "developer" else role}
+    allowed = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}.get(role, ())
     for key, value in message.items():
         if key in ("role", "content") or value is None or value == []:
             continue
-        if key in ("tool_calls", "function_call"):
-            raise ApiError(400, f"{where}.{key}: tool calls are not supported by this server (yet)",
+        if key not in allowed:
+            raise ApiError(400, f"{where}.{key} is not supported by this server (yet) on a {role} message: "
+                           "it is read as its role and content (an assistant's tool_calls, a tool's "
+                           "tool_call_id)",
                            param=f"{where}.{key}")
-        raise ApiError(400, f"{where}.{key} is not supported by this server (yet): a message is read as its "
-                       "role and content only", param=f"{where}.{key}")
-    content = _content(message.get("content"), where)
-    return {"role": "system" if role == "developer" else role, "content": content}
+        read[key] = _tool_key(key, value, f"{where}.{key}")
+    calls = read.get("tool_calls")
+    content = message.get("content")
+    read["content"] = "" if calls and content is None else _content(content, where)
+    return read
+
+
+def _tool_key(key: str, value: object, where: str) -> object:
+    if key == "tool_calls":
+        try:
+            return history_tool_calls(value, where)
+        except ToolFieldError as error:
+            raise ApiError(400, str(error), param=error.param) from None
+    if not isinstance(value, str):
+        raise ApiError(400, f"{where} must be a string, got {type(value).__name__}", param=where)
+    return value
 
 
 def _content(content: object, where: str) -> str:
