@@ -100,6 +100,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", help="the model id clients ask for (default: the folder's name)"
     )
+    parser.add_argument(
+        "--chat-template", metavar="FILE",
+        help="a jinja chat template to render chat requests with instead of the model's own (e.g. one "
+        "that renders tools: llama-server's --chat-template-file, vLLM's --chat-template)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--kv-budget",
@@ -390,7 +395,7 @@ def _replica_set(args: argparse.Namespace):
     from kvcache.text.tokenizer import load_tokenizer
 
     folder = Path(resolve_model_dir(args.model))
-    tokenizer = load_tokenizer(folder)
+    tokenizer = with_chat_template(load_tokenizer(folder), args.chat_template)
     engine = _engine_arguments(args, args.kv_store)
     settings = ReplicaSettings(str(folder.resolve()), args.dtype, args.threads or 1, engine,
                                activations_of(args))
@@ -410,6 +415,23 @@ def _engine_arguments(args: argparse.Namespace, kv_store) -> dict:
                                 prefill_slowdown=args.prefill_slowdown or None)
     return {"backend": args.backend, "pool": pool, "scheduler": scheduler,
             "kv_drift_sample": args.kv_drift_sample}
+
+
+def with_chat_template(tokenizer, path: str | None):
+    """`tokenizer` rendering chats with the template in the file `path` (None: its own); ValueError
+    or OSError naming --chat-template and the file."""
+    if path is None:
+        return tokenizer
+    from kvcache.files import read_text
+    from kvcache.text.chat_template import MAX_TEMPLATE_BYTES, compile_chat_template
+    from kvcache.text.tokenizer import Tokenizer
+
+    source = read_text(path, "--chat-template", MAX_TEMPLATE_BYTES)
+    try:
+        compile_chat_template(source)
+    except Exception as error:  # noqa: BLE001 (jinja2's syntax error, named)
+        raise ValueError(f"--chat-template {path}: not a jinja template kvcache can run: {error}") from None
+    return Tokenizer(tokenizer.backend, tokenizer.special_tokens, source, tokenizer.add_bos_token)
 
 
 def _event_publisher(args: argparse.Namespace):
@@ -440,7 +462,7 @@ def _engine(args: argparse.Namespace, events=None):
     model = load_model(folder, dtype=args.dtype, activations=activations_of(args),
                        progress=ProgressBar("kvcache serve: loading the model", after_s=BAR_AFTER_S))
     say_weights("serve", model)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = with_chat_template(load_tokenizer(folder), args.chat_template)
     if args.kv_drift_sample and kv_dtype_of(args) is None:
         raise ValueError("--kv-drift-sample compares a pool in a KV dtype of its own with full precision: "
                          "give --kv-cache-dtype (int8, fp8, …) too")
