@@ -65,12 +65,58 @@ def quantize_blocks(values: np.ndarray, kind: str) -> np.ndarray:
     the tests need valid blocks, not the smallest error)."""
     import gguf
 
-    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+    if kind not in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
         return gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
     rows = values.shape[0]
     blocks = values.astype(np.float32).reshape(-1, 256)
-    packed = _q6_k(blocks) if kind == "Q6_K" else _q45_k(blocks, 31 if kind == "Q5_K" else 15)
+    if kind in ("Q2_K", "Q3_K"):
+        packed = _q2_k(blocks) if kind == "Q2_K" else _q3_k(blocks)
+    else:
+        packed = _q6_k(blocks) if kind == "Q6_K" else _q45_k(blocks, 31 if kind == "Q5_K" else 15)
     return packed.reshape(rows, -1)
+
+
+def _two_bits(q: np.ndarray) -> np.ndarray:
+    """(n, 256) values 0..3 as Q2_K's and Q3_K's 64 bytes: value 128h + 32j + k is bits 2j, 2j + 1
+    of byte 32h + k."""
+    parts = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return np.bitwise_or.reduce(parts << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2).reshape(-1, 64)
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:
+    """Q2_K blocks of (n, 256) values: 16 bytes of 4-bit scales (low nibble) and minimums (high),
+    64 bytes of 2-bit q, d, dmin; value = d·scale·q - dmin·min over each 16 values."""
+    groups = blocks.reshape(-1, 16, 16)
+    low = np.minimum(groups.min(-1), 0.0)
+    steps, mins = (groups.max(-1) - low) / 3, -low
+    d = (np.maximum(steps.max(-1), 1e-8) / 15).astype(np.float16).astype(np.float32)
+    dmin = (np.maximum(mins.max(-1), 1e-8) / 15).astype(np.float16).astype(np.float32)
+    scale = np.clip(np.rint(steps / d[:, None]), 1, 15).astype(np.uint8)
+    minimum = np.clip(np.rint(mins / dmin[:, None]), 0, 15).astype(np.uint8)
+    step = (d[:, None] * scale)[..., None]
+    q = np.clip(np.rint((groups + (dmin[:, None] * minimum)[..., None]) / step), 0, 3).reshape(-1, 256)
+    halves = [half.astype(np.float16).view(np.uint8).reshape(-1, 2) for half in (d, dmin)]
+    return np.concatenate([scale | (minimum << 4), _two_bits(q), *halves], axis=1)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K blocks of (n, 256) values: 32 bytes of high bits (bit i of byte k: value 32i + k's),
+    64 bytes of low 2 bits, 12 bytes of 6-bit scales (stored + 32), d; value = d·scale·(q - 4)
+    over each 16 values, q = low | high << 2; every other block with d and its scales negative."""
+    groups = blocks.reshape(-1, 16, 16)
+    steps = np.abs(groups).max(-1) / 4
+    sign = np.where(np.arange(len(groups)) % 2 == 1, -1.0, 1.0).astype(np.float32)
+    d = (sign * np.maximum(steps.max(-1), 1e-8) / 31).astype(np.float16).astype(np.float32)
+    scale = (sign[:, None] * np.clip(np.rint(np.abs(steps / d[:, None])), 1, 31)).astype(np.int8)
+    step = (d[:, None] * scale)[..., None]
+    q = (np.clip(np.rint(groups / step), -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    high = np.bitwise_or.reduce((q >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None], axis=1)
+    stored = (scale + 32).astype(np.uint8)  # (n, 16), 6 bits each
+    low = (stored[:, :8] & 15) | ((stored[:, 8:] & 15) << 4)
+    tops = stored >> 4  # (n, 16): scale j's top 2 bits at byte 8 + j % 4, bits 2·(j // 4)
+    top = np.bitwise_or.reduce(tops.reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=1)
+    d_bytes = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return np.concatenate([high, _two_bits(q & 3), low, top, d_bytes], axis=1)
 
 
 def _q45_k(blocks: np.ndarray, top: int) -> np.ndarray:

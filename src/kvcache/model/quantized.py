@@ -6,9 +6,11 @@ scale d and 32 int8 (value = d·q); Q4_0 d and 16 bytes of 4-bit q (value = d·(
 float16 minimum m and 4-bit q (d·q + m); Q5_0 and Q5_1 the same with a fifth bit per value in a
 32-bit word. In each byte the low nibble is value j, the high one value j + 16. The K-quants
 group 256 values a block: Q4_K and Q5_K as 8 sub-blocks of 32 with 6-bit scales and minimums
-(value = d·scale·q - dmin·min), Q6_K as 16 groups of 16 with int8 scales (d·scale·(q - 32)). `BlockWeight`
-holds such rows; `QuantizedLinear` and `QuantizedEmbedding` stand in for `nn.Linear` and
-`nn.Embedding` over them.
+(value = d·scale·q - dmin·min), Q6_K as 16 groups of 16 with int8 scales (d·scale·(q - 32)), Q2_K
+as 16 groups of 16 with 4-bit scales and minimums (2-bit q: d·scale·q - dmin·min), Q3_K as 16
+groups of 16 with 6-bit scales stored + 32 (3-bit q: d·scale·(q - 4)). `BlockWeight` holds such
+rows; `QuantizedLinear` and `QuantizedEmbedding` stand in for `nn.Linear` and `nn.Embedding` over
+them.
 
 A product reads its activations as float32: the dequantized weight's product, exact. A weight
 whose `activations` is "q8" (`read_q8_activations`) reads them as llama.cpp's CPU products do
@@ -34,10 +36,11 @@ from torch import nn
 
 #: the block formats kept as stored: (values per block, bytes per block)
 STORED_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84),
+                "Q3_K": (256, 110)}
 #: the formats whose products read Q8_1 activations (a float16 minimum in each block) and Q8_K's
 #: (256 values a block) when they read them as llama.cpp's; the others read Q8_0's
-Q8_1_KINDS, Q8_K_KINDS = ("Q4_1", "Q5_1"), ("Q4_K", "Q5_K", "Q6_K")
+Q8_1_KINDS, Q8_K_KINDS = ("Q4_1", "Q5_1"), ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 #: how a BlockWeight's products read their activations
 ACTIVATIONS = ("float32", "q8")
 #: rows of a weight dequantized at once by the modules' own forwards (bounds their scratch)

@@ -43,7 +43,7 @@ def _blocks(rng, kind: str, rows: int, columns: int) -> np.ndarray:
     return blocks
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_tests_k_quant_blocks_are_the_formats_own(kind):
     """The K-quants written here (the `gguf` package only reads them) decode, by the format's own
     library, to the values they were made from within each block's rounding step."""
@@ -51,11 +51,11 @@ def test_the_tests_k_quant_blocks_are_the_formats_own(kind):
     blocks = quantize_blocks(values, kind)
     assert blocks.shape == (3, 2 * STORED_KINDS[kind][1]) and blocks.dtype == np.uint8
     back = dequantize(blocks, GGMLQuantizationType[kind])
-    levels = 64 if kind == "Q6_K" else 32 if kind == "Q5_K" else 16
+    levels = {"Q2_K": 4, "Q3_K": 8, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64}[kind]
     assert np.abs(back - values).max() <= 2.5 * (values.max() - values.min()) / levels
 
 
-Q8_KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+Q8_KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _as_llama_cpp_reads(x: np.ndarray, parts: list[np.ndarray], kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -65,7 +65,7 @@ def _as_llama_cpp_reads(x: np.ndarray, parts: list[np.ndarray], kind: str) -> tu
     stored as float16; Q8_1 also s = float16(d · Σq), which the minimum multiplies. A K-quant's
     are Q8_K: each 256 values q = min(127, round(x · -127 / m)), m the first value of the largest
     magnitude, d = 1 / (-127 / m) as float32."""
-    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+    if kind.endswith("_K"):
         read = []
         for block in x.astype(np.float32).reshape(-1, 256):
             m = block[np.argmax(np.abs(block))]
@@ -153,8 +153,9 @@ def q8_dots_against_llama_cpps_rules() -> bool:
     from kvcache.backends.cpu import numba_q8
 
     dots = {"Q8_0": numba_q8.q8_0_rows, "Q4_0": numba_q8.q4_0_rows, "Q4_1": numba_q8.q4_1_rows,
-            "Q5_0": numba_q8.q5_0_rows, "Q5_1": numba_q8.q5_1_rows, "Q4_K": numba_q8.q4_k_rows,
-            "Q5_K": numba_q8.q5_k_rows, "Q6_K": numba_q8.q6_k_rows}
+            "Q5_0": numba_q8.q5_0_rows, "Q5_1": numba_q8.q5_1_rows, "Q2_K": numba_q8.q2_k_rows,
+            "Q3_K": numba_q8.q3_k_rows, "Q4_K": numba_q8.q4_k_rows, "Q5_K": numba_q8.q5_k_rows,
+            "Q6_K": numba_q8.q6_k_rows}
     rng = np.random.default_rng(7)
     for kind, dot in dots.items():
         def four(w, quants, scales, counts, shifts, dot=dot):
@@ -261,7 +262,7 @@ def block_files(checkpoints, tmp_path_factory):
     files = {kind: write_gguf(checkpoints["llama"][0], root / f"{kind}.gguf", tensor_type=kind)
              for kind in ("Q8_0", "Q4_1", "Q5_0")}
     wide = save_checkpoint(hf_model("llama", hidden_size=256, intermediate_size=512), root / "wide")
-    for kind in ("Q4_K", "Q5_K", "Q6_K"):  # (rows of 256 values: a model 256 wide)
+    for kind in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):  # (rows of 256 values: a model 256 wide)
         files[kind] = write_gguf(wide, root / f"{kind}.gguf", tensor_type=kind)
     return files
 
@@ -292,7 +293,7 @@ def test_a_gguf_keeps_its_quantized_weights_as_mapped_blocks(block_files):
     assert len({model_fingerprint(m) for m in (model, rounded, exact)}) == 3
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_block_step_decodes_as_the_models_own_forward_on_the_same_blocks(block_files, kind):
     model = load_model(block_files[kind])
     backend = choose_backend(model)

@@ -19,10 +19,10 @@ from kvcache.model.quantized import STORED_KINDS, BlockWeight
 
 pytestmark = [pytest.mark.kernels,
               pytest.mark.skipif(not numba_products.available(), reason="numba with OpenMP/TBB threads")]
-KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 #: where a block's float16 scale d sits, and its float16 minimum (dmin for the K-quants), if any
-SCALE_AT = {"Q6_K": 208}
-MINIMUM_AT = {"Q4_1": 2, "Q5_1": 2, "Q4_K": 2, "Q5_K": 2}
+SCALE_AT = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}
+MINIMUM_AT = {"Q4_1": 2, "Q5_1": 2, "Q2_K": 82, "Q4_K": 2, "Q5_K": 2}
 #: activation rows: one row's dots, and a tile of four plus a row past it (the one-row dots again)
 COUNTS = (1, 5)
 WEIGHT_ROWS = 6
@@ -98,7 +98,7 @@ def _gguf_with_a_nan_weight(tmp_path, kind: str):
     return path
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "Q2_K", "Q3_K"])
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_generate_with_q8_activations_stops_on_a_nan_weight_with_a_named_error(tmp_path, kind, backend):
     """backend auto: the block step's kernels; torch: the model's forward on the numpy products."""

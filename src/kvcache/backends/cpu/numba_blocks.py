@@ -17,8 +17,14 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: the pair dots' joins, extras and lane sums shared)
+# checkout to recompile them (the last such change: Q2_K's and Q3_K's dots)
 from kvcache.backends.cpu.numba_q8 import (
+    q2_k_rows,
+    q2_k_tile,
+    q2_k_unpack,
+    q3_k_rows,
+    q3_k_tile,
+    q3_k_unpack,
     q4_0_rows,
     q4_0_tile,
     q4_0_unpack,
@@ -50,17 +56,18 @@ from kvcache.backends.cpu.numba_values import FLAGS, float16_widened, prefetch
 from kvcache.model.quantized import STORED_KINDS
 
 #: the block formats' codes, as a product's part carries them: (blocks, code)
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 4, 5, 6, 7
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K = range(10)
 CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
-         "Q6_K": Q6_K}
-#: added to a 32-value format's code: its products read the activations quantized as llama.cpp's
-#: (`numba_q8`) instead of float32
-Q8_READS = 8
+         "Q6_K": Q6_K, "Q2_K": Q2_K, "Q3_K": Q3_K}
+#: added to a format's code: its products read the activations quantized as llama.cpp's
+#: (`numba_q8`) instead of float32 (every code past it a K-quant from Q8_READS + Q4_K)
+Q8_READS = 10
 #: by code: a block's bytes (`quantized.STORED_KINDS`), and where its q bytes start (after d, m
 #: and the fifth bits' word as the format has them; the K-quants': after d, dmin, the 12 bytes of
-#: scales and Q5_K's 32 bytes of fifth bits; Q6_K's low bits come first); constants to the kernels
+#: scales and Q5_K's 32 bytes of fifth bits; Q6_K's low bits come first; Q2_K's 2-bit q after its
+#: 16 bytes of scales, Q3_K's after its 32 bytes of high bits); constants to the kernels
 BLOCK_BYTES = tuple(STORED_KINDS[kind][1] for kind in CODES)
-QUANTS_AT = (2, 2, 4, 6, 8, 16, 48, 0)
+QUANTS_AT = (2, 2, 4, 6, 8, 16, 48, 0, 16, 32)
 _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
 #: the K-quants' row loops are called, not inlined: inlined into every format branch of
 #: `blocks_product` (compiled again for each of its callers' signatures) they doubled its compile
@@ -261,14 +268,79 @@ def q6_block_rows(w, i0, i1, i2, i3, x, n):  # pragma: no cover (compiled)
 
 
 @numba.njit(**_INLINE)
+def two_bit_value(w, kind, i, at, g, k):  # pragma: no cover (compiled)
+    """Value k (0..31) of 32-value group g (0..7) of the Q2_K or Q3_K block at `at` of row i,
+    before its scale: bits 2t, 2t + 1 of q byte 32·half + k (g = 4·half + t); Q3_K's plus 4·(bit g
+    of high-bits byte k) - 4."""
+    half, t = g // 4, g % 4
+    q = (np.int32(w[i, at + QUANTS_AT[kind] + 32 * half + k]) >> (2 * t)) & 3
+    if kind == Q3_K:
+        q += 4 * ((np.int32(w[i, at + k]) >> g) & 1) - 4
+    return np.float32(q)
+
+
+@numba.njit(**_INLINE)
+def two_bit_scale_min(w, kind, i, at, j):  # pragma: no cover (compiled)
+    """Scale j (values 16j .. 16j + 15) of the Q2_K or Q3_K block at `at` of row i and its
+    minimum (Q3_K's 0), float32: Q2_K's the low and high nibbles of byte j; Q3_K's 6 bits (the
+    low 4 nibble j // 8 of byte 96 + j % 8, the top 2 bits 2·(j // 4) of byte 104 + j % 4) less 32."""
+    if kind == Q2_K:
+        byte = np.int32(w[i, at + j])
+        return np.float32(byte & 15), np.float32(byte >> 4)
+    low = (np.int32(w[i, at + 96 + j % 8]) >> (4 * (j // 8))) & 15
+    high = (np.int32(w[i, at + 104 + j % 4]) >> (2 * (j // 4))) & 3
+    return np.float32((low | (high << 4)) - 32), np.float32(0.0)
+
+
+@numba.njit(**_INLINE)
+def two_bit_part(w, kind, i, at, j, sum_qx, sum_x):  # pragma: no cover (compiled)
+    """Scale j's share of row i's dot product in the Q2_K or Q3_K block at `at`: d·scale·Σq·x,
+    Q2_K's less dmin·min·Σx (d at byte 80, dmin 82; Q3_K's d at 108)."""
+    scale, low = two_bit_scale_min(w, kind, i, at, j)
+    if kind == Q2_K:
+        return half_at(w, i, at + 80) * scale * sum_qx - half_at(w, i, at + 82) * low * sum_x
+    return half_at(w, i, at + 108) * scale * sum_qx
+
+
+@numba.njit(**_CALLED)
+def two_bit_block_rows(w, kind, i0, i1, i2, i3, x, n):  # pragma: no cover (compiled)
+    """Rows i0..i3 of a Q2_K or Q3_K weight dotted with x row n: 256 values a block, 16 scales
+    of 16 values each (`two_bit_value`, `two_bit_part`)."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    size = BLOCK_BYTES[kind]
+    for b in range(x.shape[1] // 256):
+        at = b * size
+        for g in range(8):
+            for part in range(2):
+                s0 = s1 = s2 = s3 = total = np.float32(0.0)
+                for k in range(part * 16, part * 16 + 16):
+                    xv = x[n, b * 256 + g * 32 + k]
+                    total += xv
+                    s0 += two_bit_value(w, kind, i0, at, g, k) * xv
+                    s1 += two_bit_value(w, kind, i1, at, g, k) * xv
+                    s2 += two_bit_value(w, kind, i2, at, g, k) * xv
+                    s3 += two_bit_value(w, kind, i3, at, g, k) * xv
+                j = 2 * g + part
+                a0 += two_bit_part(w, kind, i0, at, j, s0, total)
+                a1 += two_bit_part(w, kind, i1, at, j, s1, total)
+                a2 += two_bit_part(w, kind, i2, at, j, s2, total)
+                a3 += two_bit_part(w, kind, i3, at, j, s3, total)
+    return a0, a1, a2, a3
+
+
+@numba.njit(**_INLINE)
 def rows_of_kind(w, kind, i0, i1, i2, i3, x, n, sums, activations):  # pragma: no cover (compiled)
     """Rows i0..i3 of a weight of `kind` dotted with x row n (sums (N, in / 32): each 32 values'
     Σx, read by the float formats only), each format's loops compiled apart (`kind` a constant
     in each branch): a code past Q8_READS on `numba_q8`'s integer dots with its Q8 activations
     (the four arrays of `activation_arrays`), the others on `block_rows`, `k_block_rows` and
-    `q6_block_rows`."""
+    `q6_block_rows`, `two_bit_block_rows`."""
     if kind >= Q8_READS:
         return q8_rows_of_kind(w, kind - Q8_READS, i0, i1, i2, i3, n, activations)
+    if kind == Q2_K:
+        return two_bit_block_rows(w, Q2_K, i0, i1, i2, i3, x, n)
+    if kind == Q3_K:
+        return two_bit_block_rows(w, Q3_K, i0, i1, i2, i3, x, n)
     if kind == Q4_K:
         return k_block_rows(w, Q4_K, i0, i1, i2, i3, x, n, sums)
     if kind == Q5_K:
@@ -293,6 +365,10 @@ def q8_rows_of_kind(w, kind, i0, i1, i2, i3, n, activations):  # pragma: no cove
     every `blocks_product`)."""
     quants, scales, counts, shifts = (activations[0][n], activations[1][n], activations[2][n],
                                       activations[3][n])
+    if kind == Q2_K:
+        return q2_k_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
+    if kind == Q3_K:
+        return q3_k_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
     if kind == Q4_K:
         return q4_k_rows(w, i0, i1, i2, i3, quants, scales, counts, shifts)
     if kind == Q5_K:
@@ -316,6 +392,10 @@ def q8_tile_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  # pragma:
     values read from `values` (`unpack_rows_of_kind`): 16 float32, row n's four first, each what
     `q8_rows_of_kind` gives for that row alone, to the bit."""
     quants, scales, counts, shifts = activations
+    if kind == Q2_K:
+        return q2_k_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
+    if kind == Q3_K:
+        return q3_k_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
     if kind == Q4_K:
         return q4_k_tile(w, i0, i1, i2, i3, values, quants, scales, counts, shifts, n)
     if kind == Q5_K:
@@ -336,7 +416,11 @@ def q8_tile_of_kind(w, kind, i0, i1, i2, i3, values, n, activations):  # pragma:
 @numba.njit(**_CALLED)
 def unpack_rows_of_kind(w, kind, i0, i1, i2, i3, values):  # pragma: no cover (compiled)
     """Rows i0..i3 of a weight of `kind` into values (4, in) uint8 as the Q8 dots multiply them."""
-    if kind == Q4_K:
+    if kind == Q2_K:
+        q2_k_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q3_K:
+        q3_k_unpack(w, i0, i1, i2, i3, values)
+    elif kind == Q4_K:
         q4_k_unpack(w, i0, i1, i2, i3, values)
     elif kind == Q5_K:
         q5_k_unpack(w, i0, i1, i2, i3, values)
@@ -424,6 +508,16 @@ def k_dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
     size, quants = BLOCK_BYTES[kind], QUANTS_AT[kind]
     for b in range(out.shape[1] // 256):
         at, column = b * size, b * 256
+        if kind == Q2_K or kind == Q3_K:
+            d = half_at(w, i, at + (80 if kind == Q2_K else 108))
+            for j in range(16):
+                scale, low = two_bit_scale_min(w, kind, i, at, j)
+                step = d * scale
+                shift = half_at(w, i, at + 82) * low if kind == Q2_K else np.float32(0.0)
+                for k in range(16):
+                    value = two_bit_value(w, kind, i, at, j // 2, (j % 2) * 16 + k)
+                    out[r, column + j * 16 + k] = step * value - shift
+            continue
         if kind == Q6_K:
             d = half_at(w, i, at + 208)
             for g in range(8):
@@ -446,7 +540,11 @@ def k_dequantized_row(w, kind, i, out, r):  # pragma: no cover (compiled)
 def rows_dequantized(w, kind, i0, i1, i2, i3, out):  # pragma: no cover (compiled)
     """out (4, columns) = rows i0..i3 dequantized, each format's loop compiled apart."""
     for r, i in enumerate((i0, i1, i2, i3)):
-        if kind == Q4_K:
+        if kind == Q2_K:
+            k_dequantized_row(w, Q2_K, i, out, r)
+        elif kind == Q3_K:
+            k_dequantized_row(w, Q3_K, i, out, r)
+        elif kind == Q4_K:
             k_dequantized_row(w, Q4_K, i, out, r)
         elif kind == Q5_K:
             k_dequantized_row(w, Q5_K, i, out, r)

@@ -23,7 +23,7 @@ from numba.extending import overload
 # copies of `numba_blocks` (and its `numba_q8`) and `numba_rows`: a change there needs a change
 # here (or the `__pycache__` cleared) for a checkout to recompile them (numba_blocks.py needs one
 # for numba_q8 too; the last such change:
-# numba_q8: its pair dots' joins, extras and lane sums shared with the one-row code's)
+# numba_blocks and numba_q8: Q2_K's and Q3_K's dots)
 from kvcache.backends.cpu.numba_blocks import blocks_product
 from kvcache.backends.cpu.numba_rows import accumulated, scored, stored
 from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)

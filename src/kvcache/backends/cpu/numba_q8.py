@@ -24,15 +24,19 @@ from kvcache.model.quantized import STORED_KINDS
 
 _INLINE = dict(inline="always", fastmath=FLAGS, error_model="numpy")
 #: the K-quants' codes in `numba_blocks.CODES` (the formats' order in STORED_KINDS)
-_Q4_K, _Q5_K, _Q6_K = (list(STORED_KINDS).index(kind) for kind in ("Q4_K", "Q5_K", "Q6_K"))
+_Q4_K, _Q5_K, _Q6_K, _Q2_K, _Q3_K = (list(STORED_KINDS).index(kind)
+                                     for kind in ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"))
+#: the K-quants with a scale a 16 values (two a 32-value group): where their d is, and the offset
+#: their q carry as dotted (unsigned; Q2_K's 0: its minimums are subtracted instead)
+_SIXTEENS = {_Q6_K: (208, 32), _Q3_K: (108, 4), _Q2_K: (80, 0)}
 #: the 32-value formats, by their codes in `numba_blocks.CODES`: (block bytes, where the q bytes
 #: start, the float16 minimum's byte or -1, the fifth bits' byte or -1, the offset q carries as
 #: dotted: Q8_0's signed q are read + 128, unsigned bytes, as the others' are)
 LAYOUTS = {0: (34, 2, -1, -1, 128), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0), 3: (22, 6, -1, 2, 16),
            4: (24, 8, 2, 4, 0)}
 #: the K-quants' block bytes, by their codes in `numba_blocks.CODES`
-K_BLOCK_BYTES = {code: STORED_KINDS[kind][1]
-                 for code, kind in ((_Q4_K, "Q4_K"), (_Q5_K, "Q5_K"), (_Q6_K, "Q6_K"))}
+K_BLOCK_BYTES = {code: STORED_KINDS[kind][1] for code, kind in
+                 ((_Q4_K, "Q4_K"), (_Q5_K, "Q5_K"), (_Q6_K, "Q6_K"), (_Q2_K, "Q2_K"), (_Q3_K, "Q3_K"))}
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 #: the dots' float operations may fuse a multiply into an add (FMA, as llama.cpp's do) but not be
 #: reordered ("reassoc"): the one-row dots and the tiles are different functions, and only the
@@ -301,11 +305,65 @@ def _q6_values(builder, block, g: int):
     return builder.or_(_nibbles(builder, low_bits, t >= 2), builder.shl(high, _const(4, 32)))
 
 
+def _two_bit_values(builder, kind: int, block, g: int):
+    """Q2_K's or Q3_K's group g of 32 values (values 32·g..32·g + 31) as unsigned <32 x i8>: bits
+    2t, 2t + 1 of the 32 q bytes of half h (g = 4h + t; Q2_K's after 16 bytes of scales, Q3_K's
+    after 32 of high bits), Q3_K's high bit (bit g of each of its 32 bytes) above them (0..7:
+    q + 4)."""
+    half, t = divmod(g, 4)
+    packed = _load(builder, _at(builder, block, (16 if kind == _Q2_K else 32) + 32 * half), _I8, 32)
+    values = builder.and_(builder.lshr(packed, _const(2 * t, 32)), _const(3, 32))
+    if kind == _Q2_K:
+        return values
+    high = builder.and_(builder.lshr(_load(builder, block, _I8, 32), _const(g, 32)), _const(1, 32))
+    return builder.or_(values, builder.shl(high, _const(2, 32)))
+
+
+def _sixteen_scales(builder, kind: int, block, g: int) -> tuple[list, list]:
+    """Group g's two scales (values 32·g..32·g + 15 and the next 16) of a block of Q6_K, Q3_K or
+    Q2_K as i32, and what each times its 16 activations' sum subtracts (times the block's step):
+    Q6_K's int8 scales; Q3_K's 6 bits (the low 4 nibble j // 8 of byte 96 + j % 8, the top 2
+    bits 2·(j // 4) of byte 104 + j % 4) less 32; both the scale again (times the offset). Q2_K's
+    the low nibble of byte j and its minimum the high one."""
+    scales, factors = [], []
+    for j in (2 * g, 2 * g + 1):
+        if kind == _Q6_K:
+            scale = builder.sext(_load(builder, _at(builder, block, 192 + j), _I8), _I32)
+            factor = scale
+        elif kind == _Q2_K:
+            byte = _byte(builder, block, j)
+            scale = builder.and_(byte, _const(15, kind=_I32))
+            factor = builder.lshr(byte, _const(4, kind=_I32))
+        else:
+            low = builder.lshr(_byte(builder, block, 96 + j % 8), _const(4 * (j // 8), kind=_I32))
+            high = builder.lshr(_byte(builder, block, 104 + j % 4), _const(2 * (j // 4), kind=_I32))
+            low, high = builder.and_(low, _const(15, kind=_I32)), builder.and_(high, _const(3, kind=_I32))
+            stored = builder.or_(low, builder.shl(high, _const(4, kind=_I32)))
+            scale = builder.sub(stored, _const(32, kind=_I32))
+            factor = scale
+        scales.append(scale)
+        factors.append(factor)
+    return scales, factors
+
+
+def _sixteens_shift(builder, kind: int, block, step, x_scale, offsets):
+    """What a Q6_K, Q3_K or Q2_K block of a row subtracts from its sums: offset·d·d_x·Σ_j
+    scale_j·Σq_x (step d·d_x; offsets the sum), Q2_K's dmin·d_x·Σ_j min_j·Σq_x."""
+    if kind == _Q2_K:
+        minimum_step = builder.fmul(_half(builder, _at(builder, block, 82)), x_scale, flags=_FAST)
+        return builder.fmul(minimum_step, offsets, flags=_FAST)
+    offset = ir.Constant(_F32, float(_SIXTEENS[kind][1]))
+    return builder.fmul(builder.fmul(step, offset, flags=_FAST), offsets, flags=_FAST)
+
+
 def _group_values(builder, kind: int, block, index: int):
     """The values of a block's 32-value group `index` (0 for the 32-value formats) as unsigned
-    <32 x i8>, what the dots multiply: `_block_bytes`, `_k_values` or `_q6_values`."""
+    <32 x i8>, what the dots multiply: `_block_bytes`, `_k_values`, `_q6_values` or
+    `_two_bit_values`."""
     if kind == _Q6_K:
         return _q6_values(builder, block, index)
+    if kind in (_Q2_K, _Q3_K):
+        return _two_bit_values(builder, kind, block, index)
     if kind in K_BLOCK_BYTES:
         return _k_values(builder, kind, block, index)
     return _block_bytes(builder, block, kind)
@@ -332,28 +390,27 @@ def _q45_k_block(builder, kind: int, block, values_of, quants, x_scale, counts, 
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
-def _q6_block(builder, block, values_of, quants, x_scale, counts, sums, extra) -> None:
-    """A Q6_K block (256 values; 128 bytes of low bits, 64 of high, 16 int8 scales, d; group g's
-    values `values_of(g)`) of one row into its sums: d·d_x·Σ_j scale_j·Σ q·q_x over its groups of
-    16 in integers (q unsigned, 0..63), and extra -= 32·d·d_x·Σ_j scale_j·Σq_x (the offset q
-    carries)."""
+def _sixteens_block(builder, kind: int, block, values_of, quants, x_scale, counts, sums, extra) -> None:
+    """A Q6_K block (256 values; 128 bytes of low bits, 64 of high, 16 int8 scales, d), Q3_K
+    or Q2_K (`_two_bit_values`, `_sixteen_scales`), group g's values `values_of(g)`, of one row
+    into its sums: d·d_x·Σ_j scale_j·Σ q·q_x over its groups of 16 in integers (q unsigned), and
+    extra -= `_sixteens_shift` (the offset q carries, or Q2_K's minimums)."""
     lanes = _LANES.count
     integers = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
     offsets = ir.Constant(_F32, 0.0)
     halves = ir.Constant(ir.VectorType(_I32, lanes), [0] * (lanes // 2) + [lanes] * (lanes // 2))
     for g in range(8):
         dots = _integer_sums(builder, values_of(g), _load(builder, _at(builder, quants, g * 32), _I8, 32))
-        first, second = (builder.sext(_load(builder, _at(builder, block, 192 + 2 * g + j), _I8), _I32)
-                         for j in range(2))
+        (first, second), factors = _sixteen_scales(builder, kind, block, g)
         scales = builder.shuffle_vector(_splat(builder, first, lanes), _splat(builder, second, lanes), halves)
         integers = builder.add(integers, builder.mul(dots, scales))
-        for j, scale in enumerate((first, second)):
+        for j, factor in enumerate(factors):
             count = builder.load(_at(builder, counts, 2 * g + j))
-            offsets = builder.fadd(offsets, builder.fmul(builder.sitofp(scale, _F32), count, flags=_FAST),
+            offsets = builder.fadd(offsets, builder.fmul(builder.sitofp(factor, _F32), count, flags=_FAST),
                                    flags=_FAST)
-    step = builder.fmul(_half(builder, _at(builder, block, 208)), x_scale, flags=_FAST)
+    step = builder.fmul(_half(builder, _at(builder, block, _SIXTEENS[kind][0])), x_scale, flags=_FAST)
     _scaled_into(builder, sums, integers, step)
-    shift = builder.fmul(builder.fmul(step, ir.Constant(_F32, 32.0), flags=_FAST), offsets, flags=_FAST)
+    shift = _sixteens_shift(builder, kind, block, step, x_scale, offsets)
     builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
@@ -430,13 +487,13 @@ def _pair_k_block(builder, kind: int, blocks, quants, x_scale, counts, sums, ext
         x = _load(builder, _at(builder, quants, g * 32), _I8, 32)
         a, b = (_group_values(builder, kind, block, g) for block in blocks)
         dots = _wide_sums(builder, _joined(builder, a, b), _joined(builder, x, x))
-        if kind == _Q6_K:
-            scales = [builder.sext(_load(builder, _at(builder, block, 192 + 2 * g + j), _I8), _I32)
-                      for block in blocks for j in range(2)]
-            for r in range(2):
-                for j, scale in enumerate(scales[2 * r: 2 * r + 2]):
+        if kind in _SIXTEENS:
+            pairs = [_sixteen_scales(builder, kind, block, g) for block in blocks]
+            scales = [scale for block_scales, _ in pairs for scale in block_scales]
+            for r, (_, factors) in enumerate(pairs):
+                for j, factor in enumerate(factors):
                     count = builder.load(_at(builder, counts, 2 * g + j))
-                    part = builder.fmul(builder.sitofp(scale, _F32), count, flags=_FAST)
+                    part = builder.fmul(builder.sitofp(factor, _F32), count, flags=_FAST)
                     shares[r] = builder.fadd(shares[r], part, flags=_FAST)
         else:
             pairs = [_k_scale_min(builder, block, g) for block in blocks]
@@ -447,15 +504,14 @@ def _pair_k_block(builder, kind: int, blocks, quants, x_scale, counts, sums, ext
                 part = builder.fmul(builder.sitofp(sub_minimum, _F32), count, flags=_FAST)
                 shares[r] = builder.fadd(shares[r], part, flags=_FAST)
         integers = builder.add(integers, builder.mul(dots, _pair_splat(builder, scales, 16)))
-    at = 208 if kind == _Q6_K else 0
+    at = _SIXTEENS[kind][0] if kind in _SIXTEENS else 0
     steps = [builder.fmul(_half(builder, _at(builder, block, at)), x_scale, flags=_FAST) for block in blocks]
     scaled = builder.fmul(builder.sitofp(integers, ir.VectorType(_F32, 16)), _pair_splat(builder, steps, 16),
                           flags=_FAST)
     builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
     for r, (block, extra) in enumerate(zip(blocks, extras)):
-        if kind == _Q6_K:
-            shift = builder.fmul(builder.fmul(steps[r], ir.Constant(_F32, 32.0), flags=_FAST), shares[r],
-                                 flags=_FAST)
+        if kind in _SIXTEENS:
+            shift = _sixteens_shift(builder, kind, block, steps[r], x_scale, shares[r])
         else:
             step = builder.fmul(_half(builder, _at(builder, block, 2)), x_scale, flags=_FAST)
             shift = builder.fmul(step, shares[r], flags=_FAST)
@@ -562,8 +618,8 @@ def _block_into(builder, kind: int, block, values_of, x: tuple, sums, extra) -> 
     """One block of one row (its values `values_of`) dotted with x (`_block_activations`) into
     the row's sums and extra, as its format's dots do."""
     x_quants, x_scale, x_counts, activations = x
-    if kind == _Q6_K:
-        _q6_block(builder, block, values_of, x_quants, x_scale, x_counts, sums, extra)
+    if kind in _SIXTEENS:
+        _sixteens_block(builder, kind, block, values_of, x_quants, x_scale, x_counts, sums, extra)
     elif kind in K_BLOCK_BYTES:
         _q45_k_block(builder, kind, block, values_of, x_quants, x_scale, x_counts, sums, extra)
     else:
@@ -684,12 +740,9 @@ def _unpack_intrinsic(kind: int):
     return intrinsic(unpack)
 
 
-q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows, q4_k_rows, q5_k_rows, q6_k_rows = (
-    _rows_intrinsic(kind) for kind in range(8)
-)
-q8_0_unpack, q4_0_unpack, q4_1_unpack, q5_0_unpack, q5_1_unpack, q4_k_unpack, q5_k_unpack, q6_k_unpack = (
-    _unpack_intrinsic(kind) for kind in range(8)
-)
-q8_0_tile, q4_0_tile, q4_1_tile, q5_0_tile, q5_1_tile, q4_k_tile, q5_k_tile, q6_k_tile = (
-    _tile_intrinsic(kind) for kind in range(8)
-)
+(q8_0_rows, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows, q4_k_rows, q5_k_rows, q6_k_rows, q2_k_rows,
+ q3_k_rows) = (_rows_intrinsic(kind) for kind in range(len(STORED_KINDS)))
+(q8_0_unpack, q4_0_unpack, q4_1_unpack, q5_0_unpack, q5_1_unpack, q4_k_unpack, q5_k_unpack, q6_k_unpack,
+ q2_k_unpack, q3_k_unpack) = (_unpack_intrinsic(kind) for kind in range(len(STORED_KINDS)))
+(q8_0_tile, q4_0_tile, q4_1_tile, q5_0_tile, q5_1_tile, q4_k_tile, q5_k_tile, q6_k_tile, q2_k_tile,
+ q3_k_tile) = (_tile_intrinsic(kind) for kind in range(len(STORED_KINDS)))
