@@ -70,7 +70,7 @@ def target_has_wide_vnni() -> bool:
 #: (16 lanes: the shape of a 16-bit multiply-add) where the target has no VNNI
 VNNI = target_has_vnni()
 #: the one-row dots take two weight rows' blocks in one 512-bit vector (each row's 8 lanes as
-#: `_add_block`, `_q45_k_block` and `_q6_block` sum them, in the same operations: the same float32)
+#: `_add_block`, `_q45_k_block` and `_sixteens_block` sum them, in the same operations: the same float32)
 WIDE = VNNI and target_has_wide_vnni()
 _LANES = ir.VectorType(_F32, 8 if VNNI else 16)  # a row's running sums, one block's lanes
 
@@ -477,7 +477,7 @@ def _pair_splat(builder, values, lanes: int):
 
 
 def _pair_k_block(builder, kind: int, blocks, quants, x_scale, counts, sums, extras) -> None:
-    """`_q45_k_block` or `_q6_block` for two rows' blocks at once: their groups' values in one
+    """`_q45_k_block` or `_sixteens_block` for two rows' blocks at once: their groups' values in one
     <64 x i8>, one 512-bit vpdpbusd a group, each row's lanes and extra in the operations the
     one-row functions use (the same float32)."""
     wide = ir.VectorType(_I32, 16)
@@ -553,7 +553,7 @@ def _pair_rows_codegen(kind: int):
 
 def _rows_codegen(kind: int, tile: bool = False):
     """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
-    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_q6_block`), the
+    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_sixteens_block`), the
     rows' values unpacked from their blocks. With `tile`, the rows' values are read from (4, in)
     uint8 values `_unpack_codegen` wrote (the same integers), the activations are (N, ...) arrays
     and a last argument n: rows n..n + 3 of them, each pair of rows dotted in the same operations
