@@ -64,7 +64,7 @@ def main() -> None:
 
     import kvcache
     from kvcache.engine import Engine
-    from kvcache.engine.redis_store import RedisBlockStore
+    from kvcache.tiers.redis_store import RedisBlockStore
 
     torch.set_num_threads(2)
     path = None if args.model == "default" else args.model  # "smollm2": kvcache.defaults.NAMED_MODELS

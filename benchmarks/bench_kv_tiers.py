@@ -36,9 +36,9 @@ ROADS = ("cold", "restart", "redis")
 def _round(model, url: str, system: list[int], questions: list[list[int]], order: list[str]) -> dict:
     """One round's TTFTs (s) by road, and the restarted engine's from its own pool."""
     from kvcache.engine import Engine
-    from kvcache.engine.disk_store import DiskBlockStore
-    from kvcache.engine.redis_store import RedisBlockStore
-    from kvcache.engine.tiered_store import TieredStore
+    from kvcache.tiers.disk_store import DiskBlockStore
+    from kvcache.tiers.redis_store import RedisBlockStore
+    from kvcache.tiers.tiered_store import TieredStore
 
     def replica(store=None) -> Engine:
         return Engine(model, kv_store=store, kv_budget="512MiB", block_size=16, max_running=4,

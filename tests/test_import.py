@@ -160,7 +160,7 @@ FORBIDDEN = {
 
 
 @pytest.mark.parametrize("package", ["kvcache.blocks", "kvcache.cache", "kvcache.model", "kvcache.engine",
-                                     "kvcache.reuse", "kvcache.server"])
+                                     "kvcache.reuse", "kvcache.server", "kvcache.tiers.store_tier"])
 def test_each_package_imports_first_in_a_fresh_interpreter(package):
     """A loop through a package's __init__ (which the module graph above leaves out) shows only
     when that package is the first one imported."""

@@ -4,12 +4,12 @@ or in a tier below it, and every answer is the one without sharing."""
 from __future__ import annotations
 
 import pytest
-from test_kv_store import BLOCK, NEW, engine, flushed, ids
+from tier_replicas import BLOCK, NEW, engine, flushed, ids
 
 import kvcache
 from kvcache.blocks import ROOT_HASH, salt_root
-from kvcache.engine.disk_store import DiskBlockStore
 from kvcache.generation.params import RequestError, SamplingParams
+from kvcache.tiers.disk_store import DiskBlockStore
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 

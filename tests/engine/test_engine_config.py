@@ -107,7 +107,7 @@ def test_the_warm_up_runs_inside_every_observers_warming_and_counts_from_zero_af
 
 
 def test_the_warm_up_neither_reads_nor_writes_the_kv_store(tmp_path):
-    from kvcache.engine.disk_store import DiskBlockStore
+    from kvcache.tiers.disk_store import DiskBlockStore
 
     engine = Engine(tiny_model(), backend="torch", num_blocks=32, block_size=4, max_running=6,
                     token_budget=48, kv_store=DiskBlockStore(tmp_path / "blocks"))

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 from redis_server import free_port
-from test_kv_store import BLOCK, answer, ids
+from tier_replicas import BLOCK, answer, ids
 from waiting import wait_for
 
 import kvcache

@@ -4,11 +4,11 @@ system prompt survives traffic that would otherwise push it out."""
 from __future__ import annotations
 
 import pytest
-from test_kv_store import BLOCK, NEW, answer, flushed, ids
+from tier_replicas import BLOCK, NEW, answer, flushed, ids
 
 import kvcache
 from kvcache.engine import Engine
-from kvcache.engine.disk_store import DiskBlockStore
+from kvcache.tiers.disk_store import DiskBlockStore
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 

@@ -100,7 +100,7 @@ class _Chat:
         self.session = None
         self.store = None
         if args.kv_disk:
-            from kvcache.engine.disk_store import DiskBlockStore
+            from kvcache.tiers.disk_store import DiskBlockStore
 
             self.store = DiskBlockStore(args.kv_disk, max_bytes=args.kv_disk_size)
         self.reset()

@@ -291,8 +291,8 @@ class _Runs:
 
         import torch
 
-        from kvcache.engine.disk_store import DiskBlockStore
         from kvcache.reuse.prefix import ChatSession
+        from kvcache.tiers.disk_store import DiskBlockStore
 
         store = DiskBlockStore(self.args.kv_disk, max_bytes=self.args.kv_disk_size)
         total = self.input_ids.shape[1] + self.args.max_new_tokens

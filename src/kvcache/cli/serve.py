@@ -452,10 +452,10 @@ def _engine(args: argparse.Namespace, events=None):
     stderr; ValueError or OSError naming what is wrong (a --ctx-size the pool cannot hold, too).
     events: the pool's `KVEventPublisher`, or None."""
     from kvcache.engine import Engine
-    from kvcache.engine.store_tier import open_tiers
     from kvcache.model import load_model
     from kvcache.report.progress import ProgressBar
     from kvcache.text.tokenizer import load_tokenizer
+    from kvcache.tiers.open import open_tiers
 
     kv_window_of(args)  # (a flag refused before the model loads)
     folder = Path(resolve_model_dir(args.model))

@@ -39,12 +39,12 @@ from kvcache.engine.request import Completion, Request, RequestHandle, notify_al
 from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
 from kvcache.engine.step_costs import StepCosts
-from kvcache.engine.store_tier import open_store
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
 from kvcache.generation.structured import GrammarState, TokenTable
 from kvcache.memory import PACKED_KV_DTYPES, paged_block_bytes
 from kvcache.text.eos import default_eos
+from kvcache.tiers.open import open_store
 
 
 def check_request(ids: list[int], params: SamplingParams, config, pool_tokens: int | None,
@@ -155,7 +155,7 @@ class Engine:
 
     @property
     def store_tier(self):
-        """The KV store tier (`store_tier.StoreTier`), or None."""
+        """The connector over the KV store (`kvcache.tiers.store_tier.TierConnector`), or None."""
         return self.pool.store_tier
 
     # ---- capacity ---------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ class Engine:
             return False
         admissible = [request for request in self.waiting if self.pool.admissible(request, self.wake)]
         if not self.running and not admissible:  # only store reads on their way: wait for one
-            self.waiting[0].store_read.pending.wait(0.05)
+            self.pool.wait_for_tiers(self.waiting[0], 0.05)
             return True
         running, waiting, free = self.pool.snapshot(admissible, self.limits.max_running)
         decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)

@@ -5,11 +5,14 @@ A step goes snapshot -> schedule -> apply -> run -> commit:
 - `snapshot` reads what the pure scheduler needs (each running sequence's blocks, what each
   waiting prompt's prefix would attach, the free blocks);
 - `apply(plan)`, before any forward, frees the preempted rows, attaches the admitted prompts'
-  cached prefixes, loads the next blocks of a prompt from the KV store (at most the chunk the plan
-  gave it, so a store hit never takes blocks the plan gave to other rows), and reserves every
-  row's blocks for the step, all at once; it returns the step's `PagedBatch`;
+  cached prefixes, has the tiers below the pool load the next blocks of a prompt (at most the
+  chunk the plan gave it, so a tier hit never takes blocks the plan gave to other rows), and
+  reserves every row's blocks for the step, all at once; it returns the step's `PagedBatch`;
 - the runner's forward only reads the block tables and writes the reserved slots;
 - `commit` records what the forward wrote.
+The tiers below the pool are one connector (`kvcache.tiers.connector.KVConnector`): the pool asks
+it at submit (`prefetch`), before admitting (`admissible`) and in `apply`, and keeps no tier state
+of its own, nor does a `Request`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from kvcache.cache.paged.recent import checked_window
 from kvcache.cache.paged.rows import attachable_blocks
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Limits, Plan, RunningSeq, WaitingSeq
-from kvcache.engine.store_tier import StoreTier
 from kvcache.generation.params import RequestError
 from kvcache.geometry import read_geometry
 from kvcache.memory import (
@@ -48,8 +50,8 @@ class StepWork:
 
 
 class KVPool:
-    """The engine's PagedCache (`cache`), the requests holding its rows (`running`), and the KV
-    store tier when there is one (see the module docstring)."""
+    """The engine's PagedCache (`cache`), the requests holding its rows (`running`), and the
+    tiers below it (`connector`; see the module docstring)."""
 
     def __init__(
         self,
@@ -69,8 +71,13 @@ class KVPool:
         )
         self.block_size = limits.block_size
         self.prefix_caching = prefix_caching
-        self.store_tier = None if store is None else StoreTier(store, model, self.cache)
+        self.connector = _connector(store, model, self.cache)
         self.running: list[Request] = []  # row r of the cache is running[r]'s
+
+    @property
+    def store_tier(self):
+        """The connector over the KV store (`kvcache.tiers.store_tier.TierConnector`), or None."""
+        return None if self.connector.store is None else self.connector
 
     @property
     def full_allocator(self):
@@ -105,8 +112,9 @@ class KVPool:
                 if request.digests is None or request.digests[0] != len(request.tokens):
                     digests = self.cache.prefix_digests(request.tokens, request.root)
                     request.digests = (len(request.tokens), digests)
+                within_block = not self.connector.matched(request.id)  # (tier blocks start on one)
                 prefix, idle = self.cache.prefix_cost(request.tokens, request.digests[1], request.root,
-                                                      within_block=self._within_block(request))
+                                                      within_block=within_block)
             seen.append(WaitingSeq(request.id, request.arrival, len(request.tokens), prefix, idle))
         free = full.num_allocatable if full is not None else 1 << 40
         return running, seen, free
@@ -117,12 +125,12 @@ class KVPool:
         preempted) that the pool does not hold (on the store's reader thread; wake() when an
         answer comes). Called from any thread: what the pool holds is read, not changed, and a
         count made stale by a step meanwhile only makes the read longer or its blocks unused."""
-        if self.store_tier is None or not self.prefix_caching:
+        if self.connector.store is None or not self.prefix_caching:
             return
         for request in requests:
             request.digests = (len(request.tokens), self.cache.prefix_digests(request.tokens, request.root))
             held = attachable_blocks(self.cache, request.digests[1])
-            request.store_read = self.store_tier.prefetch(request.digests[1], held, wake)
+            self.connector.lookup(request.id, request.digests[1], held, wake)
 
     def pin(self, tokens: list[int]) -> int:
         """Pin the whole blocks of `tokens` (`BlockAllocator.pin`; the store tier's too); the tokens
@@ -130,30 +138,25 @@ class KVPool:
         digests = self.cache.prefix_digests(list(tokens) + [0])  # (every whole block of the tokens)
         for allocator in self.cache.allocators:
             allocator.pin(digests)
-        if self.store_tier is not None:
-            self.store_tier.pin(digests)
+        self.connector.pin(digests)
         return len(digests) * self.block_size
 
     def admissible(self, request: Request, wake) -> bool:
         """Whether `request` may be admitted now: no store read of its blocks is on its way, and
         the one that came still follows what the pool holds (after blocks it started from were
         evicted, a new read starts, and the request waits for it)."""
-        read = request.store_read
-        if read is None:
-            return True
-        if not read.ready():
-            return False
-        if read.pending.values() is None or read.start <= attachable_blocks(self.cache, request.digests[1]):
-            return True  # (no answer: admitted without the store)
-        self.prefetch([request], wake)
-        return request.store_read is None
+        held = lambda: attachable_blocks(self.cache, request.digests[1])  # noqa: E731 (asked when needed)
+        return self.connector.ready(request.id, held, wake)
+
+    def wait_for_tiers(self, request: Request, timeout_s: float) -> None:
+        """Block until the tiers answered `request`'s read, `timeout_s` at most."""
+        self.connector.wait(request.id, timeout_s)
 
     # ---- applying a plan ------------------------------------------------------------------------
     def release(self, requests: list[Request]) -> None:
-        """Free these requests' rows (their blocks go back; hashed full blocks stay cached); a
-        request not running lets go of its store read."""
-        for request in requests:
-            request.store_read = None
+        """Free these requests' rows (their blocks go back; hashed full blocks stay cached); each
+        lets go of what the tiers kept for it (`KVConnector.finished`)."""
+        self.connector.finished([request.id for request in requests])
         gone = {request.id for request in requests}
         keep = [row for row, request in enumerate(self.running) if request.id not in gone]
         if len(keep) == len(self.running):
@@ -164,21 +167,16 @@ class KVPool:
             request.cached = 0
 
     def apply(self, plan: Plan, admitted: list[Request]) -> StepWork:
-        """Attach the `admitted` requests' prefixes (each takes a row), load prompt blocks from the
-        store within each chunk the plan gave, and reserve every row's blocks for the step (the
-        plan's preempted rows must be released first). Returns the step's work; rows whose whole
-        chunk came from the store run nothing this step."""
+        """Attach the `admitted` requests' prefixes (each takes a row), have the tiers load prompt
+        blocks within each chunk the plan gave (`KVConnector.admit`, `KVConnector.load`), and
+        reserve every row's blocks for the step (the plan's preempted rows must be released first).
+        Returns the step's work; rows whose whole chunk came from the tiers run nothing this step."""
         attached, loaded = {}, {}
         for request in admitted:
-            within_block = self._within_block(request)
-            request.cached = self.cache.add_sequence(
+            request.cached = self.cache.add_sequence(  # (whole blocks only when the tiers load more)
                 request.tokens, reuse_prefix=self.prefix_caching, root=request.root,
-                within_block=within_block,
+                within_block=not self.connector.admit(request.id),
             )
-            if within_block and request.store_read is not None:  # it brought nothing: let go of it
-                if self.store_tier is not None:
-                    self.store_tier.note_missing(request.store_read)
-                request.store_read = None
             attached[request.id] = request.cached
             self.running.append(request)
         rows = {request.id: row for row, request in enumerate(self.running)}
@@ -189,8 +187,11 @@ class KVPool:
         for row, count in work:
             request = self.running[row]
             end = request.cached + count  # the plan counted from what the row held then
-            if count > 1:
-                loaded[request.id] = self._load_from_store(request, row, end)
+            if count > 1:  # a prompt chunk: the blocks the tiers read, no further than a hit may cover
+                reusable = min(end, self.cache.reusable_tokens(len(request.tokens)))
+                loaded[request.id] = self.connector.load(request.id, self.cache, row, request.cached,
+                                                         reusable)
+                request.cached += loaded[request.id]
                 if loaded[request.id] and end < len(request.tokens):  # (the next chunk's blocks
                     end = max(request.cached, end // self.block_size * self.block_size)  # aligned)
             if request.cached < end:
@@ -205,32 +206,6 @@ class KVPool:
         batch = PagedBatch(self.cache, batch_rows, tokens, sample)
         return StepWork(batch, [self.running[row] for row in batch_rows], attached, loaded)
 
-    @staticmethod
-    def _within_block(request: Request) -> bool:
-        """Whether `request` (admissible: its store read, if any, answered) may attach part of a
-        cached block after its whole ones: not when the store brought blocks to load, which
-        start at a block boundary."""
-        read = request.store_read
-        return read is None or not read.pending.values()
-
-    def _load_from_store(self, request: Request, row: int, end: int) -> int:
-        """Load into row `row` the blocks its store read brought, up to position `end` (its chunk
-        this step); the tokens loaded. Only where the row ends on a block boundary (a store block
-        starts at one): a chunk after a store hit stops at a boundary for the next one. No further
-        than a cache hit may cover (`PagedCache.reusable_tokens`: a kv_window's last tokens are
-        computed again)."""
-        read = request.store_read
-        if read is None or self.store_tier is None or request.cached % self.block_size:
-            return 0
-        end = min(end, self.cache.reusable_tokens(len(request.tokens)))
-        loaded = self.store_tier.load(self.cache, row, request.cached, end, read)
-        request.cached += loaded
-        # the read's run of blocks used up, or ended short of the chunk: let go of it
-        whole = min(end, len(request.tokens) - 1) // self.block_size * self.block_size
-        if request.cached < whole or request.cached >= read.end * self.block_size:
-            request.store_read = None
-        return loaded
-
     def commit(self, work: StepWork) -> None:
         """Record what the step's forward wrote: each row now holds its chunk's tokens (full
         blocks hashed, findable by prefix once their ids are declared)."""
@@ -241,6 +216,18 @@ class KVPool:
     def declare(self, request: Request, token: int) -> None:
         """A new token of `request` (its next position's id), so its full blocks become findable."""
         self.cache.declare_tokens(self.running.index(request), [token])
+
+
+def _connector(store, model, cache: PagedCache):
+    """The tiers below the pool: a `TierConnector` over `store`, or the connector of no tiers.
+    (Imported here: the tiers' connector is an observer of the engine, which imports this module.)"""
+    if store is None:
+        from kvcache.tiers.connector import KVConnector
+
+        return KVConnector()
+    from kvcache.tiers.store_tier import TierConnector
+
+    return TierConnector(store, model, cache)
 
 
 def build_cache(

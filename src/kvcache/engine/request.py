@@ -216,7 +216,6 @@ class Request:
         self.finish: tuple[str, str | None] | None = None  # (reason, error) once it stopped
         # (tokens hashed, the prefix hashes of its whole blocks): kept while it waits
         self.digests: tuple[int, list[bytes]] | None = None
-        self.store_read = None  # its prompt's blocks read from the KV store (store_tier.StoreRead)
         self.root = salt_root(params.cache_salt)  # its blocks' hash chain starts here
         self.tail = ""  # the text its stop rule held back until it ended
         self.drift = None  # a `drift_probe.KVDrift` while (and after) the drift probe runs it

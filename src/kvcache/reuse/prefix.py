@@ -27,6 +27,8 @@ from kvcache.cache.paged import PagedCache
 from kvcache.cache.paged.rows import prefill_inputs
 from kvcache.generation import GenerationResult, generate
 
+_TURN = "turn"  # what a ChatSession's reads from its store tier are kept by (one turn at a time)
+
 
 @dataclass
 class PrefixResult:
@@ -117,7 +119,7 @@ class ChatSession:
         model: a kvcache `LlamaForCausalLM`; tokenizer: a kvcache Tokenizer (for `send`).
         cache: a PagedCache (a row is added for this session), or None to make one.
         system: an optional system message for `send`.
-        kv_store: a tier below the cache (`kvcache.engine.disk_store.DiskBlockStore`, …): a turn's
+        kv_store: a tier below the cache (`kvcache.tiers.disk_store.DiskBlockStore`, …): a turn's
             prefix blocks the cache lacks are read from it, and the conversation's blocks written
             to it, so a conversation that starts the same way in a later process reuses them.
         kv_dtype: what the made cache stores rows as ("bfloat16", "int8", "int4" …; `PagedCache`);
@@ -138,9 +140,9 @@ class ChatSession:
         self.cache.add_sequence()
         self.store_tier = None
         if kv_store is not None:
-            from kvcache.engine.store_tier import StoreTier
+            from kvcache.tiers.store_tier import TierConnector
 
-            self.store_tier = StoreTier(kv_store, model, self.cache)
+            self.store_tier = TierConnector(kv_store, model, self.cache)
         self.options = options
         self.messages: list[dict[str, str]] = []
         if system is not None:
@@ -178,7 +180,7 @@ class ChatSession:
         reply = result.new_tokens[0]
         self.cache.declare_tokens(0, reply)
         if self.store_tier is not None:
-            self.store_tier.offer(self.cache)  # the conversation's new full blocks, written behind
+            self.store_tier.save(self.cache)  # the conversation's new full blocks, written behind
         self.token_ids = conversation_ids + reply
         self.prefilled_tokens += len(new)
         self.last_turn = (common + loaded, len(new))
@@ -192,11 +194,13 @@ class ChatSession:
         if self.store_tier is None or held % size:
             return 0
         digests = self.cache.prefix_digests(conversation_ids)
-        read = self.store_tier.prefetch(digests, held // size, lambda: None)
-        if read is None:
-            return 0
-        read.pending.wait(read.pending.store.timeout_s)
-        return self.store_tier.load(self.cache, 0, held, len(digests) * size, read)
+        tiers = self.store_tier
+        tiers.lookup(_TURN, digests, held // size, lambda: None)
+        tiers.wait(_TURN, tiers.store.timeout_s)
+        try:
+            return tiers.load(_TURN, self.cache, 0, held, len(digests) * size)
+        finally:
+            tiers.finished([_TURN])
 
     def send(self, text: str, **options: Any) -> str:
         """Add a user message, generate the reply, return its text (special tokens skipped).

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_kv_store import answer, engine, flushed, ids
+from tier_replicas import answer, engine, flushed, ids
 from waiting import wait_for
 
 import kvcache
-from kvcache.engine import disk_store
-from kvcache.engine.disk_store import DiskBlockStore
+from kvcache.tiers import disk_store
+from kvcache.tiers.disk_store import DiskBlockStore
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 
@@ -213,8 +213,8 @@ def test_a_fifo_in_place_of_a_block_is_refused_at_once_and_the_tier_stays_up(tmp
 def test_a_library_program_exits_while_a_disk_read_is_stuck(tmp_path):
     script = textwrap.dedent(f"""
         import threading
-        from kvcache.engine import disk_store
-        from kvcache.engine.disk_store import DiskBlockStore
+        from kvcache.tiers import disk_store
+        from kvcache.tiers.disk_store import DiskBlockStore
         key = "kvcache:" + "ab" * 16 + ":" + "01" * 16
         stuck = threading.Event()  # never set
         loading = DiskBlockStore({str(tmp_path / "a")!r}, timeout_s=0.3)

@@ -26,7 +26,7 @@ when a request is queued, finds the prompt's run of blocks in the index, checks 
 asks the kernel to read it ahead; each block's bytes are read when a step loads it, on a reader
 thread of the store's, into a buffer reused block after block, then checked and copied into the
 pool. That read is waited for on the step: a load's blocks share one deadline, `timeout_s` from its
-start (`StoreTier.load`), and a read not done by then is a miss and pauses reads for `retry_s`, so a
+start (`TierConnector.load`), and a read not done by then is a miss and pauses reads for `retry_s`, so a
 stalled disk holds a step `timeout_s` at most. A block that fails its check is deleted; one that
 cannot be deleted is logged once and never read or written again by this store. The folder holds at
 most `max_bytes`, the least recently used blocks evicted first (a read refreshes a block). A failed
@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
-from kvcache.engine.block_store import BlockStore, DaemonExecutor
+from kvcache.tiers.block_store import BlockStore, DaemonExecutor
 
 log = logging.getLogger("kvcache.store")
 _KEY = re.compile(r"kvcache:([0-9a-f]{32}):([0-9a-f]{32})")
@@ -470,7 +470,7 @@ class DiskBlockStore(BlockStore):
 
     def failure_count(self) -> int:
         """Failed writes since start: only those lose blocks the tier took (a read that timed out
-        or a bad file loses none, so `StoreTier` need not offer every block again after one)."""
+        or a bad file loses none, so `TierConnector` need not offer every block again after one)."""
         return self._failed_writes
 
     def failed_writing(self, error: BaseException, wanted_bytes: int) -> None:

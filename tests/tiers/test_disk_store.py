@@ -13,13 +13,13 @@ import textwrap
 
 import pytest
 from redis_server import RedisServer
-from test_kv_store import BLOCK, NEW, answer, engine, flushed, ids
+from tier_replicas import BLOCK, NEW, answer, engine, flushed, ids
 from waiting import wait_for
 
 import kvcache
-from kvcache.engine.disk_store import DiskBlockStore
-from kvcache.engine.redis_store import RedisBlockStore
-from kvcache.engine.tiered_store import TieredStore
+from kvcache.tiers.disk_store import DiskBlockStore
+from kvcache.tiers.redis_store import RedisBlockStore
+from kvcache.tiers.tiered_store import TieredStore
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 
@@ -101,7 +101,7 @@ def test_a_writer_killed_mid_write_leaves_whole_blocks_only(tmp_path):
     size = 1 << 20
     script = textwrap.dedent(f"""
         import os
-        from kvcache.engine.disk_store import DiskBlockStore
+        from kvcache.tiers.disk_store import DiskBlockStore
         store = DiskBlockStore({str(tmp_path)!r})
         index = 0
         while True:
@@ -184,7 +184,7 @@ def test_a_disk_that_cannot_take_writes_is_skipped_with_one_log_line(model, tmp_
                                                                     caplog):
     import errno
 
-    from kvcache.engine import disk_store
+    from kvcache.tiers import disk_store
 
     store = DiskBlockStore(tmp_path, retry_s=3600)
     if fault == "disk full":
@@ -223,7 +223,7 @@ def test_writes_keep_to_the_write_rate(tmp_path):
 def test_a_read_error_on_a_block_is_a_miss_failing_neither_request_nor_tier(model, tmp_path, monkeypatch):
     import errno
 
-    from kvcache.engine import disk_store
+    from kvcache.tiers import disk_store
 
     prompt = ids(40, seed=11)
     writer = engine(model, DiskBlockStore(tmp_path))
@@ -256,7 +256,7 @@ def test_a_block_already_on_disk_is_not_written_again(tmp_path):
 
 def test_a_disk_read_that_failed_does_not_make_every_block_offered_again(model, tmp_path):
     # a read timing out loses no block the disk took: after one, the blocks it holds are not
-    # queued again (only a failed write, which drops blocks, makes StoreTier offer everything)
+    # queued again (only a failed write, which drops blocks, makes TierConnector offer everything)
     prompt = ids(40, seed=12)
     replica = engine(model, DiskBlockStore(tmp_path, retry_s=0.0))
     answer(replica, prompt)

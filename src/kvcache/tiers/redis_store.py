@@ -17,7 +17,7 @@ The store is an optimisation, never a dependency: any error marks it down for a 
 
 from __future__ import annotations
 
-from kvcache.engine.block_store import BlockStore
+from kvcache.tiers.block_store import BlockStore
 
 READ_BATCH_BYTES = 16 << 20  # values fetched by one MGET at most
 

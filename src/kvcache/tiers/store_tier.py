@@ -1,13 +1,14 @@
-"""The engine's second tier of prefix blocks: a block store shared by replicas (`RedisBlockStore`).
+"""The connector over a block store (`TierConnector`): the engine's second tier of prefix blocks,
+a disk folder or Redis shared by replicas (or both, `tiered_store.TieredStore`).
 
 When a request is queued, its prompt's full blocks that the pool does not hold are read from the
-store on the store's reader thread (the longest run, in two round trips: `prefetch`), and the
+store on the store's reader thread (the longest run, in two round trips: `lookup`), and the
 request is admitted once the answer came or its time is up, so no step waits for the store.
 When a chunk of the prompt is about to be prefilled, the blocks read that fall in it are checked
 and written into the request's row as if a forward had computed them (`load`); prefill then runs
-only the rest. After each step, full blocks of the
-running rows that the store has not seen are copied out and queued for the background writer.
-The pool stays the first tier: what it holds is never fetched.
+only the rest. After each step, full blocks of the running rows that the store has not seen are
+copied out and queued for the background writer (`save`). The pool stays the first tier: what it
+holds is never fetched. Each request's read is kept here by its id (`KVConnector`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 
 from kvcache.blocks import HOLE
 from kvcache.cache import OutOfBlocksError, PagedCache
-from kvcache.engine.block_codec import (
+from kvcache.tiers.block_codec import (
     InvalidBlock,
     block_key,
     decode_block,
@@ -33,9 +33,8 @@ from kvcache.engine.block_codec import (
     layout_of,
     namespace,
 )
-from kvcache.engine.block_store import PendingRead
-from kvcache.engine.observers import StepObserver
-from kvcache.generation.params import RequestError
+from kvcache.tiers.block_store import PendingRead
+from kvcache.tiers.connector import KVConnector
 
 log = logging.getLogger("kvcache.store")
 _KNOWN = 1 << 16  # digests remembered as stored (written or read back), least recent forgotten first
@@ -44,11 +43,12 @@ _KNOWN = 1 << 16  # digests remembered as stored (written or read back), least r
 @dataclass(eq=False)
 class StoreRead:
     """A prompt's blocks being read from the store: `digests` are its blocks from index `start`
-    (the pool held those before), `pending` the store's read."""
+    (the pool held those before) of the prompt's whole blocks `prompt`, `pending` the store's read."""
 
     start: int
     digests: list[bytes]
     pending: PendingRead
+    prompt: list[bytes]
     missing_forgotten: bool = False
 
     def ready(self) -> bool:
@@ -61,19 +61,20 @@ class StoreRead:
         return self.start + len(self.digests)
 
 
-class StoreTier(StepObserver):
+class TierConnector(KVConnector):
     """Shares `pool`'s full prefix blocks of `model` through `store` (see the module docstring)."""
 
     def __init__(self, store, model, pool: PagedCache) -> None:
         self.store = store
+        self.block_size = pool.block_size
         self.layout = layout_of(model, pool.block_size, pool.kv_dtype)
         self.space = namespace(model, self.layout)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._failures = store.failure_count()
         self._warned_invalid = False
         self.max_blocks = pool.num_blocks  # more than the pool holds could never be attached
-        self._live: weakref.WeakSet[StoreRead] = weakref.WeakSet()  # reads requests still hold
-        self._reading = threading.Lock()
+        self._reads: dict[Hashable, StoreRead] = {}  # request id -> its read, until it lets go
+        self._reading = threading.Lock()  # guards _reads (submitting threads, and the engine's)
         self._paused = False
 
     @contextlib.contextmanager
@@ -101,25 +102,74 @@ class StoreTier(StepObserver):
             self._known.clear()
 
     # ---- reads: started when a request is queued, used on admission ------------------------------
-    def prefetch(self, digests: list[bytes], held: int, wake: Callable[[], None]) -> StoreRead | None:
+    def lookup(self, request_id: Hashable, digests: list[bytes], held: int, wake: Callable[[], None]) -> None:
         """Start reading the blocks after the first `held` of a prompt's `digests` (those the pool
-        holds), at most `max_blocks`, off the step; wake() when the answer comes. None when there
-        is nothing to read or the store may not be asked now (`paused`)."""
-        if self._paused:
-            return None
+        holds), at most `max_blocks`, off the step; wake() when the answer comes. No read (the
+        request's earlier one let go of) when there is nothing to read or the store may not be
+        asked now (`warming`)."""
+        read = None if self._paused else self._start_read(request_id, digests, held)
+        if read is None:
+            self.finished([request_id])
+        else:
+            read.pending.future.add_done_callback(lambda _: wake())
+
+    def _start_read(self, request_id: Hashable, digests: list[bytes], held: int) -> StoreRead | None:
+        """The read of `digests` after the first `held`, or None: nothing to read, the store
+        refused, or the reads not yet used (the request's earlier one among them) would hold
+        more than one pool's worth of blocks in memory."""
         wanted = digests[held : held + self.max_blocks]
         keys = [block_key(self.space, digest) for digest in wanted]
-        with self._reading:  # (submitting threads, and the engine's for preempted requests)
-            # what reads not yet used hold in memory stays within one pool's worth of blocks
-            if not wanted or sum(len(read.digests) for read in self._live) + len(wanted) > self.max_blocks:
+        with self._reading:
+            unused = sum(len(read.digests) for read in self._reads.values())
+            if not wanted or unused + len(wanted) > self.max_blocks:
                 return None
             pending = self.store.start_read(keys, self.layout.value_bytes)
             if pending is None:
                 return None
-            read = StoreRead(held, wanted, pending)
-            self._live.add(read)  # until its request lets go of it
-        pending.future.add_done_callback(lambda _: wake())
-        return read
+            read = StoreRead(held, wanted, pending, digests)
+            self._reads[request_id] = read  # (replacing its earlier one; counted from now)
+            return read
+
+    def ready(self, request_id: Hashable, held: Callable[[], int], wake: Callable[[], None]) -> bool:
+        """Whether the request may be admitted: its read (if any) answered or timed out, and it
+        still follows the `held()` blocks the pool holds (after blocks it started from were
+        evicted, a new read starts, and the request waits for it)."""
+        read = self._reads.get(request_id)
+        if read is None:
+            return True
+        if not read.ready():
+            return False
+        if read.pending.values() is None or read.start <= held():
+            return True  # (no answer: admitted without the store)
+        self.lookup(request_id, read.prompt, held(), wake)
+        return request_id not in self._reads
+
+    def wait(self, request_id: Hashable, timeout_s: float) -> None:
+        """Block until the request's read is answered, `timeout_s` at most."""
+        read = self._reads.get(request_id)
+        if read is not None:
+            read.pending.wait(timeout_s)
+
+    def matched(self, request_id: Hashable) -> int:
+        """The prompt tokens the request's read brought (whole blocks; 0: none or no answer)."""
+        read = self._reads.get(request_id)
+        values = None if read is None else read.pending.values()
+        return len(values or ()) * self.block_size
+
+    def admit(self, request_id: Hashable) -> int:
+        """`matched`; a read that brought nothing is let go of (what it missed offered again)."""
+        tokens = self.matched(request_id)
+        read = self._reads.get(request_id)
+        if not tokens and read is not None:
+            self._note_missing(read)
+            self.finished([request_id])
+        return tokens
+
+    def finished(self, request_ids) -> None:
+        """These requests let go of their reads."""
+        with self._reading:
+            for request_id in request_ids:
+                self._reads.pop(request_id, None)
 
     def pin(self, digests: list[bytes]) -> None:
         """Keep these blocks last when a tier evicts (the disk's; others keep what they keep)."""
@@ -128,19 +178,30 @@ class StoreTier(StepObserver):
     def reads_on_their_way(self) -> int:
         """Reads started for requests that still hold them, whose answer has not come yet."""
         with self._reading:
-            return sum(not read.pending.future.done() for read in self._live)
+            return sum(not read.pending.future.done() for read in self._reads.values())
 
-    def load(self, pool: PagedCache, row: int, attached: int, end: int, read: StoreRead) -> int:
-        """Append to row `row` (holding `attached` tokens) the blocks `read` brought from the
-        store that follow, up to position `end` (the chunk its step may fill); the tokens added (0
-        when none, the store did not answer, or the pool no longer holds what the read followed)."""
+    def load(self, request_id: Hashable, cache: PagedCache, row: int, attached: int, end: int) -> int:
+        """Append to row `row` (holding `attached` tokens) the blocks the request's read brought
+        that follow, up to position `end` (the chunk its step may fill); the tokens added (0 when
+        none, the row does not end on a block boundary, the store did not answer, or the pool no
+        longer holds what the read followed). The read is let go of once its blocks are used up,
+        or when they ended short of `end`'s whole blocks."""
+        read = self._reads.get(request_id)
+        if read is None or attached % cache.block_size:
+            return 0
+        loaded = self._load_read(cache, row, attached, end, read)
+        size = cache.block_size
+        if attached + loaded < end // size * size or attached + loaded >= read.end * size:
+            self.finished([request_id])
+        return loaded
+
+    def _load_read(self, pool: PagedCache, row: int, attached: int, end: int, read: StoreRead) -> int:
+        """`load`'s work for `read`: the tokens added to the row."""
         size = pool.block_size
-        if attached % size:
-            raise ValueError(f"store blocks start on block boundaries; the row holds {attached} tokens")
         values = read.pending.values()
         if values is None:  # no answer: nothing learned about what it holds
             return 0
-        self.note_missing(read)
+        self._note_missing(read)
         skip = attached // size - read.start  # < 0: the pool lost blocks the read's run follows
         digests = read.digests[skip : end // size - read.start] if skip >= 0 else []
         loaded = 0
@@ -158,7 +219,7 @@ class StoreTier(StepObserver):
         self.store.counters.hit_blocks += loaded
         return loaded * size
 
-    def note_missing(self, read: StoreRead) -> None:
+    def _note_missing(self, read: StoreRead) -> None:
         """Once `read` is answered: the blocks it asked for and did not get (evicted, flushed) are
         forgotten as written, so they are offered again."""
         values = read.pending.values()
@@ -188,17 +249,13 @@ class StoreTier(StepObserver):
             return None
 
     # ---- writes: after each step ------------------------------------------------------------------
-    def stepped(self, cache: PagedCache) -> None:
-        """The engine's step is over: offer what it left in the pool (`offer`)."""
-        self.offer(cache)
-
     def close(self) -> None:
         """Close the store (its queued writes are dropped)."""
         self.store.close()
 
-    def offer(self, pool: PagedCache) -> None:
+    def save(self, pool: PagedCache) -> None:
         """Queue every full block of `pool`'s rows that the store has not seen (copies taken now;
-        encoded and written on the store's writer thread); nothing while `paused`."""
+        encoded and written on the store's writer thread); nothing while `warming`."""
         if self._paused:
             return
         self._check_restart()
@@ -236,30 +293,3 @@ def _held_by_every_group(pool: PagedCache, seq, index: int) -> bool:
     back the blocks its window has passed: those are never offered, since a value holds all
     layers)."""
     return all(allocator.sequence(seq).table[index] != HOLE for allocator in pool.allocators)
-
-
-def open_tiers(disk=None, *, disk_bytes: int = 8 << 30, url: str | None = None, ttl_s: int = 3600):
-    """The store below the pool for `kvcache serve --kv-disk DIR --kv-store URL`: a
-    `DiskBlockStore` of `disk_bytes` in folder `disk`, Redis at `url`, both as one `TieredStore`
-    (disk first), or None for neither. ValueError for a folder another process holds."""
-    from kvcache.engine.disk_store import DiskBlockStore
-    from kvcache.engine.tiered_store import TieredStore
-
-    tiers = []
-    if disk is not None:
-        tiers.append(DiskBlockStore(disk, max_bytes=disk_bytes))
-    if url is not None:
-        tiers.append(open_store(url, ttl_s=ttl_s))
-    return None if not tiers else tiers[0] if len(tiers) == 1 else TieredStore(tiers)
-
-
-def open_store(store, **options):
-    """A store object as given, or a `RedisBlockStore(url, **options)` for a redis:// (rediss://,
-    unix://) URL; RequestError for any other string."""
-    if not isinstance(store, str):
-        return store
-    if not store.startswith(("redis://", "rediss://", "unix://")):
-        raise RequestError(f"kv_store must be a redis://HOST:PORT/DB URL, got {store!r}")
-    from kvcache.engine.redis_store import RedisBlockStore
-
-    return RedisBlockStore(store, **options)

@@ -7,7 +7,7 @@ down is skipped, and the run goes on in the next.
 
 from __future__ import annotations
 
-from kvcache.engine.block_store import BlockStore, block_bytes
+from kvcache.tiers.block_store import BlockStore, block_bytes
 
 
 class TieredStore(BlockStore):

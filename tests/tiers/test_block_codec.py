@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_model
 
 from kvcache.cache.paged.formats import row_formats
-from kvcache.engine.block_codec import InvalidBlock, decode_block, encode_block, layout_of, namespace
+from kvcache.tiers.block_codec import InvalidBlock, decode_block, encode_block, layout_of, namespace
 
 DIGEST = bytes(range(16))
 SPACE = "ab" * 16
@@ -107,7 +107,7 @@ def test_another_models_valid_block_copied_under_this_models_key_is_refused():
 def test_values_after_keys_of_an_odd_byte_count_read_back():
     """int4 keys of 4 channels (6 bytes a row) in blocks of 3: the float32 values start at byte 18,
     not a multiple of 4, and still read back exactly."""
-    from kvcache.engine.block_codec import BlockLayout
+    from kvcache.tiers.block_codec import BlockLayout
 
     layout = BlockLayout(1, 1, 4, 4, 3, torch.float32, "int4/float32")
     key_format, value_format = row_formats("int4/float32", 4, 4)

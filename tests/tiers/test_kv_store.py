@@ -13,20 +13,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis_server import RedisServer
+from tier_replicas import BLOCK, NEW, answer, engine, flushed, ids
 from tiny_models import tiny_model
 from waiting import wait_for
 
 import kvcache
 from kvcache.engine import Engine
-from kvcache.engine.block_codec import block_key
-from kvcache.engine.redis_store import RedisBlockStore
 from kvcache.generation.params import RequestError
+from kvcache.tiers.block_codec import block_key
+from kvcache.tiers.redis_store import RedisBlockStore
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
-
-BLOCK = 8
-NEW = 6
-
 
 @pytest.fixture(scope="module")
 def redis_server():
@@ -40,29 +37,10 @@ def model():
     return kvcache.load_model()
 
 
-def engine(model, store=None, kv_dtype=None) -> Engine:
-    return Engine(model, num_blocks=128, block_size=BLOCK, max_running=4, token_budget=64, kv_store=store,
-                  kv_dtype=kv_dtype)
-
-
-def ids(length: int, seed: int) -> list[int]:
-    generator = random.Random(seed)
-    return [generator.randrange(3, 1000) for _ in range(length)]
-
-
-def answer(replica: Engine, prompt: list[int]):
-    return replica.generate([prompt], max_tokens=NEW, temperature=0.0, ignore_eos=True)[0]
-
-
 def written_blocks(first: list[int], reply: list[int]) -> int:
     """Tokens of the full blocks a replica holds after answering: the prompt and the reply but
     its last token (never run through the model)."""
     return (len(first) + len(reply) - 1) // BLOCK * BLOCK
-
-
-def flushed(replica: Engine) -> Engine:
-    assert replica.store_tier.store.flush()
-    return replica
 
 
 def test_the_second_turn_on_another_replica_is_served_from_the_first_replicas_blocks(model, redis_server):

@@ -9,8 +9,8 @@ import pytest
 from tiny_models import tiny_model
 
 from kvcache.engine import Engine
-from kvcache.engine.disk_store import DiskBlockStore
 from kvcache.generation.params import SamplingParams
+from kvcache.tiers.disk_store import DiskBlockStore
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
 

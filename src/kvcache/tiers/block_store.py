@@ -1,7 +1,7 @@
 """What every tier of prefix blocks below the pool shares (Redis, a disk folder): counters, the
 up/down state, reads on a reader thread that never block a step, writes through a bounded queue
 on a writer thread. A tier says how it reads a run of keys (`_read_run`) and writes a batch
-(`_write`); `store_tier.StoreTier` decides what to ask and checks every byte read back.
+(`_write`); `store_tier.TierConnector` decides what to ask and checks every byte read back.
 
 Any error (down, slow past `timeout_s`, full, unwritable) marks the tier down for `retry_s`
 seconds, during which it is not asked at all; the outage is logged once and counted, and the next
