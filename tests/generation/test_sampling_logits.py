@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvcache.generation import sampling
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.penalties import SeenTokens
-from kvcache.generation.sampling import choose_tokens, processed_logits
+from kvcache.generation.sampling import choose_tokens, processed_logits, top_p_filter
 
 NEAR = 1e-5  # a top-p or min-p decision this close to its boundary may go either way in float32
 
@@ -178,3 +178,22 @@ def test_logit_bias_ids_past_the_vocabulary_are_named():
     assert params.logit_bias == ((2, -1.0), (9, 1.0))
     with pytest.raises(RequestError, match=r"logit_bias token ids must lie in \[0, 8\), got 9"):
         params.check(vocab_size=8)
+
+
+def _top_p_by_full_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The naive reference: sort the whole vocabulary, keep the prefix whose mass reaches top_p."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.double().softmax(dim=-1)
+    drop_sorted = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None].double()) & (top_p[:, None] < 1)
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 151_936])
+@pytest.mark.parametrize("spread", [0.1, 1.0, 8.0])  # flat (the kept set past the first 256), peaked
+def test_top_p_without_a_sort_keeps_what_the_full_sort_keeps(vocab, spread):
+    generator = torch.Generator().manual_seed(vocab + int(10 * spread))
+    logits = torch.randn(3, vocab, generator=generator, dtype=torch.float64).float() * spread
+    top_p = torch.tensor([0.05, 0.9, 1.0])
+    ours, theirs = top_p_filter(logits, top_p), _top_p_by_full_sort(logits, top_p)
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    assert int((~ours[1].isinf()).sum()) > (256 if spread == 0.1 and vocab > 300 else 0)

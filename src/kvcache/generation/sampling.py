@@ -37,17 +37,32 @@ def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+#: the best scores `top_p_filter` ranks first; four times more until every row's kept set lies
+#: within (past a sixteenth of the vocabulary: all of it)
+TOP_P_FIRST = 256
+
+
 def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep each row's smallest set of highest-probability tokens whose mass reaches top_p[row]
-    (top_p (B,) in (0, 1]; at least one token)."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, vocab)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
-    # the first token always has mass_before 0; a row of top_p 1 keeps every token (a float32
-    # sum may reach 1 before its tail)
-    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
+    (top_p (B,) in (0, 1]; at least one token). No sort of the vocabulary: the row's best k
+    scores (`torch.topk`, k grown until the mass of every row's kept set is reached within
+    them), their probabilities against the whole row's normalizer (logsumexp), summed in float64
+    (a float32 sum over a flat row's tens of thousands of kept tokens moves its boundary)."""
+    vocab = logits.shape[-1]
+    partial = top_p[:, None] < 1  # a row of top_p 1 keeps every token (a float32 sum may reach
+    # 1 before its tail)
+    normalizer = torch.logsumexp(logits.double(), dim=-1, keepdim=True)  # (B, 1)
+    k = min(TOP_P_FIRST, vocab)
+    while True:
+        best, order = torch.topk(logits, k, dim=-1)  # (B, k), best first
+        probs = (best.double() - normalizer).exp()
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
+        keep = (mass_before < top_p[:, None]) | ~partial  # (the first token: mass_before 0)
+        if k == vocab or not bool((keep[:, -1] & partial[:, 0]).any()):
+            break  # every partial row drops its k-th best already: its kept set lies within
+        k = 4 * k if 4 * k <= vocab // 16 else vocab  # (a flat row: one sort, not many ranks)
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, keep)
+    return logits.masked_fill(~kept & partial, float("-inf"))
 
 
 def min_p_filter(logits: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
