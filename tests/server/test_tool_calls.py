@@ -65,6 +65,8 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client):
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.choices[0].message.tool_calls is None
     assert answer.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turn's blocks found
+    # (the prompt parts where the earlier one ended: the assistant's call, measured with the tools)
+    assert answer.usage.kvcache_prefix["segment"] == "message 1"
 
 
 def test_a_named_function_is_called_with_arguments_of_its_schema(client):

@@ -403,7 +403,8 @@ class _Server:
         self._check_model(call.model)
         ids = self._prompt_ids(call)
         check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
-        return call, ids, self.why.explain(call.prompt, ids, call.params.cache_salt)
+        tools = None if call.tools is None else list(call.tools.tools)
+        return call, ids, self.why.explain(call.prompt, ids, call.params.cache_salt, tools)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:

@@ -28,9 +28,11 @@ class RequestExplainer:
         self._by_id: collections.OrderedDict[str, tuple[Explanation, list[int]]] = collections.OrderedDict()
         self._capacity = capacity
 
-    def explain(self, prompt, ids: list[int], cache_salt: str | None) -> Explanation:
-        """The explanation of `ids` (rendered from `prompt`) under `cache_salt`; then remembers it."""
-        segments = self.segments(prompt, len(ids))
+    def explain(self, prompt, ids: list[int], cache_salt: str | None,
+                tools: list | None = None) -> Explanation:
+        """The explanation of `ids` (rendered from `prompt`, with `tools` offered to the chat template)
+        under `cache_salt`; then remembers it."""
+        segments = self.segments(prompt, len(ids), tools)
         root = salt_root(cache_salt)
         held = None  # (replicas: each holds its own pool, not asked here; what was seen counts as held)
         if isinstance(self.engine, Engine):
@@ -41,15 +43,16 @@ class RequestExplainer:
             self.explainer.record(ids, root, segments)
         return answer
 
-    def segments(self, prompt, length: int) -> list[Segment]:
-        """Token ranges of a chat prompt's messages (each rendered prefix's length), the rest the
-        generation prompt; none for a text or token prompt."""
+    def segments(self, prompt, length: int, tools: list | None = None) -> list[Segment]:
+        """Token ranges of a chat prompt's messages (each rendered prefix's length, with `tools` as
+        the prompt had them), the rest the generation prompt; none for a text or token prompt."""
         chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
         if not chat or self.tokenizer is None:
             return []
         found, start = [], 0
         for index, message in enumerate(prompt):
-            end = len(self.tokenizer.apply_chat_template(prompt[: index + 1], add_generation_prompt=False))
+            end = len(self.tokenizer.apply_chat_template(prompt[: index + 1], add_generation_prompt=False,
+                                                         **({"tools": tools} if tools else {})))
             end = min(max(end, start), length)
             name = "system" if message.get("role") in ("system", "developer") else f"message {index}"
             found.append(Segment(name, start, end))
