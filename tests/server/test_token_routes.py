@@ -85,7 +85,8 @@ def test_apply_template_and_tokenized_messages_are_what_the_chat_route_renders(s
     ("/tokenize", {"content": "x", "model": "other"}, "model"),
     ("/apply-template", {"messages": []}, "messages"),
     ("/apply-template", {"messages": [*MESSAGES, {"role": "function", "content": "42"}]}, "messages[2]"),
-    ("/apply-template", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ("/apply-template", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]"),
+    ("/tokenize", {"content": "x", "tools": []}, "tools"),
     ("/apply-template", b"[not json", None),
 ])
 def test_bad_ids_and_bodies_are_400s_naming_the_field(server, path, body, param):

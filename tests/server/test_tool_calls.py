@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from conftest import API_KEY, start_server
@@ -99,3 +100,18 @@ def test_tools_on_a_template_that_renders_none_are_a_400_naming_tools(server):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model="kvcache-test", messages=QUESTION, max_tokens=4, tools=[WEATHER])
     assert raised.value.param == "tools" and "<tool_call>" in raised.value.message
+    rendered = _post(server, "/apply-template", {"messages": QUESTION, "tools": [WEATHER]})
+    assert rendered.status_code == 400 and rendered.json()["error"]["param"] == "tools"
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.base + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=TIMEOUT)
+
+
+def test_the_token_routes_render_tools_as_the_chat_route_does(tool_server, client):
+    rendered = _post(tool_server, "/apply-template", {"messages": QUESTION, "tools": [WEATHER, TIME]})
+    assert rendered.status_code == 200 and json.dumps(WEATHER) in rendered.json()["prompt"]
+    tokens = _post(tool_server, "/tokenize", {"messages": QUESTION, "tools": [WEATHER, TIME]}).json()["count"]
+    asked = _ask(client, QUESTION, max_tokens=1)
+    assert asked.usage.prompt_tokens == tokens

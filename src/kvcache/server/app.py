@@ -227,7 +227,8 @@ class _Server:
     def _tokenize(self, raw: bytes) -> dict:
         call = read_tokenize(_json_body(raw), self.limits)
         self._check_model(call.model)
-        text = call.text if call.messages is None else self._render(call.messages, call.add_generation_prompt)
+        text = call.text if call.messages is None else self._render(call.messages, call.add_generation_prompt,
+                                                                     call.tools)
         ids = self.tokenizer.encode(text, add_special_tokens=call.add_special)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.context}  # (vLLM's count, length)
 
@@ -240,13 +241,16 @@ class _Server:
     def _apply_template(self, raw: bytes) -> dict:
         call = read_apply_template(_json_body(raw), self.limits)
         self._check_model(call.model)
-        return {"prompt": self._render(call.messages, call.add_generation_prompt)}
+        return {"prompt": self._render(call.messages, call.add_generation_prompt, call.tools)}
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The chat template's text of `messages` (in jinja2's sandbox), as the chat route renders it."""
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
+        """The chat template's text of `messages` (in jinja2's sandbox) with `tools` offered, as the chat
+        route renders it."""
+        if tools:
+            self._check_tools_rendered()
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, **({"tools": tools} if tools else {}))
         except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
             raise ApiError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
@@ -420,12 +424,7 @@ class _Server:
         ApiError(400) naming tools when the template writes tool calls in no format kvcache reads."""
         prompt = call.prompt
         if call.tools is not None:
-            if tool_format(getattr(self.tokenizer, "chat_template", None)) is None:
-                families = ", ".join(FAMILIES)
-                raise ApiError(400, "tools: this model's chat template renders no tools, or writes tool "
-                               f"calls in a format kvcache cannot read back (it reads the {families} "
-                               "family: <tool_call>{json}</tool_call>, as Qwen2.5's template writes); "
-                               "serve a model whose template does, or send no tools", param="tools")
+            self._check_tools_rendered()
             prompt = self._with_tools(call)
         try:
             return prompt_ids(prompt, self.tokenizer, self.vocab)
@@ -435,6 +434,17 @@ class _Server:
             raise ApiError(
                 400, f"the chat template could not render these messages: {error}", param="messages"
             ) from None
+
+    def _check_tools_rendered(self) -> None:
+        """ApiError(400) naming tools when the chat template renders none, or writes tool calls in no
+        family kvcache reads back."""
+        if tool_format(getattr(self.tokenizer, "chat_template", None)) is None:
+            families = ", ".join(FAMILIES)
+            raise ApiError(400, "tools: this model's chat template renders no tools, or writes tool calls in "
+                           f"a format kvcache cannot read back (it reads the {families} family: "
+                           "<tool_call>{json}</tool_call>, as Qwen2.5's template writes); serve a model "
+                           "whose template does (or kvcache serve --chat-template FILE), or send no tools",
+                           param="tools")
 
     def _with_tools(self, call: Call) -> list[int]:
         """The token ids of the chat template's prompt with `tools` offered."""

@@ -28,9 +28,9 @@ READ: dict[str, frozenset[str]] = {
     "completion": _SAMPLING | {"prompt", "logprobs"},
     # llama-server's content and add_special, vLLM's prompt or messages and add_special_tokens
     "tokenize": frozenset({"model", "content", "prompt", "messages", "add_special", "add_special_tokens",
-                           "add_generation_prompt"}),
+                           "add_generation_prompt", "tools"}),
     "detokenize": frozenset({"model", "tokens"}),
-    "apply-template": frozenset({"model", "messages", "add_generation_prompt"}),
+    "apply-template": frozenset({"model", "messages", "add_generation_prompt", "tools"}),
 }
 
 #: the fields accepted and ignored, on every route that takes a body of sampling fields, and why

@@ -6,6 +6,8 @@ chat route's are (a bad field named in a 400, an unknown one refused):
                           {"messages", "add_generation_prompt"} (through the chat template)
     POST /detokenize      {"tokens": [ids]}, each id in the tokenizer's vocabulary
     POST /apply-template  {"messages"}: the prompt text the chat route would render
+
+Both routes that take messages take `tools` too (rendered as the chat route renders them).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 from kvcache.server.fields import refused_field
 from kvcache.server.openai_api import ApiError, Limits, check_texts, read_messages
+from kvcache.server.tools import ToolFieldError, read_tools
 
 
 @dataclass
@@ -25,15 +28,17 @@ class TokenizeCall:
     add_special: bool  # the tokenizer's special tokens (BOS) added to the text
     add_generation_prompt: bool  # (messages only) the template's opening of the assistant's turn
     model: str | None
+    tools: list | None = None  # (messages only) the tools offered to the chat template
 
 
 @dataclass
 class TemplateCall:
     """Chat messages to render with the chat template."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict]
     add_generation_prompt: bool
     model: str | None
+    tools: list | None = None  # the tools offered to the chat template
 
 
 def read_tokenize(body: object, limits: Limits) -> TokenizeCall:
@@ -52,10 +57,10 @@ def read_tokenize(body: object, limits: Limits) -> TokenizeCall:
     if source == "messages":
         messages = read_messages(body["messages"], limits.max_messages)
         return TokenizeCall(None, messages, add_special, _flag(body, "add_generation_prompt", True),
-                            _model(body))
-    if "add_generation_prompt" in body:
-        raise ApiError(400, f"add_generation_prompt applies to messages, not to {source}",
-                       param="add_generation_prompt")
+                            _model(body), _tools(body))
+    for name in ("add_generation_prompt", "tools"):
+        if name in body:
+            raise ApiError(400, f"{name} applies to messages, not to {source}", param=name)
     text = body[source]
     if not isinstance(text, str):
         raise ApiError(400, f"{source} must be a string, got {type(text).__name__}", param=source)
@@ -80,7 +85,16 @@ def read_apply_template(body: object, limits: Limits) -> TemplateCall:
     """The TemplateCall of an /apply-template body; ApiError(400) naming the first bad field."""
     body = _checked("apply-template", body)
     messages = read_messages(body.get("messages"), limits.max_messages)
-    return TemplateCall(messages, _flag(body, "add_generation_prompt", True), _model(body))
+    return TemplateCall(messages, _flag(body, "add_generation_prompt", True), _model(body), _tools(body))
+
+
+def _tools(body: dict) -> list | None:
+    """The tools of a body that renders messages (checked as the chat route checks them)."""
+    try:
+        tools = read_tools({"tools": body.get("tools")})
+    except ToolFieldError as error:
+        raise ApiError(400, str(error), param=error.param) from None
+    return None if tools is None else list(tools.tools)
 
 
 def _checked(kind: str, body: object) -> dict:
