@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# a prompt of more tokens than a step keeps in the kernels' layer calls (16): building the kernels
+# on it compiles both roads of a step (the layer calls, and the products of many tokens)
+KERNEL_PROMPT := a key value cache keeps the keys and values of every token so that each step of generation projects one token and attends over the stored ones
 
 .PHONY: demo lab test test-fast lint bench clean
 
@@ -17,9 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# the compiled kernels, built once here (numba keeps them beside the sources) so that no
 	# command's first run waits for them: a GGUF's (q8 and float32 activations) and a float model's
 	@echo "building the compiled CPU kernels (once per install; a few minutes on 2 cores)..."
-	$(VENV)/bin/kvcache generate -m smollm2 --prompt "kvcache" --max-tokens 2 > /dev/null
-	$(VENV)/bin/kvcache generate -m smollm2 --prompt "kvcache" --max-tokens 2 --activations float32 > /dev/null
-	$(VENV)/bin/kvcache generate --prompt "kvcache" --max-tokens 2 > /dev/null
+	$(VENV)/bin/kvcache generate -m smollm2 --prompt "$(KERNEL_PROMPT)" --max-tokens 2 > /dev/null
+	$(VENV)/bin/kvcache generate -m smollm2 --prompt "$(KERNEL_PROMPT)" --max-tokens 2 --activations float32 > /dev/null
+	$(VENV)/bin/kvcache generate --prompt "$(KERNEL_PROMPT)" --max-tokens 2 > /dev/null
 	touch $(STAMP)
 
 # The main job: SmolLM2-135M-Instruct (the GGUF installed above) answers a question, streamed, then

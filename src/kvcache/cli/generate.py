@@ -314,13 +314,15 @@ class _Runs:
 
     def warm_up(self) -> None:
         """Two greedy tokens on each road the timed runs take, untimed, said on stderr: on the
-        first run of an install the decode kernels are compiled here (seconds), not inside the
-        figures. The options are checked first: a bad one is the command's one error line."""
+        first run of an install the kernels are compiled here (seconds), not inside the figures.
+        Up to 32 prompt tokens: past a backend's `kernel_rows` (16 at most) a step runs its
+        products outside the layer calls, which the timed prompt then finds compiled. The
+        options are checked first: a bad one is the command's one error line."""
         from kvcache.generation.settings import GenerationSettings
 
         GenerationSettings(**{k: v for k, v in self.options.items() if k != "tokenizer"})
         print(f"{WARMING}…", file=sys.stderr, flush=True)
-        short = dict(input_ids=self.input_ids[:, :8], max_new_tokens=2, do_sample=False, stop_strings=None)
+        short = dict(input_ids=self.input_ids[:, :32], max_new_tokens=2, do_sample=False, stop_strings=None)
         self.generate(self.args.cache, **short)
         if self.args.compare_nocache:
             self.generate("none", **short)
