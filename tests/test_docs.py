@@ -29,3 +29,38 @@ def test_a_bare_or_moved_name_in_the_guide_is_found():
     named = guide_modules(text)
     assert named == ["engine/engine.py", "tokenizer.py"]
     assert [path for path in named if not (SOURCE / path).is_file()] == ["tokenizer.py"]
+
+
+def test_every_module_an_engine_request_crosses_is_named_in_the_guide():
+    """A chat request through the engine on the bundled model, traced (the second one: the first
+    loads what runs once): every module of the package it runs code in is in the guide."""
+    import sys
+    import threading
+
+    from kvcache import load_model, load_tokenizer
+    from kvcache.engine import Engine
+
+    engine = Engine(load_model(), load_tokenizer())
+    chat = [{"role": "user", "content": "Hello there"}]
+    crossed: set[str] = set()
+    root = str(SOURCE) + "/"
+
+    def note(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(root):
+            crossed.add(name[len(root):])
+
+    for traced in (False, True):
+        handle = engine.submit(chat, max_tokens=3)
+        if traced:
+            sys.setprofile(note)
+            threading.setprofile(note)
+        try:
+            while engine.step():
+                pass
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+        handle.result()
+    named = set(guide_modules(GUIDE.read_text(encoding="utf-8")))
+    assert crossed and sorted(crossed - named) == []
