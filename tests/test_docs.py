@@ -51,16 +51,16 @@ def test_every_module_an_engine_request_crosses_is_named_in_the_guide():
             crossed.add(name[len(root):])
 
     for traced in (False, True):
-        handle = engine.submit(chat, max_tokens=3)
         if traced:
             sys.setprofile(note)
             threading.setprofile(note)
         try:
+            handle = engine.submit(chat, max_tokens=3)
             while engine.step():
                 pass
+            handle.result()
         finally:
             sys.setprofile(None)
             threading.setprofile(None)
-        handle.result()
     named = set(guide_modules(GUIDE.read_text(encoding="utf-8")))
     assert crossed and sorted(crossed - named) == []
