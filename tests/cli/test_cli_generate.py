@@ -80,14 +80,17 @@ def test_building_the_parser_does_not_import_torch():
 
 def test_the_summary_names_the_decode_path_that_ran(llama_dir, capsys):
     """float32 on CPU runs the float32 step by default, bfloat16 and float16 the half step; a
-    forced torch backend and the no-cache path run the model's forward, and the summary says so."""
+    forced torch backend runs the model's forward; the no-cache path runs the whole sequence
+    again on the default backend, or on the model's forward with the torch one; the summary says
+    which."""
     cases = [
         ([], "decode step float32"),
         (["--backend", "torch"], "decode step torch"),
         (["--dtype", "bfloat16"], "decode step half"),
         (["--dtype", "float16"], "decode step half"),
         (["--dtype", "bfloat16", "--backend", "torch"], "decode step torch"),
-        (["--cache", "none"], "decode step torch"),
+        (["--cache", "none"], "decode step float32"),
+        (["--cache", "none", "--backend", "torch"], "decode step torch"),
     ]
     for extra, expected in cases:
         code = main(

@@ -310,3 +310,17 @@ def test_the_two_roads_give_the_same_tokens_and_a_backend_the_road_would_not_hon
         with pytest.raises(ValueError, match=r"backend 'float32' runs a paged cache's steps; cache"):
             generate(model, ids, max_new_tokens=2, cache=kind, backend="float32")
     assert generate(model, ids, max_new_tokens=2, cache="dynamic", backend="torch").backend == "torch"
+
+
+def test_no_cache_on_a_backend_recomputes_the_whole_sequence_and_keeps_nothing(models):
+    """cache="none" on a CPU backend runs every step as the whole sequence again on that backend
+    (the cost a cache saves, on the same kernels): the tokens of the cached road, a NoCache left
+    empty; on the torch backend it is the model's own forward."""
+    model = models["llama"]
+    ids, mask = left_padded_batch([3, 7, 5])
+    cached = generate(model, ids, mask, max_new_tokens=6, eos_token_id=())
+    plain = generate(model, ids, mask, max_new_tokens=6, eos_token_id=(), cache="none")
+    reference = generate(model, ids, mask, max_new_tokens=6, eos_token_id=(), cache="none", backend="torch")
+    assert (plain.backend, reference.backend) == ("float32", "torch")
+    assert plain.new_tokens == cached.new_tokens == reference.new_tokens
+    assert isinstance(plain.cache, kvcache.cache.NoCache) and plain.cache.get_seq_length() == 0

@@ -265,7 +265,7 @@ class _Runs:
 
         from kvcache.generation import generate
 
-        backend = self.args.backend if cache != "none" else "auto"
+        backend = self.args.backend
         input_ids = self.input_ids if input_ids is None else input_ids
         if cache == "paged" and kv_dtype_of(self.args):  # (quantized: made here, sized as generate would)
             from kvcache.cache import make_cache

@@ -29,8 +29,8 @@ import torch
 
 from kvcache.backends import Backend, TorchBackend, choose_backend
 from kvcache.backends.torch_step import last_logits
-from kvcache.cache import Cache, PagedCache, make_cache
-from kvcache.generation.paged_steps import PagedSteps, rows_tokens
+from kvcache.cache import Cache, NoCache, PagedCache, make_cache
+from kvcache.generation.paged_steps import PagedSteps, RecomputedSteps, rows_tokens
 from kvcache.generation.penalties import SeenTokens
 from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
@@ -149,10 +149,14 @@ def stream_generate(
 
 
 def _backend_for(model, cache, backend) -> Backend | None:
-    """The backend of a paged cache's steps (`choose_backend`); None for the other kinds, which
-    run on the model's forward: ValueError for a backend they would not honour."""
+    """The backend of a paged cache's steps (`choose_backend`), or of a no-cache run's (None where
+    that is the torch backend: the model's forward keeps nothing itself); None for the other
+    kinds, which run on the model's forward: ValueError for a backend they would not honour."""
     if cache == "paged" or isinstance(cache, PagedCache):
         return choose_backend(model, backend)
+    if cache == "none" or isinstance(cache, NoCache):  # the whole sequence again on the backend,
+        chosen = choose_backend(model, backend)  # or through the model's forward
+        return None if isinstance(chosen, TorchBackend) else chosen
     if backend in (None, "auto", "torch") or isinstance(backend, TorchBackend):
         return None
     kind = cache if isinstance(cache, str) else type(cache).__name__
@@ -240,13 +244,18 @@ def _steps(
 
 
 class _Forwards:
-    """One call's forwards on its road: a paged cache's steps on the backend (`PagedSteps`), or
-    the model's forward through any other cache (the mask grown a column per step)."""
+    """One call's forwards on its road: a paged cache's steps on the backend (`PagedSteps`; no
+    cache on a backend: `RecomputedSteps`), or the model's forward through any other cache (the
+    mask grown a column per step)."""
 
     def __init__(self, model, backend: Backend | None, cache: Cache, batch: int, attention_mask) -> None:
         self.model, self.cache, self.attention_mask = model, cache, attention_mask
         self.past = cache.get_seq_length()  # what a supplied cache holds already
-        self.paged = PagedSteps(model, backend, cache, batch) if backend is not None else None
+        self.paged: PagedSteps | RecomputedSteps | None = None
+        if isinstance(cache, PagedCache):
+            self.paged = PagedSteps(model, backend, cache, batch)
+        elif backend is not None:  # (a cache that keeps nothing, on a backend)
+            self.paged = RecomputedSteps(model, backend)
         self.ran = "torch" if backend is None else backend.name
 
     def prefill(self, input_ids: torch.Tensor, chunk_size: int | None) -> torch.Tensor:

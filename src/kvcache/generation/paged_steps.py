@@ -1,4 +1,5 @@
-"""`generate`'s fast road: every forward a one-request paged step, as the engine runs one.
+"""`generate`'s fast road: every forward a one-request paged step, as the engine runs one (and
+with no cache, `RecomputedSteps`: the whole sequence again each step, on the same backend).
 
 Each row of the batch is a row of a `PagedCache`, holding only its own tokens (no padding). A
 forward reserves the rows' blocks, runs the backend's step over a `PagedBatch` (the same
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcache.cache import PagedBatch, PagedCache
+from kvcache.cache import PagedBatch, PagedCache, make_cache
 from kvcache.cache.errors import CacheError
 
 
@@ -82,3 +83,33 @@ class PagedSteps:
             self.cache.truncate_rows(self.started)
         except CacheError:  # a window gave back what the row held: it stays ahead
             pass
+
+
+class RecomputedSteps:
+    """The forwards of a `generate` call that keeps no cache (cache="none"), on a backend: every
+    forward runs each row's whole sequence so far as a prompt on a fresh paged cache, dropped
+    after (the cost a cache saves, measured on the same kernels as the cached road)."""
+
+    def __init__(self, model, backend) -> None:
+        self.model, self.backend = model, backend
+        self.rows: list[list[int]] = []
+
+    def prefill(self, tokens: Sequence[Sequence[int]], chunk_size: int | None) -> torch.Tensor:
+        """(B, vocab) float32 logits after each row's prompt tokens[r]."""
+        self.rows = [list(row) for row in tokens]
+        return self._run(chunk_size)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, vocab) float32 logits after each row's whole sequence and its next token (B,)."""
+        for row, token in zip(self.rows, tokens.tolist()):
+            row.append(token)
+        return self._run(None)
+
+    def _run(self, chunk_size: int | None) -> torch.Tensor:
+        model = self.model
+        cache = make_cache("paged", config=model.config, dtype=model.dtype, device=model.device,
+                           max_batch_size=len(self.rows), max_cache_len=max(map(len, self.rows)))
+        return PagedSteps(model, self.backend, cache, len(self.rows)).prefill(self.rows, chunk_size)
+
+    def undo(self) -> None:
+        """Nothing to put back: nothing is kept."""
