@@ -14,7 +14,13 @@ from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import numba_products
 from kvcache.backends.cpu.cpu_backend import CpuBackend
 from kvcache.backends.cpu.packing import LayerWeights
-from kvcache.backends.cpu.support import fused_products, unsupported_parameters, unsupported_structure
+from kvcache.backends.cpu.support import (
+    fused_products,
+    require,
+    unsupported_kernels,
+    unsupported_parameters,
+    unsupported_structure,
+)
 from kvcache.model.quantized import QuantizedEmbedding, QuantizedLinear, block_weights
 
 _BLOCK_MODULES = (QuantizedLinear, QuantizedEmbedding)
@@ -27,18 +33,12 @@ def unsupported(model) -> str | None:
     )
     if reason is None and not block_weights(model):
         reason = "none of its weights is kept as ggml blocks (load a GGUF file without a dtype)"
-    if reason is None and not numba_products.available():
-        reason = "its products run on numba's kernels: install numba (with OpenMP or TBB threads)"
-    if reason is None:
-        reason = _mixed_product(model)
-    return reason
+    return reason or unsupported_kernels() or _mixed_product(model)
 
 
 def require_supported(model) -> None:
     """Raise `BackendError` saying why, unless the block step can stand in for `model`."""
-    reason = unsupported(model)
-    if reason is not None:
-        raise BackendError(f"the blocks backend cannot run this model: {reason}; use the torch backend")
+    require(unsupported(model), "the blocks backend")
 
 
 def _mixed_product(model) -> str | None:

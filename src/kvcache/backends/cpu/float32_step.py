@@ -9,11 +9,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import numba_products, onednn
 from kvcache.backends.cpu.cpu_backend import CpuBackend
 from kvcache.backends.cpu.packing import pack_weights
-from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
+from kvcache.backends.cpu.support import (
+    require,
+    unsupported_kernels,
+    unsupported_parameters,
+    unsupported_structure,
+)
 
 
 def unsupported(model) -> str | None:
@@ -21,16 +25,12 @@ def unsupported(model) -> str | None:
     reason = unsupported_structure(model, "the float32 step") or unsupported_parameters(
         model, (torch.float32,), "the float32 step"
     )
-    if reason is None and not numba_products.available():
-        reason = "its steps run on numba's kernels: install numba (with OpenMP or TBB threads)"
-    return reason
+    return reason or unsupported_kernels()
 
 
 def require_supported(model) -> None:
     """Raise `BackendError` saying why, unless the float32 step can stand in for `model`."""
-    reason = unsupported(model)
-    if reason is not None:
-        raise BackendError(f"the float32 backend cannot run this model: {reason}; use the torch backend")
+    require(unsupported(model), "the float32 backend")
 
 
 class Float32Backend(CpuBackend):

@@ -13,7 +13,12 @@ from kvcache.backends.base import BackendError
 from kvcache.backends.cpu import huge_pages, numba_products, onednn
 from kvcache.backends.cpu.cpu_backend import CpuBackend
 from kvcache.backends.cpu.onednn import LaidOutLayer, LaidOutProduct, laid_out_product, product
-from kvcache.backends.cpu.support import unsupported_parameters, unsupported_structure
+from kvcache.backends.cpu.support import (
+    require,
+    unsupported_kernels,
+    unsupported_parameters,
+    unsupported_structure,
+)
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -25,16 +30,12 @@ def unsupported(model) -> str | None:
     )
     if reason is None and model.dtype == torch.bfloat16 and not onednn.available():
         reason = "this torch build has no oneDNN (mkldnn), whose bfloat16 products the half step uses"
-    if reason is None and not numba_products.available():
-        reason = "its steps run on numba's kernels: install numba (with OpenMP or TBB threads)"
-    return reason
+    return reason or unsupported_kernels()
 
 
 def require_supported(model) -> None:
     """Raise `BackendError` saying why, unless the half step can stand in for `model`."""
-    reason = unsupported(model)
-    if reason is not None:
-        raise BackendError(f"the half backend cannot run this model: {reason}; use the torch backend")
+    require(unsupported(model), "the half backend")
 
 
 class HalfBackend(CpuBackend):

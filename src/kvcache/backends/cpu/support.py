@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvcache.backends.base import BackendError
+from kvcache.backends.cpu import numba_products
 from kvcache.model import LlamaForCausalLM
 from kvcache.model.llama import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm
 from kvcache.model.rope import RotaryEmbedding
@@ -100,3 +102,18 @@ def fused_products(layer) -> list[tuple[str, tuple[nn.Module, ...]]]:
     attention, mlp = layer.self_attn, layer.mlp
     return [("qkv", (attention.q_proj, attention.k_proj, attention.v_proj)), ("o", (attention.o_proj,)),
             ("gate_up", (mlp.gate_proj, mlp.up_proj)), ("down", (mlp.down_proj,))]
+
+
+def unsupported_kernels() -> str | None:
+    """Why the CPU backends' steps cannot run here (numba without a threading layer whose
+    kernels they compile), or None."""
+    if numba_products.available():
+        return None
+    return "its steps run on numba's kernels: install numba (with OpenMP or TBB threads)"
+
+
+def require(reason: str | None, backend: str) -> None:
+    """Raise `BackendError` naming `backend` ("the float32 backend") and `reason`, unless the
+    reason is None."""
+    if reason is not None:
+        raise BackendError(f"{backend} cannot run this model: {reason}; use the torch backend")
