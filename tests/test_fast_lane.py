@@ -1,19 +1,22 @@
 """The fast lane (`make test-fast`, `pytest --fast`) runs torch on one thread: its tensors are tiny,
 and two threads on a shared 2-core machine spin waiting for each other whenever one is
-descheduled (docs/testing.md has the figures)."""
+descheduled (docs/testing.md has the figures); the whole suite keeps torch's own count."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from types import SimpleNamespace
 
+import conftest
 import torch
 
 
-def test_the_fast_lane_runs_torch_on_one_thread_and_the_whole_suite_on_its_own_count(request):
-    if request.config.getoption("--fast"):
+def test_the_fast_lane_sets_torch_to_one_thread_and_the_whole_suite_leaves_it():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        conftest.pytest_configure(SimpleNamespace(getoption=lambda name: False))
+        assert torch.get_num_threads() == 2
+        conftest.pytest_configure(SimpleNamespace(getoption=lambda name: name == "--fast"))
         assert torch.get_num_threads() == 1
-    else:  # the whole suite: torch's own count, what a fresh interpreter in this environment picks
-        fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-                               capture_output=True, text=True, check=True, timeout=300)
-        assert torch.get_num_threads() == int(fresh.stdout)
+    finally:
+        torch.set_num_threads(before)
