@@ -392,3 +392,19 @@ def test_generate_on_a_gguf_reads_q8_activations_by_default_and_float32_when_ask
     assert main([*run, "--activations", "q8", "--dtype", "float32"]) == 2
     assert "--activations q8" in capsys.readouterr().err
     assert main([*run, "--dtype", "float32"]) == 0  # (auto: float32 where every weight is dequantized)
+
+
+def test_generate_speculates_with_the_same_tokens_and_says_what_its_drafts_gave(capsys):
+    """--speculate ngram on a GGUF (q8: the exact blocks step): the tokens equal the no-cache
+    run's (--compare-nocache), the summary and the report count the drafts; on the bundled
+    float32 model, whose many-token steps sum in another order, it is refused by name."""
+    prompt = "Repeat exactly: red green blue, red green blue, red green blue."
+    run = ["generate", "-m", "smollm2", "--chat", prompt, "--max-new-tokens", "16", "--speculate", "ngram"]
+    assert main([*run, "--compare-nocache"]) == 0
+    err = capsys.readouterr().err
+    assert "tokens identical to the no-cache run: yes" in err and "speculate ngram:" in err
+    assert main([*run, "--json", "--draft-tokens", "4"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["speculate"] == "ngram" and reply["drafted_tokens"] >= reply["accepted_tokens"] > 0
+    assert main(["generate", "--prompt", "hi", "--speculate", "ngram"]) == 2
+    assert "speculate needs a backend" in capsys.readouterr().err

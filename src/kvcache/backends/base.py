@@ -19,11 +19,16 @@ class Backend:
 
     #: the name a summary prints ("torch", "float32", "half", "blocks")
     name: str = ""
+    #: a step of up to this many tokens gives each token the logits it gets run alone, to the
+    #: bit (chunk-invariant arithmetic: what a speculative step's verification needs to be exact);
+    #: 1 where the products or the attention sum in another order for more rows
+    exact_rows: int = 1
 
     def step(self, model, batch) -> torch.Tensor:
-        """(sampled rows, vocab) float32 logits of one step over `batch` (a `PagedBatch`: rows of
+        """(wanted tokens, vocab) float32 logits of one step over `batch` (a `PagedBatch`: rows of
         a paged cache, each running its new tokens, one when it decodes, a prompt chunk when it
-        prefills, on blocks reserved before), the logits of the rows that sample, in order; every
+        prefills, on blocks reserved before), the logits of the tokens it wants (`PagedBatch.wanted`:
+        each sampling row's last token, a verifying row's last `sample[r]`), in order; every
         row's keys and values written to its reserved slots (the caller commits them). `model` is
         the one the backend was built from."""
         raise NotImplementedError

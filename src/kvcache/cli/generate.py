@@ -72,6 +72,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
     add_activations(parser)
     parser.add_argument("--prefill-chunk", type=positive_int, help="prefill this many tokens at a time")
+    parser.add_argument("--speculate", choices=("ngram",),
+                        help="ngram: each decode step also verifies a draft looked up in the prompt and "
+                        "output (prompt lookup); the tokens are the same as without, to the bit (a paged "
+                        "cache; a GGUF with q8 activations)")
+    parser.add_argument("--draft-tokens", type=positive_int,
+                        help="the most tokens a --speculate draft holds (default: what one exact step "
+                        "verifies)")
     parser.add_argument("--sample", action="store_true",
                         help="sample instead of greedy decoding (default: the checkpoint's "
                              "generation_config.json, else greedy)")
@@ -257,6 +264,8 @@ class _Runs:
             tokenizer=tokenizer,
             prefill_chunk_size=args.prefill_chunk,
             structured=args.structured,
+            speculate=args.speculate,
+            draft_tokens=args.draft_tokens,
         )
 
     def generate(self, cache: str, streamer=None, input_ids=None, **changes):
@@ -325,7 +334,7 @@ class _Runs:
         short = dict(input_ids=self.input_ids[:, :32], max_new_tokens=2, do_sample=False, stop_strings=None)
         self.generate(self.args.cache, **short)
         if self.args.compare_nocache:
-            self.generate("none", **short)
+            self.generate("none", **short, **_PLAIN)
 
     def summary(self, result) -> str:
         """The bracketed line after the text: what ran."""
@@ -337,6 +346,8 @@ class _Runs:
             f"{f' (last {self.args.kv_window} tokens exact)' if self.args.kv_window else ''}; "
             f"{self.model.dtype}; "
             f"decode step {result.backend}; {how}"
+            + (f"; speculate {self.args.speculate}: {result.accepted_tokens} of {result.drafted_tokens} "
+               "drafted tokens taken" if self.args.speculate else "")
             + (f"; {self.tokens_from_disk} prompt tokens read from --kv-disk]" if self.args.kv_disk else "]")
         )
 
@@ -351,6 +362,8 @@ class _Runs:
                 "decode_step": result.backend, "seed": self.seed, **self.sampling,
                 "time_to_first_token_s": result.time_to_first_token_s,
                 "decode_tokens_per_s": result.decode_tokens_per_s,
+                **({"speculate": self.args.speculate, "drafted_tokens": result.drafted_tokens,
+                    "accepted_tokens": result.accepted_tokens} if self.args.speculate else {}),
                 **({"tokens_from_disk": self.tokens_from_disk} if self.args.kv_disk else {})}
 
     def compare_nocache(self, result, report: dict) -> list[str]:
@@ -368,7 +381,7 @@ class _Runs:
             made.append(step_tokens)
             bar(len(made) / max(count, 1), "tokens made again")
 
-        plain = self.generate("none", streamer=counted)
+        plain = self.generate("none", streamer=counted, **_PLAIN)
         if bar.last_label is not None:
             bar(1.0, "tokens made again")  # (a bar on a terminal ends its line)
         same = plain.new_tokens[0] == result.new_tokens[0]
@@ -380,6 +393,10 @@ class _Runs:
             lines.append(f"decode speed, cache {self.args.cache} / no cache: {ratio:.2f}x")
             report["decode_speedup_vs_nocache"] = ratio
         return lines
+
+
+#: the no-cache run speculates not (it keeps no cache to verify drafts in)
+_PLAIN = {"speculate": None, "draft_tokens": None}
 
 
 def _timing_line(result) -> str:

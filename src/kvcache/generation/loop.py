@@ -34,6 +34,7 @@ from kvcache.generation.paged_steps import PagedSteps, RecomputedSteps, rows_tok
 from kvcache.generation.penalties import SeenTokens
 from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
+from kvcache.generation.speculative import SpeculativeSteps
 from kvcache.generation.stops import Stops
 from kvcache.generation.structured import GrammarState, TokenTable, allowed_rows, packed_masks
 from kvcache.text.eos import default_eos
@@ -54,6 +55,8 @@ class GenerationResult:
     # (every other kind), "none" when no decode step ran
     backend: str = "none"
     cache: Cache | None = field(default=None, repr=False)  # the cache, holding the context
+    drafted_tokens: int = 0  # speculation: draft tokens verified, in all
+    accepted_tokens: int = 0  # of them, the ones chosen (each a forward saved)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -196,7 +199,7 @@ def _steps(
     cache = _cache_for(model, cache, batch, prompt_length + options.max_new_tokens)
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # no padding: positions and masks follow from the cache alone
-    forwards = _Forwards(model, backend, cache, batch, attention_mask)
+    forwards = _Forwards(model, backend, cache, batch, attention_mask, options)
     try:  # all or nothing: a call that fails leaves a supplied cache as it was
         ids = input_ids.new_empty((batch, prompt_length + options.max_new_tokens))  # (B, T_prompt + new)
         ids[:, :prompt_length] = input_ids
@@ -222,7 +225,9 @@ def _steps(
                 break
         else:
             end = prompt_length + options.max_new_tokens
+        forwards.finish()
     except GeneratorExit:  # the caller stopped reading: what ran stays in the cache
+        forwards.finish()
         raise
     except BaseException:
         forwards.undo()
@@ -240,6 +245,7 @@ def _steps(
         decode_steps=decode_steps,
         backend=forwards.ran if decode_steps else "none",
         cache=cache,
+        **forwards.drafts(),
     )
 
 
@@ -248,12 +254,18 @@ class _Forwards:
     cache on a backend: `RecomputedSteps`), or the model's forward through any other cache (the
     mask grown a column per step)."""
 
-    def __init__(self, model, backend: Backend | None, cache: Cache, batch: int, attention_mask) -> None:
+    def __init__(self, model, backend: Backend | None, cache: Cache, batch: int, attention_mask,
+                 options: GenerationSettings) -> None:
         self.model, self.cache, self.attention_mask = model, cache, attention_mask
         self.past = cache.get_seq_length()  # what a supplied cache holds already
-        self.paged: PagedSteps | RecomputedSteps | None = None
+        self.paged: PagedSteps | RecomputedSteps | SpeculativeSteps | None = None
+        if options.speculate is not None and not isinstance(cache, PagedCache):
+            raise ValueError(f"speculate verifies drafts in a paged cache's steps; cache "
+                             f"{type(cache).__name__} runs on the model's own forward: give cache='paged'")
         if isinstance(cache, PagedCache):
             self.paged = PagedSteps(model, backend, cache, batch)
+            if options.speculate is not None:
+                self.paged = SpeculativeSteps(self.paged, _draft_tokens(model, backend, batch, options))
         elif backend is not None:  # (a cache that keeps nothing, on a backend)
             self.paged = RecomputedSteps(model, backend)
         self.ran = "torch" if backend is None else backend.name
@@ -274,12 +286,44 @@ class _Forwards:
             mask = self.attention_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
         return last_logits(self.model, _unheld(ids, end, self.cache, self.past), mask, self.cache)
 
+    def finish(self) -> None:
+        """The call ended: a speculative road's unconfirmed draft tokens trimmed from the cache."""
+        if isinstance(self.paged, SpeculativeSteps):
+            self.paged.finish()
+
+    def drafts(self) -> dict:
+        """The result's `drafted_tokens` and `accepted_tokens` (0 without speculation)."""
+        if not isinstance(self.paged, SpeculativeSteps):
+            return {}
+        return {"drafted_tokens": self.paged.proposed, "accepted_tokens": self.paged.verified}
+
     def undo(self) -> None:
         """A failed call: the cache back to what it held before."""
         if self.paged is not None:
             self.paged.undo()
         else:
             self.cache.abandon_forward(self.past)
+
+
+def _draft_tokens(model, backend: Backend, batch: int, options: GenerationSettings) -> int:
+    """The most tokens a draft may hold on `backend` (`GenerationSettings.draft_tokens`, checked):
+    ValueError where speculation would not give the tokens plain decoding gives."""
+    if batch != 1:
+        raise ValueError(f"speculate drafts for one row; input_ids has {batch}")
+    if backend.exact_rows < 2:
+        raise ValueError(
+            f"speculate needs a backend whose step gives a token the logits it gets alone (exact_rows > 1); "
+            f"backend {backend.name!r} sums a step of several tokens in another order, so a verified draft "
+            "could change a token (a GGUF loaded with q8 activations, the default, runs on 'blocks', which "
+            "does)")
+    if any(window is not None for window in model.config.layer_windows):
+        raise ValueError("speculate does not roll back a sliding-window layer's blocks yet: this model has "
+                         "windowed layers")
+    most = backend.exact_rows - 1
+    if options.draft_tokens is not None and options.draft_tokens > most:
+        raise ValueError(f"draft_tokens must be <= {most} on backend {backend.name!r} (a step of more tokens "
+                         f"is not chunk-invariant there), got {options.draft_tokens}")
+    return options.draft_tokens or most
 
 
 def _choose(logits, sampling, generator, seen: list[SeenTokens] | None, stops: Stops) -> torch.Tensor:

@@ -68,6 +68,12 @@ class PagedSteps:
                            [True] * len(listed))
         return self._run(batch)
 
+    def verify(self, tokens: Sequence[int]) -> torch.Tensor:
+        """(len(tokens), vocab) float32 logits after each of tokens, run in one step on the
+        only row (a speculative step: its newest token, then a draft)."""
+        batch = PagedBatch(self.cache, [0], [list(tokens)], [len(tokens)])
+        return self._run(batch)
+
     def _run(self, batch: PagedBatch) -> torch.Tensor:
         self.cache.reserve(batch.rows, batch.totals)
         logits = self.backend.step(self.model, batch)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from kvcache.generation.params import SamplingParams
 
+#: the drafting methods of `speculate` (`kvcache.generation.speculative`)
+METHODS = ("ngram",)
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -23,6 +26,11 @@ class GenerationSettings:
     prefill_chunk_size: run the prompt through the model this many tokens at a time.
     structured: a `structured.StructuredOutput` every row's output must match (needs a tokenizer);
         a row whose grammar is complete stops ("grammar").
+    speculate: None, or "ngram": decode steps verify prompt-lookup drafts (`speculative`); the
+        tokens are the same as without, sampled ones too (one row, a paged cache, a backend whose
+        steps are chunk-invariant).
+    draft_tokens: the most tokens one draft holds (None: what the backend verifies exactly in one
+        step, less the row's own token).
     """
 
     max_new_tokens: int = 32
@@ -37,6 +45,8 @@ class GenerationSettings:
     stop_strings: Sequence[str] | None = None
     prefill_chunk_size: int | None = None
     structured: object | None = None
+    speculate: str | None = None
+    draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -56,6 +66,13 @@ class GenerationSettings:
                 f"temperature must be > 0 and finite, got {self.temperature!r}; use do_sample=False for "
                 f"greedy"
             )
+        if self.speculate is not None and self.speculate not in METHODS:
+            raise ValueError(f"speculate must be None or one of {METHODS}, got {self.speculate!r}")
+        drafts = self.draft_tokens
+        if drafts is not None and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
+            raise ValueError(f"draft_tokens must be an int >= 1 or None, got {self.draft_tokens!r}")
+        if self.draft_tokens is not None and self.speculate is None:
+            raise ValueError("draft_tokens sets the length of speculate's drafts: give speculate='ngram' too")
         self.sampling  # noqa: B018 (validates top_k, top_p, min_p, repetition_penalty)
 
     @property

@@ -70,6 +70,18 @@ def _product(linears) -> tuple[tuple, np.ndarray | None]:
     return tuple(_part(linear) for linear in linears), bias
 
 
+def _reads_q8_everywhere(row_layers) -> bool:
+    """Whether every product of the step reads blocks with 8-bit activations: their kernels give
+    a row the same sums alone or beside others (each row's activations quantized on their own,
+    the tiles' lanes the one-row dot's: `tests/backends/cpu/test_block_step.py`), so a step of
+    up to `kernel_rows` tokens is chunk-invariant; a float32 part's product is not."""
+    from kvcache.backends.cpu.numba_blocks import Q8_READS
+
+    layers, (head, _), _ = row_layers
+    parts = [part for w in layers for product in (w.qkv, w.o, w.gate_up, w.down) for part in product]
+    return all(isinstance(part, tuple) and part[1] >= Q8_READS for part in (*parts, *head))
+
+
 def _vector(parameter: nn.Parameter | None) -> np.ndarray | None:
     return None if parameter is None else parameter.detach().float().contiguous().numpy()
 
@@ -111,6 +123,7 @@ class BlockBackend(CpuBackend):
         )
         self.remember_parameters(model)
         self._blocks = block_weights(model)
+        self.exact_rows = self.kernel_rows if _reads_q8_everywhere(self.row_layers) else 1
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter

@@ -30,7 +30,7 @@ class TokenRows:
     positions: np.ndarray  # (N,)
     table_row: np.ndarray  # (N,) int64: each token's batch row (its row of the block tables)
     lengths: np.ndarray  # (N,) int64: the keys each token sees, its position + 1
-    last: np.ndarray  # (S,) the token index of each sampling row's last token
+    last: np.ndarray  # (S,) the token indices whose logits are wanted (`PagedBatch.wanted`)
     groups: list[tuple[np.ndarray, np.ndarray]]  # per group of layers: (tables (R, W), slots (N,))
     firsts: np.ndarray  # (R,) each batch row's first token index
     counts: np.ndarray  # (R,) each batch row's tokens
@@ -58,12 +58,12 @@ def token_rows(batch) -> TokenRows:
             tables[row, : len(table)] = np.maximum(table, 0)
         slots = tables[table_row, positions // size] * size + positions % size
         groups.append((tables, slots))
-    last = (firsts + counts - 1)[batch.sampled]
+    last = np.array([firsts[row] + index for row, index in batch.wanted], np.int64)
     return TokenRows(ids, positions, table_row, positions + 1, last, groups, firsts, counts)
 
 
 def run(step, batch) -> torch.Tensor:
-    """(sampling rows, vocab) float32 logits of one engine step of `step` (an `CpuBackend` whose
+    """(wanted tokens, vocab) float32 logits of one engine step of `step` (an `CpuBackend` whose
     `row_layers` are set) over `batch`, every row's keys and values written to its slots."""
     rows = token_rows(batch)
     count = len(rows.ids)
@@ -275,7 +275,7 @@ def _tensor(stored: np.ndarray) -> torch.Tensor:
 
 
 def _logits(step, x: np.ndarray) -> np.ndarray:
-    """(S, vocab) logits of the sampling rows' last hidden states x (S, hidden)."""
+    """(S, vocab) logits of the wanted tokens' hidden states x (S, hidden)."""
     if len(x) == 0:
         return np.empty((0, step.vocab), np.float32)
     if len(x) <= step.kernel_rows:

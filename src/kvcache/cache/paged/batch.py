@@ -1,9 +1,10 @@
 """PagedBatch: one step of many rows of a PagedCache, their blocks reserved already (the engine's
 pool reserves a whole step's blocks before any forward): what a backend runs in one call
 (`Backend.step`). Row r runs `tokens[r]` (one token when it decodes, a chunk of its prompt
-when it prefills) at positions starts[r], starts[r] + 1, …; the logits of the rows that `sample`
-are wanted. The forward only reads the block tables and writes the reserved slots; the owner
-commits the positions afterwards."""
+when it prefills) at positions starts[r], starts[r] + 1, …; the logits of each row's last
+`sample[r]` tokens are wanted (one: its next token; more: a speculative step's drafts verified).
+The forward only reads the block tables and writes the reserved slots; the owner commits the
+positions afterwards."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from ..errors import CacheShapeError
 @dataclass
 class PagedBatch:
     """rows: indices into cache.rows, each once; tokens: each row's new token ids (>= 1 each);
-    sample: whether each row's last token's logits are wanted. starts: each row's length before
-    the step (read from the cache when the batch is made)."""
+    sample: how many of each row's last tokens' logits are wanted (True/1: its last token's;
+    False/0: none), at most its tokens. starts: each row's length before the step (read from the
+    cache when the batch is made)."""
 
     cache: object  # the PagedCache
     rows: list[int]
     tokens: list[list[int]]
-    sample: list[bool]
+    sample: list[int]  # (bools count as 0 and 1)
     starts: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -34,6 +36,10 @@ class PagedBatch:
             )
         if any(not tokens for tokens in self.tokens):
             raise CacheShapeError("every row of a batch runs at least one token")
+        for index, (wanted, tokens) in enumerate(zip(self.sample, self.tokens)):
+            if not 0 <= wanted <= len(tokens):
+                raise CacheShapeError(
+                    f"sample[{index}] must be 0 .. the row's {len(tokens)} tokens, got {wanted}")
         lengths = self.cache.row_lengths
         self.starts = [lengths[row] for row in self.rows]
 
@@ -41,6 +47,13 @@ class PagedBatch:
     def sampled(self) -> list[int]:
         """Batch positions of the rows whose logits are wanted, in order."""
         return [index for index, wanted in enumerate(self.sample) if wanted]
+
+    @property
+    def wanted(self) -> list[tuple[int, int]]:
+        """(batch position, token index within the row) of every token whose logits are wanted,
+        in the order a step returns them: row by row, each row's last `sample[r]` tokens in order."""
+        return [(index, len(tokens) - wanted + k) for index, (tokens, wanted) in
+                enumerate(zip(self.tokens, self.sample)) for k in range(wanted)]
 
     @property
     def totals(self) -> list[int]:

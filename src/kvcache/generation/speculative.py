@@ -1,0 +1,145 @@
+"""Model-free speculative decoding on `generate`'s paged road: prompt lookup drafts, verified in
+one step, exact by construction.
+
+Each decode step, `NgramDrafts` looks for the longest recent n-gram of the sequence (prompt and
+output) that ends it and occurred before; the tokens that followed that earlier occurrence are
+the draft. One paged step runs the row's newest token and the draft together and returns the
+logits after every one of them (`PagedBatch.sample`): the token chosen after the newest token is
+the first draft token's check, and so on. While the chosen tokens equal the draft, their logits
+are already there; at the first that differs the draft's rest is trimmed from the cache
+(`PagedCache.truncate_rows`) and the next step drafts again.
+
+Greedy tokens are the tokens of decoding one at a time, to the bit, because a backend whose
+steps are chunk-invariant (`Backend.exact_rows`: a token's logits the same whether it runs
+alone or beside others of its row) verifies at most that many tokens a step; a backend without
+that property is refused. The draft length adapts: it doubles while drafts are taken whole and
+halves after a rejection, and a row whose drafts keep failing drafts less often, so text that
+never repeats itself runs nearly as plain decoding does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcache.generation.paged_steps import PagedSteps
+
+
+class NgramDrafts:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the sequence's last
+    n tokens (n from `longest` down to `shortest`), as in llama.cpp's and vLLM's n-gram drafts."""
+
+    def __init__(self, longest: int = 3, shortest: int = 1) -> None:
+        if not 1 <= shortest <= longest:
+            raise ValueError(f"n-gram lengths must satisfy 1 <= shortest <= longest, got {shortest}, "
+                             f"{longest}")
+        self.longest, self.shortest = longest, shortest
+        self.tokens: list[int] = []
+        self.seen: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest earlier occurrence ends
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Add tokens to the sequence; each n-gram becomes findable once a token follows it."""
+        for token in tokens:
+            end = len(self.tokens)  # n-grams ending here are now followed by `token`
+            for n in range(self.shortest, min(self.longest, end) + 1):
+                self.seen[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token)
+
+    def draft(self, count: int) -> list[int]:
+        """Up to `count` tokens that followed the longest n-gram ending the sequence, where it
+        occurred last before (none: [])."""
+        end = len(self.tokens)
+        for n in range(min(self.longest, end), self.shortest - 1, -1):
+            found = self.seen.get(tuple(self.tokens[end - n :]))
+            if found is not None:
+                return self.tokens[found : found + count]
+        return []
+
+
+class DraftLength:
+    """How many tokens to draft next: doubles (up to `most`) when a draft was taken whole, halves
+    after a rejection; after `patience` drafts in a row of which nothing was taken, drafting
+    pauses for as many steps as have failed since (plain decoding meanwhile)."""
+
+    def __init__(self, most: int, patience: int = 2) -> None:
+        self.most, self.patience = most, patience
+        self.length = min(4, most)
+        self.failures = 0
+        self.paused = 0
+
+    def next(self) -> int:
+        """Tokens to draft this step (0: decode plainly)."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return self.length
+
+    def taken(self, drafted: int, accepted: int) -> None:
+        """Note a verified draft of `drafted` tokens of which the first `accepted` were chosen."""
+        if accepted == drafted:
+            self.length, self.failures = min(2 * self.length, self.most), 0
+            return
+        self.length = max(1, self.length // 2)
+        self.failures = self.failures + 1 if accepted == 0 else 0
+        if self.failures >= self.patience:
+            self.paused = self.failures
+
+
+class SpeculativeSteps:
+    """`PagedSteps` of one row whose decode steps verify n-gram drafts (see the module docstring).
+    `decode` takes the chosen token and gives the logits after it, as `PagedSteps.decode` does."""
+
+    def __init__(self, steps: PagedSteps, most: int) -> None:
+        self.steps = steps
+        self.drafts = NgramDrafts()
+        self.length = DraftLength(most)
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (draft token, the logits after it)
+        self.drafted = 0  # tokens the last verification drafted, of which `accepted` were chosen
+        self.accepted = 0
+        self.held = steps.cache.row_lengths[0]  # positions of chosen tokens the cache holds or runs
+        self.verified = 0  # draft tokens chosen, in all
+        self.proposed = 0  # draft tokens verified, in all
+
+    def prefill(self, tokens: Sequence[Sequence[int]], chunk_size: int | None) -> torch.Tensor:
+        """`PagedSteps.prefill` of the one row, its tokens the first the drafts look through."""
+        logits = self.steps.prefill(tokens, chunk_size)
+        self.drafts.extend(tokens[0])
+        self.held = self.steps.cache.row_lengths[0]
+        return logits
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(1, vocab) logits after the chosen token tokens (1,)."""
+        token = int(tokens[0])
+        self.drafts.extend([token])
+        self.held += 1
+        if self.pending and self.pending[0][0] == token:
+            self.accepted += 1
+            return self.pending.pop(0)[1][None]
+        self._settle(self.held - 1)  # (the newest token runs now)
+        draft = self.drafts.draft(self.length.next())
+        logits = self.steps.verify([token, *draft])  # (1 + drafted, vocab)
+        self.pending = list(zip(draft, logits[1:]))
+        self.drafted, self.accepted = len(draft), 0
+        return logits[:1]
+
+    def _settle(self, keep: int) -> None:
+        """The last verification's verdict noted, and the cache trimmed to `keep` positions (its
+        rejected draft tokens dropped)."""
+        if self.drafted:
+            self.length.taken(self.drafted, self.accepted)
+            self.proposed += self.drafted
+            self.verified += self.accepted
+            self.drafted = 0
+        self.pending = []
+        if self.steps.cache.row_lengths[0] > keep:
+            self.steps.cache.truncate_rows([keep])
+
+    def finish(self) -> None:
+        """Trim what no chosen token confirmed: the cache holds the chosen tokens but the last,
+        as plain decoding leaves it."""
+        self._settle(self.held)
+
+    def undo(self) -> None:
+        """`PagedSteps.undo`."""
+        self.steps.undo()
