@@ -29,19 +29,25 @@ def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_e
         NgramDrafts(longest=2, shortest=3)
 
 
-def test_the_draft_length_doubles_on_whole_drafts_halves_on_rejections_and_pauses_on_failures():
-    length = DraftLength(most=15, patience=2)
-    assert length.next() == 4
-    length.taken(4, 4)
-    assert length.next() == 8
-    length.taken(8, 8)
-    length.taken(15, 15)
-    assert length.next() == 15
-    length.taken(15, 3)
-    assert length.next() == 7
-    length.taken(7, 0)
-    length.taken(3, 0)  # two drafts in a row with nothing taken: two plain steps
-    assert [length.next() for _ in range(3)] == [0, 0, 1]
+def test_the_draft_length_follows_what_drafts_give_and_what_longer_steps_cost():
+    length = DraftLength(most=15)
+    assert length.next() == 1  # (the prior: a short draft, to learn)
+    for _ in range(6):
+        length.taken(4, 4)  # drafts taken whole: longer ones pay
+    assert 1 < length.next() < 15
+    length.timed(1, 0.010)
+    for _ in range(40):
+        length.timed(9, 0.0108)  # further tokens nearly free (a wide machine): the longest
+    assert length.slope < 0.05 and length.next() == 15
+    length = DraftLength(most=15)  # (a step's further tokens cost: SLOPE)
+    for _ in range(20):
+        length.taken(3, 0)  # every draft refused: plain decoding
+    assert length.next() == 0
+    steps = 0
+    while length.next() == 0:  # plain steps drift back toward the prior: a draft is tried again
+        length.taken(0, 0)
+        steps += 1
+    assert 0 < steps < 100
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ are already there; at the first that differs the draft's rest is trimmed from th
 Greedy tokens are the tokens of decoding one at a time, to the bit, because a backend whose
 steps are chunk-invariant (`Backend.exact_rows`: a token's logits the same whether it runs
 alone or beside others of its row) verifies at most that many tokens a step; a backend without
-that property is refused. The draft length adapts: it doubles while drafts are taken whole and
-halves after a rejection, and a row whose drafts keep failing drafts less often, so text that
-never repeats itself runs nearly as plain decoding does.
+that property is refused. The draft length adapts to what drafts give and what a longer step
+costs (`DraftLength`): where drafts are seldom taken it drafts nothing, so text that never
+repeats itself runs as plain decoding does.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +31,7 @@ class NgramDrafts:
     """Prompt lookup: the continuation of the latest earlier occurrence of the sequence's last
     n tokens (n from `longest` down to `shortest`), as in llama.cpp's and vLLM's n-gram drafts."""
 
-    def __init__(self, longest: int = 3, shortest: int = 1) -> None:
+    def __init__(self, longest: int = 8, shortest: int = 1) -> None:
         if not 1 <= shortest <= longest:
             raise ValueError(f"n-gram lengths must satisfy 1 <= shortest <= longest, got {shortest}, "
                              f"{longest}")
@@ -58,32 +59,55 @@ class NgramDrafts:
 
 
 class DraftLength:
-    """How many tokens to draft next: doubles (up to `most`) when a draft was taken whole, halves
-    after a rejection; after `patience` drafts in a row of which nothing was taken, drafting
-    pauses for as many steps as have failed since (plain decoding meanwhile)."""
+    """How many tokens to draft next, from what drafts have cost and given: the length k that
+    makes the most tokens per unit of step time, (1 + p + … + p^k) / (1 + slope·k), where p is
+    the chance that a draft token is taken (a running average over the row's verified drafts)
+    and slope what each further token of a step costs, relative to a step of one token (measured
+    on the steps as they run). Where no length pays (p low), it drafts nothing: plain decoding;
+    p drifts back to its prior while nothing is drafted, so a later stretch of repeated text is
+    tried again."""
 
-    def __init__(self, most: int, patience: int = 2) -> None:
-        self.most, self.patience = most, patience
-        self.length = min(4, most)
-        self.failures = 0
-        self.paused = 0
+    #: the chance a draft token is taken, before any draft was verified
+    PRIOR = 0.6
+    #: how far each verified token (and each plain step, back toward the prior) moves p
+    RATE = 0.1
+    #: what a step's further token costs, relative to a one-token step, before any was timed
+    SLOPE = 0.5
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.taken_chance = self.PRIOR
+        self.slope = self.SLOPE
+        self.single = 0.0  # the seconds a one-token step takes (a running average; 0: none timed yet)
 
     def next(self) -> int:
         """Tokens to draft this step (0: decode plainly)."""
-        if self.paused:
-            self.paused -= 1
-            return 0
-        return self.length
+        p, best, best_rate = self.taken_chance, 0, 1.0
+        expected = 1.0
+        for k in range(1, self.most + 1):
+            expected += p**k
+            rate = expected / (1.0 + self.slope * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def taken(self, drafted: int, accepted: int) -> None:
-        """Note a verified draft of `drafted` tokens of which the first `accepted` were chosen."""
-        if accepted == drafted:
-            self.length, self.failures = min(2 * self.length, self.most), 0
-            return
-        self.length = max(1, self.length // 2)
-        self.failures = self.failures + 1 if accepted == 0 else 0
-        if self.failures >= self.patience:
-            self.paused = self.failures
+        """Note a verified draft of `drafted` tokens of which the first `accepted` were chosen
+        (the first refused one, if any, counts against p; the untried rest do not)."""
+        for _ in range(accepted):
+            self.taken_chance += self.RATE * (1.0 - self.taken_chance)
+        if accepted < drafted:
+            self.taken_chance -= self.RATE * self.taken_chance
+        if not drafted:
+            self.taken_chance += self.RATE * (self.PRIOR - self.taken_chance)
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """Note that a step of `tokens` tokens (the row's own and its draft) took `seconds`."""
+        if tokens == 1:
+            self.single = seconds if not self.single else self.single + self.RATE * (seconds - self.single)
+        elif self.single:
+            slope = max(0.0, (seconds / self.single - 1.0) / (tokens - 1))
+            self.slope += self.RATE * (slope - self.slope)
 
 
 class SpeculativeSteps:
@@ -118,7 +142,9 @@ class SpeculativeSteps:
             return self.pending.pop(0)[1][None]
         self._settle(self.held - 1)  # (the newest token runs now)
         draft = self.drafts.draft(self.length.next())
+        started = time.perf_counter()
         logits = self.steps.verify([token, *draft])  # (1 + drafted, vocab)
+        self.length.timed(1 + len(draft), time.perf_counter() - started)
         self.pending = list(zip(draft, logits[1:]))
         self.drafted, self.accepted = len(draft), 0
         return logits[:1]
@@ -126,11 +152,10 @@ class SpeculativeSteps:
     def _settle(self, keep: int) -> None:
         """The last verification's verdict noted, and the cache trimmed to `keep` positions (its
         rejected draft tokens dropped)."""
-        if self.drafted:
-            self.length.taken(self.drafted, self.accepted)
-            self.proposed += self.drafted
-            self.verified += self.accepted
-            self.drafted = 0
+        self.length.taken(self.drafted, self.accepted)
+        self.proposed += self.drafted
+        self.verified += self.accepted
+        self.drafted = 0
         self.pending = []
         if self.steps.cache.row_lengths[0] > keep:
             self.steps.cache.truncate_rows([keep])
