@@ -107,7 +107,7 @@ class Engine:
         )
         self.kv_events = KVEventPublisher(kv_events) if isinstance(kv_events, str) else kv_events
         if self.kv_events is not None:
-            self.kv_events.attach(self.pool.cache.allocator)  # (the full layers', or the window's)
+            self.kv_events.attach(self.pool.cache.allocator, self.pool.connector)  # (full layers, or window)
         self.backend = choose_backend(model, backend)
         self.runner = Runner(model, self.backend)
         self.drift_probe = self._drift_probe(kv_drift_sample, pool.kv_dtype)

@@ -11,9 +11,18 @@ an array whose first element names it:
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
 A block hash is the first 8 bytes of kvcache's 16-byte chained digest as an integer below 2**63;
-parent_block_hash is None for a sequence's first block; lora_id is None; medium is "CPU" (the
-pool lives in host memory). One batch per engine step that changed what the pool can find;
-AllBlocksCleared first (a restarted replica holds nothing) and last (one that stops).
+parent_block_hash is None for a sequence's first block; lora_id is None. medium says where the
+blocks are: "CPU" for the pool (it lives in host memory), "DISK" and "REDIS" for the tiers below
+it (`kvcache.tiers`), so a router can weigh a replica's hits by tier. One batch per engine step
+that changed what the pool can find; AllBlocksCleared first (a restarted replica holds nothing)
+and last (one that stops). A tier's events go out as their own batch when its thread reports
+them: BlockStored when a write lands (a demotion: kvcache writes a block to its tiers once it is
+whole, so this comes before the pool evicts it, whose BlockRemoved "CPU" follows; or a promotion
+of a block a read found in Redis into the disk tier), BlockRemoved when the tier evicts or
+deletes it (a Redis key its TTL expires goes unannounced). A block loaded from a tier into the
+pool (a promotion) is BlockStored "CPU" when it becomes findable there, as a computed one is. A
+tier's BlockStored carries its parent and tokens when this replica wrote the block, else None and
+no tokens (as vLLM's offloading connector sends its blocks).
 
 Replay (optional, vLLM's replay endpoint): a ROUTER socket bound at a second endpoint keeps the
 last `replay_batches` batches; a subscriber that sees a gap in the sequence numbers sends the
@@ -118,6 +127,7 @@ class KVEventPublisher(StepObserver):
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)  # (number, payload)
         self.batches = 0  # batches flushed: their sequence numbers are 0 .. batches - 1
         self._pending: list[list] = []
+        self._collecting = threading.Lock()  # the step's events and the tiers' (their own threads)
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._send, name="kvcache-kv-events", daemon=True)
         self._thread.start()
@@ -140,37 +150,48 @@ class KVEventPublisher(StepObserver):
             raise OSError(f"{flag}: cannot {verb} {endpoint}: {error}") from None
         return socket
 
-    def attach(self, allocator) -> None:
-        """Follow `allocator` (a `kvcache.blocks.BlockAllocator`): its blocks' events are ours."""
+    def attach(self, allocator, connector=None) -> None:
+        """Follow `allocator` (a `kvcache.blocks.BlockAllocator`): its blocks' events are ours;
+        and `connector`'s tiers (a `kvcache.tiers.connector.KVConnector`), in their media."""
         self.block_size = allocator.block_size
         allocator.listener = self
+        if connector is not None:
+            connector.listen(self)
 
-    # ---- the allocator's listener ----------------------------------------------------------------
-    def stored(self, digests: list[bytes], parent: bytes | None, token_ids: list[int]) -> None:
-        """BlockStored for the chain `digests` (see `BlockListener.stored`)."""
-        self._pending.append([
-            "BlockStored", [external_hash(d) for d in digests],
-            None if parent is None else external_hash(parent), token_ids, self.block_size, None, MEDIUM,
-        ])
+    # ---- the allocator's listener (and the tiers', with their medium) -----------------------------
+    def stored(self, digests: list[bytes], parent: bytes | None, token_ids: list[int], *,
+               medium: str = MEDIUM) -> None:
+        """BlockStored for the chain `digests` (see `BlockListener.stored`) in `medium`."""
+        with self._collecting:
+            self._pending.append([
+                "BlockStored", [external_hash(d) for d in digests],
+                None if parent is None else external_hash(parent), token_ids, self.block_size, None, medium,
+            ])
 
-    def removed(self, digest: bytes) -> None:
-        """BlockRemoved for `digest`, merged into the previous event when that removed blocks too."""
-        if self._pending and self._pending[-1][0] == "BlockRemoved":
-            self._pending[-1][1].append(external_hash(digest))
-        else:
-            self._pending.append(["BlockRemoved", [external_hash(digest)], MEDIUM])
+    def removed(self, digest: bytes, *, medium: str = MEDIUM) -> None:
+        """BlockRemoved for `digest` in `medium`, merged into the previous event when that removed
+        blocks of the same medium too."""
+        with self._collecting:
+            last = self._pending[-1] if self._pending else None
+            if last is not None and last[0] == "BlockRemoved" and last[2] == medium:
+                last[1].append(external_hash(digest))
+            else:
+                self._pending.append(["BlockRemoved", [external_hash(digest)], medium])
 
     def cleared(self) -> None:
         """AllBlocksCleared: a router forgets every block of this replica."""
-        self._pending.append(["AllBlocksCleared"])
+        with self._collecting:
+            self._pending.append(["AllBlocksCleared"])
 
     # ---- sending ---------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Hand the events collected since the last flush to the sending thread, as one batch."""
-        if self._pending:
-            events, self._pending = self._pending, []
-            self._batches.put(self._pack([time.time(), events]))
-            self.batches += 1
+        """Hand the events collected since the last flush to the sending thread, as one batch
+        (from the engine's thread at the end of a step, or a tier's thread after its write)."""
+        with self._collecting:
+            if self._pending:
+                events, self._pending = self._pending, []
+                self._batches.put(self._pack([time.time(), events]))
+                self.batches += 1
 
     def step_ended(self) -> None:
         """An engine step is over: the blocks it made findable or evicted go out as one batch."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger("kvcache.store")
 MAX_READS = 16  # reads started and not done: past it (a stuck tier) no more are queued
@@ -44,6 +45,18 @@ class StoreCounters:
     write_batches: int = 0  # batched writes, one round trip (or one pass over files) each
     outages: int = 0
     up: bool = True
+
+
+class TierListener(Protocol):
+    """Told, on a tier's threads, of the blocks the tier `medium` ("DISK", "REDIS") now holds and
+    no longer holds, by key (`block_codec.block_key`): the KV events' tier media
+    (`store_tier.TierConnector.tier_stored`)."""
+
+    def tier_stored(self, medium: str, keys: list[str]) -> None:
+        """These blocks were written to the tier."""
+
+    def tier_removed(self, medium: str, keys: list[str]) -> None:
+        """These blocks were evicted or deleted from the tier."""
 
 
 class BlockStore:
@@ -85,6 +98,17 @@ class BlockStore:
         """Evict these blocks last (a tier that evicts by its own rule, as Redis does, ignores it)."""
 
     kind = "store"  # what /metrics calls the tier
+    medium = "STORAGE"  # what KV events call the tier (`kvcache.engine.kv_events`)
+    listener = None  # told of blocks written and removed (`TierListener`); None: no one
+
+    def listen(self, listener) -> None:
+        """Tell `listener` (a `TierListener`) of the blocks this tier writes and removes."""
+        self.listener = listener
+
+    def tell_removed(self, keys: list[str]) -> None:
+        """The listener's `tier_removed` for `keys` (the tier no longer holds them)."""
+        if self.listener is not None and keys:
+            self.listener.tier_removed(self.medium, keys)
 
     def stats(self) -> dict:
         """The counters as a dict, with the tier's `kind` (`Engine.stats()["kv_store"]`)."""
@@ -211,6 +235,8 @@ class BlockStore:
         self.counters.written_blocks += len(batch)
         self.counters.written_bytes += written
         self.counters.write_batches += 1
+        if self.listener is not None:
+            self.listener.tier_stored(self.medium, [key for key, _ in values])
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued block was written or dropped (tests, shutdown); False on timeout."""

@@ -68,6 +68,16 @@ class KVConnector(StepObserver):
     def pin(self, digests: list[bytes]) -> None:
         """Keep these blocks last when a tier evicts."""
 
+    def listen(self, events) -> None:
+        """Publish the blocks the tiers write and remove to `events` (a `KVEventPublisher`), each
+        in its tier's medium; with no tiers there are none."""
+
+    def tier_stored(self, medium: str, keys: list[str]) -> None:
+        """(a tier's thread; `block_store.TierListener`) the tier `medium` wrote these blocks."""
+
+    def tier_removed(self, medium: str, keys: list[str]) -> None:
+        """(a tier's thread) the tier `medium` evicted or deleted these blocks."""
+
     def stepped(self, cache) -> None:
         """The engine's step is over: `save` what it left in the pool."""
         self.save(cache)

@@ -201,6 +201,7 @@ class DiskBlockStore(BlockStore):
     """
 
     kind = "disk"
+    medium = "DISK"
 
     def __init__(self, folder: str | Path, *, max_bytes: int = 8 << 30, timeout_s: float = 2.0,
                  retry_s: float = 30.0, max_pending: int = 512, write_bytes_per_s: int = 256 << 20) -> None:
@@ -421,11 +422,14 @@ class DiskBlockStore(BlockStore):
             return False
         return held or super().put(key, make_value)
 
-    def _write(self, batch: list[tuple[str, bytes]]) -> int:
+    def _write_batch(self, batch: list) -> None:
         try:
-            return self._write_files(batch)
+            super()._write_batch(batch)  # (its blocks told stored before any of them is evicted)
         finally:
             self._evict()  # (a batch cut short by a full disk still leaves the folder in its size)
+
+    def _write(self, batch: list[tuple[str, bytes]]) -> int:
+        return self._write_files(batch)
 
     def _write_files(self, batch: list[tuple[str, bytes]]) -> int:
         written = 0
@@ -509,13 +513,17 @@ class DiskBlockStore(BlockStore):
                 size = self._index.pop(key)
                 self.bytes -= size
             self._delete(key)
+            self.tell_removed([key])
 
     def discard(self, key: str) -> None:
         """Forget the block of `key` (it failed its check, or is truncated) and delete its file on
         the block reader thread (a step never waits on the disk); one that cannot be deleted is
         remembered as bad (never read or written again), logged once."""
         with self._index_lock:
+            held = key in self._index
             self.bytes -= self._index.pop(key, 0)
+        if held:
+            self.tell_removed([key])
         with contextlib.suppress(RuntimeError):  # (closed: the file is found again at the next start)
             self._block_reader.submit(lambda: self._delete_discarded(key))
 

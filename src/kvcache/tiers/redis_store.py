@@ -36,6 +36,7 @@ class RedisBlockStore(BlockStore):
     """
 
     kind = "redis"
+    medium = "REDIS"  # (a block its TTL expires goes unannounced: Redis tells no one)
 
     def __init__(self, url: str, *, ttl_s: int = 3600, timeout_s: float = 0.5, retry_s: float = 2.0,
                  max_pending: int = 512) -> None:

@@ -76,6 +76,8 @@ class TierConnector(KVConnector):
         self._reads: dict[Hashable, StoreRead] = {}  # request id -> its read, until it lets go
         self._reading = threading.Lock()  # guards _reads (submitting threads, and the engine's)
         self._paused = False
+        self._events = None  # the KV events' publisher (`listen`); None: no one is told
+        self._lineage: OrderedDict[bytes, tuple[bytes | None, list[int]]] = OrderedDict()  # for events
 
     @contextlib.contextmanager
     def warming(self):
@@ -248,6 +250,45 @@ class TierConnector(KVConnector):
                 log.warning("KV store block %s refused (%s); it is recomputed", digest.hex(), error)
             return None
 
+    # ---- the tiers' KV events ---------------------------------------------------------------------
+    def listen(self, events) -> None:
+        """Publish to `events` (a `KVEventPublisher`) the blocks the store's tiers write
+        (BlockStored: a demotion, or a block a lower tier's read promoted into a higher one) and
+        evict or delete (BlockRemoved), each in its tier's medium, as their threads report them."""
+        self._events = events
+        self.store.listen(self)
+
+    def _digests(self, keys: list[str]) -> list[bytes]:
+        """The digests of `keys` in this model's space (others are no block of ours)."""
+        prefix, digests = f"kvcache:{self.space}:", []
+        for key in keys:
+            if key.startswith(prefix):
+                with contextlib.suppress(ValueError):
+                    digests.append(bytes.fromhex(key[len(prefix) :]))
+        return digests
+
+    def tier_stored(self, medium: str, keys: list[str]) -> None:
+        """(a tier's writer thread) BlockStored in `medium`, one event a block: its parent and
+        tokens when this replica wrote it, else None and no tokens (as vLLM's offloading connector
+        publishes its blocks)."""
+        for digest in self._digests(keys):
+            parent, tokens = self._lineage.get(digest, (None, []))
+            self._events.stored([digest], parent, tokens, medium=medium)
+        self._events.flush()
+
+    def tier_removed(self, medium: str, keys: list[str]) -> None:
+        """(a tier's thread) BlockRemoved in `medium`."""
+        for digest in self._digests(keys):
+            self._events.removed(digest, medium=medium)
+        self._events.flush()
+
+    def _note_lineage(self, digest: bytes, parent: bytes | None, tokens: list[int]) -> None:
+        """Keep what a tier's BlockStored says of a block this replica writes (while events are on)."""
+        if self._events is not None:
+            self._lineage[digest] = (parent, tokens)
+            if len(self._lineage) > _KNOWN:
+                self._lineage.popitem(last=False)
+
     # ---- writes: after each step ------------------------------------------------------------------
     def close(self) -> None:
         """Close the store (its queued writes are dropped)."""
@@ -284,6 +325,8 @@ class TierConnector(KVConnector):
                 def make(digest=digest, block_keys=block_keys, block_values=block_values) -> bytes:
                     return encode_block(self.layout, self.space, digest, block_keys, block_values)
 
+                tokens = state.token_ids[index * size : (index + 1) * size]
+                self._note_lineage(digest, state.hashes[index - 1] if index else None, list(tokens))
                 self.store.put(block_key(self.space, digest), make)
                 self._remember(digest)
 

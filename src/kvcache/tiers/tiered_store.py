@@ -61,6 +61,11 @@ class TieredStore(BlockStore):
 
         return any([tier.put(key, value) for tier in self.tiers])
 
+    def listen(self, listener) -> None:
+        """Each tier tells `listener` of its own blocks, in its own medium."""
+        for tier in self.tiers:
+            tier.listen(listener)
+
     def pin(self, keys: list[str]) -> None:
         for tier in self.tiers:
             tier.pin(keys)
