@@ -129,7 +129,7 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._cached_pinned: OrderedDict[int, None] = OrderedDict()  # the same, evicted last
-        self.pinned: set[bytes] = set()  # digests of pinned prefixes' blocks (`pin`)
+        self.pinned: Counter[bytes] = Counter()  # digests of pinned prefixes' blocks: their pins (`pin`)
         self._by_hash: dict[bytes, int] = {}
         # registered blocks (full, or kept tails) by their parent's hash, with their token ids: the
         # blocks whose leading tokens a prompt may attach after its whole-block prefix
@@ -234,6 +234,26 @@ class BlockAllocator:
         self.pinned.update(digests)
         for block in [self._by_hash[d] for d in digests if self._by_hash.get(d) in self._cached]:
             self._cached_pinned[block] = self._cached.pop(block)
+
+    def unpin(self, digests: Sequence[bytes]) -> None:
+        """Take back one `pin` of each of `digests`; a block no pin holds any more is evicted as
+        any unused block is (as the most recently freed)."""
+        for digest in digests:
+            if self.pinned[digest] > 1:
+                self.pinned[digest] -= 1
+                continue
+            self.pinned.pop(digest, None)
+            block = self._by_hash.get(digest)
+            if block is not None and block in self._cached_pinned:
+                self._cached[block] = self._cached_pinned.pop(block)
+
+    def demote(self, digests: Sequence[bytes]) -> None:
+        """Evict the unused, unpinned blocks of `digests` before every other unused block (a tier
+        below holds them: they are the cheapest to lose)."""
+        for digest in reversed(digests):  # (the chain's first block ends up evicted first)
+            block = self._by_hash.get(digest)
+            if block is not None and block in self._cached:
+                self._cached.move_to_end(block, last=False)
 
     def attachable(self, digests: Sequence[bytes]) -> int:
         """The most leading blocks of `digests` this allocator can attach: here, the longest run

@@ -38,6 +38,7 @@ from kvcache.engine.prompts import prompt_ids
 from kvcache.engine.request import Completion, Request, RequestHandle, notify_all
 from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
+from kvcache.engine.sessions import KVHints, Sessions
 from kvcache.engine.step_costs import StepCosts
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
@@ -114,11 +115,13 @@ class Engine:
         # bounds what a prompt adds to a step while rows decode (a factor of None: only the budget)
         self.step_costs = StepCosts(scheduler.prefill_slowdown, maximum=scheduler.token_budget)
         self.metrics = EngineMetrics()
+        self.sessions = Sessions(self.pool)  # agent sessions' hints (`sessions`; its clock replaceable)
         # what watches the steps (`observers`): the counters, the step costs, and the features that
         # are on, each called at every step
         features = (self.store_tier, self.drift_probe, self.kv_events)
         self.observers: list[StepObserver] = [
-            self.metrics, self.step_costs, *(feature for feature in features if feature is not None)
+            self.metrics, self.step_costs, *(feature for feature in features if feature is not None),
+            self.sessions,
         ]
         self.clock = time.perf_counter  # what the step's forwards and tokens are timed by
         # called with every Completion as its request ends (a server's metrics); `notify_all` says
@@ -192,11 +195,13 @@ class Engine:
         return {dtype: budget // block[dtype] // per_sequence for dtype in dtypes}
 
     # ---- submitting -------------------------------------------------------------------------------
-    def submit(self, prompt, params: SamplingParams | None = None, **fields) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams | None = None, *, hints: KVHints | None = None,
+               **fields) -> RequestHandle:
         """Queue one request; return its handle. prompt: token ids, a text (needs the tokenizer),
         or chat messages [{"role", "content"}, …] (through the tokenizer's chat template). params,
-        or its fields as keywords (max_tokens=…, temperature=…). Refused with RequestError, and
-        nothing queued, when a field is out of range or the request cannot fit even alone."""
+        or its fields as keywords (max_tokens=…, temperature=…). hints: its session's advisory KV
+        hints (`sessions.KVHints`). Refused with RequestError, and nothing queued, when a field is
+        out of range or the request cannot fit even alone."""
         params = params if params is not None else SamplingParams(**fields)
         ids = prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
         check_request(ids, params, self.model.config, self.pool_tokens, self.limits.block_size)
@@ -211,6 +216,8 @@ class Engine:
             self._ids += 1
             handle = RequestHandle(request_id, self)
             request = Request(request_id, ids, params, rule, handle, arrival=request_id, grammar=grammar)
+            if hints is not None:
+                self.sessions.submitted(request_id, hints, request.root)
             self.pool.prefetch([request], self.wake)  # its blocks in the KV store, read off the step
             self._incoming.append(request)
         self.metrics.submitted += 1
