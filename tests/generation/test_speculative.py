@@ -97,7 +97,16 @@ def _repetitive_prompts(vocab: int, count: int) -> list[torch.Tensor]:
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("sampled", [False, True])
-def test_speculation_gives_the_tokens_of_plain_decoding_to_the_bit(q8_model, sampled):
+@pytest.mark.parametrize("lengths", ["chosen", "random", "longest"])
+def test_speculation_gives_the_tokens_of_plain_decoding_to_the_bit(q8_model, sampled, lengths, monkeypatch):
+    """Whatever the drafts' lengths (as chosen, random, always the longest: drafts running up to
+    the last token the call makes), the tokens and what the cache holds are plain decoding's."""
+    import random
+
+    pick = random.Random(7)
+    if lengths != "chosen":
+        monkeypatch.setattr(DraftLength, "next", lambda self: self.most if lengths == "longest"
+                            else pick.randint(0, self.most))
     drafted = accepted = 0
     options = dict(max_new_tokens=24, eos_token_id=(), do_sample=sampled, temperature=0.05)
     for seed, prompt in enumerate(_repetitive_prompts(q8_model.config.vocab_size, 6)):

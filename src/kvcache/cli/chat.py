@@ -69,6 +69,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="the most --kv-disk's blocks take (default 8GiB)")
     add_kv_cache_dtype(parser)
     add_activations(parser)
+    parser.add_argument("--speculate", choices=("ngram",),
+                        help="ngram: each decode step also verifies a draft looked up in the turn's prompt "
+                        "and reply; the same tokens as without, to the bit (a GGUF with q8 activations)")
     parser.add_argument("--threads", type=positive_int,
                         help="CPU threads (default: torch's, one per core, less the cores other processes "
                         "of normal priority kept busy while the model loaded: the kernels' threads wait "
@@ -95,6 +98,7 @@ class _Chat:
             top_p=args.top_p,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
+            speculate=args.speculate,
         )
         GenerationSettings(**self.options)  # a bad --min-p or --repetition-penalty: one error line
         self.session = None
@@ -148,9 +152,12 @@ class _Chat:
         self.out.flush()
         result = self.session.last_result
         reused, prefilled = self.session.last_turn
+        drafts = (f"; {result.accepted_tokens} of {result.drafted_tokens} drafted tokens taken"
+                  if self.args.speculate else "")
         self.err.write(
             f"[reused {reused} tokens from the cache, prefilled {prefilled}; {len(result.new_tokens[0])} new "
-            f"tokens, {result.decode_tokens_per_s:.0f} tokens/s; {self.session.held_tokens} tokens held]\n"
+            f"tokens, {result.decode_tokens_per_s:.0f} tokens/s{drafts}; {self.session.held_tokens} tokens "
+            "held]\n"
         )
         self.err.flush()
 

@@ -265,7 +265,8 @@ class _Forwards:
         if isinstance(cache, PagedCache):
             self.paged = PagedSteps(model, backend, cache, batch)
             if options.speculate is not None:
-                self.paged = SpeculativeSteps(self.paged, _draft_tokens(model, backend, batch, options))
+                self.paged = SpeculativeSteps(self.paged, _draft_tokens(model, backend, batch, options),
+                                              options.max_new_tokens)
         elif backend is not None:  # (a cache that keeps nothing, on a backend)
             self.paged = RecomputedSteps(model, backend)
         self.ran = "torch" if backend is None else backend.name

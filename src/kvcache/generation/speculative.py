@@ -112,10 +112,13 @@ class DraftLength:
 
 class SpeculativeSteps:
     """`PagedSteps` of one row whose decode steps verify n-gram drafts (see the module docstring).
-    `decode` takes the chosen token and gives the logits after it, as `PagedSteps.decode` does."""
+    `decode` takes the chosen token and gives the logits after it, as `PagedSteps.decode` does.
+    most: the longest draft; new_tokens: the tokens the call chooses at most (no draft runs past
+    the positions plain decoding would fill, which is what the cache was sized for)."""
 
-    def __init__(self, steps: PagedSteps, most: int) -> None:
-        self.steps = steps
+    def __init__(self, steps: PagedSteps, most: int, new_tokens: int) -> None:
+        self.steps, self.new_tokens = steps, new_tokens
+        self.limit = 0  # the most positions the row holds: what plain decoding leaves in it
         self.drafts = NgramDrafts()
         self.length = DraftLength(most)
         self.pending: list[tuple[int, torch.Tensor]] = []  # (draft token, the logits after it)
@@ -130,6 +133,7 @@ class SpeculativeSteps:
         logits = self.steps.prefill(tokens, chunk_size)
         self.drafts.extend(tokens[0])
         self.held = self.steps.cache.row_lengths[0]
+        self.limit = self.held + self.new_tokens - 1
         return logits
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -141,7 +145,7 @@ class SpeculativeSteps:
             self.accepted += 1
             return self.pending.pop(0)[1][None]
         self._settle(self.held - 1)  # (the newest token runs now)
-        draft = self.drafts.draft(self.length.next())
+        draft = self.drafts.draft(min(self.length.next(), self.limit - self.held))
         started = time.perf_counter()
         logits = self.steps.verify([token, *draft])  # (1 + drafted, vocab)
         self.length.timed(1 + len(draft), time.perf_counter() - started)
