@@ -15,7 +15,7 @@ from ray import serve
 from kvcache.engine.config import PoolConfig
 from kvcache.engine.engine import check_request
 from kvcache.engine.request import Completion, ReplyReader, Usage
-from kvcache.generation.params import SamplingParams
+from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.replicas.deployment import ReplicaSettings, replica_deployment
 from kvcache.replicas.prefix_index import IMBALANCE
 
@@ -104,8 +104,12 @@ class ReplicaSet:
         self._stopping = threading.Event()
 
     # ---- what the app calls ------------------------------------------------------------------
-    def submit(self, ids: list[int], params: SamplingParams) -> ReplicaHandle:
-        """Send a request of prompt `ids` to the replicas; RequestError when it cannot fit."""
+    def submit(self, ids: list[int], params: SamplingParams, *, hints=None) -> ReplicaHandle:
+        """Send a request of prompt `ids` to the replicas; RequestError when it cannot fit, or
+        when it carries session hints (`kvcache.engine.sessions`: one engine's pool only)."""
+        if hints is not None:
+            raise RequestError("kv_hints and x-session-id are not served with --replicas: a session's "
+                               "blocks are kept in one engine's pool; serve without --replicas to use them")
         check_request(ids, params, self.model.config, self.num_blocks * self.limits.block_size or None,
                       self.limits.block_size)
         handle = ReplicaHandle(self, ids, self.handle.generate.remote(ids, params))

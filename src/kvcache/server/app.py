@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from kvcache.engine import Completion, RequestError
 from kvcache.engine.prompts import prompt_ids
+from kvcache.engine.sessions import read_kv_hints
 from kvcache.reuse.explain import Explanation
 from kvcache.server.access_log import log_request, peer_of
 from kvcache.server.metrics import ServerMetrics
@@ -282,7 +283,8 @@ class _Server:
             call, ids, why = await self._prepared(self._prepare, kind, raw, tenant)
             if self.engine.queue_depth >= self.settings.max_waiting:
                 raise _queue_full(self.settings.max_waiting)
-            handle = self.engine.submit(ids, call.params)
+            hints = read_kv_hints(call.kv_hints, request.headers.get("x-session-id"))  # (a 400 names it)
+            handle = self.engine.submit(ids, call.params, **({} if hints is None else {"hints": hints}))
             rid = new_id(kind)
             self.why.keep(rid, why, ids)
             self.metrics.explained(why.cause)

@@ -19,6 +19,8 @@ _SAMPLING = frozenset({
     "stream_options", "presence_penalty", "frequency_penalty", "logit_bias",
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "cache_salt",
+    # an agent session's advisory KV hints (kvcache.engine.sessions; read with the x-session-id header)
+    "kv_hints",
     # structured outputs (json_object, json_schema; vLLM reads it on completions too)
     "response_format",
 })

@@ -80,6 +80,7 @@ class Call:
     include_usage: bool
     model: str | None
     tools: ToolRequest | None = None  # (chat) the tools offered, and how the reply may call them
+    kv_hints: object = None  # the body's kv_hints, as sent (read with the x-session-id header: app)
 
 
 def read_call(kind: str, body: object, limits: Limits) -> Call:
@@ -123,7 +124,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"model must be a string, got {type(model).__name__}", param="model")
-    return Call(kind, prompt, params, stream, include_usage, model, tools)
+    return Call(kind, prompt, params, stream, include_usage, model, tools, body.get("kv_hints"))
 
 
 def _tools(body: dict) -> ToolRequest | None:
