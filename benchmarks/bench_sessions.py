@@ -5,7 +5,7 @@ setting, the share of the resumed turns' histories (the previous prompt and repl
 caches (`usage.cached_tokens`: attached from the pool or loaded from a tier, at most the history;
 a tier holds whole blocks only, so a history's last partial block is recomputed), and whether
 every reply equals a cold run's (prefix caching off) token for token. Each engine warms up first
-(`Engine.warm_up`), so the seconds are the replay's own.
+(`Engine.warm_up`). No times: this counts reuse, not speed.
 
 Settings: `lru` (the pool alone, no hints), `lru_disk` (a disk tier below it, no hints) and
 `sessions` (the disk tier, every turn hinted with its session id and demote to disk, the last
@@ -24,7 +24,6 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench_common import commit
@@ -51,7 +50,6 @@ def replay(engine: Engine, sessions: int, turns: int, vocab: int, hinted: bool) 
     """Every session's turns, interleaved; the replies and the resumed turns' reuse."""
     histories: dict[int, list[int]] = {s: [] for s in range(sessions)}
     replies, cached, reusable = [], 0, 0
-    started = time.perf_counter()
     for turn in range(turns):
         for session in range(sessions):
             added = ids(FIRST if turn == 0 else TOOL, seed=1000 * session + turn, vocab=vocab)
@@ -71,8 +69,7 @@ def replay(engine: Engine, sessions: int, turns: int, vocab: int, hinted: bool) 
             replies.append(completion.tokens)
             histories[session] = prompt + completion.tokens
     return {"replies": replies, "resume_hit_rate": round(cached / reusable, 4) if reusable else None,
-            "resumed_history_tokens": reusable, "served_from_caches": cached,
-            "seconds": round(time.perf_counter() - started, 2)}
+            "resumed_history_tokens": reusable, "served_from_caches": cached}
 
 
 def main() -> None:
@@ -98,7 +95,7 @@ def main() -> None:
             engine.warm_up()
             runs[name] = replay(engine, args.sessions, args.turns, vocab, hinted)
             engine.close()
-            print(name, runs[name]["resume_hit_rate"], runs[name]["seconds"], "s", file=sys.stderr)
+            print(name, runs[name]["resume_hit_rate"], file=sys.stderr)
     result = {
         "commit": commit(),
         "command": " ".join([".venv/bin/python", "benchmarks/bench_sessions.py", *sys.argv[1:]]),
