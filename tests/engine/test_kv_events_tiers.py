@@ -106,9 +106,10 @@ def redis_server():
 
 def replica(model, store) -> tuple[Engine, Subscriber]:
     publisher = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}")
+    events = Subscriber(publisher)  # (subscribed first: what the engine's start publishes is heard)
     engine = Engine(model, num_blocks=16, block_size=BLOCK, max_running=2, token_budget=64, kv_store=store,
                     kv_events=publisher)
-    return engine, Subscriber(publisher)
+    return engine, events
 
 
 def first_block(prompt: list[int]) -> int:
@@ -193,6 +194,27 @@ def test_a_block_read_from_redis_is_promoted_into_the_disk_tier_and_the_pool(mod
         assert ("stored", "REDIS") not in events.history[block]  # read from Redis, not written there
         promoted = events.stored[block, "DISK"]  # not computed here: no lineage, no tokens
         assert promoted.parent_block_hash is None and promoted.token_ids == []
+    finally:
+        engine.close()
+        events.close()
+
+
+def test_a_replica_restarted_on_a_disk_folder_publishes_the_blocks_already_there(model, tmp_path):
+    prompt = ids(40, seed=4)
+    first = Engine(model, num_blocks=64, block_size=BLOCK, max_running=2, token_budget=64,
+                   kv_store=DiskBlockStore(tmp_path / "kv"))
+    try:
+        answer(first, prompt)
+        assert first.store_tier.store.flush()
+    finally:
+        first.close()
+    engine, events = replica(model, DiskBlockStore(tmp_path / "kv"))
+    try:
+        block = first_block(prompt)
+        wait_for(lambda: events.drained() and ("stored", "DISK") in events.history[block], 30)
+        assert events.history[block] == [("stored", "DISK")]  # before any request: on disk only
+        held = events.stored[block, "DISK"]
+        assert held.parent_block_hash is None and held.token_ids == []
     finally:
         engine.close()
         events.close()

@@ -19,7 +19,8 @@ and last (one that stops). A tier's events go out as their own batch when its th
 them: BlockStored when a write lands (a demotion: kvcache writes a block to its tiers once it is
 whole, so this comes before the pool evicts it, whose BlockRemoved "CPU" follows; or a promotion
 of a block a read found in Redis into the disk tier), BlockRemoved when the tier evicts or
-deletes it (a Redis key its TTL expires goes unannounced). A block loaded from a tier into the
+deletes it (a Redis key its TTL expires goes unannounced); a disk folder's blocks from before
+a restart are BlockStored "DISK" when the engine starts. A block loaded from a tier into the
 pool (a promotion) is BlockStored "CPU" when it becomes findable there, as a computed one is. A
 tier's BlockStored carries its parent and tokens when this replica wrote the block, else None and
 no tokens (as vLLM's offloading connector sends its blocks).

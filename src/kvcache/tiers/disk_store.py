@@ -496,6 +496,15 @@ class DiskBlockStore(BlockStore):
             time.sleep(self._write_clock - now)
 
     # ---- eviction and deletion ---------------------------------------------------------------------
+    def listen(self, listener) -> None:
+        """As `BlockStore.listen`; the blocks the folder already holds (a restarted replica's) are
+        told stored at once."""
+        super().listen(listener)
+        with self._index_lock:
+            held = list(self._index)
+        if held:
+            listener.tier_stored(self.medium, held)
+
     def pin(self, keys: list[str]) -> None:
         """Evict the blocks of `keys` only after every other block (a pinned prefix's)."""
         with self._index_lock:

@@ -268,12 +268,18 @@ class TierConnector(KVConnector):
         return digests
 
     def tier_stored(self, medium: str, keys: list[str]) -> None:
-        """(a tier's writer thread) BlockStored in `medium`, one event a block: its parent and
-        tokens when this replica wrote it, else None and no tokens (as vLLM's offloading connector
-        publishes its blocks)."""
+        """(a tier's thread) BlockStored in `medium`: one event a block this replica wrote, with
+        its parent and tokens; one event for the rest, with no parent and no tokens (as vLLM's
+        offloading connector publishes its blocks)."""
+        unknown = []
         for digest in self._digests(keys):
-            parent, tokens = self._lineage.get(digest, (None, []))
-            self._events.stored([digest], parent, tokens, medium=medium)
+            lineage = self._lineage.get(digest)
+            if lineage is None:
+                unknown.append(digest)
+            else:
+                self._events.stored([digest], *lineage, medium=medium)
+        if unknown:
+            self._events.stored(unknown, None, [], medium=medium)
         self._events.flush()
 
     def tier_removed(self, medium: str, keys: list[str]) -> None:
