@@ -4,7 +4,8 @@
 A request may carry `KVHints`: its session's id and what to do with the blocks of its turn once
 it finishes (its prompt and reply, the whole blocks the pool holds):
 - pin (ttl_s): kept in the pool, evicted only after every unpinned block, until ttl_s after the
-  turn ended; the pin then expires (`Sessions.expire`, at every step, by the clock given);
+  turn ended; the pin then expires (`Sessions.expire`, at the end of every step, by the clock
+  given: one due while the engine is idle ends at the end of its next step);
 - retain (priority): above 0, kept as a pin is while the session is live (heard from within
   `idle_s`); 0 leaves them to the pool's LRU. Two levels for now: any priority above 0 is one;
 - demote (destination "disk" or "redis", a tier the engine has): evicted from the pool before
@@ -12,7 +13,7 @@ it finishes (its prompt and reply, the whole blocks the pool holds):
   pool as it is made); a resume reads them back from the tier at submit, before it is scheduled;
 - prefetch: what every request gets: its prompt's blocks the pool lacks are read from the tiers
   at submit and loaded before its first step (`kvcache.tiers.connector`); the hint asks nothing
-  more of a request. `Sessions.last_turn` gives a session's tokens for a prefetch without a turn;
+  more of a request;
 - release: the session ends with this turn: its pins end, nothing is kept for it.
 A turn's hints replace the session's earlier ones. Hints only move unused blocks between the
 pool's eviction classes; they never change what a step computes, so every answer is the same
@@ -37,7 +38,7 @@ SESSION_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 MAX_TTL_S = 86_400.0  # a pin's time to live at most (a day)
 MAX_PRIORITY = 100
 IDLE_S = 600.0  # a session not heard from for this long is forgotten (its pins end)
-MAX_SESSIONS = 4096  # live sessions kept at most (the least recently heard from forgotten first)
+MAX_SESSIONS = 1024  # live sessions kept at most (the least recently heard from forgotten first)
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,8 @@ def _flag(hints: dict, name: str) -> bool:
 
 @dataclass
 class Session:
-    """A live session: its last turn's tokens and blocks, what pins them and until when."""
+    """A live session: when it was last heard from, the blocks it pins and until when."""
 
-    tokens: list[int]
-    root: bytes
     heard: float  # when its last turn ended
     pinned: list[bytes] = field(default_factory=list)  # digests it holds a pin of (none: none)
     until: float = 0.0  # when that pin expires
@@ -189,7 +188,7 @@ class Sessions(StepObserver):
             self._unpin(earlier)
         if hints.release:
             return
-        session = self.live[key] = Session(tokens, root, now)
+        session = self.live[key] = Session(now)
         digests = self.pool.cache.prefix_digests(tokens, root)  # (the whole blocks the pool holds)
         if hints.keeps:
             for allocator in self.pool.cache.allocators:
@@ -221,8 +220,3 @@ class Sessions(StepObserver):
     def step_ended(self) -> None:
         """Every step: `expire`."""
         self.expire()
-
-    def last_turn(self, session_id: str, root: bytes) -> list[int] | None:
-        """The tokens of a live session's last turn (prompt and reply), or None."""
-        session = self.live.get((root, session_id))
-        return None if session is None else list(session.tokens)
