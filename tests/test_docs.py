@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import kvcache
 
 SOURCE = Path(kvcache.__file__).resolve().parent
@@ -31,6 +33,7 @@ def test_a_bare_or_moved_name_in_the_guide_is_found():
     assert [path for path in named if not (SOURCE / path).is_file()] == ["tokenizer.py"]
 
 
+@pytest.mark.kernels  # (the bundled model's steps run on numba's kernels)
 def test_every_module_an_engine_request_crosses_is_named_in_the_guide():
     """A chat request through the engine on the bundled model, traced (the second one: the first
     loads what runs once): every module of the package it runs code in is in the guide."""
