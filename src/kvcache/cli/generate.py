@@ -105,8 +105,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKEND_NAMES,
         default="auto",
-        help="what runs a paged cache's steps: blocks (a GGUF's kept blocks), float32 (float32 models on CPU), "
-        "half (bfloat16/float16 on CPU), the model's torch forward, or auto: the first that applies "
+        help="what runs a paged cache's steps: blocks (a GGUF's kept blocks), float32 (float32 models on "
+        "CPU), half (bfloat16/float16 on CPU), the model's torch forward, or auto: the first that applies "
         "(default); the other cache kinds run on the torch forward",
     )
 
