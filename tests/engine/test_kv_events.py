@@ -4,13 +4,12 @@ can find: each stored once, chained to its parent, true to its tokens, removed w
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import pytest
 import zmq
 from redis_server import free_port
 from tier_replicas import BLOCK, answer, ids
+from vllm_events import AllBlocksCleared, BlockRemoved, KVEventBatch
 from waiting import wait_for
 
 import kvcache
@@ -19,38 +18,6 @@ from kvcache.engine import Engine
 from kvcache.engine.kv_events import REPLAY_END, KVEventPublisher, check_endpoint, external_hash
 
 pytestmark = pytest.mark.kernels  # (the fast lane, pytest --fast, leaves it out)
-
-
-# vLLM's event types (vllm.distributed.kv_events), written out here as its subscribers declare them
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 class Router:

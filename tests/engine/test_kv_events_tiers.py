@@ -13,6 +13,7 @@ import pytest
 import zmq
 from redis_server import RedisServer, free_port
 from tier_replicas import BLOCK, answer, ids
+from vllm_events import AllBlocksCleared, BlockStored, KVEventBatch
 from waiting import wait_for
 
 import kvcache
@@ -24,29 +25,6 @@ from kvcache.tiers.redis_store import RedisBlockStore
 from kvcache.tiers.tiered_store import TieredStore
 
 pytestmark = [pytest.mark.kernels, pytest.mark.processes]
-
-
-class BlockStored(msgspec.Struct, array_like=True, tag=True):  # vLLM's (vllm.distributed.kv_events)
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(msgspec.Struct, array_like=True, tag=True):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(msgspec.Struct, array_like=True, tag=True):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 class Subscriber:
