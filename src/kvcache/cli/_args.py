@@ -15,6 +15,15 @@ WEIGHTS_HELD_TWICE = (
 )
 
 
+def add_speculate(parser, looked_up_in: str) -> None:
+    """--speculate: `GenerationSettings.speculate` (its methods, `settings.METHODS`); drafts are
+    looked up in `looked_up_in` (what the command's help says)."""
+    parser.add_argument("--speculate", choices=("ngram",),
+                        help=f"ngram: each decode step also verifies a draft looked up in {looked_up_in} "
+                        "(prompt lookup); the same tokens as without, to the bit (a paged cache; a GGUF "
+                        "with q8 activations)")
+
+
 def add_activations(parser) -> None:
     """--activations: how a GGUF's weights kept as blocks read their input
     (`kvcache.model.load_model`'s activations); `activations_of` reads it."""

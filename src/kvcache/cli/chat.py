@@ -21,6 +21,7 @@ from kvcache.cli._args import (
     activations_of,
     add_activations,
     add_kv_cache_dtype,
+    add_speculate,
     folder_argument,
     kv_dtype_of,
     kv_window_of,
@@ -69,9 +70,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="the most --kv-disk's blocks take (default 8GiB)")
     add_kv_cache_dtype(parser)
     add_activations(parser)
-    parser.add_argument("--speculate", choices=("ngram",),
-                        help="ngram: each decode step also verifies a draft looked up in the turn's prompt "
-                        "and reply; the same tokens as without, to the bit (a GGUF with q8 activations)")
+    add_speculate(parser, "the turn's prompt and reply")
     parser.add_argument("--threads", type=positive_int,
                         help="CPU threads (default: torch's, one per core, less the cores other processes "
                         "of normal priority kept busy while the model loaded: the kernels' threads wait "

@@ -19,6 +19,7 @@ from kvcache.cli._args import (
     activations_of,
     add_activations,
     add_kv_cache_dtype,
+    add_speculate,
     folder_argument,
     kv_dtype_of,
     kv_window_of,
@@ -72,10 +73,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: as stored")
     add_activations(parser)
     parser.add_argument("--prefill-chunk", type=positive_int, help="prefill this many tokens at a time")
-    parser.add_argument("--speculate", choices=("ngram",),
-                        help="ngram: each decode step also verifies a draft looked up in the prompt and "
-                        "output (prompt lookup); the tokens are the same as without, to the bit (a paged "
-                        "cache; a GGUF with q8 activations)")
+    add_speculate(parser, "the prompt and output")
     parser.add_argument("--draft-tokens", type=positive_int,
                         help="the most tokens a --speculate draft holds (default: what one exact step "
                         "verifies)")

@@ -296,7 +296,7 @@ class _Forwards:
         """The result's `drafted_tokens` and `accepted_tokens` (0 without speculation)."""
         if not isinstance(self.paged, SpeculativeSteps):
             return {}
-        return {"drafted_tokens": self.paged.proposed, "accepted_tokens": self.paged.verified}
+        return {"drafted_tokens": self.paged.drafted_total, "accepted_tokens": self.paged.accepted_total}
 
     def undo(self) -> None:
         """A failed call: the cache back to what it held before."""

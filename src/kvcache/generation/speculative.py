@@ -125,8 +125,8 @@ class SpeculativeSteps:
         self.drafted = 0  # tokens the last verification drafted, of which `accepted` were chosen
         self.accepted = 0
         self.held = steps.cache.row_lengths[0]  # positions of chosen tokens the cache holds or runs
-        self.verified = 0  # draft tokens chosen, in all
-        self.proposed = 0  # draft tokens verified, in all
+        self.drafted_total = 0  # draft tokens verified, in all
+        self.accepted_total = 0  # of them, the ones chosen
 
     def prefill(self, tokens: Sequence[Sequence[int]], chunk_size: int | None) -> torch.Tensor:
         """`PagedSteps.prefill` of the one row, its tokens the first the drafts look through."""
@@ -157,8 +157,8 @@ class SpeculativeSteps:
         """The last verification's verdict noted, and the cache trimmed to `keep` positions (its
         rejected draft tokens dropped)."""
         self.length.taken(self.drafted, self.accepted)
-        self.proposed += self.drafted
-        self.verified += self.accepted
+        self.drafted_total += self.drafted
+        self.accepted_total += self.accepted
         self.drafted = 0
         self.pending = []
         if self.steps.cache.row_lengths[0] > keep:
