@@ -124,6 +124,9 @@ class BlockBackend(CpuBackend):
         self.remember_parameters(model)
         self._blocks = block_weights(model)
         self.exact_rows = self.kernel_rows if _reads_q8_everywhere(self.row_layers) else 1
+        #: a step of more than `kernel_rows` tokens runs its products on the CPU's matrix unit where
+        #: it has one and every product reads Q8 activations (`numba_products.tiles_product`)
+        self.on_tiles = self.exact_rows > 1 and numba_products.matrix_unit() is not None
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
@@ -135,7 +138,10 @@ class BlockBackend(CpuBackend):
         )
 
     def _linear(self, x: np.ndarray, parts: tuple, bias: np.ndarray | None) -> np.ndarray:
-        """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels."""
+        """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels (on the
+        matrix unit's tiles past `kernel_rows` tokens, `on_tiles`)."""
+        if self.on_tiles and len(x) > self.kernel_rows:
+            return numba_products.tiles_product(x, parts, bias)
         return numba_products.product(x, parts, bias)
 
     def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:

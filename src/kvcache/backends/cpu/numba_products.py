@@ -144,6 +144,34 @@ def product(
     return out.reshape(*x.shape[:-1], out.shape[1])
 
 
+@functools.cache
+def matrix_unit():
+    """The `numba_amx` module where this process may run its tile products (`numba_amx.usable`:
+    a CPU with AMX, the tiles granted), else None. Call `available()` first."""
+    from kvcache.backends.cpu import numba_amx
+
+    return numba_amx if numba_amx.usable() else None
+
+
+def tiles_product(x: np.ndarray, parts: tuple, bias: np.ndarray | None = None) -> np.ndarray:
+    """x (N, in) float32 through parts that are all ggml blocks read with Q8 activations
+    (`block_part_of(..., q8=True)`) (+ bias) -> (N, sum out_i) float32, a new array, on the
+    matrix unit (`numba_amx.tiles_product`): llama.cpp's products, summed in another order than
+    `product`'s (the same to the bit whatever N). Call `matrix_unit()` first (not None)."""
+    from kvcache.backends.cpu.numba_blocks import Q8_READS
+
+    unit = matrix_unit()
+    rows = np.ascontiguousarray(x, np.float32)
+    out = np.empty((rows.shape[0], outputs(parts)), np.float32)
+    start = 0
+    for blocks, code in parts:
+        unit.tiles_product(blocks, code - Q8_READS, rows, start, out)
+        start += blocks.shape[0]
+    if bias is not None:
+        out += bias
+    return out
+
+
 def outputs(parts: tuple) -> int:
     """The outputs of a product given as parts (see `product`): each part an (out_i, in) array or
     ggml blocks as (blocks (out_i, row bytes), code) (`block_part`)."""
