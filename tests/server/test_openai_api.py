@@ -9,6 +9,7 @@ from kvcache.server.openai_api import (
     ApiError,
     Limits,
     check_prompt_length,
+    choice_object,
     chunk_object,
     read_call,
     response_object,
@@ -78,7 +79,13 @@ def test_defaults_follow_openai():
         ("chat", {**CHAT, "temperature": float("nan")}, "temperature"),
         ("chat", {**CHAT, "top_p": 0}, "top_p"),
         ("chat", {**CHAT, "top_p": 1.5}, "top_p"),
-        ("chat", {**CHAT, "n": 2}, "n"),
+        ("chat", {**CHAT, "n": 17}, "n"),
+        ("chat", {**CHAT, "n": True}, "n"),
+        ("completion", {"prompt": "x", "n": 0}, "n"),
+        ("chat", {**CHAT, "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ("chat", {**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ("chat", {**CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+        ("chat", {**CHAT, "chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs.bos_token"),
         ("chat", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("chat", {**CHAT, "stream": "yes"}, "stream"),
         ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools[0]"),
@@ -113,13 +120,19 @@ def test_prompt_length_limits_say_which_limit():
 def test_response_and_chunk_shapes():
     chat = read_call("chat", CHAT, LIMITS)
     usage = usage_object(10, 8, 3)
-    whole = response_object(chat, "chatcmpl-1", "m", "hey", "stop", usage)
+    whole = response_object(chat, "chatcmpl-1", "m", [choice_object(chat, 0, "hey", "stop")], usage)
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"] == "hey"
+    assert "reasoning_content" not in whole["choices"][0]["message"]
+    thought = choice_object(chat, 1, "hey", "stop", reasoning="hmm")
+    assert thought["index"] == 1 and thought["message"]["reasoning_content"] == "hmm"
     assert (
         whole["usage"]["total_tokens"] == 13 and whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
     )
     first = chunk_object(chat, "chatcmpl-1", "m", None, None, first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunk_object(chat, "chatcmpl-1", "m", None, None, usage=usage)["choices"] == []
+    piece = chunk_object(chat, "chatcmpl-1", "m", None, None, index=2, reasoning="hmm")["choices"][0]
+    assert piece["index"] == 2 and piece["delta"] == {"reasoning_content": "hmm"}
     completion = read_call("completion", {"prompt": "x"}, LIMITS)
-    assert response_object(completion, "cmpl-1", "m", "y", "length", usage)["choices"][0]["text"] == "y"
+    whole = response_object(completion, "cmpl-1", "m", [choice_object(completion, 0, "y", "length")], usage)
+    assert whole["choices"][0]["text"] == "y"

@@ -117,7 +117,7 @@ def test_unknown_routes_and_methods_are_json_404s_and_405s(server, client):
 
 
 @pytest.mark.parametrize(("route", "fields", "param"), [
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("completion", {"suffix": " and so on"}, "suffix"),
     ("completion", {"echo": True}, "echo"),
 ])

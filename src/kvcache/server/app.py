@@ -41,6 +41,7 @@ from kvcache.engine.prompts import prompt_ids
 from kvcache.engine.sessions import read_kv_hints
 from kvcache.reuse.explain import Explanation
 from kvcache.server.access_log import log_request, peer_of
+from kvcache.server.choices import END, Choices, ChoiceStream, read_reply
 from kvcache.server.metrics import ServerMetrics
 from kvcache.server.openai_api import (
     MAX_MESSAGES,
@@ -48,6 +49,7 @@ from kvcache.server.openai_api import (
     Call,
     Limits,
     check_prompt_length,
+    choice_object,
     chunk_object,
     logprobs_object,
     new_id,
@@ -55,11 +57,12 @@ from kvcache.server.openai_api import (
     response_object,
     usage_object,
 )
+from kvcache.server.reasoning import opens_in_reasoning, reasoning_format
 from kvcache.server.tenants import ApiKeys, Tenant
 from kvcache.server.token_api import read_apply_template, read_detokenize, read_tokenize
 from kvcache.server.tools import tool_call_objects
 from kvcache.server.why import RequestExplainer
-from kvcache.text.tool_calls import FAMILIES, ToolStream, parse_tool_calls, tool_format
+from kvcache.text.tool_calls import FAMILIES, tool_format
 
 PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepared at once
 ROUTES_SAID = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
@@ -228,8 +231,8 @@ class _Server:
     def _tokenize(self, raw: bytes) -> dict:
         call = read_tokenize(_json_body(raw), self.limits)
         self._check_model(call.model)
-        text = call.text if call.messages is None else self._render(call.messages, call.add_generation_prompt,
-                                                                     call.tools)
+        text = call.text if call.messages is None else self._render(
+            call.messages, call.add_generation_prompt, _variables(call.template_kwargs, call.tools))
         ids = self.tokenizer.encode(text, add_special_tokens=call.add_special)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.context}  # (vLLM's count, length)
 
@@ -242,16 +245,17 @@ class _Server:
     def _apply_template(self, raw: bytes) -> dict:
         call = read_apply_template(_json_body(raw), self.limits)
         self._check_model(call.model)
-        return {"prompt": self._render(call.messages, call.add_generation_prompt, call.tools)}
+        return {"prompt": self._render(call.messages, call.add_generation_prompt,
+                                       _variables(call.template_kwargs, call.tools))}
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
-        """The chat template's text of `messages` (in jinja2's sandbox) with `tools` offered, as the chat
-        route renders it."""
-        if tools:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, variables: dict) -> str:
+        """The chat template's text of `messages` (in jinja2's sandbox) with its further `variables`
+        (the tools offered, chat_template_kwargs), as the chat route renders it."""
+        if variables.get("tools"):
             self._check_tools_rendered()
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **({"tools": tools} if tools else {}))
+                                                      tokenize=False, **variables)
         except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
             raise ApiError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
@@ -284,7 +288,8 @@ class _Server:
             if self.engine.queue_depth >= self.settings.max_waiting:
                 raise _queue_full(self.settings.max_waiting)
             hints = read_kv_hints(call.kv_hints, request.headers.get("x-session-id"))  # (a 400 names it)
-            handle = self.engine.submit(ids, call.params, **({} if hints is None else {"hints": hints}))
+            choices = Choices(lambda params, index: self.engine.submit(
+                ids, params, **({} if hints is None or index else {"hints": hints})), call.params, call.n)
             rid = new_id(kind)
             self.why.keep(rid, why, ids)
             self.metrics.explained(why.cause)
@@ -294,82 +299,105 @@ class _Server:
             return self._error(refused)
         if call.stream:
             return StreamingResponse(
-                self._events(call, handle, _stream_logger(request, started), rid, why),
+                self._events(call, choices, _stream_logger(request, started), rid, why),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        response = await self._whole(request, call, handle, rid, why)
+        response = await self._whole(request, call, choices, rid, why)
         path, status = request.url.path, response.status_code
-        log_request(peer_of(request), path, status, started, completion=handle.result())
+        log_request(peer_of(request), path, status, started, completion=choices.handles[0].result())
         return response
 
-    async def _whole(self, request: Request, call: Call, handle, rid: str, why: Explanation) -> Response:
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+    async def _whole(self, request: Request, call: Call, choices: Choices, rid: str,
+                     why: Explanation) -> Response:
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, choices))
         try:
-            async for _ in handle:  # (the engine reads the text: Completion.text)
+            async for _ in choices.updates():  # (the engine reads the text: Completion.text)
                 pass
         finally:
             watcher.cancel()
-            if not handle.done:
-                handle.cancel()
-        completion = handle.result()
-        if completion.finish_reason in ("error", "cancelled"):
-            return self._failed(completion)
-        text, finish, calls = completion.text or "", completion.finish_reason, []
-        if _reads_calls(call):
-            content, calls = parse_tool_calls(text, call.tools.names)
-            text, finish = (content, "tool_calls") if calls else (text, finish)
-        return JSONResponse(
-            response_object(
-                call,
-                rid,
-                self.settings.model_name,
-                text,
-                finish,
-                _usage(completion, why),
-                _drift(completion),
-                self._logprobs(call, completion.logprobs),
-                tool_call_objects(calls),
-            )
-        )
-
-    async def _events(self, call: Call, handle, finished, rid: str, why: Explanation):
-        """The stream's events; finished(completion or None) when it ends (None: the client left
-        before the engine finished)."""
-        model = self.settings.model_name
-        try:
-            if call.kind == "chat":
-                yield _sse(chunk_object(call, rid, model, None, None, first=True))
-            tokens = sent = offset = 0  # tokens made, those whose logprobs went out, text sent
-            calls = ToolStream(call.tools.names) if _reads_calls(call) else None  # (text held for calls)
-            async for token, piece in handle.updates():  # the engine's reading of the reply, stops cut
-                tokens += token is not None
-                piece = piece if calls is None else calls.feed(piece)
-                if piece:
-                    logprobs = self._streamed_logprobs(call, handle, sent, tokens, offset)
-                    sent, offset = tokens, offset + len(piece)
-                    yield _sse(chunk_object(call, rid, model, piece, None, logprobs=logprobs))
-            completion = handle.result()
+            choices.cancel()
+        completions = choices.results()
+        for completion in completions:
             if completion.finish_reason in ("error", "cancelled"):
-                yield _sse(_failure(completion).body())
+                return self._failed(completion)
+        answers = [self._choice(call, index, completion) for index, completion in enumerate(completions)]
+        return JSONResponse(response_object(call, rid, self.settings.model_name, answers,
+                                            _usage(completions, why), _drift(completions[0])))
+
+    def _choice(self, call: Call, index: int, completion: Completion) -> dict:
+        """Choice `index` of a whole answer: its reasoning, content and tool calls read from its text."""
+        reasoning, text, calls = read_reply(call, completion.text or "")
+        finish = "tool_calls" if calls else completion.finish_reason
+        return choice_object(call, index, text, finish, self._logprobs(call, completion.logprobs),
+                             tool_call_objects(calls), reasoning)
+
+    async def _events(self, call: Call, choices: Choices, finished, rid: str, why: Explanation):
+        """The stream's events, each choice's carrying its index; finished(the first choice's
+        completion, or None) when it ends (None: the client left before the engine finished)."""
+        updates = choices.updates()
+        try:
+            streams = [ChoiceStream(call) for _ in range(call.n)]
+            if call.kind == "chat":
+                for index in range(call.n):
+                    yield _sse(chunk_object(call, rid, self.settings.model_name, None, None, index=index,
+                                            first=True))
+            async for index, token, piece in updates:  # the engine's reading of each reply, stops cut
+                if token is END:
+                    completion = choices.handles[index].result()
+                    if completion.finish_reason in ("error", "cancelled"):
+                        yield _sse(_failure(completion).body())
+                        break
+                    for chunk in self._ended(call, rid, streams[index], choices.handles[index], index):
+                        yield _sse(chunk)
+                    continue
+                streams[index].tokens += token is not None
+                for chunk in self._pieces(call, rid, streams[index], choices.handles[index], index, piece):
+                    yield _sse(chunk)
             else:
-                rest = self._streamed_logprobs(call, handle, sent, tokens, offset) if sent < tokens else None
-                finish = completion.finish_reason
-                if calls is not None:
-                    held, found = calls.finish()
-                    if held or found:
-                        yield _sse(chunk_object(call, rid, model, held, None, logprobs=rest,
-                                                tool_calls=tool_call_objects(found, streamed=True)))
-                        rest, finish = None, "tool_calls" if found else finish
-                yield _sse(chunk_object(call, rid, model, None, finish, logprobs=rest))
                 if call.include_usage:
-                    yield _sse(chunk_object(call, rid, model, None, None, usage=_usage(completion, why),
-                                            kv_drift=_drift(completion)))
+                    completions = choices.results()
+                    yield _sse(chunk_object(call, rid, self.settings.model_name, None, None,
+                                            usage=_usage(completions, why), kv_drift=_drift(completions[0])))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the response task is cancelled) or the stream ended
-            if not handle.done:
-                handle.cancel()
-            finished(handle.result() if handle.done else None)
+            await updates.aclose()
+            choices.cancel()
+            first = choices.handles[0]
+            finished(first.result() if first.done else None)
+
+    def _pieces(self, call: Call, rid: str, stream: ChoiceStream, handle, index: int,
+                piece: str) -> list[dict]:
+        """The chunks of one update's text: its reasoning, then its content (what may go out now),
+        the logprobs of the tokens made since the last chunk on the first of them."""
+        reasoning, content = stream.feed(piece)
+        chunks = []
+        for text, is_reasoning in ((reasoning, True), (content, False)):
+            if text:
+                logprobs = self._streamed_logprobs(call, stream, handle)
+                stream.offset += 0 if is_reasoning else len(text)
+                said, reasoned = (None, text) if is_reasoning else (text, None)
+                chunks.append(chunk_object(call, rid, self.settings.model_name, said, None, index=index,
+                                           logprobs=logprobs, reasoning=reasoned))
+        return chunks
+
+    def _ended(self, call: Call, rid: str, stream: ChoiceStream, handle, index: int) -> list[dict]:
+        """The chunks that end choice `index` (its handle done): what was held (reasoning, content,
+        the tool calls), then its finish reason."""
+        model, finish = self.settings.model_name, handle.result().finish_reason
+        rest = self._streamed_logprobs(call, stream, handle) if stream.sent < stream.tokens else None
+        reasoning, held, found = stream.finish()
+        chunks = []
+        if reasoning:
+            chunks.append(chunk_object(call, rid, model, None, None, index=index, logprobs=rest,
+                                       reasoning=reasoning))
+            rest = None
+        if held or found:
+            chunks.append(chunk_object(call, rid, model, held, None, index=index, logprobs=rest,
+                                       tool_calls=tool_call_objects(found, streamed=True)))
+            rest, finish = None, "tool_calls" if found else finish
+        chunks.append(chunk_object(call, rid, model, None, finish, index=index, logprobs=rest))
+        return chunks
 
     def _logprobs(self, call: Call, entries: list | None, offset: int = 0) -> dict | None:
         """The logprobs object of `entries` (TokenLogprobs), when the call asked for logprobs."""
@@ -377,11 +405,13 @@ class _Server:
             return None
         return logprobs_object(call.kind, entries, lambda token: self.tokenizer.decode([token]), offset)
 
-    def _streamed_logprobs(self, call: Call, handle, start: int, end: int, offset: int) -> dict | None:
-        """The logprobs object of the streamed tokens start..end, when the call asked for logprobs."""
+    def _streamed_logprobs(self, call: Call, stream: ChoiceStream, handle) -> dict | None:
+        """The logprobs object of a choice's tokens made since the last that went out (then counted
+        as out), when the call asked for logprobs."""
+        start, stream.sent = stream.sent, stream.tokens
         if call.params.logprobs is None:
             return None
-        return self._logprobs(call, handle.logprobs[start:end], offset)
+        return self._logprobs(call, handle.logprobs[start:stream.tokens], stream.offset)
 
     async def _prepared(self, prepare, *args):
         """`prepare(*args)` on a preparing thread: parsing, the chat template and tokenizing are the
@@ -404,13 +434,17 @@ class _Server:
     def _prepare(self, kind: str, raw: bytes,
                  tenant: Tenant | None = None) -> tuple[Call, list[int], Explanation]:
         """The request read from its body, salted for its tenant, its prompt's token ids and why they
-        do or do not match an earlier prompt (on a preparing thread)."""
+        do or do not match an earlier prompt (on a preparing thread). A chat reply is split into
+        reasoning and content when the chat template writes reasoning markers and no grammar holds
+        the reply from its first token."""
         call = self._salted(read_call(kind, _json_body(raw), self.limits), tenant)
         self._check_model(call.model)
-        ids = self._prompt_ids(call)
+        ids, text = self._prompt_ids(call)
         check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
-        tools = None if call.tools is None else list(call.tools.tools)
-        return call, ids, self.why.explain(call.prompt, ids, call.params.cache_salt, tools)
+        if text is not None and call.params.structured is None and reasoning_format(self._template()):
+            call = dataclasses.replace(call, reasoning=opens_in_reasoning(text))
+        why = self.why.explain(call.prompt, ids, call.params.cache_salt, call.template_variables())
+        return call, ids, why
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -421,41 +455,32 @@ class _Server:
                 code="model_not_found",
             )
 
-    def _prompt_ids(self, call: Call) -> list[int]:
-        """The prompt's token ids (chat messages through the chat template, with the tools offered);
-        ApiError(400) naming tools when the template writes tool calls in no format kvcache reads."""
-        prompt = call.prompt
+    def _prompt_ids(self, call: Call) -> tuple[list[int], str | None]:
+        """The prompt's token ids and, for chat messages, the chat template's text they are (with the
+        tools offered and chat_template_kwargs); ApiError(400) naming tools when the template writes
+        tool calls in no format kvcache reads."""
+        if call.kind != "chat" or self.tokenizer is None:
+            return prompt_ids(call.prompt, self.tokenizer, self.vocab), None
         if call.tools is not None:
             self._check_tools_rendered()
-            prompt = self._with_tools(call)
-        try:
-            return prompt_ids(prompt, self.tokenizer, self.vocab)
-        except RequestError:
-            raise
-        except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
-            raise ApiError(
-                400, f"the chat template could not render these messages: {error}", param="messages"
-            ) from None
+        text = self._render(call.prompt, True, call.template_variables())
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template writes special tokens)
+        return prompt_ids(ids, self.tokenizer, self.vocab), text
+
+    def _template(self) -> str | None:
+        """The chat template's source (None: the tokenizer has none)."""
+        return getattr(self.tokenizer, "chat_template", None)
 
     def _check_tools_rendered(self) -> None:
         """ApiError(400) naming tools when the chat template renders none, or writes tool calls in no
         family kvcache reads back."""
-        if tool_format(getattr(self.tokenizer, "chat_template", None)) is None:
+        if tool_format(self._template()) is None:
             families = ", ".join(FAMILIES)
             raise ApiError(400, "tools: this model's chat template renders no tools, or writes tool calls in "
                            f"a format kvcache cannot read back (it reads the {families} family: "
                            "<tool_call>{json}</tool_call>, as Qwen2.5's template writes); serve a model "
                            "whose template does (or kvcache serve --chat-template FILE), or send no tools",
                            param="tools")
-
-    def _with_tools(self, call: Call) -> list[int]:
-        """The token ids of the chat template's prompt with `tools` offered."""
-        try:
-            return self.tokenizer.apply_chat_template(call.prompt, add_generation_prompt=True,
-                                                      tools=list(call.tools.tools))
-        except Exception as error:  # noqa: BLE001 (a chat template that refuses these messages)
-            raise ApiError(400, f"the chat template could not render these messages and tools: {error}",
-                           param="messages") from None
 
     def _salted(self, call: Call, tenant: Tenant | None) -> Call:
         """`call` with its tenant's cache salt (its own salt combined in); ApiError(400) for a
@@ -556,16 +581,22 @@ def _stream_logger(request: Request, started: float):
     return finished
 
 
-def _reads_calls(call: Call) -> bool:
-    """Whether the reply is read for tool calls: tools offered and tool_choice not "none"."""
-    return call.tools is not None and call.tools.choice != "none"
+def _variables(template_kwargs: dict | None, tools: list | None) -> dict:
+    """The chat template's further variables: chat_template_kwargs and the tools offered."""
+    return {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
 
 
-def _usage(completion: Completion, why: Explanation) -> dict:
-    """The usage object, with `kvcache_prefix`: why the prompt did or did not match (docs/why-miss.md)."""
-    usage = completion.usage
-    return {**usage_object(usage.prompt_tokens, usage.cached_tokens, len(completion.tokens)),
-            "kvcache_prefix": why.as_dict()}
+def _usage(completions: list[Completion], why: Explanation) -> dict:
+    """The usage object of a request's choices (the prompt counted once, as its first choice found it
+    cached; each choice's tokens), with `kvcache_prefix`: why the prompt did or did not match
+    (docs/why-miss.md); with several choices, `kvcache_cached_tokens_by_choice`: the prompt tokens
+    each found cached (the later ones, the first's blocks)."""
+    first = completions[0].usage
+    made = sum(len(completion.tokens) for completion in completions)
+    usage = {**usage_object(first.prompt_tokens, first.cached_tokens, made), "kvcache_prefix": why.as_dict()}
+    if len(completions) > 1:
+        usage["kvcache_cached_tokens_by_choice"] = [done.usage.cached_tokens for done in completions]
+    return usage
 
 
 def _drift(completion: Completion) -> dict | None:
@@ -579,7 +610,8 @@ def _sse(payload: dict) -> str:
 
 
 async def _cancel_on_disconnect(request: Request, handle) -> None:
-    """Cancel `handle` when the client disconnects (its body already read)."""
+    """Cancel `handle` (a request's, or its Choices) when the client disconnects (its body already
+    read)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

@@ -23,16 +23,19 @@ _SAMPLING = frozenset({
     "kv_hints",
     # structured outputs (json_object, json_schema; vLLM reads it on completions too)
     "response_format",
+    # choices per request (kvcache.server.choices: the prompt's blocks shared)
+    "n",
 })
 READ: dict[str, frozenset[str]] = {
     "chat": _SAMPLING | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice",
-                         "parallel_tool_calls"},
+                         "parallel_tool_calls", "chat_template_kwargs"},
     "completion": _SAMPLING | {"prompt", "logprobs"},
     # llama-server's content and add_special, vLLM's prompt or messages and add_special_tokens
     "tokenize": frozenset({"model", "content", "prompt", "messages", "add_special", "add_special_tokens",
-                           "add_generation_prompt", "tools"}),
+                           "add_generation_prompt", "tools", "chat_template_kwargs"}),
     "detokenize": frozenset({"model", "tokens"}),
-    "apply-template": frozenset({"model", "messages", "add_generation_prompt", "tools"}),
+    "apply-template": frozenset({"model", "messages", "add_generation_prompt", "tools",
+                                 "chat_template_kwargs"}),
 }
 
 #: the fields accepted and ignored, on every route that takes a body of sampling fields, and why
@@ -72,7 +75,6 @@ def _is(*values: object) -> Callable[[object], bool]:
     return lambda value: any(type(value) is type(it) and value == it for it in values)
 
 
-_N = DefaultOnly(_is(None, 1), "1 or null", "more than one choice per request is not implemented")
 _FUNCTIONS = DefaultOnly(_is(None, []), "an empty list or null", "OpenAI's older functions are not "
                          "implemented: send tools")
 _FUNCTION_CALL = DefaultOnly(_is(None, "none", "auto"), '"none", "auto" or null', "OpenAI's older "
@@ -81,13 +83,11 @@ _FUNCTION_CALL = DefaultOnly(_is(None, "none", "auto"), '"none", "auto" or null'
 #: fields accepted only at their default, by route
 DEFAULT_ONLY: dict[str, dict[str, DefaultOnly]] = {
     "chat": {
-        "n": _N,
         "functions": _FUNCTIONS,
         "function_call": _FUNCTION_CALL,
         "modalities": DefaultOnly(_is(None, ["text"]), '["text"] or null', "only text is generated"),
     },
     "completion": {
-        "n": _N,
         "best_of": DefaultOnly(_is(None, 1), "1 or null", "more than one candidate per request is not "
                                "implemented"),
         "echo": DefaultOnly(_is(None, False), "false or null", "echoing the prompt is not implemented"),

@@ -1,12 +1,13 @@
 """The OpenAI wire format: request bodies read into an engine prompt and SamplingParams (every
 field checked, a bad one named in a 400), and the response, chunk and error objects.
 
-Only what kvcache serves is accepted: one choice (`n` = 1), text content (a string, or parts of
-type "text"). Tools, tool_choice, assistant tool_calls and tool messages are read by
-`kvcache.server.tools`. A field kvcache does not implement is a
-400 naming it, unless `kvcache.server.fields` lists it as accepted and ignored (ignoring it
-cannot change the answer); a string that is not text (a lone surrogate, "\\ud800") is a 400
-wherever it is.
+Only what kvcache serves is accepted: text content (a string, or parts of type "text"), up to
+MAX_CHOICES choices (`n`). Tools, tool_choice, assistant tool_calls and tool messages are read by
+`kvcache.server.tools`; `chat_template_kwargs` are further variables of the chat template (e.g.
+`enable_thinking`), and an assistant message's `reasoning_content` goes to the template too.
+A field kvcache does not implement is a 400 naming it, unless `kvcache.server.fields` lists it as
+accepted and ignored (ignoring it cannot change the answer); a string that is not text (a lone
+surrogate, "\\ud800") is a 400 wherever it is.
 OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` (token id strings -> biases)
 are applied, and of vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos` (generate to max_tokens) and `cache_salt` (requests of other salts share no cached
@@ -26,6 +27,7 @@ from kvcache.generation.params import RequestError, encodes_as_utf8
 from kvcache.generation.structured import StructuredOutput
 from kvcache.server.fields import refused_field
 from kvcache.server.tools import ToolFieldError, ToolRequest, history_tool_calls, read_tools
+from kvcache.text.tokenizer import SPECIAL_TOKEN_NAMES
 
 
 class ApiError(Exception):
@@ -52,6 +54,11 @@ class ApiError(Exception):
 #: the most chat messages a request may send (fewer when the prompt limit is lower: each message
 #: costs a token at least)
 MAX_MESSAGES = 4096
+#: the most choices (`n`) one request may ask for
+MAX_CHOICES = 16
+#: names chat_template_kwargs may not set: the render's own arguments and the special tokens
+RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "tools", "chat_template", "tokenize",
+                           "return_tensors", "return_dict", *SPECIAL_TOKEN_NAMES)
 
 
 @dataclass
@@ -81,6 +88,15 @@ class Call:
     model: str | None
     tools: ToolRequest | None = None  # (chat) the tools offered, and how the reply may call them
     kv_hints: object = None  # the body's kv_hints, as sent (read with the x-session-id header: app)
+    n: int = 1  # choices: each a request of its own, the prompt's blocks shared (kvcache.server.choices)
+    template_kwargs: dict | None = None  # (chat) chat_template_kwargs: the template's further variables
+    reasoning: bool | None = None  # (chat) None: the reply is not split; else whether the prompt
+    # opened the reasoning block (set once the prompt is rendered: kvcache.server.reasoning)
+
+    def template_variables(self) -> dict:
+        """What the chat template gets beside the messages: chat_template_kwargs and the tools."""
+        tools = {} if self.tools is None else {"tools": list(self.tools.tools)}
+        return {**(self.template_kwargs or {}), **tools}
 
 
 def read_call(kind: str, body: object, limits: Limits) -> Call:
@@ -124,7 +140,34 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"model must be a string, got {type(model).__name__}", param="model")
-    return Call(kind, prompt, params, stream, include_usage, model, tools, body.get("kv_hints"))
+    kwargs = read_template_kwargs(body.get("chat_template_kwargs")) if kind == "chat" else None
+    return Call(kind, prompt, params, stream, include_usage, model, tools, body.get("kv_hints"),
+                _choices(body.get("n")), kwargs)
+
+
+def _choices(value: object) -> int:
+    """`n`: how many choices, 1 to MAX_CHOICES (null: 1)."""
+    if value is None:
+        return 1
+    _integer("n", value, 1, MAX_CHOICES, "this server's bound on choices per request")
+    return int(value)  # type: ignore[arg-type]
+
+
+def read_template_kwargs(value: object) -> dict | None:
+    """chat_template_kwargs: an object of the chat template's further variables (vLLM's), passed to
+    it as they are; ApiError(400) naming it, or a name the render sets itself."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object of the chat template's variables (e.g. "
+                       f'{{"enable_thinking": false}}), got {type(value).__name__}',
+                       param="chat_template_kwargs")
+    for name in value:
+        if name in RESERVED_TEMPLATE_NAMES:
+            what = "send tools as the request's tools field" if name == "tools" else "the server sets it"
+            raise ApiError(400, f"chat_template_kwargs.{name} cannot be set: {what}",
+                           param=f"chat_template_kwargs.{name}")
+    return dict(value)
 
 
 def _tools(body: dict) -> ToolRequest | None:
@@ -185,33 +228,32 @@ def usage_object(prompt: int, cached: int, completion: int) -> dict:
     }
 
 
-def response_object(
-    call: Call, rid: str, model: str, text: str | None, finish: str, usage: dict,
-    kv_drift: dict | None = None, logprobs: dict | None = None, tool_calls: list[dict] | None = None,
+def choice_object(
+    call: Call, index: int, text: str | None, finish: str, logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None, reasoning: str | None = None,
 ) -> dict:
-    """The whole (non-streamed) answer; kv_drift (when the drift probe sampled the request) beside
-    its usage; logprobs: the choice's (`logprobs_object`), when asked; tool_calls: the calls read
-    from the reply (`text` is then what it said beside them, or None)."""
-    if call.kind == "chat":
-        message: dict = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        kind = "text_completion"
+    """One choice of a whole answer: its text (chat: what it said beside its `tool_calls`, or None),
+    its reasoning (`reasoning_content`, when the reply had a reasoning block), logprobs when asked."""
+    if call.kind != "chat":
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    message: dict = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def response_object(call: Call, rid: str, model: str, choices: list[dict], usage: dict,
+                    kv_drift: dict | None = None) -> dict:
+    """The whole (non-streamed) answer of its choices (`choice_object`); kv_drift (when the drift
+    probe sampled the request) beside its usage."""
     return {
         "id": rid,
-        "object": kind,
+        "object": "chat.completion" if call.kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage,
         **({} if kv_drift is None else {"kv_drift": kv_drift}),
     }
@@ -224,26 +266,31 @@ def chunk_object(
     text: str | None,
     finish: str | None,
     *,
+    index: int = 0,
     first: bool = False,
     usage: dict | None = None,
     kv_drift: dict | None = None,
     logprobs: dict | None = None,
     tool_calls: list[dict] | None = None,
+    reasoning: str | None = None,
 ) -> dict:
-    """One streamed event: a piece of text (with its tokens' logprobs when asked), tool calls
-    (`tool_call_objects(..., streamed=True)`), the finish reason, or (choices empty) the usage (and
-    kv_drift beside it when the drift probe sampled the request)."""
+    """One streamed event of choice `index`: a piece of text (with its tokens' logprobs when asked),
+    a piece of reasoning (`reasoning_content`), tool calls (`tool_call_objects(..., streamed=True)`),
+    the finish reason, or (choices empty) the usage (and kv_drift beside it when the drift probe
+    sampled the request)."""
     if usage is not None:
         choices: list = []
     elif call.kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
+        choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
     chunk = {
         "id": rid,
         "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
@@ -297,8 +344,8 @@ def read_messages(messages: object, limit: int) -> list[dict]:
 
 
 def _message(message: object, where: str) -> dict:
-    """{role, content} of one chat message (with an assistant's tool_calls, a tool message's
-    tool_call_id); ApiError(400) naming a legacy function message, or a key kvcache would drop
+    """{role, content} of one chat message (with an assistant's tool_calls and reasoning_content, a
+    tool message's tool_call_id); ApiError(400) naming a legacy function message, or a key kvcache would drop
     (its other keys may be null or empty, as a replayed reply's are)."""
     if not isinstance(message, dict):
         raise ApiError(400, f"{where} must be an object", param=where)
@@ -311,19 +358,20 @@ def _message(message: object, where: str) -> dict:
         raise ApiError(400, f"{where}.role must be system, user, assistant or tool, got {role!r}",
                        param=where)
     read = {"role": "system" if role == "developer" else role}
-    allowed = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}.get(role, ())
+    allowed = {"assistant": ("tool_calls", "reasoning_content"),
+               "tool": ("tool_call_id", "name")}.get(role, ())
     for key, value in message.items():
         if key in ("role", "content") or value is None or value == []:
             continue
         if key not in allowed:
             raise ApiError(400, f"{where}.{key} is not supported by this server (yet) on a {role} message: "
-                           "it is read as its role and content (an assistant's tool_calls, a tool's "
-                           "tool_call_id)",
+                           "it is read as its role and content (an assistant's tool_calls and "
+                           "reasoning_content, a tool's tool_call_id)",
                            param=f"{where}.{key}")
         read[key] = _tool_key(key, value, f"{where}.{key}")
-    calls = read.get("tool_calls")
+    more = read.get("tool_calls") or read.get("reasoning_content")  # (a reply of calls or reasoning only)
     content = message.get("content")
-    read["content"] = "" if calls and content is None else _content(content, where)
+    read["content"] = "" if more and content is None else _content(content, where)
     return read
 
 

@@ -7,7 +7,8 @@ chat route's are (a bad field named in a 400, an unknown one refused):
     POST /detokenize      {"tokens": [ids]}, each id in the tokenizer's vocabulary
     POST /apply-template  {"messages"}: the prompt text the chat route would render
 
-Both routes that take messages take `tools` too (rendered as the chat route renders them).
+Both routes that take messages take `tools` and `chat_template_kwargs` too (rendered as the chat
+route renders them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache.server.fields import refused_field
-from kvcache.server.openai_api import ApiError, Limits, check_texts, read_messages
+from kvcache.server.openai_api import ApiError, Limits, check_texts, read_messages, read_template_kwargs
 from kvcache.server.tools import ToolFieldError, read_tools
 
 
@@ -29,6 +30,7 @@ class TokenizeCall:
     add_generation_prompt: bool  # (messages only) the template's opening of the assistant's turn
     model: str | None
     tools: list | None = None  # (messages only) the tools offered to the chat template
+    template_kwargs: dict | None = None  # (messages only) chat_template_kwargs
 
 
 @dataclass
@@ -39,6 +41,7 @@ class TemplateCall:
     add_generation_prompt: bool
     model: str | None
     tools: list | None = None  # the tools offered to the chat template
+    template_kwargs: dict | None = None  # chat_template_kwargs: the template's further variables
 
 
 def read_tokenize(body: object, limits: Limits) -> TokenizeCall:
@@ -57,8 +60,9 @@ def read_tokenize(body: object, limits: Limits) -> TokenizeCall:
     if source == "messages":
         messages = read_messages(body["messages"], limits.max_messages)
         return TokenizeCall(None, messages, add_special, _flag(body, "add_generation_prompt", True),
-                            _model(body), _tools(body))
-    for name in ("add_generation_prompt", "tools"):
+                            _model(body), _tools(body),
+                            read_template_kwargs(body.get("chat_template_kwargs")))
+    for name in ("add_generation_prompt", "tools", "chat_template_kwargs"):
         if name in body:
             raise ApiError(400, f"{name} applies to messages, not to {source}", param=name)
     text = body[source]
@@ -85,7 +89,8 @@ def read_apply_template(body: object, limits: Limits) -> TemplateCall:
     """The TemplateCall of an /apply-template body; ApiError(400) naming the first bad field."""
     body = _checked("apply-template", body)
     messages = read_messages(body.get("messages"), limits.max_messages)
-    return TemplateCall(messages, _flag(body, "add_generation_prompt", True), _model(body), _tools(body))
+    return TemplateCall(messages, _flag(body, "add_generation_prompt", True), _model(body), _tools(body),
+                        read_template_kwargs(body.get("chat_template_kwargs")))
 
 
 def _tools(body: dict) -> list | None:
