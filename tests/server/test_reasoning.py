@@ -129,3 +129,16 @@ def test_the_next_turn_sending_back_the_content_finds_the_earlier_turns_blocks(c
     second = _ask(client, history)
     block = 8  # (the test engine's block size)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // block * block > 0
+
+
+def test_each_of_n_streamed_choices_has_its_reasoning_split_under_its_index(client):
+    reasoning, content = ["", ""], ["", ""]
+    for chunk in _ask(client, stream=True, n=2):
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            reasoning[choice.index] += delta.get("reasoning_content") or ""
+            content[choice.index] += delta.get("content") or ""
+    assert reasoning == ["I should greet."] * 2 and content == ["Hello there"] * 2
+    whole = _ask(client, n=2)
+    assert [(c.message.reasoning_content, c.message.content) for c in whole.choices] == [
+        ("I should greet.", "Hello there")] * 2
