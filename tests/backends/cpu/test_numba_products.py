@@ -118,3 +118,17 @@ def test_compiling_reports_each_kvcache_kernel_once_and_not_what_it_compiles_ins
     assert reported == ["outer"]
     outer(5.5)  # a new signature outside: not reported
     assert reported == ["outer"]
+
+
+def test_attentions_exp_is_within_an_ulp_and_zero_where_a_key_is_masked():
+    """`exp_below` (the attention's softmax weights, vectorized arithmetic instead of a libm call
+    a value): e^x within about one float32 ulp over the scores less their top, exactly 1 at the
+    top, 0 for a masked key (-inf) and below float32's normal range."""
+    kernels = numba_products.kernels()
+    scores = np.abs(np.random.default_rng(0).standard_normal(5000)) * 30
+    x = -np.concatenate([np.linspace(0, 87, 20001), scores[scores <= 87]]).astype(np.float32)
+    got = np.array([kernels.exp_below(value) for value in x], np.float64)
+    exact = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(got - exact) / exact) < 1.5e-7
+    assert kernels.exp_below(np.float32(0.0)) == 1.0
+    assert [kernels.exp_below(np.float32(v)) for v in (-np.inf, -87.5, -1000.0)] == [0.0, 0.0, 0.0]

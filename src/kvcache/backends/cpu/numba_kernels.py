@@ -298,7 +298,7 @@ def attend(
     tops = np.full((tokens, kv_heads, chunks, group), -np.inf, np.float32)  # each task's top score
     sums = np.zeros((tokens, kv_heads, chunks, group), np.float32)  # its sum of exp(score - top)
     parts = np.zeros((tokens, kv_heads, chunks, group, dim), np.float32)  # its sum of exp(...)·value
-    all_scores = np.empty((tokens * kv_heads * chunks, CHUNK, group), np.float32)  # each task's
+    all_scores = np.empty((tokens * kv_heads * chunks, group, CHUNK), np.float32)  # each task's
     all_codes = np.empty((tokens * kv_heads * chunks, dim), np.float32)  # each task's packed row scratch
     for task in prange(tokens * kv_heads * chunks):
         n, kv, chunk = task // (kv_heads * chunks), task // chunks % kv_heads, task % chunks
@@ -316,41 +316,74 @@ def attend(
                 if visible.shape[0] == 0 or visible[at]:
                     slot = table[at // size] * size + at % size
                     key = keys[slot * step + kv * layout[KEY_HEAD_STRIDE]]
-                    scored(group_queries, key, group_sums, scores[t], codes)
+                    scored(group_queries, key, group_sums, scores[:, t], codes)
                 else:
                     for g in range(group):
-                        scores[t, g] = -np.inf
+                        scores[g, t] = -np.inf
             for t in range(stored, count):  # (a windowed row attends causally: no mask)
                 row = exact[n, 1] + (lo + t) % layout[RECENT] * kv_heads + kv
-                scored(group_queries, recent_keys[row], group_sums, scores[t], codes)
+                scored(group_queries, recent_keys[row], group_sums, scores[:, t], codes)
             exponentiated(scores, count, tops[n, kv, chunk], sums[n, kv, chunk])
             summed = parts[n, kv, chunk]  # (G, D), zeros
             for t in range(stored):  # each value read once for the group's queries
                 at = lo + t  # (a masked key's weight is 0: its value is never read, maybe unwritten)
                 slot = table[at // size] * size + at % size
-                accumulated(summed, scores[t], values[slot * step + kv * layout[VALUE_HEAD_STRIDE]], codes)
+                accumulated(summed, scores[:, t], values[slot * step + kv * layout[VALUE_HEAD_STRIDE]], codes)
             for t in range(stored, count):
                 row = exact[n, 1] + (lo + t) % layout[RECENT] * kv_heads + kv
-                accumulated(summed, scores[t], recent_values[row], codes)
+                accumulated(summed, scores[:, t], recent_values[row], codes)
     combine(tops, sums, parts, out)
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
 def exponentiated(scores, count, tops, sums):  # pragma: no cover (compiled)
-    """scores (≥ count, G) of one task's first `count` keys -> exp(score - top) per query of the
-    group, in place; tops (G,) = each query's top score, sums (G,) = its weights' sum (every key
-    masked: weights 0, not nan)."""
-    for g in range(scores.shape[1]):
+    """scores (G, ≥ count) of one task's first `count` keys -> exp(score - top) per query of the
+    group (`exp_below`), in place; tops (G,) = each query's top score, sums (G,) = its weights'
+    sum (every key masked: weights 0, not nan)."""
+    for g in range(scores.shape[0]):
         top = np.float32(-np.inf)
         for t in range(count):
-            top = max(top, scores[t, g])
+            top = max(top, scores[g, t])
         total = np.float32(0.0)
-        for t in range(count):
-            weight = np.exp(scores[t, g] - top) if top != -np.inf else np.float32(0.0)
-            scores[t, g] = weight
-            total += weight
+        if top != -np.inf:
+            for t in range(count):
+                weight = exp_below(scores[g, t] - top)
+                scores[g, t] = weight
+                total += weight
+        else:
+            for t in range(count):
+                scores[g, t] = np.float32(0.0)
         tops[g] = top
         sums[g] = total
+
+
+#: exp_below's constants: log2(e), ln(2) in two parts (the first exact in few bits, so n·it is
+#: exact), and where float32's exp stops being a normal number
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_LOWEST = np.float32(-87.0)
+#: no reassociation (which would undo the two-part reduction): a function of its own, called, as
+#: an inlined one takes its caller's flags
+_EXP_FLAGS = {"contract", "arcp", "nsz"}
+
+
+@numba.njit(fastmath=_EXP_FLAGS, error_model="numpy", cache=True)
+def exp_below(x):  # pragma: no cover (compiled)
+    """e^x for x <= 0 (a score less its top), 0 below -87 (-inf included), within about one
+    float32 ulp elsewhere: x = n·ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to r^7,
+    times 2^n made in the exponent's bits. Arithmetic only, so a loop of it vectorizes (numba's
+    np.exp is a scalar call a value)."""
+    clamped = max(x, _LOWEST)
+    n = np.rint(clamped * _LOG2E)
+    r = (clamped - n * _LN2_HIGH) - n * _LN2_LOW
+    p = np.float32(1.0 / 5040.0) * r + np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = (p * r + np.float32(1.0)) * r + np.float32(1.0)
+    power = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return p * power if x >= _LOWEST else np.float32(0.0)
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
