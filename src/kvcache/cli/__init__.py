@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("models", "the model names -m takes: each one's size and where it is, or how to pull it"),
     "pull": ("pull", "fetch a named model's GGUF file (checked by its SHA-256) into your cache folder"),
     "why": ("why", "why a request to a running serve missed the prefix cache, and where"),
+    "verify": ("verify", "whether greedy tokens depend on how a prompt was run: chunked, cached, batched"),
 }
 
 
