@@ -330,3 +330,19 @@ def test_the_engine_serves_kept_blocks_on_the_block_step_as_the_exact_path_answe
     engine.close()
     for allocator in engine.pool.cache.allocators:
         assert allocator.num_in_use == 0
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K"])
+def test_a_long_prompt_step_runs_on_the_matrix_unit_where_there_is_one_as_on_the_kernels(block_files, kind):
+    """A 40-token prompt (one step past kernel_rows) with q8 activations: on AMX tiles where the CPU
+    has them (`on_tiles`), its logits those of the same step on the one-row kernels' products
+    within float32 rounding (the tiles' sums in another order)."""
+    model = load_model(block_files[kind], activations="q8")
+    backend = choose_backend(model)
+    assert backend.on_tiles == (numba_products.matrix_unit() is not None)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    no_steps = torch.empty((1, 0), dtype=torch.long)
+    ours = paged_logits(model, backend, prompt, no_steps)[0]
+    backend.on_tiles = False
+    kernels = paged_logits(model, backend, prompt, no_steps)[0]
+    torch.testing.assert_close(ours, kernels, atol=1e-4, rtol=1e-4)
