@@ -132,3 +132,19 @@ def test_attentions_exp_is_within_an_ulp_and_zero_where_a_key_is_masked():
     assert np.max(np.abs(got - exact) / exact) < 1.5e-7
     assert kernels.exp_below(np.float32(0.0)) == 1.0
     assert [kernels.exp_below(np.float32(v)) for v in (-np.inf, -87.5, -1000.0)] == [0.0, 0.0, 0.0]
+
+
+def test_the_kernels_swiglu_is_silu_times_up_within_float32_rounding():
+    """`swiglu_rows` (a long step's activation, outside the layer calls) against float64, inf and
+    nan gates included: silu(+inf)·up is inf·up, silu(-inf) nan (inf/inf, as torch's), nan stays."""
+    rng = np.random.default_rng(4)
+    gate_up = (rng.standard_normal((33, 2 * 70)) * 12).astype(np.float32)
+    gate_up[0, :3] = [np.inf, -np.inf, np.nan]
+    out = np.empty((33, 70), np.float32)
+    numba_products.kernels().swiglu_rows(gate_up, out)
+    gate, up = gate_up[:, :70].astype(np.float64), gate_up[:, 70:].astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = gate / (1.0 + np.exp(-gate)) * up
+    finite = np.isfinite(expected)
+    assert np.allclose(out[finite], expected[finite], rtol=1e-6, atol=1e-30)
+    assert np.isinf(out[0, 0]) and np.isnan(out[0, 1]) and np.isnan(out[0, 2])

@@ -386,6 +386,20 @@ def exp_below(x):  # pragma: no cover (compiled)
     return p * power if x >= _LOWEST else np.float32(0.0)
 
 
+@numba.njit(**KERNEL)
+def swiglu_rows(gate_up, out):  # pragma: no cover (compiled)
+    """out (N, inner) = silu(gate)·up of gate_up (N, 2·inner) (gate's outputs, then up's), the
+    rows split between the threads; the sigmoid from `exp_below` of -|gate| (vectorized, within
+    an ulp or so of libm's): a step's products past the layer calls."""
+    inner = out.shape[1]
+    for n in prange(gate_up.shape[0]):
+        for i in range(inner):
+            gate = gate_up[n, i]
+            e = exp_below(-abs(gate))
+            sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if gate >= 0 else e / (np.float32(1.0) + e)
+            out[n, i] = gate * sigmoid * gate_up[n, inner + i]
+
+
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
 def combine(tops, sums, parts, out):  # pragma: no cover (compiled)
     """out (N, H·D): each query head's chunks' softmax parts rescaled to its top score, summed and

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.backends.cpu import numba_products
-from kvcache.backends.cpu.rows import rms_norm, swiglu
+from kvcache.backends.cpu.rows import rms_norm
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.cache.arrays import array_of, tensor_of
 from kvcache.cache.masks import visible_keys
@@ -184,7 +184,15 @@ def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts,
         recent.keep(index, qkv, heads, kv_heads)
         attended = _attention(step, qkv, rows, storage, tables, layout, recent.read(index))
         x += linear(attended, w.o, w.o_bias)
-        x += linear(swiglu(linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+        gate_up = linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)
+        x += linear(_swiglu(gate_up), w.down, w.down_bias)
+
+
+def _swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """silu(gate)·up (N, inner) of gate_up (N, 2·inner), on the kernels (`swiglu_rows`)."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    numba_products.kernels().swiglu_rows(gate_up, out)
+    return out
 
 
 def _attention(step, qkv, rows: TokenRows, storage, tables, layout, recent: tuple) -> np.ndarray:

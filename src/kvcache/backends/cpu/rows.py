@@ -24,19 +24,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def swiglu(gate_up: np.ndarray) -> np.ndarray:
-    """silu(gate)·up of gate_up (rows, 2·inner) (gate's outputs, then up's) -> (rows, inner)."""
-    inner = gate_up.shape[-1] // 2
-    gate, up = gate_up[:, :inner], gate_up[:, inner:]
-    with np.errstate(over="ignore"):  # exp(-g) of a very negative gate is inf: silu -> -0
-        act = np.negative(gate)
-        np.exp(act, out=act)
-    act += 1.0
-    np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
-    act *= up
-    return act
-
-
 def rotate(x: np.ndarray, cos: np.ndarray, signed_sin: np.ndarray) -> np.ndarray:
     """RoPE on numpy rows, the formula of the model's `apply_rope` and the kernels' `turned`:
     x_i·cos_i + x_{(i + D/2) mod D}·signed_sin_i, for x (..., D) and cos, signed_sin broadcast
