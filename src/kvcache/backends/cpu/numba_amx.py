@@ -43,6 +43,8 @@ from kvcache.backends.cpu.numba_values import FLAGS
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 #: the formats whose scales step every 16 values (the others' every 32)
 _SIXTEENS = (Q6_K, Q3_K, Q2_K)
+#: the formats with minimums (Q4_1's and Q5_1's m, the K-quants' dmin·sub-minimum)
+_MINIMUMS = (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K)
 #: by code: the offset a format's values carry as unpacked (`numba_q8`'s unsigned values)
 OFFSETS = (128, 8, 0, 16, 0, 0, 0, 32, 0, 4)
 _I64, _F32 = ir.IntType(64), ir.FloatType()
@@ -94,51 +96,63 @@ def tile_release(typingctx):
     return numba.types.none(), codegen
 
 
-@intrinsic
-def tile_groups(typingctx, values, laid, offsets, x_scales, x_shifts, scales, minimums, group, found):
-    """found (16, 16) float32 = Σ over the groups g of 16 weight rows' values (16, in) uint8 times
+def _groups_intrinsic(with_minimums: bool):
+    """The intrinsic (values, laid, offsets, x_scales, x_shifts, scales, minimums, group, found):
+    found (16, 16) float32 = Σ over the groups g of 16 weight rows' values (16, in) uint8 times
     16 tokens' laid activations (in / 4, 64) int8 (`activation_tiles`, one tile's), each group's
     16×16 integer sums (`tdpbusd`, the tiles configured for `group` values) less offsets[g] (the
-    tokens' (groups, 16) int32), times scales[r, g]·x_scales[g] plus minimums[r, g]·x_shifts[g]
-    (weight rows' (16, groups), tokens' (groups, 16) float32), added group after group."""
-    def codegen(context, builder, signature, args):
-        arrays = [context.make_array(t)(context, builder, a)
-                  for t, a in zip(signature.args, args) if t != group]
-        data = [builder.bitcast(a.data, ir.IntType(8).as_pointer()) for a in arrays[:7]]
-        p_values, p_laid, p_offsets, p_scales_x, p_shifts_x, p_scales, p_minimums = data
-        p_found = builder.bitcast(arrays[7].data, _F16.as_pointer())
-        width = builder.extract_value(arrays[0].shape, 1)
-        groups = builder.extract_value(arrays[5].shape, 1)
-        step = args[7]  # (the group's values, an i64)
-        with builder.goto_entry_block():
-            sums = builder.alloca(ir.ArrayType(_I16, 16))  # (the tile's 16 rows of 16 int32)
-            sums.align = 64
-        totals = [cgutils.alloca_once_value(builder, ir.Constant(_F16, [0.0] * 16)) for _ in range(16)]
-        with cgutils.for_range(builder, groups) as loop:
-            g = loop.index
-            _tile_dot(builder, builder.gep(p_values, [builder.mul(g, step)]), width,
-                      builder.gep(p_laid, [builder.mul(builder.mul(g, step), ir.Constant(_I64, 16))]),
-                      builder.bitcast(sums, ir.IntType(8).as_pointer()))
-            at = builder.mul(g, ir.Constant(_I64, 64))  # (bytes of a group's 16 int32 / float32)
-            offset = _vector(builder, p_offsets, at, _I16)
-            x_scale, x_shift = _vector(builder, p_scales_x, at, _F16), _vector(builder, p_shifts_x, at, _F16)
-            for r in range(16):
-                row = builder.load(builder.gep(sums, [ir.Constant(_I64, 0), ir.Constant(_I64, r)]))
-                value = builder.sitofp(builder.sub(row, offset), _F16)
-                weight_at = builder.mul(builder.add(builder.mul(ir.Constant(_I64, r), groups), g),
-                                        ir.Constant(_I64, 4))  # (byte of [r, g] in (16, groups) float32)
-                scale = _splat(builder, _scalar(builder, p_scales, weight_at))
-                minimum = _splat(builder, _scalar(builder, p_minimums, weight_at))
-                part = builder.fmul(value, builder.fmul(scale, x_scale, flags=_FAST), flags=_FAST)
-                part = builder.fadd(part, builder.fmul(minimum, x_shift, flags=_FAST), flags=_FAST)
-                builder.store(builder.fadd(builder.load(totals[r]), part, flags=_FAST), totals[r])
+    tokens' (groups, 16) int32), times scales[r, g]·x_scales[g], plus minimums[r, g]·x_shifts[g]
+    `with_minimums` (weight rows' (16, groups), tokens' (groups, 16) float32; without, they are
+    not read), added group after group."""
+
+    def tile_groups(typingctx, values, laid, offsets, x_scales, x_shifts, scales, minimums, group, found):
+        signature = numba.types.none(values, laid, offsets, x_scales, x_shifts, scales, minimums,
+                                     numba.types.int64, found)
+        return signature, functools.partial(_groups_codegen, with_minimums)
+
+    tile_groups.__name__ = "tile_groups" if with_minimums else "tile_groups_scaled"
+    return intrinsic(tile_groups)
+
+
+def _groups_codegen(with_minimums, context, builder, signature, args):
+    """`_groups_intrinsic`'s code."""
+    arrays = [context.make_array(t)(context, builder, a) for i, (t, a) in enumerate(zip(signature.args, args))
+              if i != 7]
+    data = [builder.bitcast(a.data, ir.IntType(8).as_pointer()) for a in arrays[:7]]
+    p_values, p_laid, p_offsets, p_scales_x, p_shifts_x, p_scales, p_minimums = data
+    p_found = builder.bitcast(arrays[7].data, _F16.as_pointer())
+    width, groups = builder.extract_value(arrays[0].shape, 1), builder.extract_value(arrays[5].shape, 1)
+    step = args[7]  # (the group's values, an i64)
+    with builder.goto_entry_block():
+        sums = builder.alloca(ir.ArrayType(_I16, 16))  # (the tile's 16 rows of 16 int32)
+        sums.align = 64
+    totals = [cgutils.alloca_once_value(builder, ir.Constant(_F16, [0.0] * 16)) for _ in range(16)]
+    with cgutils.for_range(builder, groups) as loop:
+        g = loop.index
+        _tile_dot(builder, builder.gep(p_values, [builder.mul(g, step)]), width,
+                  builder.gep(p_laid, [builder.mul(builder.mul(g, step), ir.Constant(_I64, 16))]),
+                  builder.bitcast(sums, ir.IntType(8).as_pointer()))
+        at = builder.mul(g, ir.Constant(_I64, 64))  # (bytes of a group's 16 int32 / float32)
+        offset = _vector(builder, p_offsets, at, _I16)
+        x_scale, x_shift = _vector(builder, p_scales_x, at, _F16), _vector(builder, p_shifts_x, at, _F16)
         for r in range(16):
-            target = builder.bitcast(builder.gep(p_found, [ir.Constant(_I64, r)]), _F16.as_pointer())
-            builder.store(builder.load(totals[r]), target).align = 4
-        return context.get_dummy_value()
-    signature = numba.types.none(values, laid, offsets, x_scales, x_shifts, scales, minimums,
-                                 numba.types.int64, found)
-    return signature, codegen
+            row = builder.load(builder.gep(sums, [ir.Constant(_I64, 0), ir.Constant(_I64, r)]))
+            value = builder.sitofp(builder.sub(row, offset), _F16)
+            weight_at = builder.mul(builder.add(builder.mul(ir.Constant(_I64, r), groups), g),
+                                    ir.Constant(_I64, 4))  # (byte of [r, g] in (16, groups) float32)
+            scale = _splat(builder, _scalar(builder, p_scales, weight_at))
+            part = builder.fmul(value, builder.fmul(scale, x_scale, flags=_FAST), flags=_FAST)
+            if with_minimums:
+                minimum = _splat(builder, _scalar(builder, p_minimums, weight_at))
+                part = builder.fadd(part, builder.fmul(minimum, x_shift, flags=_FAST), flags=_FAST)
+            builder.store(builder.fadd(builder.load(totals[r]), part, flags=_FAST), totals[r])
+    for r in range(16):
+        target = builder.bitcast(builder.gep(p_found, [ir.Constant(_I64, r)]), _F16.as_pointer())
+        builder.store(builder.load(totals[r]), target).align = 4
+    return context.get_dummy_value()
+
+
+tile_groups, tile_groups_scaled = _groups_intrinsic(True), _groups_intrinsic(False)
 
 
 def _tile_dot(builder, a, a_stride, b, c) -> None:
@@ -288,7 +302,11 @@ def tiles_product(w, kind, x, start, out):  # pragma: no cover (compiled)
         tile_config(configured(group))
         found = np.empty((16, 16), np.float32)
         for t in range(laid.shape[0]):
-            tile_groups(values, laid[t], offsets[t], x_scales[t], x_shifts[t], scales, minimums, group, found)
+            tile = (values, laid[t], offsets[t], x_scales[t], x_shifts[t], scales, minimums)
+            if kind in _MINIMUMS:
+                tile_groups(*tile, group, found)
+            else:
+                tile_groups_scaled(*tile, group, found)
             for r in range(min(16, rows - first)):
                 for j in range(min(16, tokens - 16 * t)):
                     out[16 * t + j, start + first + r] = found[r, j]
