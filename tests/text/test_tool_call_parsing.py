@@ -26,7 +26,7 @@ def test_qwens_template_is_hermes_and_the_bundled_one_renders_no_tools():
     assert tool_format(TEMPLATE) == "hermes"
     assert tool_format(kvcache.load_tokenizer().chat_template) is None
     assert tool_format(None) is None
-    assert tool_format("{{ tools }} [TOOL_CALLS]") is None  # (a family kvcache does not read)
+    assert tool_format("{{ tools }} <function_calls>") is None  # (a family kvcache does not read)
 
 
 def test_several_calls_are_read_with_the_text_beside_them():
