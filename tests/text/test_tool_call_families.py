@@ -1,12 +1,15 @@
-"""The tool-call families besides hermes, each from a small template that renders tools and a
-replayed call as that family's real template does: mistral (`[TOOL_CALLS] [{...}, ...]`, several calls
-in one list) and llama3 (the whole reply one `{"name", "parameters"}` object, perhaps after
-`<|python_tag|>`). For each: the template's source names its family, whole replies are read (content
-beside mistral's calls, several calls where the family allows them), malformed calls stay content, a
-stream holds only what may be part of a call (split at every character), and the forced-call grammar
-takes the call the template writes back and refuses a malformed one."""
+"""The tool-call families besides hermes, each from a small template (tests/text/*_tools.jinja) that
+renders tools and a replayed call as that family's real template does: mistral (`[TOOL_CALLS] [{...}]`,
+several calls in one list) and llama3 (the whole reply one `{"name", "parameters"}` object, perhaps
+after `<|python_tag|>`). For each: the template's source names its family, whole replies are read
+(content beside mistral's calls, several calls where the family allows them), malformed calls stay
+content, a stream holds only what may be part of a call (split at every character), and the
+forced-call grammar takes the call the template writes back and refuses a malformed one."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -29,33 +32,9 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
 PARIS, UTC = ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", '{"zone": "UTC"}')
 
-# (as Mistral-7B-Instruct-v0.3's template: tools before the last user turn, calls as one list)
-MISTRAL = (
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' %}"
-    "{%- if tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-    "[INST] {{ message.content }}[/INST]"
-    "{%- elif message.tool_calls is defined and message.tool_calls %}[TOOL_CALLS] ["
-    "{%- for tool_call in message.tool_calls %}{{ tool_call.function | tojson }}"
-    "{%- if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
-    "{%- elif message.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ message.content | tojson }}}"
-    "[/TOOL_RESULTS]"
-    "{%- else %} {{ message.content }}{{ eos_token }}{% endif %}"
-    "{%- endfor %}")
-# (as Llama-3.1's template: tools in the first user turn, a call written back as name then parameters)
-LLAMA3 = (
-    "{%- for message in messages %}"
-    "<|start_header_id|>{{ 'ipython' if message.role == 'tool' else message.role }}<|end_header_id|>\n\n"
-    "{%- if tools and loop.first %}Respond in the format {\"name\": function name, \"parameters\": "
-    "dictionary of argument name and its value}.\n"
-    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
-    "{%- if message.tool_calls is defined and message.tool_calls %}"
-    "{%- set tool_call = message.tool_calls[0].function %}"
-    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}"
-    "{{- tool_call.arguments | tojson }}{{- '}' }}"
-    "{%- else %}{{ message.content }}{% endif %}<|eot_id|>"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+HERE = Path(__file__).resolve().parent
+MISTRAL = (HERE / "mistral_tools.jinja").read_text(encoding="utf-8")  # (as Mistral-7B-Instruct-v0.3's)
+LLAMA3 = (HERE / "llama3_tools.jinja").read_text(encoding="utf-8")  # (as Llama-3.1's)
 
 MISTRAL_CALL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 LLAMA3_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
@@ -78,7 +57,7 @@ def test_the_template_writes_a_replayed_call_as_the_family_reads_it(template, ca
                {"role": "tool", "tool_call_id": "abcdefghi", "content": "21 C"},
                {"role": "user", "content": "And now?"}]
     text = tokenizer.render_chat(history, add_generation_prompt=True, tools=[WEATHER])
-    assert '"name": "get_weather"' in text and call in text
+    assert json.dumps(WEATHER) in text and call in text and "21 C" in text
 
 
 def test_mistral_reads_several_calls_and_the_content_before_them():

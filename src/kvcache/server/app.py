@@ -60,7 +60,7 @@ from kvcache.server.openai_api import (
 from kvcache.server.reasoning import opens_in_reasoning, reasoning_format
 from kvcache.server.tenants import ApiKeys, Tenant
 from kvcache.server.token_api import read_apply_template, read_detokenize, read_tokenize
-from kvcache.server.tools import tool_call_objects
+from kvcache.server.tools import ToolFieldError, tool_call_objects
 from kvcache.server.why import RequestExplainer
 from kvcache.text.tool_calls import FAMILIES, tool_format
 
@@ -441,10 +441,24 @@ class _Server:
         self._check_model(call.model)
         ids, text = self._prompt_ids(call)
         check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
+        if call.tools is not None and tool_format(self._template()) is not None:
+            call = self._in_tool_family(call)
         if text is not None and call.params.structured is None and reasoning_format(self._template()):
             call = dataclasses.replace(call, reasoning=opens_in_reasoning(text))
         why = self.why.explain(call.prompt, ids, call.params.cache_salt, call.template_variables())
         return call, ids, why
+
+    def _in_tool_family(self, call: Call) -> Call:
+        """`call` with its tools read and forced in the family the chat template writes calls in."""
+        tools = dataclasses.replace(call.tools, family=tool_format(self._template()))
+        if tools == call.tools:  # (read_call held a forced reply to the default family's calls)
+            return call
+        try:
+            forced = tools.grammar()
+        except ToolFieldError as error:
+            raise ApiError(400, str(error), param=error.param) from None
+        params = call.params if forced is None else dataclasses.replace(call.params, structured=forced)
+        return dataclasses.replace(call, tools=tools, params=params)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -477,8 +491,9 @@ class _Server:
         if tool_format(self._template()) is None:
             families = ", ".join(FAMILIES)
             raise ApiError(400, "tools: this model's chat template renders no tools, or writes tool calls in "
-                           f"a format kvcache cannot read back (it reads the {families} family: "
-                           "<tool_call>{json}</tool_call>, as Qwen2.5's template writes); serve a model "
+                           f"a format kvcache cannot read back (it reads the {families} families: "
+                           "<tool_call>{json}</tool_call> as Qwen2.5's template writes, [TOOL_CALLS] [...] "
+                           "as Mistral's, a {\"name\", \"parameters\"} reply as Llama-3.1's); serve a model "
                            "whose template does (or kvcache serve --chat-template FILE), or send no tools",
                            param="tools")
 

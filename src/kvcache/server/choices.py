@@ -96,7 +96,7 @@ def read_reply(call, text: str) -> tuple[str | None, str | None, list[ToolCall]]
         reasoning, text = split_reasoning(text, call.reasoning)
     calls: list[ToolCall] = []
     if reads_calls(call):
-        content, calls = parse_tool_calls(text, call.tools.names)
+        content, calls = parse_tool_calls(text, call.tools.names, call.tools.family)
         text = content if calls else text
     return reasoning, (text or None) if reasoning is not None or calls else text, calls
 
@@ -108,7 +108,7 @@ class ChoiceStream:
 
     def __init__(self, call) -> None:
         self.reasoning = None if call.reasoning is None else ReasoningStream(call.reasoning)
-        self.calls = ToolStream(call.tools.names) if reads_calls(call) else None
+        self.calls = ToolStream(call.tools.names, call.tools.family) if reads_calls(call) else None
         self.tokens = self.sent = self.offset = 0  # tokens made, those whose logprobs went out, text sent
 
     def feed(self, piece: str) -> tuple[str, str]:

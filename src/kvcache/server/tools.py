@@ -35,12 +35,15 @@ class ToolFieldError(ValueError):
 @dataclass(frozen=True)
 class ToolRequest:
     """The tools a chat request offers (OpenAI's objects, checked), its tool_choice ("auto", "none",
-    "required" or "function", then `name` says which) and whether several calls may come at once."""
+    "required" or "function", then `name` says which), whether several calls may come at once, and
+    the family the chat template writes calls in (`kvcache.text.tool_calls.FAMILIES`; set once the
+    template is known)."""
 
     tools: tuple
     choice: str
     name: str | None
     parallel: bool
+    family: str = "hermes"
 
     @property
     def names(self) -> set[str]:
@@ -54,7 +57,7 @@ class ToolRequest:
                   if self.choice == "required" or tool["function"]["name"] == self.name]
         several = self.parallel and self.choice == "required"
         try:
-            return StructuredOutput("grammar", call_grammar(forced, several), "tools")
+            return StructuredOutput("grammar", call_grammar(forced, several, self.family), "tools")
         except RequestError as error:
             raise ToolFieldError(f"a tool's parameters are not a JSON schema kvcache can hold a call to: "
                                  f"{error}", "tools") from None
