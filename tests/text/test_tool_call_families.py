@@ -65,6 +65,8 @@ def test_mistral_reads_several_calls_and_the_content_before_them():
             '{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}]')
     assert parse_tool_calls(text, NAMES, "mistral") == ("Let me look.", [PARIS, UTC])
     assert parse_tool_calls(MISTRAL_CALL, NAMES, "mistral") == (None, [PARIS])
+    # (the marker is a special token Mistral's tokenizers write, which a detokenized reply drops)
+    assert parse_tool_calls(MISTRAL_CALL[len("[TOOL_CALLS]"):], NAMES, "mistral") == (None, [PARIS])
 
 
 def test_llama3_reads_one_object_with_or_without_the_python_tag():
@@ -81,6 +83,8 @@ def test_llama3_reads_one_object_with_or_without_the_python_tag():
     ("mistral", '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"arguments": {}}]'),  # one nameless
     ("mistral", '[TOOL_CALLS] {"name": "get_time", "arguments": {}}'),  # not a list
     ("mistral", "[TOOL_CALLS] []"),
+    ("mistral", "[1, 2]"),  # (a bare list that is not calls)
+    ("mistral", 'See [{"name": "get_time", "arguments": {}}]'),  # (a bare list only opens a reply)
     ("llama3", "The weather is fine."),
     ("llama3", 'Here: {"name": "get_weather", "parameters": {"city": "Paris"}}'),  # text before it
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}'),  # cut short
@@ -102,6 +106,8 @@ def _streamed(pieces: list[str], family: str) -> tuple[str, str, list[ToolCall]]
 @pytest.mark.parametrize("family, reply, content, calls", [
     ("mistral", "Sure. " + MISTRAL_CALL, "Sure. ", [PARIS]),
     ("mistral", "a [TOOL_ b [TOOL_CALLS] [not json]", None, []),
+    ("mistral", " " + MISTRAL_CALL[len("[TOOL_CALLS] "):], "", [PARIS]),
+    ("mistral", "[1, 2] and more", None, []),
     ("llama3", "\n<|python_tag|>" + LLAMA3_CALL, "", [PARIS]),
     ("llama3", LLAMA3_CALL, "", [PARIS]),
     ("llama3", " <|python_x {}", None, []),
@@ -120,6 +126,7 @@ def test_a_stream_sends_content_before_a_call_and_never_a_piece_of_it(family, re
 def test_a_stream_sends_text_that_cannot_begin_a_call_at_once():
     stream = ToolStream(NAMES, "mistral")
     assert stream.feed("Hello [TOOL_") == "Hello " and stream.feed("X]") == "[TOOL_X]"
+    assert stream.feed(" [") == " "  # (only what may begin the marker is held once text went out)
     stream = ToolStream(NAMES, "llama3")
     assert stream.feed("  <|py") == "" and stream.feed("x") == "  <|pyx"
     assert stream.feed(" {") == " {"  # (after text, a brace begins no call)

@@ -7,7 +7,8 @@ reply, how calls are read, the grammar of a forced reply):
 - "hermes" (Qwen2.5, Hermes, and the templates that copy them): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, anywhere in the reply, several at once;
 - "mistral" (Mistral's templates): `[TOOL_CALLS] ` then a JSON list of `{"name": ..., "arguments": {...}}`
-  (several calls in the one list), after any content;
+  (several calls in the one list), after any content; a reply that is only the list is read too (the
+  marker is a special token in Mistral's tokenizers, dropped when a reply is detokenized);
 - "llama3" (Llama-3.1 and 3.2's JSON tool calls): the whole reply is one JSON object
   `{"name": ..., "parameters": {...}}`, perhaps after `<|python_tag|>`; one call a reply.
 A template that renders `tools` in no known family is `None` from `tool_format`: its calls could not
@@ -40,7 +41,8 @@ class ToolCall:
 @dataclass(frozen=True)
 class Family:
     """One tool-call family: `signs`, all in a template's source, say the template writes it; a call
-    starts at one of `markers` (only as the reply's first text when `anchored`); `split(text, names)`
+    starts at one of `markers` anywhere, or at one of `openings` as the reply's first text (after
+    whitespace); `split(text, names)`
     -> (the text beside the calls, the calls), or None when `text` is not calls of this family;
     `grammar(schemas, parallel)` -> the Lark rules of a reply of only calls (each schema one
     function's call object)."""
@@ -48,7 +50,7 @@ class Family:
     name: str
     signs: tuple[str, ...]
     markers: tuple[str, ...]
-    anchored: bool
+    openings: tuple[str, ...]
     split: Callable[[str, set[str]], tuple[str, list[ToolCall]] | None]
     grammar: Callable[[list[dict], bool], str]
     arguments: str  # the key a call's arguments are written under
@@ -109,13 +111,13 @@ def _hermes_split(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | No
 
 def _mistral_split(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
     at = text.find(MISTRAL)
-    if at < 0:
+    if at < 0 and not text.lstrip().startswith("["):
         return None
-    value = _json(text[at + len(MISTRAL):])
+    value = _json(text[at + len(MISTRAL):] if at >= 0 else text)
     if not isinstance(value, list) or not value:
         return None
     calls = [_call(item, names) for item in value]
-    return None if None in calls else (text[:at], calls)
+    return None if None in calls else (text[:max(at, 0)], calls)
 
 
 def _llama3_split(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
@@ -148,9 +150,10 @@ def _one_of(schemas: list[dict], spaced: bool = True) -> dict:
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
-    Family("hermes", (OPEN, CLOSE), (OPEN,), False, _hermes_split, _hermes_grammar, "arguments"),
-    Family("mistral", (MISTRAL,), (MISTRAL,), False, _mistral_split, _mistral_grammar, "arguments"),
-    Family("llama3", ('"parameters": ', '"name": '), (PYTHON_TAG, "{"), True, _llama3_split,
+    Family("hermes", (OPEN, CLOSE), (OPEN,), (), _hermes_split, _hermes_grammar, "arguments"),
+    # (a bare list opening the reply: [TOOL_CALLS] is a special token the detokenizer drops)
+    Family("mistral", (MISTRAL,), (MISTRAL,), ("[",), _mistral_split, _mistral_grammar, "arguments"),
+    Family("llama3", ('"parameters": ', '"name": '), (), (PYTHON_TAG, "{"), _llama3_split,
            _llama3_grammar, "parameters"),
 )}
 
@@ -191,19 +194,17 @@ class ToolStream:
 
     def _start(self) -> int | None:
         """Where in the held text a call starts (None: none has)."""
-        if self.family.anchored:
-            starts = not self.sent and self.held.lstrip().startswith(self.family.markers)
-            return 0 if starts else None  # (the whitespace before the call is held with it)
+        if not self.sent and self.family.openings and self.held.lstrip().startswith(self.family.openings):
+            return 0  # (the whitespace before the call is held with it)
         found = [at for at in (self.held.find(marker) for marker in self.family.markers) if at >= 0]
         return min(found) if found else None
 
     def _partial(self) -> int:
         """How many characters at the end of the held text could begin a call."""
-        if self.family.anchored:
-            text = self.held.lstrip()
-            could = not self.sent and any(marker.startswith(text) for marker in self.family.markers)
-            return len(self.held) if could else 0
-        for size in range(min(max(map(len, self.family.markers)) - 1, len(self.held)), 0, -1):
+        text = self.held.lstrip()
+        if not self.sent and any(opening.startswith(text) for opening in self.family.openings):
+            return len(self.held)
+        for size in range(min(max(map(len, self.family.markers), default=1) - 1, len(self.held)), 0, -1):
             if any(marker.startswith(self.held[-size:]) for marker in self.family.markers):
                 return size
         return 0
