@@ -9,18 +9,13 @@ submitted request (the tiny model writes no reasoning of its own)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, start_server
-
-from kvcache.generation.structured import StructuredOutput
-from kvcache.server import ServerSettings
-from kvcache.text.tokenizer import Tokenizer
+from conftest import API_KEY
+from forced_replies import force_replies, templated_server
 
 pytestmark = [pytest.mark.kernels, pytest.mark.processes]
 
@@ -32,18 +27,7 @@ THOUGHT = "<think>\nI should greet.\n</think>\n\nHello there"
 
 @pytest.fixture(scope="module")
 def think_server(model, tokenizer):
-    thinking = Tokenizer(tokenizer.backend, tokenizer.special_tokens, TEMPLATE.read_text(encoding="utf-8"),
-                         tokenizer.add_bos_token)
-    running = start_server(model, thinking, ServerSettings(model_name="kvcache-test", api_key=API_KEY),
-                           max_running=4, token_budget=128)
-    submit = running.engine.submit
-    running.reply = THOUGHT
-
-    def forced(prompt, params, **options):  # the reply the test asks for, whatever the model would say
-        grammar = StructuredOutput("grammar", f"start: {json.dumps(running.reply)}\n", "test")
-        return submit(prompt, dataclasses.replace(params, structured=grammar), **options)
-
-    running.engine.submit = forced
+    running = force_replies(templated_server(model, tokenizer, TEMPLATE.read_text(encoding="utf-8")), THOUGHT)
     yield running
     running.stop()
 

@@ -12,32 +12,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, start_server
-
-from kvcache.server import ServerSettings
-from kvcache.text.tokenizer import Tokenizer
+from conftest import API_KEY
+from forced_replies import QUESTION, TIME, WEATHER, templated_server
 
 pytestmark = [pytest.mark.kernels, pytest.mark.processes]
 
 TIMEOUT = 60.0
 TEMPLATE = Path(__file__).resolve().parents[1] / "text" / "qwen25_tools.jinja"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-                   "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a city.",
-    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                   "required": ["zone"], "additionalProperties": False}}}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def tool_server(model, tokenizer):
-    with_tools = Tokenizer(tokenizer.backend, tokenizer.special_tokens, TEMPLATE.read_text(encoding="utf-8"),
-                           tokenizer.add_bos_token)
-    running = start_server(model, with_tools, ServerSettings(model_name="kvcache-test", api_key=API_KEY),
-                           max_running=4, token_budget=128)
+    running = templated_server(model, tokenizer, TEMPLATE.read_text(encoding="utf-8"))
     yield running
     running.stop()
 

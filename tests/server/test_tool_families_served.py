@@ -8,49 +8,25 @@ last user turn)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import openai
 import pytest
-from conftest import API_KEY, start_server
-
-from kvcache.generation.structured import StructuredOutput
-from kvcache.server import ServerSettings
-from kvcache.text.tokenizer import Tokenizer
+from conftest import API_KEY
+from forced_replies import QUESTION, TIME, WEATHER, force_replies, templated_server
 
 pytestmark = [pytest.mark.kernels, pytest.mark.processes]
 
 TIMEOUT = 60.0
 TEXT = Path(__file__).resolve().parents[1] / "text"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-                   "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a city.",
-    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                   "required": ["zone"], "additionalProperties": False}}}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module", params=["mistral", "llama3"])
 def family_server(request, model, tokenizer):
     template = (TEXT / f"{request.param}_tools.jinja").read_text(encoding="utf-8")
-    with_tools = Tokenizer(tokenizer.backend, tokenizer.special_tokens, template, tokenizer.add_bos_token)
-    running = start_server(model, with_tools, ServerSettings(model_name="kvcache-test", api_key=API_KEY),
-                           max_running=4, token_budget=128)
-    submit = running.engine.submit
-    running.family, running.reply = request.param, None
-
-    def forced(prompt, params, **options):  # the reply a test asks for, whatever the model would say
-        if running.reply is None:
-            return submit(prompt, params, **options)
-        grammar = StructuredOutput("grammar", f"start: {json.dumps(running.reply)}\n", "test")
-        return submit(prompt, dataclasses.replace(params, structured=grammar), **options)
-
-    running.engine.submit = forced
+    running = force_replies(templated_server(model, tokenizer, template))
+    running.family = request.param
     yield running
     running.stop()
 
