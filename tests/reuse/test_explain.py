@@ -150,3 +150,27 @@ def test_bad_settings_name_themselves():
         PrefixExplainer(0)
     with pytest.raises(ValueError, match="capacity"):
         PrefixExplainer(4, capacity=0)
+
+
+def test_a_prompt_that_continues_an_earlier_one_whole_is_a_hit():
+    """The next turn of a chat holds the previous prompt whole, then the reply and a new message:
+    nothing diverged, whatever the new text holds (here a think block)."""
+    old, old_segments = render(TURN[:2])
+    reply = ("assistant", "<think>five seven five</think>Blocks kept warm in memory")
+    new, segments = render([*TURN[:2], reply, ("user", "Another, please")])
+    answer = seen_then((old, b"", old_segments), (new, b"", segments))
+    assert (answer.cause, answer.first_divergent_token, answer.matched_tokens) == ("hit", None, len(old))
+    assert answer.segment == "message 2"
+
+
+def test_tools_reordered_are_told_by_their_text_where_the_tokens_merge_across_joints():
+    """A tokenizer merges the characters where one tool's text meets the next (`}\\n{`), so the same
+    tools in another order are other token ids; their text holds the same characters."""
+    pieces = {1: "<sys>", 2: '{"a"}', 3: '\\n{"b"}', 4: '{"b"}', 5: '\\n{"a"}', 6: "</sys>", 7: "<gen>"}
+    old, new = [1, 1, 1, 1, 2, 3, 6, 7, 7, 7, 7, 7], [1, 1, 1, 1, 4, 5, 6, 7, 7, 7, 7, 7]
+    segments = [Segment("system", 0, 4), Segment("tools", 4, 6), Segment("system", 6, 7),
+                Segment("generation prompt", 7, 12)]
+    explain = PrefixExplainer(BLOCK, decode=lambda ids: "".join(pieces[i] for i in ids))
+    explain.record(old, segments=segments)
+    answer = explain.explain(new, segments=segments)
+    assert (answer.cause, answer.segment, answer.first_divergent_token) == ("tools_reordered", "tools", 4)

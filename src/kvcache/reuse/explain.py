@@ -106,11 +106,12 @@ class PrefixExplainer:
         if closest is None:
             return self._unmatched(ids, segments)
         matched = blocks * self.block_size
-        diverged = blocks < len(digests)
-        if diverged:
+        if blocks < len(digests):
             matched += common_prefix(ids[matched:], closest.tokens[matched:])
+        # a prompt that continues the earlier one whole (the next turn of a chat) diverges nowhere
+        diverged = blocks < len(digests) and matched < len(closest.tokens)
         where = matched if diverged else None
-        segment = _segment_at(segments, matched if diverged else len(ids) - 1)
+        segment = _segment_at(segments, matched if blocks < len(digests) else len(ids) - 1)
         kept = blocks
         if held is not None:
             kept = next((index for index, digest in enumerate(digests[:blocks]) if not held(digest)), blocks)
@@ -148,8 +149,10 @@ class PrefixExplainer:
         new_part = ids[index: mine.end] if mine else ids[index:]
         old_part = closest.tokens[index: theirs.end] if theirs else closest.tokens[index:]
         if mine is not None and mine.name == "tools" and theirs is not None and theirs.name == "tools":
-            if sorted(ids[mine.start: mine.end]) == sorted(closest.tokens[theirs.start: theirs.end]):
-                return "tools_reordered"
+            new_tools, old_tools = ids[mine.start: mine.end], closest.tokens[theirs.start: theirs.end]
+            if sorted(new_tools) == sorted(old_tools) or (self.decode is not None and sorted(
+                    self.decode(new_tools)) == sorted(self.decode(old_tools))):
+                return "tools_reordered"  # (by text too: a tokenizer merges across the tools' joints)
         if self.decode is None:
             return "edited"
         new_text, old_text = self.decode(new_part), self.decode(old_part)
