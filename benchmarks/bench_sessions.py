@@ -13,6 +13,13 @@ turn release: kvcache.engine.sessions).
 
     .venv/bin/python benchmarks/bench_sessions.py [--sessions 6 --turns 4 --pool-blocks 36]
 
+Then the prefix-miss explainer's attribution (`sessions_attribution.py`: agent transcripts with
+tool pauses replayed through a server on loopback, one injected perturbation of a known cause a
+turn; `attribution_accuracy`, a confusion table, `explainer_cost_over_ttft`). `--attribution-only`
+runs that part alone and keeps the file's other keys (each part names its model):
+
+    .venv/bin/python benchmarks/bench_sessions.py --attribution-only --model qwen2.5-coder-0.5b
+
 On the bundled tiny model by default (`--model NAME` for another of `kvcache.load_model`'s).
 Results: benchmarks/results/sessions.json. Not a test.
 """
@@ -27,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from bench_common import commit
+from sessions_attribution import run as run_attribution
 
 import kvcache
 from kvcache.engine import Engine
@@ -72,15 +80,26 @@ def replay(engine: Engine, sessions: int, turns: int, vocab: int, hinted: bool) 
             "resumed_history_tokens": reusable, "served_from_caches": cached}
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a name kvcache.load_model takes (default: bundled)")
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--pool-blocks", type=int, default=36)
+    parser.add_argument("--attribution-only", action="store_true",
+                        help="run only the explainer's attribution replay; keep the file's other keys")
+    parser.add_argument("--why-sessions", type=int, default=4, help="attribution replay: agent sessions")
+    parser.add_argument("--why-turns", type=int, default=4, help="attribution replay: turns a session")
+    parser.add_argument("--why-max-tokens", type=int, default=16, help="attribution replay: tokens a reply")
+    parser.add_argument("--why-pool-blocks", type=int, default=256,
+                        help="attribution replay: the server's KV pool, in blocks of 16 tokens (filler "
+                             "prompts of 1.25 times it evict it)")
     parser.add_argument("--out", type=Path, default=RESULTS / "sessions.json")
-    args = parser.parse_args()
-    model = kvcache.load_model(args.model) if args.model else kvcache.load_model()
+    return parser.parse_args()
+
+
+def resume(model, args: argparse.Namespace) -> dict:
+    """The resume hit rates of the three settings and whether their replies equal a cold run's."""
     vocab = model.config.vocab_size
     options = dict(num_blocks=args.pool_blocks, block_size=BLOCK, max_running=1, token_budget=256)
     final = FIRST + args.turns * (REPLY + TOOL) - TOOL
@@ -96,9 +115,7 @@ def main() -> None:
             runs[name] = replay(engine, args.sessions, args.turns, vocab, hinted)
             engine.close()
             print(name, runs[name]["resume_hit_rate"], file=sys.stderr)
-    result = {
-        "commit": commit(),
-        "command": " ".join([".venv/bin/python", "benchmarks/bench_sessions.py", *sys.argv[1:]]),
+    return {
         "model": args.model or "bundled default",
         "sessions": args.sessions, "turns": args.turns, "pool_blocks": args.pool_blocks, "block_size": BLOCK,
         "oversubscription": round(args.sessions * final / (args.pool_blocks * BLOCK), 2),
@@ -112,8 +129,30 @@ def main() -> None:
                 "(demote to disk) only choose which unused blocks go first. The tier's writes are "
                 "asynchronous, so a run's rates move by a block or two.",
     }
+
+
+def attribution(model, tokenizer, args: argparse.Namespace, command: str) -> dict:
+    """The explainer's attribution replay on a server over a fresh engine (no lower tier)."""
+    engine = Engine(model, tokenizer, num_blocks=args.why_pool_blocks, block_size=16)
+    engine.warm_up()
+    found = run_attribution(engine, tokenizer, args.why_sessions, args.why_turns, args.why_max_tokens)
+    print("attribution", found["attribution_accuracy"], found["attribution_confusion"], file=sys.stderr)
+    return {"attribution_model": args.model or "bundled default", "attribution_command": command,
+            "attribution_commit": commit(), "attribution_pool_blocks": args.why_pool_blocks, **found}
+
+
+def main() -> None:
+    args = arguments()
+    model = kvcache.load_model(args.model, activations="auto") if args.model else kvcache.load_model()
+    tokenizer = kvcache.load_tokenizer(args.model) if args.model else kvcache.load_tokenizer()
+    command = " ".join(["nice -n 19 .venv/bin/python", "benchmarks/bench_sessions.py", *sys.argv[1:]])
+    kept = args.attribution_only and args.out.exists()
+    result = json.loads(args.out.read_text(encoding="utf-8")) if kept else {}
+    if not args.attribution_only:
+        result = {"commit": commit(), "command": command, **resume(model, args)}
+    result.update(attribution(model, tokenizer, args, command))
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "attribution_rows")}, indent=2))
 
 
 if __name__ == "__main__":
