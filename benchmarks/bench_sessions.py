@@ -145,7 +145,7 @@ def main() -> None:
     args = arguments()
     model = kvcache.load_model(args.model, activations="auto") if args.model else kvcache.load_model()
     tokenizer = kvcache.load_tokenizer(args.model) if args.model else kvcache.load_tokenizer()
-    command = " ".join(["nice -n 19 .venv/bin/python", "benchmarks/bench_sessions.py", *sys.argv[1:]])
+    command = " ".join([".venv/bin/python", "benchmarks/bench_sessions.py", *sys.argv[1:]])
     kept = args.attribution_only and args.out.exists()
     result = json.loads(args.out.read_text(encoding="utf-8")) if kept else {}
     if not args.attribution_only:
