@@ -81,7 +81,7 @@ def streams(model, prompts: list[list[int]], new_tokens: int, road: str) -> list
     from kvcache.engine import Engine, SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    whole = max(len(prompts[0]), NEIGHBOURS + 1) * (NEIGHBOURS + 1)
+    whole = len(prompts[0]) * (NEIGHBOURS + 1)  # (a batch's prompts in one step)
     budget = {"chunks of 1": 1, "chunks of 16": 16, "chunks of 64": 64}.get(road, whole)
     engine = Engine(model, num_blocks=_blocks(prompts, new_tokens), max_running=min(budget, NEIGHBOURS + 1),
                     token_budget=budget, prefix_caching=road == "prefix cache hit")

@@ -36,8 +36,10 @@ from kvcache.backends.cpu.numba_blocks import (
     half_at,
     k_scale_min,
     quantize_row,
+    two_bit_scale_min,
     unpack_rows_of_kind,
 )
+from kvcache.backends.cpu.numba_q8 import VALUE_OFFSETS
 from kvcache.backends.cpu.numba_values import FLAGS
 
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
@@ -45,8 +47,6 @@ _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 _SIXTEENS = (Q6_K, Q3_K, Q2_K)
 #: the formats with minimums (Q4_1's and Q5_1's m, the K-quants' dmin·sub-minimum)
 _MINIMUMS = (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K)
-#: by code: the offset a format's values carry as unpacked (`numba_q8`'s unsigned values)
-OFFSETS = (128, 8, 0, 16, 0, 0, 0, 32, 0, 4)
 _I64, _F32 = ir.IntType(64), ir.FloatType()
 _I16, _F16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(_F32, 16)  # (16 lanes of each)
 #: the float operations may fuse a multiply into an add, never reorder
@@ -228,15 +228,13 @@ def weight_factors(w, kind, i, r, scales, minimums):  # pragma: no cover (compil
 @numba.njit(**_INLINE)
 def sixteen_factors(w, kind, i, at, j):  # pragma: no cover (compiled)
     """Q6_K's, Q3_K's or Q2_K's scale and minimum factor of 16-value group j of the block at
-    `at` of row i (`numba_q8._sixteen_scales`' integers times d, Q2_K's minimum times -dmin)."""
+    `at` of row i (`numba_blocks.two_bit_scale_min`'s scales times d, Q2_K's minimum times -dmin)."""
     if kind == Q6_K:
         return half_at(w, i, at + 208) * np.float32(np.int8(w[i, at + 192 + j])), np.float32(0.0)
+    scale, low = two_bit_scale_min(w, kind, i, at, j)
     if kind == Q2_K:
-        byte = np.int32(w[i, at + j])
-        return half_at(w, i, at + 80) * np.float32(byte & 15), -half_at(w, i, at + 82) * np.float32(byte >> 4)
-    low = (np.int32(w[i, at + 96 + j % 8]) >> (4 * (j // 8))) & 15
-    high = (np.int32(w[i, at + 104 + j % 4]) >> (2 * (j // 4))) & 3
-    return half_at(w, i, at + 108) * np.float32((low | (high << 4)) - 32), np.float32(0.0)
+        return half_at(w, i, at + 80) * scale, -half_at(w, i, at + 82) * low
+    return half_at(w, i, at + 108) * scale, np.float32(0.0)
 
 
 @numba.njit(**_INLINE)
@@ -250,7 +248,7 @@ def activation_factors(kind, activations, n, g, group):  # pragma: no cover (com
         return scales[n, g], counts[n, g], shift
     scale = scales[n, (g * group) // 256]
     total = counts[n, g] if group == 16 else counts[n, 2 * g] + counts[n, 2 * g + 1]
-    return scale, total, scale * total if kind in (Q4_K, Q5_K, Q2_K) else np.float32(0.0)
+    return scale, total, scale * total if kind in _MINIMUMS else np.float32(0.0)
 
 
 @numba.njit(parallel=True, **_KERNEL)
@@ -274,7 +272,7 @@ def activation_tiles(x, kind, group):  # pragma: no cover (compiled)
                 laid[t, k >> 2, 4 * j + (k & 3)] = activations[0][n, k]
             for g in range(groups):
                 scale, total, shift = activation_factors(kind, activations, n, g, group)
-                offsets[t, g, j] = OFFSETS[kind] * np.int32(total)
+                offsets[t, g, j] = VALUE_OFFSETS[kind] * np.int32(total)
                 scales[t, g, j], shifts[t, g, j] = scale, shift
     return laid, offsets, scales, shifts
 

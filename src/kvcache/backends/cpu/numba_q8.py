@@ -37,6 +37,10 @@ LAYOUTS = {0: (34, 2, -1, -1, 128), 1: (18, 2, -1, -1, 8), 2: (20, 4, 2, -1, 0),
 #: the K-quants' block bytes, by their codes in `numba_blocks.CODES`
 K_BLOCK_BYTES = {code: STORED_KINDS[kind][1] for code, kind in
                  ((_Q4_K, "Q4_K"), (_Q5_K, "Q5_K"), (_Q6_K, "Q6_K"), (_Q2_K, "Q2_K"), (_Q3_K, "Q3_K"))}
+#: by code: the offset a format's values carry as they are unpacked (`_group_values`): LAYOUTS'
+#: for the 32-value formats, _SIXTEENS' for Q6_K, Q3_K and Q2_K, none for Q4_K and Q5_K
+VALUE_OFFSETS = tuple(LAYOUTS[code][4] if code in LAYOUTS else _SIXTEENS.get(code, (0, 0))[1]
+                      for code in range(len(STORED_KINDS)))
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 #: the dots' float operations may fuse a multiply into an add (FMA, as llama.cpp's do) but not be
 #: reordered ("reassoc"): the one-row dots and the tiles are different functions, and only the
