@@ -16,6 +16,8 @@ of a marker (or newlines it may drop); its pieces joined are `split_reasoning`'s
 
 from __future__ import annotations
 
+from kvcache.text.tool_calls import partial_marker
+
 OPEN, CLOSE = "<think>", "</think>"
 FAMILIES = ("think",)
 
@@ -68,7 +70,7 @@ class ReasoningStream:
                     reasoning += self._reasoning(self.held[:at], end=True)
                     self.held, self.state = self.held[at + len(CLOSE):], "after"
                     continue
-                ready = self.held[: len(self.held) - _partial(self.held, CLOSE)].rstrip("\n")
+                ready = self.held[: len(self.held) - partial_marker(self.held, (CLOSE,))].rstrip("\n")
                 reasoning += self._reasoning(ready)
                 self.held = self.held[len(ready):]
                 return reasoning, content
@@ -96,11 +98,3 @@ class ReasoningStream:
             text = text.rstrip("\n")
         self._reasoned = self._reasoned or bool(text)
         return text
-
-
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0

@@ -204,10 +204,16 @@ class ToolStream:
         text = self.held.lstrip()
         if not self.sent and any(opening.startswith(text) for opening in self.family.openings):
             return len(self.held)
-        for size in range(min(max(map(len, self.family.markers), default=1) - 1, len(self.held)), 0, -1):
-            if any(marker.startswith(self.held[-size:]) for marker in self.family.markers):
-                return size
-        return 0
+        return partial_marker(self.held, self.family.markers)
+
+
+def partial_marker(text: str, markers) -> int:
+    """How many characters at the end of `text` could begin one of `markers` (what a stream holds
+    back until the next piece says whether a marker comes)."""
+    for size in range(min(max(map(len, markers), default=1) - 1, len(text)), 0, -1):
+        if any(marker.startswith(text[-size:]) for marker in markers):
+            return size
+    return 0
 
 
 def call_grammar(tools: list[dict], parallel: bool, family: str = "hermes") -> str:
