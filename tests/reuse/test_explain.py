@@ -1,6 +1,8 @@
 """The prefix-miss explainer classifies each cause from constructed prompts: a character per token,
 chat messages rendered with segments, no model."""
 
+import os
+
 import pytest
 
 from kvcache.blocks.allocator import salt_root
@@ -43,11 +45,12 @@ def seen_then(first, second, **options):
     return explain.explain(*second)
 
 
-def test_a_repeated_prompt_is_a_hit_with_no_divergence():
+def test_a_repeated_prompt_is_a_hit_matching_all_but_its_last_token():
+    """The last token is always run (for its logits): every token before it matched."""
     ids, segments = render(TURN)
     answer = seen_then((ids, b"", segments), (ids, b"", segments))
     assert (answer.cause, answer.first_divergent_token) == ("hit", None)
-    assert answer.matched_tokens == BLOCK * ((len(ids) - 1) // BLOCK)
+    assert answer.matched_tokens == len(ids) - 1
 
 
 def test_a_prompt_shorter_than_a_block_says_so():
@@ -174,3 +177,36 @@ def test_tools_reordered_are_told_by_their_text_where_the_tokens_merge_across_jo
     explain.record(old, segments=segments)
     answer = explain.explain(new, segments=segments)
     assert (answer.cause, answer.segment, answer.first_divergent_token) == ("tools_reordered", "tools", 4)
+
+
+PARTIAL_BLOCK = 48  # CHAT's render: two whole blocks, then the user's message's end and the generation prompt
+CHAT = TURN[:2]
+
+
+@pytest.mark.parametrize(("question", "cause"), [("Write a haiku about caches  please", "normalisation"),
+                                                 ("Write a haiku about caches, please", "edited")])
+def test_a_change_inside_the_last_partial_block_is_found_and_classified(question, cause):
+    """The prompt's last, incomplete block has no hash: its tokens are compared one by one."""
+    old, old_segments = render(CHAT)
+    new, segments = render([SYSTEM, ("user", question)])
+    at = len(os.path.commonprefix([decode(old), decode(new)]))
+    assert at >= PARTIAL_BLOCK * ((len(new) - 1) // PARTIAL_BLOCK)  # past the last whole block
+    explain = PrefixExplainer(PARTIAL_BLOCK, decode=decode)
+    explain.record(old, segments=old_segments)
+    answer = explain.explain(new, segments=segments)
+    assert (answer.cause, answer.segment, answer.first_divergent_token, answer.matched_tokens) == (
+        cause, "message 1", at, at)
+
+
+def test_the_turn_after_a_perturbed_one_is_compared_with_the_prompt_it_continues():
+    """A turn, the same turn with a change inside its last partial block, then the next turn that
+    continues the first: a hit against the first, though the perturbed one is newer and shares as
+    many whole blocks."""
+    explain = PrefixExplainer(PARTIAL_BLOCK, decode=decode)
+    old, old_segments = render(CHAT)
+    explain.record(old, segments=old_segments)
+    perturbed, perturbed_segments = render([SYSTEM, ("user", "Write a haiku about caches  please")])
+    explain.record(perturbed, segments=perturbed_segments)
+    new, segments = render([*TURN, ("user", "Another, please")])
+    answer = explain.explain(new, segments=segments)
+    assert (answer.cause, answer.first_divergent_token, answer.matched_tokens) == ("hit", None, len(old))

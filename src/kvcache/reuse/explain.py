@@ -1,8 +1,8 @@
 """Why a prompt missed the prefix cache: a bounded record of the prompts a server has seen (their
 tokens and chained block hashes) and, for a new prompt, the closest earlier one (longest common
-block-hash prefix, then tokens inside the first differing block), where the two part (token index,
-the chat segment holding it) and the cause, told apart from what the server sees. Pure: it never
-touches a prompt's tokens, only reads them."""
+block-hash prefix, then tokens inside the first differing or the last partial block), where the two
+part (token index, the chat segment holding it) and the cause, told apart from what the server
+sees. Pure: it never touches a prompt's tokens, only reads them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvcache.blocks.allocator import ROOT_HASH, common_prefix, prefix_digests
 
 #: every cause `PrefixExplainer.explain` may give, in the order its checks run
 CAUSES = (
-    "hit",  # the whole reusable prefix matched an earlier prompt and is still held
+    "hit",  # every token the prompt shares in length with an earlier one matched, and is still held
     "shorter_than_block",  # the prompt has no whole block a hit could cover
     "never_seen",  # no earlier prompt shares even its first block
     "cache_salt",  # an earlier prompt matches, under another cache_salt (or model fingerprint)
@@ -44,8 +44,9 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """matched_tokens: leading tokens shared with the closest earlier prompt (whole blocks, then the
-    tokens inside the first differing block); first_divergent_token: the prompt's index where they
+    """matched_tokens: leading tokens of the prompt's reusable part (all but its last token) shared
+    with the closest earlier prompt (whole blocks by hash, then token by token inside the first
+    differing block or the last partial one); first_divergent_token: the prompt's index where they
     part (None when nothing diverged); segment: the chat segment holding that index ('prompt' for a
     plain completion); cause: one of `CAUSES`; tier: for 'evicted', the tiers that were asked."""
 
@@ -102,16 +103,13 @@ class PrefixExplainer:
         digests = prefix_digests(ids, self.block_size, root)
         if not digests:
             return Explanation(0, None, _segment_at(segments, 0), "shorter_than_block")
-        closest, blocks = self._closest(digests)
+        reusable = len(ids) - 1  # the last token is always run, for its logits
+        closest, blocks, matched = self._closest(ids[:reusable], digests)
         if closest is None:
             return self._unmatched(ids, segments)
-        matched = blocks * self.block_size
-        if blocks < len(digests):
-            matched += common_prefix(ids[matched:], closest.tokens[matched:])
-        # a prompt that continues the earlier one whole (the next turn of a chat) diverges nowhere
-        diverged = blocks < len(digests) and matched < len(closest.tokens)
-        where = matched if diverged else None
-        segment = _segment_at(segments, matched if blocks < len(digests) else len(ids) - 1)
+        # nothing diverged where every token the two have in common matched: a repeat, or a prompt
+        # that continues the earlier one whole (a chat's next turn)
+        diverged = matched < min(reusable, len(closest.tokens))
         kept = blocks
         if held is not None:
             kept = next((index for index, digest in enumerate(digests[:blocks]) if not held(digest)), blocks)
@@ -121,17 +119,27 @@ class PrefixExplainer:
         if self.window is not None and matched > self.window:
             return Explanation(matched, self.window, _segment_at(segments, self.window), "window")
         if not diverged:
-            return Explanation(matched, None, segment, "hit")
-        return Explanation(matched, where, segment, self._cause(ids, closest, matched, segments))
+            return Explanation(matched, None, _segment_at(segments, matched), "hit")
+        return Explanation(matched, matched, _segment_at(segments, matched),
+                           self._cause(ids, closest, matched, segments))
 
-    def _closest(self, digests: list[bytes]) -> tuple[_Seen | None, int]:
-        """The newest remembered prompt sharing the most leading blocks with `digests`, and how many."""
-        best, most = None, 0
+    def _closest(self, ids: list[int], digests: list[bytes]) -> tuple[_Seen | None, int, int]:
+        """The remembered prompt sharing the most leading tokens with `ids` (a prompt's reusable
+        part, whose whole blocks hash to `digests`) among those sharing a whole block with it, the
+        newest of equals; with the whole blocks and the tokens it shares. After the shared blocks,
+        tokens are compared one by one: in the first differing block or the last partial one, so
+        never more than a block of them."""
+        best, blocks, most = None, 0, 0
         for seen in reversed(self._seen):
             shared = common_prefix(digests, seen.digests)
-            if shared > most:
-                best, most = seen, shared
-        return best, most
+            if not shared:
+                continue
+            start = shared * self.block_size
+            end = start + self.block_size
+            tokens = start + common_prefix(ids[start:end], seen.tokens[start:end])
+            if tokens > most:
+                best, blocks, most = seen, shared, tokens
+        return best, blocks, most
 
     def _unmatched(self, ids: list[int], segments: Sequence[Segment]) -> Explanation:
         """No block of `ids` under its root was seen: another salt's prompt with its tokens, or none."""
