@@ -97,6 +97,9 @@ class BlockStore:
     def pin(self, keys: list[str]) -> None:
         """Evict these blocks last (a tier that evicts by its own rule, as Redis does, ignores it)."""
 
+    def unpin(self, keys: list[str]) -> None:
+        """Undo one `pin` of these blocks (pins are counted: a block stays pinned while any holds it)."""
+
     kind = "store"  # what /metrics calls the tier
     medium = "STORAGE"  # what KV events call the tier (`kvcache.engine.kv_events`)
     listener = None  # told of blocks written and removed (`TierListener`); None: no one

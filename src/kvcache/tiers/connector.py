@@ -68,6 +68,9 @@ class KVConnector(StepObserver):
     def pin(self, digests: list[bytes]) -> None:
         """Keep these blocks last when a tier evicts."""
 
+    def unpin(self, digests: list[bytes]) -> None:
+        """Undo one `pin` of these blocks."""
+
     def listen(self, events) -> None:
         """Publish the blocks the tiers write and remove to `events` (a `KVEventPublisher`), each
         in its tier's medium; with no tiers there are none."""

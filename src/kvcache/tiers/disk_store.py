@@ -47,7 +47,7 @@ import secrets
 import stat
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -222,7 +222,7 @@ class DiskBlockStore(BlockStore):
             raise
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._index_lock = threading.Lock()
-        self._pinned: set[str] = set()  # keys evicted last (`pin`)
+        self._pinned: Counter[str] = Counter()  # keys evicted last, with how many pins hold each (`pin`)
         self._bad: set[str] = set()  # keys whose file failed and could not be deleted: never used again
         self._warned_undeletable = self._warned_unreadable = False
         self._failed_writes = 0  # (`failure_count`)
@@ -506,9 +506,23 @@ class DiskBlockStore(BlockStore):
             listener.tier_stored(self.medium, held)
 
     def pin(self, keys: list[str]) -> None:
-        """Evict the blocks of `keys` only after every other block (a pinned prefix's)."""
+        """Evict the blocks of `keys` only after every other block (a pinned prefix's, a saved
+        conversation's); pins are counted, so each `unpin` undoes one."""
         with self._index_lock:
             self._pinned.update(keys)
+
+    def unpin(self, keys: list[str]) -> None:
+        """Undo one `pin` of each of `keys`: a block no pin holds any more is evicted as any other."""
+        with self._index_lock:
+            self._pinned.subtract(keys)
+            for key in keys:
+                if self._pinned[key] <= 0:
+                    del self._pinned[key]
+
+    def holds(self, key: str) -> bool:
+        """Whether the block of `key` is on disk now (indexed, and not known bad)."""
+        with self._index_lock:
+            return key in self._index and key not in self._bad
 
     def _evict(self, limit: int | None = None) -> None:
         """Remove the least recently used blocks until the folder holds at most `limit` bytes

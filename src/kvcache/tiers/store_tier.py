@@ -177,6 +177,10 @@ class TierConnector(KVConnector):
         """Keep these blocks last when a tier evicts (the disk's; others keep what they keep)."""
         self.store.pin([block_key(self.space, digest) for digest in digests])
 
+    def unpin(self, digests: list[bytes]) -> None:
+        """Undo one `pin` of these blocks."""
+        self.store.unpin([block_key(self.space, digest) for digest in digests])
+
     def reads_on_their_way(self) -> int:
         """Reads started for requests that still hold them, whose answer has not come yet."""
         with self._reading:

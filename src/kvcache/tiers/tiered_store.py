@@ -70,6 +70,10 @@ class TieredStore(BlockStore):
         for tier in self.tiers:
             tier.pin(keys)
 
+    def unpin(self, keys: list[str]) -> None:
+        for tier in self.tiers:
+            tier.unpin(keys)
+
     def discard(self, key: str) -> None:
         for tier in self.tiers:
             tier.discard(key)
