@@ -4,7 +4,9 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (the server's context as
 max_model_len), llama-server's POST /tokenize, /detokenize and /apply-template, GET /health,
-GET /metrics. Every error is OpenAI's JSON shape, an unknown route's (404) or method's (405) too.
+GET /metrics, llama-server's POST /slots/{id}?action=save|restore|erase (a conversation's KV kept by
+name on the disk tier: kvcache.server.slots). Every error is OpenAI's JSON shape, an unknown
+route's (404) or method's (405) too.
 With an API key, every route but /health needs `Authorization: Bearer KEY` (compared in constant
 time). With per-tenant keys (`ServerSettings.api_keys`), each request's cache salt derives from
 its key's tenant (tenants share no cached blocks) and /metrics, which counts every tenant's
@@ -42,6 +44,7 @@ from kvcache.engine.sessions import read_kv_hints
 from kvcache.reuse.explain import Explanation
 from kvcache.server.access_log import log_request, peer_of
 from kvcache.server.choices import END, Choices, ChoiceStream, read_reply
+from kvcache.server.fields import refused_field
 from kvcache.server.metrics import ServerMetrics
 from kvcache.server.openai_api import (
     MAX_MESSAGES,
@@ -58,15 +61,19 @@ from kvcache.server.openai_api import (
     usage_object,
 )
 from kvcache.server.reasoning import opens_in_reasoning, reasoning_format
+from kvcache.server.slots import Slots, check_empty, disk_tier, read_action, read_slot_id
 from kvcache.server.tenants import ApiKeys, Tenant
 from kvcache.server.token_api import read_apply_template, read_detokenize, read_tokenize
 from kvcache.server.tools import ToolFieldError, tool_call_objects
+from kvcache.server.own_replies import OwnReplies
 from kvcache.server.why import RequestExplainer
 from kvcache.text.tool_calls import FAMILIES, tool_format
+from kvcache.tiers.saved_prompts import SavedPromptError
 
 PREPARING_THREADS = 2  # requests whose body, chat template and tokens are prepared at once
 ROUTES_SAID = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
-               "POST /detokenize, POST /apply-template, GET /health, GET /metrics, GET /v1/why/{id}")
+               "POST /detokenize, POST /apply-template, GET /health, GET /metrics, GET /v1/why/{id}, "
+               "POST /slots/{id}")
 
 
 @dataclass
@@ -78,7 +85,8 @@ class ServerSettings:
     keys (`kvcache.server.tenants`; api_key, when also given, is among them). require_cache_salt:
     a request with no tenant must send a cache_salt (400 otherwise). context_source: why the
     context is what it is (e.g. what --kv-budget holds), said in the errors that cite it; empty:
-    the model's own."""
+    the model's own. restore_reasoning: put a reply's reasoning back into a chat history sent
+    without it (`kvcache.server.own_replies`; off by default)."""
 
     model_name: str = "kvcache"
     api_key: str | None = None
@@ -91,6 +99,7 @@ class ServerSettings:
     api_keys: ApiKeys | None = None
     require_cache_salt: bool = False
     context_source: str = ""
+    restore_reasoning: bool = False
 
 
 def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
@@ -118,6 +127,7 @@ def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/apply-template", server.apply_template, methods=["POST"]),
         Route("/v1/why/{rid}", server.why_page, methods=["GET"]),
+        Route("/slots/{id_slot}", server.slots, methods=["POST"]),
     ]
     handlers = {HTTPException: server.http_error, Exception: server.internal_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -144,10 +154,14 @@ class _Server:
         )
         self.metrics = ServerMetrics(engine, self.context)
         self.why = RequestExplainer(engine, tokenizer)  # usage.kvcache_prefix: why a prompt missed
+        self.own = OwnReplies() if settings.restore_reasoning else None  # replies' reasoning, to put back
         engine.on_finish = self.metrics.finished
         self.preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="kvcache-prepare")
         self._preparing, self._preparing_lock = 0, threading.Lock()  # requests on or for its threads
         self.created = int(time.time())
+        store = None if engine.store_tier is None else engine.store_tier.store
+        disk = None if store is None else disk_tier(store)
+        self.saved = None if disk is None else Slots(engine, disk)  # (its saved conversations pinned)
 
     # ---- routes --------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -204,6 +218,57 @@ class _Server:
             return self._error(ApiError(404, f"no recent response has the id {rid!r} (the server keeps the "
                                         "last 256)", param="rid", code="not_found"))
         return JSONResponse(found)
+
+    # ---- llama-server's slots: a conversation's KV saved by name on the disk tier ------------------
+    async def slots(self, request: Request) -> Response:
+        """POST /slots/{id}?action=save|restore|erase (kvcache.server.slots); an admin's, like
+        /metrics, when keys are set (a saved conversation is any tenant's prompt)."""
+        started = time.perf_counter()
+        try:
+            tenant = self._authorize(request)
+            if tenant is not None and not tenant.admin:
+                raise ApiError(403, "/slots saves and restores prompts by name for every tenant: it needs an "
+                               "admin key", kind="permission_error", code="admin_key_needed")
+            action = read_action(request.query_params)
+            name = read_slot_id(request.path_params["id_slot"])
+            if self.saved is None:
+                raise ApiError(501, "/slots keeps conversations on the disk tier, and this server has none: "
+                               "start it with --kv-disk DIR", param="action", code="kv_disk_needed")
+            raw = await self._body(request)
+            if action == "save":
+                ids, salt = await self._prepared(self._slot_prompt, raw, tenant)
+                answer = await self.saved.save(name, ids, salt)
+            else:
+                check_empty(_json_body(raw) if raw.strip() else None)
+                answer = await (self.saved.restore(name) if action == "restore" else self.saved.erase(name))
+        except (ApiError, RequestError, SavedPromptError) as error:
+            refused = error if isinstance(error, ApiError) else ApiError(
+                400 if isinstance(error, RequestError) else 500, str(error))
+            log_request(peer_of(request), request.url.path, refused.status, started, note=refused.message)
+            return self._error(refused)
+        log_request(peer_of(request), request.url.path, 200, started)
+        return JSONResponse(answer)
+
+    def _slot_prompt(self, raw: bytes, tenant: Tenant | None) -> tuple[list[int], str | None]:
+        """(token ids, cache salt) of a slot save's body: the conversation as the chat route
+        (messages) or the completion route (prompt) takes it, salted for its tenant."""
+        body = _json_body(raw)
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        given = [name for name in ("messages", "prompt") if name in body]
+        if len(given) != 1:
+            raise ApiError(400, "a save takes the conversation as messages (the chat route's) or prompt (a "
+                           f"text or token ids), one of them; got {' and '.join(given) or 'neither'}",
+                           param=given[-1] if given else "messages")
+        refused = refused_field("slot-save", body)
+        if refused is not None:
+            raise ApiError(400, refused[1], param=refused[0])
+        call = self._salted(read_call("chat" if given == ["messages"] else "completion", body, self.limits),
+                            tenant)
+        self._check_model(call.model)
+        ids, _ = self._prompt_ids(call)
+        check_prompt_length(len(ids), 1, self.limits, self.context)
+        return ids, call.params.cache_salt
 
     # ---- llama-server's and vLLM's token routes --------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -298,12 +363,19 @@ class _Server:
             log_request(peer_of(request), request.url.path, refused.status, started, note=refused.message)
             return self._error(refused)
         if call.stream:
+            logged = _stream_logger(request, started)
+
+            def finished(completion: Completion | None) -> None:
+                self._remember(call, choices)
+                logged(completion)
+
             return StreamingResponse(
-                self._events(call, choices, _stream_logger(request, started), rid, why),
+                self._events(call, choices, finished, rid, why),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         response = await self._whole(request, call, choices, rid, why)
+        self._remember(call, choices)
         path, status = request.url.path, response.status_code
         log_request(peer_of(request), path, status, started, completion=choices.handles[0].result())
         return response
@@ -324,6 +396,18 @@ class _Server:
         answers = [self._choice(call, index, completion) for index, completion in enumerate(completions)]
         return JSONResponse(response_object(call, rid, self.settings.model_name, answers,
                                             _usage(completions, why), _drift(completions[0])))
+
+    def _remember(self, call: Call, choices: Choices) -> None:
+        """With --restore-reasoning, each finished choice's reasoning kept for the next turn."""
+        if self.own is None or call.kind != "chat":
+            return
+        for handle in choices.handles:
+            completion = handle.result() if handle.done else None
+            if completion is None or completion.finish_reason in ("error", "cancelled"):
+                continue
+            content = read_reply(call, completion.text or "")[1]
+            self.own.remember(call.prompt, call.template_variables(), completion.text or "",
+                              bool(call.reasoning), content)
 
     def _choice(self, call: Call, index: int, completion: Completion) -> dict:
         """Choice `index` of a whole answer: its reasoning, content and tool calls read from its text."""
@@ -439,6 +523,8 @@ class _Server:
         the reply from its first token."""
         call = self._salted(read_call(kind, _json_body(raw), self.limits), tenant)
         self._check_model(call.model)
+        if self.own is not None and call.kind == "chat":
+            call = dataclasses.replace(call, prompt=self.own.restore(call.prompt, call.template_variables()))
         ids, text = self._prompt_ids(call)
         check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
         if call.tools is not None and tool_format(self._template()) is not None:

@@ -34,6 +34,8 @@ READ: dict[str, frozenset[str]] = {
     "tokenize": frozenset({"model", "content", "prompt", "messages", "add_special", "add_special_tokens",
                            "add_generation_prompt", "tools", "chat_template_kwargs"}),
     "detokenize": frozenset({"model", "tokens"}),
+    # POST /slots/{id}?action=save: the conversation, as the chat or completion route takes it
+    "slot-save": frozenset({"model", "messages", "prompt", "tools", "chat_template_kwargs", "cache_salt"}),
     "apply-template": frozenset({"model", "messages", "add_generation_prompt", "tools",
                                  "chat_template_kwargs"}),
 }
