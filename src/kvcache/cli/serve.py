@@ -98,6 +98,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="refuse (400) a request that sends no cache_salt, unless its key is a tenant's (--api-keys)",
     )
     parser.add_argument(
+        "--restore-reasoning", action="store_true",
+        help="put the reasoning of the server's own replies back into a chat history sent without it "
+        "(as many clients send it), so the next turn matches the prefix cache up to where the chat "
+        "template itself renders history otherwise; a history sent back whole is never changed "
+        "(default off)",
+    )
+    parser.add_argument(
         "--served-model-name", help="the model id clients ask for (default: the folder's name)"
     )
     parser.add_argument(
@@ -533,6 +540,7 @@ def _settings(args: argparse.Namespace, context: int, keys=None, context_source:
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting, context=context,
         api_keys=keys, require_cache_salt=args.require_cache_salt, context_source=context_source,
+        restore_reasoning=args.restore_reasoning,
     )
 
 

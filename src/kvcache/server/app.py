@@ -60,12 +60,12 @@ from kvcache.server.openai_api import (
     response_object,
     usage_object,
 )
+from kvcache.server.own_replies import OwnReplies
 from kvcache.server.reasoning import opens_in_reasoning, reasoning_format
 from kvcache.server.slots import Slots, check_empty, disk_tier, read_action, read_slot_id
 from kvcache.server.tenants import ApiKeys, Tenant
 from kvcache.server.token_api import read_apply_template, read_detokenize, read_tokenize
 from kvcache.server.tools import ToolFieldError, tool_call_objects
-from kvcache.server.own_replies import OwnReplies
 from kvcache.server.why import RequestExplainer
 from kvcache.text.tool_calls import FAMILIES, tool_format
 from kvcache.tiers.saved_prompts import SavedPromptError
