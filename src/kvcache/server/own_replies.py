@@ -20,7 +20,7 @@ import threading
 from kvcache.server.reasoning import CLOSE, OPEN, split_reasoning
 
 REASONING_FIELDS = ("reasoning_content", "reasoning")  # an assistant message's reasoning, sent apart
-REMEMBERED = 1024  # replies kept
+REMEMBERED = 256  # replies kept (as many as the explainer keeps prompts)
 
 
 class OwnReplies:
