@@ -130,14 +130,18 @@ def test_with_q8_activations_a_product_is_llama_cpps(kind, seed):
 
 @pytest.mark.parametrize("kind", Q8_KINDS)
 @pytest.mark.parametrize("seed", range(3))
-def test_with_q8_activations_a_rows_product_does_not_depend_on_the_rows_beside_it(kind, seed):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_with_q8_activations_a_rows_product_does_not_depend_on_the_rows_beside_it(kind, seed, tiles):
     """Each activation row's outputs are the same to the bit whether it is multiplied alone (a
-    decode step's dots) or among others (a prompt's tiles): one arithmetic for a token's
-    products wherever it runs, as llama.cpp's products per row are."""
+    decode step's dots) or among others (a prompt's 4x4 tiles, or from TILE_ROWS rows the matrix
+    unit's where it has one): one arithmetic for a token's products wherever it runs, as
+    llama.cpp's products per row are."""
+    if tiles and numba_products.matrix_unit() is None:
+        pytest.skip("this CPU has no AMX tiles (or the kernel refused them)")
     rng = np.random.default_rng(100 + seed)
     columns = STORED_KINDS[kind][0] * int(rng.integers(1, 6))
     rows, count = int(rng.integers(1, 30)), (4, 9, 16)[seed]
-    part = numba_products.block_part_of(_blocks(rng, kind, rows, columns), kind, q8=True)
+    part = numba_products.block_part_of(_blocks(rng, kind, rows, columns), kind, q8=True, tiles=tiles)
     x = (rng.standard_normal((count, columns)) * rng.gamma(1.0, 1.0, columns)).astype(np.float32)
     together = numba_products.product(x, (part,))
     alone = np.concatenate([numba_products.product(x[n : n + 1], (part,)) for n in range(count)])
@@ -332,17 +336,22 @@ def test_the_engine_serves_kept_blocks_on_the_block_step_as_the_exact_path_answe
         assert allocator.num_in_use == 0
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K"])
-def test_a_long_prompt_step_runs_on_the_matrix_unit_where_there_is_one_as_on_the_kernels(block_files, kind):
-    """A 40-token prompt (one step past kernel_rows) with q8 activations: on AMX tiles where the CPU
-    has them (`on_tiles`), its logits those of the same step on the one-row kernels' products
-    within float32 rounding (the tiles' sums in another order)."""
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_a_prompts_chunks_run_on_the_matrix_unit_where_there_is_one_and_give_one_token_steps_logits(
+    block_files, kind
+):
+    """With q8 activations and AMX tiles (`on_tiles`: the parts coded for them), a prompt fed in
+    chunks of 16 tokens (its products on the tiles) gives the logits, to the bit, of the same
+    prompt fed a token at a time (the one-row dots): one arithmetic whatever the step's size."""
+    from kvcache.backends.cpu.numba_blocks import TILE_READS
+
     model = load_model(block_files[kind], activations="q8")
     backend = choose_backend(model)
     assert backend.on_tiles == (numba_products.matrix_unit() is not None)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
-    no_steps = torch.empty((1, 0), dtype=torch.long)
-    ours = paged_logits(model, backend, prompt, no_steps)[0]
-    backend.on_tiles = False
-    kernels = paged_logits(model, backend, prompt, no_steps)[0]
-    torch.testing.assert_close(ours, kernels, atol=1e-4, rtol=1e-4)
+    codes = {code for _, code in backend.row_layers[0][0].qkv}
+    assert all((code >= TILE_READS) == backend.on_tiles for code in codes)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 3), generator=torch.Generator().manual_seed(6))
+    chunked = paged_logits(model, backend, prompt, tokens, chunk_size=16)
+    single = paged_logits(model, backend, prompt, tokens, chunk_size=1)
+    assert all(torch.equal(a, b) for a, b in zip(chunked, single))

@@ -51,14 +51,15 @@ def _mixed_product(model) -> str | None:
     return None
 
 
-def _part(linear) -> tuple[np.ndarray, int] | np.ndarray:
-    """A linear's weight as the kernels' part: its blocks with their code, or its float32 (out, in)."""
+def _part(linear, tiles: bool) -> tuple[np.ndarray, int] | np.ndarray:
+    """A linear's weight as the kernels' part: its blocks with their code (many rows' products
+    on the matrix unit with `tiles`), or its float32 (out, in)."""
     if isinstance(linear, QuantizedLinear):
-        return numba_products.block_part(linear.weight_blocks)
+        return numba_products.block_part(linear.weight_blocks, tiles)
     return linear.weight.detach().contiguous().numpy()
 
 
-def _product(linears) -> tuple[tuple, np.ndarray | None]:
+def _product(linears, tiles: bool) -> tuple[tuple, np.ndarray | None]:
     """(parts, stacked bias float32 or None) of the linears fused along out."""
     biases = [linear.bias for linear in linears]
     if all(bias is None for bias in biases):
@@ -67,19 +68,18 @@ def _product(linears) -> tuple[tuple, np.ndarray | None]:
         raise BackendError("cannot fuse projections of which only some have a bias")
     else:
         bias = np.concatenate([b.detach().float().numpy() for b in biases])
-    return tuple(_part(linear) for linear in linears), bias
+    return tuple(_part(linear, tiles) for linear in linears), bias
 
 
-def _reads_q8_everywhere(row_layers) -> bool:
+def _reads_q8_everywhere(model) -> bool:
     """Whether every product of the step reads blocks with 8-bit activations: their kernels give
-    a row the same sums alone or beside others (each row's activations quantized on their own,
-    the tiles' lanes the one-row dot's: `tests/backends/cpu/test_block_step.py`), so a step of
-    up to `kernel_rows` tokens is chunk-invariant; a float32 part's product is not."""
-    from kvcache.backends.cpu.numba_blocks import Q8_READS
-
-    layers, (head, _), _ = row_layers
-    parts = [part for w in layers for product in (w.qkv, w.o, w.gate_up, w.down) for part in product]
-    return all(isinstance(part, tuple) and part[1] >= Q8_READS for part in (*parts, *head))
+    a row the same sums alone or beside others, on the one-row dots, their 4x4 tiles or the
+    matrix unit's (each row's activations quantized on their own, every block added in one
+    arithmetic: `tests/backends/cpu/test_block_step.py`, `test_numba_amx.py`), so a step of up to
+    `kernel_rows` tokens is chunk-invariant; a float32 part's product is not."""
+    linears = [one for layer in model.model.layers for _, fused in fused_products(layer) for one in fused]
+    return all(isinstance(linear, QuantizedLinear) and linear.weight_blocks.activations == "q8"
+               for linear in (*linears, model.lm_head))
 
 
 def _vector(parameter: nn.Parameter | None) -> np.ndarray | None:
@@ -100,12 +100,17 @@ class BlockBackend(CpuBackend):
     def __init__(self, model) -> None:
         require_supported(model)
         super().__init__(model)
+        q8 = _reads_q8_everywhere(model)
+        self.exact_rows = self.kernel_rows if q8 else 1
+        #: every product reads Q8 activations and the CPU has a matrix unit: products of
+        #: `numba_kernels.TILE_ROWS` rows or more run on its tiles (the same sums to the bit)
+        self.on_tiles = q8 and numba_products.matrix_unit() is not None
         self.layers = []
         for layer in model.model.layers:
             attention = layer.self_attn
             heads = attention.qk_norm == "head"
             (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = (
-                _product(linears) for _, linears in fused_products(layer))
+                _product(linears, self.on_tiles) for _, linears in fused_products(layer))
             self.layers.append(LayerWeights(
                 _vector(layer.input_layernorm.weight), qkv, qkv_bias, o, o_bias,
                 _vector(layer.post_attention_layernorm.weight), gate_up, gate_up_bias, down, down_bias,
@@ -113,7 +118,7 @@ class BlockBackend(CpuBackend):
                 _vector(attention.k_norm.weight) if heads else None,
             ))
         self.final_norm = _vector(model.model.norm.weight)
-        self.lm_head, _ = _product((model.lm_head,))
+        self.lm_head, _ = _product((model.lm_head,), self.on_tiles)
         self.embed = model.model.embed_tokens
         self.row_layers = (
             [numba_products.RowLayer.of(w, [(w.qkv, w.qkv_bias), (w.o, w.o_bias), (w.gate_up, w.gate_up_bias),
@@ -123,10 +128,6 @@ class BlockBackend(CpuBackend):
         )
         self.remember_parameters(model)
         self._blocks = block_weights(model)
-        self.exact_rows = self.kernel_rows if _reads_q8_everywhere(self.row_layers) else 1
-        #: a step of more than `kernel_rows` tokens runs its products on the CPU's matrix unit where
-        #: it has one and every product reads Q8 activations (`numba_products.tiles_product`)
-        self.on_tiles = self.exact_rows > 1 and numba_products.matrix_unit() is not None
 
     def matches(self, model) -> bool:
         """Whether this backend still computes `model`'s step: the same config, every parameter
@@ -138,10 +139,7 @@ class BlockBackend(CpuBackend):
         )
 
     def _linear(self, x: np.ndarray, parts: tuple, bias: np.ndarray | None) -> np.ndarray:
-        """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels (on the
-        matrix unit's tiles past `kernel_rows` tokens, `on_tiles`)."""
-        if self.on_tiles and len(x) > self.kernel_rows:
-            return numba_products.tiles_product(x, parts, bias)
+        """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels."""
         return numba_products.product(x, parts, bias)
 
     def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:

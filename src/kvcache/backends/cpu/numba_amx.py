@@ -1,9 +1,9 @@
 """Products of many activation rows with ggml blocks on the CPU's matrix unit (AMX tiles): each
 group of 32 values (16 for the formats scaled every 16) of 16 weight rows times 16 activation
-rows in one `tdpbusd`, the integer sums then scaled into float32 sums group after group. A row's
-outputs are the same to the bit whatever rows stand beside it, but are summed in another order
-than the one-row dots' (`numba_q8`): backends use it only past `kernel_rows` tokens. Usable once
-the kernel grants the process the tiles (`usable`). Imported only with the kernels.
+rows in one `tdpbusd`, the exact integer sums then added block after block in the one-row dots'
+arithmetic (`numba_q8._block_accumulated`): a row's outputs are the same to the bit here, on the
+one-row dots and whatever rows stand beside it. Usable once the kernel grants the process the
+tiles (`usable`). Imported only with the kernels.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 numba_amx.py.
@@ -43,14 +43,12 @@ from kvcache.backends.cpu.numba_q8 import VALUE_OFFSETS
 from kvcache.backends.cpu.numba_values import FLAGS
 
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+# the tile instructions are inline assembly, which LLVM reads with the host's assembly parser:
+# every kernel that can call `tiles_product` needs it to compile, on a CPU with AMX or without
+binding.initialize_native_asmparser()
 #: the formats whose scales step every 16 values (the others' every 32)
 _SIXTEENS = (Q6_K, Q3_K, Q2_K)
-#: the formats with minimums (Q4_1's and Q5_1's m, the K-quants' dmin·sub-minimum)
-_MINIMUMS = (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K)
-_I64, _F32 = ir.IntType(64), ir.FloatType()
-_I16, _F16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(_F32, 16)  # (16 lanes of each)
-#: the float operations may fuse a multiply into an add, never reorder
-_FAST = ("contract", "nsz")
+_I64, _I32, _F32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
 
 
 @functools.cache
@@ -64,10 +62,7 @@ def usable() -> bool:
         return False
     syscall = ctypes.CDLL(None, use_errno=True).syscall
     syscall.restype = ctypes.c_long
-    if syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
-        return False
-    binding.initialize_native_asmparser()  # (the tile instructions are inline assembly)
-    return True
+    return syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
 
 
 def _pointer(context, builder, array_type, array, offset):
@@ -96,63 +91,114 @@ def tile_release(typingctx):
     return numba.types.none(), codegen
 
 
-def _groups_intrinsic(with_minimums: bool):
-    """The intrinsic (values, laid, offsets, x_scales, x_shifts, scales, minimums, group, found):
-    found (16, 16) float32 = Σ over the groups g of 16 weight rows' values (16, in) uint8 times
-    16 tokens' laid activations (in / 4, 64) int8 (`activation_tiles`, one tile's), each group's
-    16×16 integer sums (`tdpbusd`, the tiles configured for `group` values) less offsets[g] (the
-    tokens' (groups, 16) int32), times scales[r, g]·x_scales[g], plus minimums[r, g]·x_shifts[g]
-    `with_minimums` (weight rows' (16, groups), tokens' (groups, 16) float32; without, they are
-    not read), added group after group."""
-
-    def tile_groups(typingctx, values, laid, offsets, x_scales, x_shifts, scales, minimums, group, found):
-        signature = numba.types.none(values, laid, offsets, x_scales, x_shifts, scales, minimums,
-                                     numba.types.int64, found)
-        return signature, functools.partial(_groups_codegen, with_minimums)
-
-    tile_groups.__name__ = "tile_groups" if with_minimums else "tile_groups_scaled"
-    return intrinsic(tile_groups)
+#: the formats whose blocks add a minimum counted in integers (-dmin times Σ min·Σq_x), and those
+#: adding their float16 minimum times the activations' s (Q8_1's): as `numba_q8` adds them
+_COUNTED, _DIRECT = (Q4_K, Q5_K, Q2_K), (Q4_1, Q5_1)
+_I16, _F16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(_F32, 16)  # (16 lanes of each)
 
 
-def _groups_codegen(with_minimums, context, builder, signature, args):
-    """`_groups_intrinsic`'s code."""
-    arrays = [context.make_array(t)(context, builder, a) for i, (t, a) in enumerate(zip(signature.args, args))
-              if i != 7]
-    data = [builder.bitcast(a.data, ir.IntType(8).as_pointer()) for a in arrays[:7]]
-    p_values, p_laid, p_offsets, p_scales_x, p_shifts_x, p_scales, p_minimums = data
-    p_found = builder.bitcast(arrays[7].data, _F16.as_pointer())
-    width, groups = builder.extract_value(arrays[0].shape, 1), builder.extract_value(arrays[5].shape, 1)
-    step = args[7]  # (the group's values, an i64)
+def _blocks_intrinsic(kind: int):
+    """The intrinsic (values, laid, losses, counts, x_scales, x_shifts, sub_scales, sub_minimums,
+    d, m, found) of `kind`: found (16, 16) float32 = 16 weight rows' values (16, in) uint8 times
+    16 tokens' laid activations (in / 4, 64) int8 (`activation_tiles`, one tile's), block after
+    block in `numba_q8._block_accumulated`'s arithmetic: each group's 16×16 integer sums
+    (`tdpbusd`) less the tokens' offset losses[g] (groups, 16) int32, times the rows' integer
+    sub_scales (16, groups) (K-quants), summed over the block's groups into I; the counted
+    minimum M = Σ sub_minimums·counts (int32; Q4_K, Q5_K, Q2_K); then acc = fma(I, d·d_x, acc)
+    and acc = fma(M, m·d_x, acc) (m: -dmin) or fma(m, s_x, acc) (Q4_1, Q5_1: m the rows'
+    minimum, s_x x_shifts (blocks, 16)), acc the even blocks' sum or the odd's, the two added at
+    the end; d, m (16, blocks), x_scales (blocks, 16) float32."""
+
+    def tile_blocks(typingctx, values, laid, losses, counts, x_scales, x_shifts, sub_scales, sub_minimums,
+                    d, m, found):
+        signature = numba.types.none(values, laid, losses, counts, x_scales, x_shifts, sub_scales,
+                                     sub_minimums, d, m, found)
+        return signature, functools.partial(_blocks_codegen, kind)
+
+    tile_blocks.__name__ = f"tile_blocks_{kind}"
+    return intrinsic(tile_blocks)
+
+
+def _blocks_codegen(kind, context, builder, signature, args):
+    """`_blocks_intrinsic`'s code."""
+    arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
+    data = [builder.bitcast(a.data, ir.IntType(8).as_pointer()) for a in arrays]
+    values, laid, losses, counts, x_scales, x_shifts, sub_scales, sub_minimums, d, m, found = data
+    group = 16 if kind in _SIXTEENS else 32
+    per_block = 256 // group if kind >= Q4_K else 1
+    width, blocks = builder.extract_value(arrays[0].shape, 1), builder.extract_value(arrays[8].shape, 1)
+    groups = builder.mul(blocks, ir.Constant(_I64, per_block))
     with builder.goto_entry_block():
         sums = builder.alloca(ir.ArrayType(_I16, 16))  # (the tile's 16 rows of 16 int32)
         sums.align = 64
-    totals = [cgutils.alloca_once_value(builder, ir.Constant(_F16, [0.0] * 16)) for _ in range(16)]
-    with cgutils.for_range(builder, groups) as loop:
-        g = loop.index
-        _tile_dot(builder, builder.gep(p_values, [builder.mul(g, step)]), width,
-                  builder.gep(p_laid, [builder.mul(builder.mul(g, step), ir.Constant(_I64, 16))]),
-                  builder.bitcast(sums, ir.IntType(8).as_pointer()))
-        at = builder.mul(g, ir.Constant(_I64, 64))  # (bytes of a group's 16 int32 / float32)
-        offset = _vector(builder, p_offsets, at, _I16)
-        x_scale, x_shift = _vector(builder, p_scales_x, at, _F16), _vector(builder, p_shifts_x, at, _F16)
-        for r in range(16):
-            row = builder.load(builder.gep(sums, [ir.Constant(_I64, 0), ir.Constant(_I64, r)]))
-            value = builder.sitofp(builder.sub(row, offset), _F16)
-            weight_at = builder.mul(builder.add(builder.mul(ir.Constant(_I64, r), groups), g),
-                                    ir.Constant(_I64, 4))  # (byte of [r, g] in (16, groups) float32)
-            scale = _splat(builder, _scalar(builder, p_scales, weight_at))
-            part = builder.fmul(value, builder.fmul(scale, x_scale, flags=_FAST), flags=_FAST)
-            if with_minimums:
-                minimum = _splat(builder, _scalar(builder, p_minimums, weight_at))
-                part = builder.fadd(part, builder.fmul(minimum, x_shift, flags=_FAST), flags=_FAST)
-            builder.store(builder.fadd(builder.load(totals[r]), part, flags=_FAST), totals[r])
+    sums_of = [[cgutils.alloca_once_value(builder, ir.Constant(_F16, [0.0] * 16)) for _ in range(16)]
+               for _ in range(2)]  # (each row's sums of the even blocks, and of the odd)
+    loses = VALUE_OFFSETS[kind] != 0
+    with cgutils.for_range(builder, blocks) as loop:
+        b = loop.index
+        integers, minimums = [None] * 16, [None] * 16
+        for within in range(per_block):
+            g = builder.add(builder.mul(b, ir.Constant(_I64, per_block)), ir.Constant(_I64, within))
+            at = builder.mul(g, ir.Constant(_I64, group))
+            _tile_dot(builder, builder.gep(values, [at]), width,
+                      builder.gep(laid, [builder.mul(at, ir.Constant(_I64, 16))]),
+                      builder.bitcast(sums, ir.IntType(8).as_pointer()))
+            lanes_at = builder.mul(g, ir.Constant(_I64, 64))  # (bytes of a group's 16 int32)
+            loss = _vector(builder, losses, lanes_at, _I16) if loses else None
+            count = _vector(builder, counts, lanes_at, _I16) if kind in _COUNTED else None
+            for r in range(16):
+                row = builder.load(builder.gep(sums, [ir.Constant(_I64, 0), ir.Constant(_I64, r)]))
+                row = builder.sub(row, loss) if loss is not None else row
+                weight_at = _row_major(builder, r, groups, g)
+                if kind >= Q4_K:
+                    row = builder.mul(row, _splat(builder, _scalar(builder, sub_scales, weight_at, _I32)))
+                integers[r] = row if within == 0 else builder.add(integers[r], row)
+                if count is not None:
+                    minimum = _scalar(builder, sub_minimums, weight_at, _I32)
+                    share = builder.mul(count, _splat(builder, minimum))
+                    minimums[r] = share if within == 0 else builder.add(minimums[r], share)
+        odd = builder.trunc(b, ir.IntType(1))
+        totals = [builder.select(odd, sums_of[1][r], sums_of[0][r]) for r in range(16)]
+        _blocks_into(builder, kind, b, blocks, integers, minimums, (x_scales, x_shifts, d, m), totals)
     for r in range(16):
-        target = builder.bitcast(builder.gep(p_found, [ir.Constant(_I64, r)]), _F16.as_pointer())
-        builder.store(builder.load(totals[r]), target).align = 4
+        target = builder.bitcast(builder.gep(found, [ir.Constant(_I64, 64 * r)]), _F16.as_pointer())
+        total = builder.fadd(builder.load(sums_of[0][r]), builder.load(sums_of[1][r]))
+        builder.store(total, target).align = 4
     return context.get_dummy_value()
 
 
-tile_groups, tile_groups_scaled = _groups_intrinsic(True), _groups_intrinsic(False)
+def _blocks_into(builder, kind, b, blocks, integers, minimums, factors, totals) -> None:
+    """Block b's fused multiply-adds into each row's totals (see `_blocks_intrinsic`)."""
+    x_scales, x_shifts, d, m = factors
+    lanes_at = builder.mul(b, ir.Constant(_I64, 64))
+    x_scale = _vector(builder, x_scales, lanes_at, _F16)
+    x_shift = _vector(builder, x_shifts, lanes_at, _F16) if kind in _DIRECT else None
+    for r in range(16):
+        weight_at = _row_major(builder, r, blocks, b)
+        step = builder.fmul(_splat(builder, _scalar(builder, d, weight_at)), x_scale)
+        total = _fma(builder, builder.sitofp(integers[r], _F16), step, builder.load(totals[r]))
+        if kind in _COUNTED:
+            factor = builder.fmul(_splat(builder, _scalar(builder, m, weight_at)), x_scale)
+            total = _fma(builder, builder.sitofp(minimums[r], _F16), factor, total)
+        elif kind in _DIRECT:
+            total = _fma(builder, _splat(builder, _scalar(builder, m, weight_at)), x_shift, total)
+        builder.store(total, totals[r])
+
+
+def _row_major(builder, r: int, columns, column):
+    """The byte of [r, column] of a (16, columns) array of 4-byte elements."""
+    return builder.mul(builder.add(builder.mul(ir.Constant(_I64, r), columns), column), ir.Constant(_I64, 4))
+
+
+def _fma(builder, a, b, c):
+    """a·b + c rounded once, lane by lane (llvm.fma), as `numba_q8` adds a block."""
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16, [_F16] * 3),
+                                              "llvm.fma.v16f32")
+    return builder.call(function, [a, b, c])
+
+
+(blocks_0, blocks_1, blocks_2, blocks_3, blocks_4, blocks_5, blocks_6, blocks_7, blocks_8,
+ blocks_9) = (_blocks_intrinsic(kind) for kind in range(10))
 
 
 def _tile_dot(builder, a, a_stride, b, c) -> None:
@@ -173,16 +219,16 @@ def _vector(builder, pointer, at, kind):
     return loaded
 
 
-def _scalar(builder, pointer, at):
-    """The float32 at byte `at` of an i8 pointer."""
-    return builder.load(builder.bitcast(builder.gep(pointer, [at]), _F32.as_pointer()))
+def _scalar(builder, pointer, at, kind=_F32):
+    """The float32 (or `kind`) at byte `at` of an i8 pointer."""
+    return builder.load(builder.bitcast(builder.gep(pointer, [at]), kind.as_pointer()))
 
 
 def _splat(builder, value):
-    """A float32 in all 16 lanes."""
-    undefined = ir.Constant(_F16, ir.Undefined)
-    lanes = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(lanes, undefined, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+    """A scalar in all 16 lanes."""
+    undefined = ir.Constant(ir.VectorType(value.type, 16), ir.Undefined)
+    lanes = builder.insert_element(undefined, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lanes, undefined, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
 
 
 _KERNEL = dict(fastmath=FLAGS, error_model="numpy", cache=True, boundscheck=False, nogil=True)
@@ -203,67 +249,60 @@ def configured(group):  # pragma: no cover (compiled)
 
 
 @numba.njit(**_INLINE)
-def weight_factors(w, kind, i, r, scales, minimums):  # pragma: no cover (compiled)
-    """Row r of scales and minimums (16, groups) float32 from weight row i of `kind`: each
-    group's scale (d, d·sub-scale) and what its activations' sum is multiplied by (the minimum:
-    Q4_1's and Q5_1's m, the K-quants' -dmin·sub-minimum; 0 for the others)."""
+def weight_factors(w, kind, i, r, sub_scales, sub_minimums, d, m):  # pragma: no cover (compiled)
+    """Row r of the factors (16, groups) int32 and (16, blocks) float32 from weight row i of
+    `kind`, as `numba_q8`'s dots read them: each group's integer scale and minimum (K-quants),
+    each block's d and m (-dmin for Q4_K, Q5_K, Q2_K; Q4_1's and Q5_1's minimum; else 0)."""
     size = BLOCK_BYTES[kind]
-    if kind < Q4_K:
-        for g in range(scales.shape[1]):
-            scales[r, g] = half_at(w, i, g * size)
-            minimums[r, g] = half_at(w, i, g * size + 2) if kind == Q4_1 or kind == Q5_1 else np.float32(0.0)
-    elif kind == Q4_K or kind == Q5_K:
-        for b in range(scales.shape[1] // 8):
-            d, least = half_at(w, i, b * size), half_at(w, i, b * size + 2)
+    for b in range(d.shape[1]):
+        at = b * size
+        if kind < Q4_K:
+            d[r, b] = half_at(w, i, at)
+            m[r, b] = half_at(w, i, at + 2) if kind == Q4_1 or kind == Q5_1 else np.float32(0.0)
+        elif kind == Q4_K or kind == Q5_K:
+            d[r, b], m[r, b] = half_at(w, i, at), -half_at(w, i, at + 2)
             for s in range(8):
-                scale, low = k_scale_min(w, i, b * size + 4, s)
-                scales[r, 8 * b + s], minimums[r, 8 * b + s] = d * scale, -least * low
-    else:
-        for b in range(scales.shape[1] // 16):
-            at = b * size
+                scale, low = k_scale_min(w, i, at + 4, s)
+                sub_scales[r, 8 * b + s], sub_minimums[r, 8 * b + s] = np.int32(scale), np.int32(low)
+        else:
+            d[r, b] = half_at(w, i, at + (208 if kind == Q6_K else 108 if kind == Q3_K else 80))
+            m[r, b] = -half_at(w, i, at + 82) if kind == Q2_K else np.float32(0.0)
             for j in range(16):
-                scales[r, 16 * b + j], minimums[r, 16 * b + j] = sixteen_factors(w, kind, i, at, j)
+                sub_scales[r, 16 * b + j], sub_minimums[r, 16 * b + j] = sixteen_factors(w, kind, i, at, j)
 
 
 @numba.njit(**_INLINE)
 def sixteen_factors(w, kind, i, at, j):  # pragma: no cover (compiled)
-    """Q6_K's, Q3_K's or Q2_K's scale and minimum factor of 16-value group j of the block at
-    `at` of row i (`numba_blocks.two_bit_scale_min`'s scales times d, Q2_K's minimum times -dmin)."""
+    """Q6_K's, Q3_K's or Q2_K's integer scale and minimum of 16-value group j of the block at
+    `at` of row i (`numba_blocks.two_bit_scale_min`'s; Q6_K's int8 scale, minimum 0)."""
     if kind == Q6_K:
-        return half_at(w, i, at + 208) * np.float32(np.int8(w[i, at + 192 + j])), np.float32(0.0)
+        return np.int32(np.int8(w[i, at + 192 + j])), np.int32(0)
     scale, low = two_bit_scale_min(w, kind, i, at, j)
-    if kind == Q2_K:
-        return half_at(w, i, at + 80) * scale, -half_at(w, i, at + 82) * low
-    return half_at(w, i, at + 108) * scale, np.float32(0.0)
+    return np.int32(scale), np.int32(low)
 
 
 @numba.njit(**_INLINE)
-def activation_factors(kind, activations, n, g, group):  # pragma: no cover (compiled)
-    """Token n's group g (of `group` values): (its scale, the sum of its quants, what the
-    weight's minimum factor multiplies: Q8_1's s, or the scale times that sum for the K-quants
-    with minimums)."""
-    _, scales, counts, shifts = activations
-    if kind < Q4_K:
-        shift = shifts[n, g] if kind == Q4_1 or kind == Q5_1 else np.float32(0.0)
-        return scales[n, g], counts[n, g], shift
-    scale = scales[n, (g * group) // 256]
-    total = counts[n, g] if group == 16 else counts[n, 2 * g] + counts[n, 2 * g + 1]
-    return scale, total, scale * total if kind in _MINIMUMS else np.float32(0.0)
+def group_count(kind, counts, n, g, group):  # pragma: no cover (compiled)
+    """The sum of token n's quants in group g of `group` values (Q8_K's counts are of 16)."""
+    if kind < Q4_K or group == 16:
+        return np.int32(counts[n, g])
+    return np.int32(counts[n, 2 * g]) + np.int32(counts[n, 2 * g + 1])
 
 
 @numba.njit(parallel=True, **_KERNEL)
 def activation_tiles(x, kind, group):  # pragma: no cover (compiled)
     """x (N, in) quantized as llama.cpp's products read it, laid out for tile 2: (tiles, in / 4,
-    64) int8, token 16t + j's values 4k..4k + 3 at [t, k, 4j : 4j + 4] (zeros past N); and each
-    16 tokens' groups' factors (tiles, groups, 16): offset times the quants' sum (int32), scale,
-    and the minimum's multiplier (float32)."""
+    64) int8, token 16t + j's values 4k..4k + 3 at [t, k, 4j : 4j + 4] (zeros past N); each 16
+    tokens' groups' offset losses (the format's offset times the quants' sum) and sums (tiles,
+    groups, 16) int32; their blocks' scales d_x and Q8_1 s_x (tiles, blocks, 16) float32."""
     tokens, width = x.shape
     activations = activation_arrays(x, kind + Q8_READS)
-    tiles, groups = (tokens + 15) // 16, width // group
+    tiles, groups, blocks = (tokens + 15) // 16, width // group, activations[1].shape[1]
     laid = np.zeros((tiles, width // 4, 64), np.int8)
-    offsets = np.zeros((tiles, groups, 16), np.int32)
-    scales = np.zeros((tiles, groups, 16), np.float32)
-    shifts = np.zeros((tiles, groups, 16), np.float32)
+    losses = np.zeros((tiles, groups, 16), np.int32)
+    counts = np.zeros((tiles, groups, 16), np.int32)
+    scales = np.zeros((tiles, blocks, 16), np.float32)
+    shifts = np.zeros((tiles, blocks, 16), np.float32)
     for t in prange(tiles):
         for j in range(min(16, tokens - 16 * t)):
             n = 16 * t + j
@@ -271,10 +310,37 @@ def activation_tiles(x, kind, group):  # pragma: no cover (compiled)
             for k in range(width):
                 laid[t, k >> 2, 4 * j + (k & 3)] = activations[0][n, k]
             for g in range(groups):
-                scale, total, shift = activation_factors(kind, activations, n, g, group)
-                offsets[t, g, j] = VALUE_OFFSETS[kind] * np.int32(total)
-                scales[t, g, j], shifts[t, g, j] = scale, shift
-    return laid, offsets, scales, shifts
+                counts[t, g, j] = group_count(kind, activations[2], n, g, group)
+                losses[t, g, j] = VALUE_OFFSETS[kind] * counts[t, g, j]
+            for b in range(blocks):
+                scales[t, b, j] = activations[1][n, b]
+                shifts[t, b, j] = activations[3][n, b] if kind == Q4_1 or kind == Q5_1 else np.float32(0.0)
+    return laid, losses, counts, scales, shifts
+
+
+@numba.njit(**_INLINE)
+def tile_blocks(kind, v, laid, lo, co, xs, sh, ws, wm, d, m, found):  # pragma: no cover (compiled)
+    """`_blocks_intrinsic(kind)`'s product: its arguments in its order."""
+    if kind == 0:
+        blocks_0(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 1:
+        blocks_1(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 2:
+        blocks_2(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 3:
+        blocks_3(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 4:
+        blocks_4(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 5:
+        blocks_5(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 6:
+        blocks_6(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 7:
+        blocks_7(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    elif kind == 8:
+        blocks_8(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
+    else:
+        blocks_9(v, laid, lo, co, xs, sh, ws, wm, d, m, found)
 
 
 @numba.njit(parallel=True, **_KERNEL)
@@ -282,29 +348,26 @@ def tiles_product(w, kind, x, start, out):  # pragma: no cover (compiled)
     """out[:, start : start + rows] = x (N, in) times the weight w (rows, row bytes) of stored
     code `kind`, transposed, x quantized as llama.cpp's products read it: 16 weight rows a task
     (the last task's missing rows repeat its last row, written once), unpacked once, then each
-    16 rows of x group by group on the tiles (see the module docstring). Call `usable()` first."""
+    16 rows of x block by block on the tiles (see the module docstring). Call `usable()` first."""
     group = 16 if kind in _SIXTEENS else 32
-    laid, offsets, x_scales, x_shifts = activation_tiles(x, kind, group)
+    laid, losses, counts, x_scales, x_shifts = activation_tiles(x, kind, group)
     rows, width, tokens = w.shape[0], x.shape[1], x.shape[0]
-    groups = width // group
+    groups, blocks = width // group, x_scales.shape[1]
     for task in prange((rows + 15) // 16):
         first = task * 16
         values = np.empty((16, width), np.uint8)
-        scales = np.empty((16, groups), np.float32)
-        minimums = np.empty((16, groups), np.float32)
+        sub_scales, sub_minimums = np.zeros((16, groups), np.int32), np.zeros((16, groups), np.int32)
+        d, m = np.empty((16, blocks), np.float32), np.empty((16, blocks), np.float32)
         for r in range(0, 16, 4):
             i = [min(first + r + q, rows - 1) for q in range(4)]
             unpack_rows_of_kind(w, kind, i[0], i[1], i[2], i[3], values[r : r + 4])
         for r in range(16):
-            weight_factors(w, kind, min(first + r, rows - 1), r, scales, minimums)
+            weight_factors(w, kind, min(first + r, rows - 1), r, sub_scales, sub_minimums, d, m)
         tile_config(configured(group))
         found = np.empty((16, 16), np.float32)
         for t in range(laid.shape[0]):
-            tile = (values, laid[t], offsets[t], x_scales[t], x_shifts[t], scales, minimums)
-            if kind in _MINIMUMS:
-                tile_groups(*tile, group, found)
-            else:
-                tile_groups_scaled(*tile, group, found)
+            tile_blocks(kind, values, laid[t], losses[t], counts[t], x_scales[t], x_shifts[t],
+                        sub_scales, sub_minimums, d, m, found)
             for r in range(min(16, rows - first)):
                 for j in range(min(16, tokens - 16 * t)):
                     out[16 * t + j, start + first + r] = found[r, j]

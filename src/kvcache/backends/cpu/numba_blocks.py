@@ -17,7 +17,7 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: Q2_K's and Q3_K's dots)
+# checkout to recompile them (the last such change: one fused multiply-add a block)
 from kvcache.backends.cpu.numba_q8 import (
     q2_k_rows,
     q2_k_tile,
@@ -62,6 +62,9 @@ CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "
 #: added to a format's code: its products read the activations quantized as llama.cpp's
 #: (`numba_q8`) instead of float32 (every code past it a K-quant from Q8_READS + Q4_K)
 Q8_READS = 10
+#: added to a format's code instead: read as past Q8_READS, on the CPU's matrix unit from
+#: `numba_kernels.TILE_ROWS` activation rows (`numba_amx`: the same sums to the bit)
+TILE_READS = 20
 #: by code: a block's bytes (`quantized.STORED_KINDS`), and where its q bytes start (after d, m
 #: and the fifth bits' word as the format has them; the K-quants': after d, dmin, the 12 bytes of
 #: scales and Q5_K's 32 bytes of fifth bits; Q6_K's low bits come first; Q2_K's 2-bit q after its

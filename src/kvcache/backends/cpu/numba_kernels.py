@@ -20,11 +20,12 @@ from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import overload
 
 # numba's disk cache keys a kernel on its own file only, and the kernels here carry compiled
-# copies of `numba_blocks` (and its `numba_q8`) and `numba_rows`: a change there needs a change
-# here (or the `__pycache__` cleared) for a checkout to recompile them (numba_blocks.py needs one
-# for numba_q8 too; the last such change:
-# numba_blocks and numba_q8: Q2_K's and Q3_K's dots)
-from kvcache.backends.cpu.numba_blocks import blocks_product
+# copies of `numba_blocks` (and its `numba_q8`), `numba_amx` and `numba_rows`: a change there
+# needs a change here (or the `__pycache__` cleared) for a checkout to recompile them
+# (numba_blocks.py needs one for numba_q8 too; the last such change:
+# numba_blocks, numba_q8 and numba_amx: one fused multiply-add a block)
+from kvcache.backends.cpu.numba_amx import tiles_product
+from kvcache.backends.cpu.numba_blocks import Q8_READS, TILE_READS, blocks_product
 from kvcache.backends.cpu.numba_rows import accumulated, scored, stored
 from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)
     BFLOAT16,
@@ -90,13 +91,22 @@ def part_product(part, x, start, out):  # typed by the overload below
 
 
 _PARALLEL_INLINE = dict(parallel=PARALLEL, fastmath=FLAGS, error_model="numpy")
+#: from this many activation rows a part coded past TILE_READS runs on the matrix unit's tiles
+#: (fewer rows: the one-row dots, which the tiles' fixed cost a task outweighs)
+TILE_ROWS = 8
 
 
 @overload(part_product, inline="always", jit_options=_PARALLEL_INLINE)
 def _part_product(part, x, start, out):  # pragma: no cover (compiled)
     if isinstance(part, types.BaseTuple):
         def blocks(part, x, start, out):
-            blocks_product(part[0], part[1], x, start, out)
+            code = part[1]
+            if code < TILE_READS:
+                blocks_product(part[0], code, x, start, out)
+            elif x.shape[0] >= TILE_ROWS:
+                tiles_product(part[0], code - TILE_READS, x, start, out)
+            else:
+                blocks_product(part[0], code - TILE_READS + Q8_READS, x, start, out)
         return blocks
 
     def array(part, x, start, out):

@@ -156,8 +156,8 @@ def matrix_unit():
 def tiles_product(x: np.ndarray, parts: tuple, bias: np.ndarray | None = None) -> np.ndarray:
     """x (N, in) float32 through parts that are all ggml blocks read with Q8 activations
     (`block_part_of(..., q8=True)`) (+ bias) -> (N, sum out_i) float32, a new array, on the
-    matrix unit (`numba_amx.tiles_product`): llama.cpp's products, summed in another order than
-    `product`'s (the same to the bit whatever N). Call `matrix_unit()` first (not None)."""
+    matrix unit (`numba_amx.tiles_product`) whatever N: `product`'s sums to the bit. Call
+    `matrix_unit()` first (not None)."""
     from kvcache.backends.cpu.numba_blocks import Q8_READS
 
     unit = matrix_unit()
@@ -165,7 +165,7 @@ def tiles_product(x: np.ndarray, parts: tuple, bias: np.ndarray | None = None) -
     out = np.empty((rows.shape[0], outputs(parts)), np.float32)
     start = 0
     for blocks, code in parts:
-        unit.tiles_product(blocks, code - Q8_READS, rows, start, out)
+        unit.tiles_product(blocks, code % Q8_READS, rows, start, out)
         start += blocks.shape[0]
     if bias is not None:
         out += bias
@@ -178,21 +178,27 @@ def outputs(parts: tuple) -> int:
     return sum(part[0].shape[0] if isinstance(part, tuple) else part.shape[0] for part in parts)
 
 
-def block_part(weight) -> tuple[np.ndarray, int]:
+def block_part(weight, tiles: bool = False) -> tuple[np.ndarray, int]:
     """A `kvcache.model.quantized.BlockWeight` as a product's part (`block_part_of`)."""
-    return block_part_of(weight.blocks, weight.kind, weight.activations == "q8")
+    return block_part_of(weight.blocks, weight.kind, weight.activations == "q8", tiles)
 
 
-def block_part_of(blocks: np.ndarray, kind: str, q8: bool = False) -> tuple[np.ndarray, int]:
+def block_part_of(
+    blocks: np.ndarray, kind: str, q8: bool = False, tiles: bool = False
+) -> tuple[np.ndarray, int]:
     """ggml blocks (rows, row bytes) uint8 of `kind` ("Q8_0", ...) as a product's part: (the
     blocks, read-only as a mapped file's are, and the format's code in `numba_blocks.CODES`,
-    plus `numba_blocks.Q8_READS` when q8: its products read activations as llama.cpp's)."""
-    from kvcache.backends.cpu.numba_blocks import CODES, Q8_READS
+    plus `numba_blocks.Q8_READS` when q8: its products read activations as llama.cpp's; plus
+    `TILE_READS` instead with tiles, its products of many rows on the matrix unit: call
+    `matrix_unit()` first)."""
+    from kvcache.backends.cpu.numba_blocks import CODES, Q8_READS, TILE_READS
 
+    if tiles and not q8:
+        raise ValueError("a part on the matrix unit reads Q8 activations: tiles needs q8")
     if blocks.flags.writeable:  # (one array type for every part: the kernels compile once)
         blocks = blocks.view()
         blocks.setflags(write=False)
-    return blocks, CODES[kind] + (Q8_READS if q8 else 0)
+    return blocks, CODES[kind] + (TILE_READS if tiles else Q8_READS if q8 else 0)
 
 
 def row_product(parts: tuple, bias: np.ndarray | None) -> tuple[tuple, np.ndarray]:

@@ -1,10 +1,10 @@
 """Activations quantized as llama.cpp quantizes them for its products with ggml blocks (Q8_0 and
 Q8_1: each 32 values as int8 with a float16 scale; Q8_K, for the K-quants: each 256 with a
-float32 one), and four weight rows dotted with one such row as integer vectors: each 32 products
-summed in int32 lanes (in fours by VNNI's vpdpbusd where the target CPU has it, else in pairs),
-a K-quant's times its sub-blocks' integer scales, widened to float32 once a block and scaled by
-both scales. The dots are LLVM vector IR (numba intrinsics): numba's own integer arithmetic
-widens to 64 bits, which vector units multiply slowly. Imported only with the kernels.
+float32 one), and four weight rows dotted with one such row: each block's exact integer sum (by
+VNNI's vpdpbusd where the CPU has it, else in pairs; a K-quant's times its sub-blocks' integer
+scales), then one fused multiply-add a block (`_block_accumulated`, the matrix unit's arithmetic
+too: a row's sums the same to the bit on either). LLVM vector IR (numba intrinsics): numba's own
+integer arithmetic widens to 64 bits, which vector units multiply slowly. Kernels only.
 
 The design, the reasons and the measurements behind them: `docs/backends.md`, Module notes,
 numba_q8.py.
@@ -42,10 +42,6 @@ K_BLOCK_BYTES = {code: STORED_KINDS[kind][1] for code, kind in
 VALUE_OFFSETS = tuple(LAYOUTS[code][4] if code in LAYOUTS else _SIXTEENS.get(code, (0, 0))[1]
                       for code in range(len(STORED_KINDS)))
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-#: the dots' float operations may fuse a multiply into an add (FMA, as llama.cpp's do) but not be
-#: reordered ("reassoc"): the one-row dots and the tiles are different functions, and only the
-#: written order makes them give the same float32 to the bit
-_FAST = ("contract", "nsz")
 
 
 def _target_features() -> set[str]:
@@ -73,10 +69,8 @@ def target_has_wide_vnni() -> bool:
 #: the dots' integer sums: vpdpbusd's four products a lane (8 int32 lanes a block), or pairs
 #: (16 lanes: the shape of a 16-bit multiply-add) where the target has no VNNI
 VNNI = target_has_vnni()
-#: the one-row dots take two weight rows' blocks in one 512-bit vector (each row's 8 lanes as
-#: `_add_block`, `_q45_k_block` and `_sixteens_block` sum them, in the same operations: the same float32)
+#: the one-row dots take two weight rows' blocks in one 512-bit vector (`_pair_block`)
 WIDE = VNNI and target_has_wide_vnni()
-_LANES = ir.VectorType(_F32, 8 if VNNI else 16)  # a row's running sums, one block's lanes
 
 
 #: what a block's scale is where its values are not all finite: a NaN, so that every product
@@ -221,33 +215,12 @@ def _pair_sums(builder, values, quants):
 
 
 def _integer_sums(builder, values, quants):
-    """<_LANES x i32>: values <32 x i8> (unsigned) times quants <32 x i8> (signed), summed in
-    fours (VNNI) or in pairs; either way the lanes in the values' order."""
+    """<8 x i32> (VNNI) or <16 x i32>: values <32 x i8> (unsigned) times quants <32 x i8>
+    (signed), summed in fours (VNNI) or in pairs; either way the lanes in the values' order."""
     if VNNI:
         return _quad_sums(builder, values, quants)
     wide = ir.VectorType(_I32, 32)
     return _pair_sums(builder, builder.zext(values, wide), builder.sext(quants, wide))
-
-
-def _add_block(builder, kind: int, block, values_of, activations, sums, extra) -> None:
-    """One block of one row into its sums: sums (`_LANES`*) += the integer sums of its values
-    (`values_of(0)`, as `_block_bytes` gives them) times d·d_x; extra (float*) += m·s (Q4_1,
-    Q5_1) or -offset·Σq·d·d_x (the others, LAYOUTS)."""
-    quants, x_scale, x_offset, x_shift = activations
-    scale = builder.fmul(_half(builder, block), x_scale, flags=_FAST)
-    _scaled_into(builder, sums, _integer_sums(builder, values_of(0), quants), scale)
-    _add_extra(builder, kind, block, scale, x_offset, x_shift, extra)
-
-
-def _add_extra(builder, kind: int, block, scale, x_offset, x_shift, extra) -> None:
-    """A 32-value block's extra (float*) += m·s (Q4_1, Q5_1) or -offset·Σq·d·d_x (the others:
-    scale d·d_x, x_offset -offset·Σq)."""
-    minimum = LAYOUTS[kind][2]
-    if minimum >= 0:
-        part = builder.fmul(_half(builder, _at(builder, block, minimum)), x_shift, flags=_FAST)
-    else:
-        part = builder.fmul(scale, x_offset, flags=_FAST)
-    builder.store(builder.fadd(builder.load(extra), part, flags=_FAST), extra)
 
 
 def _const(value: int, lanes: int | None = None, kind=_I8):
@@ -279,12 +252,6 @@ def _k_scale_min(builder, block, s: int):
 def _nibbles(builder, packed, high: bool):
     """The low (or high) 4 bits of each byte of packed <32 x i8>."""
     return builder.lshr(packed, _const(4, 32)) if high else builder.and_(packed, _const(15, 32))
-
-
-def _scaled_into(builder, sums, integers, scale) -> None:
-    """sums (`_LANES`*) += the integer lanes as float32 times scale."""
-    scaled = builder.fmul(builder.sitofp(integers, _LANES), _splat(builder, scale, _LANES.count), flags=_FAST)
-    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
 
 
 def _k_values(builder, kind: int, block, s: int):
@@ -350,16 +317,6 @@ def _sixteen_scales(builder, kind: int, block, g: int) -> tuple[list, list]:
     return scales, factors
 
 
-def _sixteens_shift(builder, kind: int, block, step, x_scale, offsets):
-    """What a Q6_K, Q3_K or Q2_K block of a row subtracts from its sums: offset·d·d_x·Σ_j
-    scale_j·Σq_x (step d·d_x; offsets the sum), Q2_K's dmin·d_x·Σ_j min_j·Σq_x."""
-    if kind == _Q2_K:
-        minimum_step = builder.fmul(_half(builder, _at(builder, block, 82)), x_scale, flags=_FAST)
-        return builder.fmul(minimum_step, offsets, flags=_FAST)
-    offset = ir.Constant(_F32, float(_SIXTEENS[kind][1]))
-    return builder.fmul(builder.fmul(step, offset, flags=_FAST), offsets, flags=_FAST)
-
-
 def _group_values(builder, kind: int, block, index: int):
     """The values of a block's 32-value group `index` (0 for the 32-value formats) as unsigned
     <32 x i8>, what the dots multiply: `_block_bytes`, `_k_values`, `_q6_values` or
@@ -371,51 +328,6 @@ def _group_values(builder, kind: int, block, index: int):
     if kind in K_BLOCK_BYTES:
         return _k_values(builder, kind, block, index)
     return _block_bytes(builder, block, kind)
-
-
-def _q45_k_block(builder, kind: int, block, values_of, quants, x_scale, counts, sums, extra) -> None:
-    """A Q4_K or Q5_K block (256 values; sub-block s's values `values_of(s)`) of one row into
-    its sums: d·d_x·Σ_s scale_s·Σq·q_x in integers, and extra -= dmin·d_x·Σ_s min_s·Σq_x (the
-    sub-block's two counts of 16)."""
-    integers = ir.Constant(ir.VectorType(_I32, _LANES.count), [0] * _LANES.count)
-    minimum_sum = ir.Constant(_F32, 0.0)
-    for s in range(8):
-        scale, sub_minimum = _k_scale_min(builder, block, s)
-        x = _load(builder, _at(builder, quants, s * 32), _I8, 32)
-        dots = _integer_sums(builder, values_of(s), x)
-        integers = builder.add(integers, builder.mul(dots, _splat(builder, scale, _LANES.count)))
-        count = builder.fadd(builder.load(_at(builder, counts, 2 * s)),
-                             builder.load(_at(builder, counts, 2 * s + 1)), flags=_FAST)
-        share = builder.fmul(builder.sitofp(sub_minimum, _F32), count, flags=_FAST)
-        minimum_sum = builder.fadd(minimum_sum, share, flags=_FAST)
-    _scaled_into(builder, sums, integers, builder.fmul(_half(builder, block), x_scale, flags=_FAST))
-    step = builder.fmul(_half(builder, _at(builder, block, 2)), x_scale, flags=_FAST)  # dmin·d_x
-    shift = builder.fmul(step, minimum_sum, flags=_FAST)
-    builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
-
-
-def _sixteens_block(builder, kind: int, block, values_of, quants, x_scale, counts, sums, extra) -> None:
-    """A Q6_K block (256 values; 128 bytes of low bits, 64 of high, 16 int8 scales, d), Q3_K
-    or Q2_K (`_two_bit_values`, `_sixteen_scales`), group g's values `values_of(g)`, of one row
-    into its sums: d·d_x·Σ_j scale_j·Σ q·q_x over its groups of 16 in integers (q unsigned), and
-    extra -= `_sixteens_shift` (the offset q carries, or Q2_K's minimums)."""
-    lanes = _LANES.count
-    integers = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
-    offsets = ir.Constant(_F32, 0.0)
-    halves = ir.Constant(ir.VectorType(_I32, lanes), [0] * (lanes // 2) + [lanes] * (lanes // 2))
-    for g in range(8):
-        dots = _integer_sums(builder, values_of(g), _load(builder, _at(builder, quants, g * 32), _I8, 32))
-        (first, second), factors = _sixteen_scales(builder, kind, block, g)
-        scales = builder.shuffle_vector(_splat(builder, first, lanes), _splat(builder, second, lanes), halves)
-        integers = builder.add(integers, builder.mul(dots, scales))
-        for j, factor in enumerate(factors):
-            count = builder.load(_at(builder, counts, 2 * g + j))
-            offsets = builder.fadd(offsets, builder.fmul(builder.sitofp(factor, _F32), count, flags=_FAST),
-                                   flags=_FAST)
-    step = builder.fmul(_half(builder, _at(builder, block, _SIXTEENS[kind][0])), x_scale, flags=_FAST)
-    _scaled_into(builder, sums, integers, step)
-    shift = _sixteens_shift(builder, kind, block, step, x_scale, offsets)
-    builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
 
 
 def _joined(builder, a, b):
@@ -440,9 +352,11 @@ def _pair_block_bytes(builder, blocks, kind: int):
     values = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 64), pick))
     if fifth < 0:
         return values
-    bits = ir.VectorType(ir.IntType(1), 32)
-    a, b = (builder.bitcast(_load(builder, _at(builder, block, fifth), _I32), bits) for block in blocks)
-    return builder.select(_joined(builder, a, b), builder.or_(values, _const(16, 64)), values)
+    # (the two words joined in a scalar register: one mask move, not two and a mask join)
+    a, b = (builder.zext(_load(builder, _at(builder, block, fifth), _I32), _I64) for block in blocks)
+    word = builder.or_(a, builder.shl(b, ir.Constant(_I64, 32)))
+    mask = builder.bitcast(word, ir.VectorType(ir.IntType(1), 64))
+    return builder.select(mask, builder.or_(values, _const(16, 64)), values)
 
 
 def _wide_sums(builder, values, quants):
@@ -455,113 +369,330 @@ def _wide_sums(builder, values, quants):
     return builder.call(function, [ir.Constant(lanes, [0] * 16), *words])
 
 
-def _add_block_pair(builder, kind: int, blocks, activations, sums, extras) -> None:
-    """`_add_block` for two rows' blocks at once: sums (<16 x float>*, each row's 8 lanes) +=
-    their integer sums times d·d_x, each row's extra as `_add_block` adds it."""
-    quants, x_scale, x_offset, x_shift = activations
-    integers = _wide_sums(builder, _pair_block_bytes(builder, blocks, kind), _joined(builder, quants, quants))
-    scales = [builder.fmul(_half(builder, block), x_scale, flags=_FAST) for block in blocks]
-    spread = _pair_splat(builder, scales, 16)
-    wide = ir.VectorType(_F32, 16)
-    scaled = builder.fmul(builder.sitofp(integers, wide), spread, flags=_FAST)
-    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
-    for block, scale, extra in zip(blocks, scales, extras):
-        _add_extra(builder, kind, block, scale, x_offset, x_shift, extra)
+def _fma(builder, a, b, c):
+    """a·b + c rounded once, lane by lane (llvm.fma): the dots' one way to add a term."""
+    suffix = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(a.type, [a.type] * 3), f"llvm.fma.{suffix}")
+    return builder.call(function, [a, b, c])
 
 
-def _pair_splat(builder, values, lanes: int):
-    """<lanes x type> of values (a few scalars of one type): each repeated lanes / len times, in
-    order."""
-    count = len(values)
-    vector = ir.Constant(ir.VectorType(values[0].type, count), ir.Undefined)
+def _count(builder, pointer):
+    """The activations' count at pointer (a float32 holding an integer) as an i32."""
+    return builder.fptosi(builder.load(pointer), _I32)
+
+
+def _gathered(builder, values):
+    """<len(values) x their type>: the scalars in order."""
+    vector = ir.Constant(ir.VectorType(values[0].type, len(values)), ir.Undefined)
     for at, value in enumerate(values):
         vector = builder.insert_element(vector, value, _const(at, kind=_I32))
-    spread = [at * count // lanes for at in range(lanes)]
-    return builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(_I32, lanes), spread))
+    return vector
 
 
-def _pair_k_block(builder, kind: int, blocks, quants, x_scale, counts, sums, extras) -> None:
-    """`_q45_k_block` or `_sixteens_block` for two rows' blocks at once: their groups' values in one
-    <64 x i8>, one 512-bit vpdpbusd a group, each row's lanes and extra in the operations the
-    one-row functions use (the same float32)."""
-    wide = ir.VectorType(_I32, 16)
-    integers = ir.Constant(wide, [0] * 16)
-    shares = [ir.Constant(_F32, 0.0) for _ in blocks]
+def _items_summed(builder, vectors, items: int):
+    """<n x i32>: each item's lanes summed, of `vectors` (a power of two of them, each holding
+    `items` items, an equal run of lanes each), the items in order. Integers: any order of the
+    additions gives the same sums."""
+    lanes = vectors[0].type.count // items
+    while lanes > 1:
+        paired = len(vectors) > 1
+        count = 2 * items if paired else items
+        evens = [i * lanes + 2 * lane for i in range(count) for lane in range(lanes // 2)]
+        joined = []
+        for at in range(0, len(vectors), 2 if paired else 1):
+            a, b = vectors[at], vectors[at + 1] if paired else vectors[at]
+            halves = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(evens)),
+                                                               [e + odd for e in evens])) for odd in (0, 1)]
+            joined.append(builder.add(*halves))
+        vectors, items, lanes = joined, count, lanes // 2
+    while len(vectors) > 1:
+        vectors = [_joined(builder, vectors[at], vectors[at + 1]) for at in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
+#: the formats whose blocks add a minimum counted in integers (-dmin times Σ min·Σq_x)
+_COUNTED = (_Q4_K, _Q5_K, _Q2_K)
+#: the formats whose blocks add their float16 minimum times the activations' Q8_1 s
+_DIRECT = tuple(code for code, layout in LAYOUTS.items() if layout[2] >= 0)
+
+
+def _block_factors(builder, kind: int, block) -> tuple:
+    """A block's (d as float32, what its minimum term is scaled by or None): -dmin for Q4_K,
+    Q5_K and Q2_K, m for Q4_1 and Q5_1."""
+    if kind in _SIXTEENS:
+        d = _half(builder, _at(builder, block, _SIXTEENS[kind][0]))
+        return d, builder.fneg(_half(builder, _at(builder, block, 82))) if kind == _Q2_K else None
+    if kind in K_BLOCK_BYTES:
+        return _half(builder, block), builder.fneg(_half(builder, _at(builder, block, 2)))
+    minimum = LAYOUTS[kind][2]
+    return _half(builder, block), _half(builder, _at(builder, block, minimum)) if minimum >= 0 else None
+
+
+def _k_integers(builder, kind: int, dots_of, scales_of, counts) -> tuple:
+    """A K-quant block's (integer lanes Σ_g scale_g·dots_g, what the sums lose to the offset or
+    None, its minimum Σ min·Σq_x or None) from each 32-value group's dots `dots_of(g)` and
+    `scales_of(g)` (`_k_scale_min` or `_sixteen_scales` of the block), the block's counts of 16."""
+    integers, counted = None, _const(0, kind=_I32)
     for g in range(8):
-        x = _load(builder, _at(builder, quants, g * 32), _I8, 32)
-        a, b = (_group_values(builder, kind, block, g) for block in blocks)
-        dots = _wide_sums(builder, _joined(builder, a, b), _joined(builder, x, x))
+        dots = dots_of(g)
+        lanes = dots.type.count
         if kind in _SIXTEENS:
-            pairs = [_sixteen_scales(builder, kind, block, g) for block in blocks]
-            scales = [scale for block_scales, _ in pairs for scale in block_scales]
-            for r, (_, factors) in enumerate(pairs):
+            (first, second), factors = scales_of(g)
+            halves = [j // (lanes // 2) % 2 * lanes + j for j in range(lanes)]  # (each 16 values' lanes)
+            scale = builder.shuffle_vector(_splat(builder, first, lanes), _splat(builder, second, lanes),
+                                           ir.Constant(ir.VectorType(_I32, lanes), halves))
+            for j, factor in enumerate(factors):
+                count = _count(builder, _at(builder, counts, 2 * g + j))
+                counted = builder.add(counted, builder.mul(factor, count))
+        else:
+            first, minimum = scales_of(g)
+            scale = _splat(builder, first, lanes)
+            count = builder.add(*(_count(builder, _at(builder, counts, 2 * g + j)) for j in (0, 1)))
+            counted = builder.add(counted, builder.mul(minimum, count))
+        scaled = builder.mul(dots, scale)
+        integers = scaled if integers is None else builder.add(integers, scaled)
+    if kind in _COUNTED:
+        return integers, None, counted
+    return integers, builder.mul(counted, _const(_SIXTEENS[kind][1], kind=_I32)), None
+
+
+def _row_block(builder, kind: int, block, values_of, x) -> tuple:
+    """One row's block dotted with one activation row x (`_block_activations`): (integer lanes,
+    what its sum loses to the offset its values carry or None, its counted minimum or None)."""
+    x_quants, _, x_counts, _ = x
+    if kind in K_BLOCK_BYTES:
+        def dots_of(g):
+            quants = _load(builder, _at(builder, x_quants, g * 32), _I8, 32)
+            return _integer_sums(builder, values_of(g), quants)
+
+        scales_of = (lambda g: _sixteen_scales(builder, kind, block, g)) if kind in _SIXTEENS else (
+            lambda g: _k_scale_min(builder, block, g))
+        return _k_integers(builder, kind, dots_of, scales_of, x_counts)
+    dots = _integer_sums(builder, values_of(0), _load(builder, x_quants, _I8, 32))
+    offset = LAYOUTS[kind][4]
+    return dots, builder.mul(_count(builder, x_counts), _const(offset, kind=_I32)) if offset else None, None
+
+
+def _pair_block(builder, kind: int, blocks, x) -> tuple:
+    """`_row_block` of two rows' blocks at once, on 512-bit vectors: (<16 x i32>, the first
+    row's 8 lanes first; [(offset loss, counted minimum)] a row)."""
+    x_quants, _, x_counts, _ = x
+    if kind not in K_BLOCK_BYTES:
+        quants = _load(builder, x_quants, _I8, 32)
+        dots = _wide_sums(builder, _pair_block_bytes(builder, blocks, kind), _joined(builder, quants, quants))
+        offset = LAYOUTS[kind][4]
+        loss = builder.mul(_count(builder, x_counts), _const(offset, kind=_I32)) if offset else None
+        return dots, [(loss, None)] * 2
+
+    def dots_of(g):
+        quants = _load(builder, _at(builder, x_quants, g * 32), _I8, 32)
+        values = _joined(builder, *(_group_values(builder, kind, block, g) for block in blocks))
+        return _wide_sums(builder, values, _joined(builder, quants, quants))
+
+    return _pair_k_integers(builder, kind, dots_of, blocks, x_counts)
+
+
+def _pair_k_integers(builder, kind: int, dots_of, blocks, counts) -> tuple:
+    """`_k_integers` for two rows' blocks, their dots in one <16 x i32> a group."""
+    integers, counted = None, [_const(0, kind=_I32)] * 2
+    for g in range(8):
+        dots = dots_of(g)
+        scales = []
+        for r, block in enumerate(blocks):
+            if kind in _SIXTEENS:
+                row_scales, factors = _sixteen_scales(builder, kind, block, g)
+                scales += [row_scales[j // 4] for j in range(8)]  # (each 16 values' 4 lanes)
                 for j, factor in enumerate(factors):
-                    count = builder.load(_at(builder, counts, 2 * g + j))
-                    part = builder.fmul(builder.sitofp(factor, _F32), count, flags=_FAST)
-                    shares[r] = builder.fadd(shares[r], part, flags=_FAST)
-        else:
-            pairs = [_k_scale_min(builder, block, g) for block in blocks]
-            scales = [scale for scale, _ in pairs]
-            count = builder.fadd(builder.load(_at(builder, counts, 2 * g)),
-                                 builder.load(_at(builder, counts, 2 * g + 1)), flags=_FAST)
-            for r, (_, sub_minimum) in enumerate(pairs):
-                part = builder.fmul(builder.sitofp(sub_minimum, _F32), count, flags=_FAST)
-                shares[r] = builder.fadd(shares[r], part, flags=_FAST)
-        integers = builder.add(integers, builder.mul(dots, _pair_splat(builder, scales, 16)))
-    at = _SIXTEENS[kind][0] if kind in _SIXTEENS else 0
-    steps = [builder.fmul(_half(builder, _at(builder, block, at)), x_scale, flags=_FAST) for block in blocks]
-    scaled = builder.fmul(builder.sitofp(integers, ir.VectorType(_F32, 16)), _pair_splat(builder, steps, 16),
-                          flags=_FAST)
-    builder.store(builder.fadd(builder.load(sums), scaled, flags=_FAST), sums)
-    for r, (block, extra) in enumerate(zip(blocks, extras)):
-        if kind in _SIXTEENS:
-            shift = _sixteens_shift(builder, kind, block, steps[r], x_scale, shares[r])
-        else:
-            step = builder.fmul(_half(builder, _at(builder, block, 2)), x_scale, flags=_FAST)
-            shift = builder.fmul(step, shares[r], flags=_FAST)
-        builder.store(builder.fsub(builder.load(extra), shift, flags=_FAST), extra)
+                    count = _count(builder, _at(builder, counts, 2 * g + j))
+                    counted[r] = builder.add(counted[r], builder.mul(factor, count))
+            else:
+                scale, minimum = _k_scale_min(builder, block, g)
+                scales += [scale] * 8
+                count = builder.add(*(_count(builder, _at(builder, counts, 2 * g + j)) for j in (0, 1)))
+                counted[r] = builder.add(counted[r], builder.mul(minimum, count))
+        scaled = builder.mul(dots, _gathered(builder, scales))
+        integers = scaled if integers is None else builder.add(integers, scaled)
+    if kind in _COUNTED:
+        return integers, [(None, total) for total in counted]
+    offset = _const(_SIXTEENS[kind][1], kind=_I32)
+    return integers, [(builder.mul(total, offset), None) for total in counted]
+
+
+def _pair_items_summed(builder, a, b):
+    """<4 x i32>: the lanes of a's two items (8 lanes each, <16 x i32>) summed, then b's: one
+    two-source shuffle pair lays each item's four pair sums partial-major (lane 4p + item), then
+    the halves are added twice (four shuffles where `_items_summed` takes six: the one-row dots
+    wait on the shuffle unit)."""
+    evens = [base + 2 * p for p in range(4) for base in (0, 8, 16, 24)]
+    pairs = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 16), [e + odd for e in evens]))
+             for odd in (0, 1)]
+    c = builder.add(*pairs)
+    for width in (8, 4):
+        halves = [builder.shuffle_vector(c, c, ir.Constant(ir.VectorType(_I32, width), list(range(first,
+                  first + width)))) for first in (0, width)]
+        c = builder.add(*halves)
+    return c
+
+
+def _block_sums(builder, vectors, items: int, losses):
+    """<n x i32>: each (weight row, activation row) pair's exact integer sum I of a block
+    (`vectors`' items summed, `_items_summed`) less what its values' offset adds (losses: one
+    i32 a pair, or Nones)."""
+    if items == 2 and len(vectors) == 2 and vectors[0].type.count == 16:
+        sums = _pair_items_summed(builder, *vectors)
+    else:
+        sums = _items_summed(builder, vectors, items)
+    return sums if losses[0] is None else builder.sub(sums, _gathered(builder, losses))
+
+
+def _block_accumulated(builder, kind: int, sums, steps, minimum, acc):
+    """acc (<n x float>, a (weight row, activation row) pair a lane) plus one block of each pair,
+    in the one arithmetic every product of Q8 activations with blocks runs (the one-row dots,
+    the 4x4 tiles, the matrix unit's: `numba_amx`), the even blocks into one sum and the odd
+    into another, those added at the end (`_summed_over`): acc = fma(I, d·d_x, acc) (sums: I,
+    `_block_sums`; steps: d·d_x); then for a counted minimum M acc = fma(M, -dmin·d_x, acc)
+    (minimum: (M <n x i32>, -dmin·d_x)), for Q4_1's and Q5_1's acc = fma(m, s_x, acc) (minimum:
+    (m, s_x)); each float32 vector <n x float>."""
+    floats = ir.VectorType(_F32, sums.type.count)
+    total = _fma(builder, builder.sitofp(sums, floats), steps, acc)
+    if kind in _COUNTED:
+        total = _fma(builder, builder.sitofp(minimum[0], floats), minimum[1], total)
+    elif kind in _DIRECT:
+        total = _fma(builder, minimum[0], minimum[1], total)
+    return total
+
+
+def _gathered_terms(builder, kind: int, terms) -> tuple:
+    """(d·d_x, the minimum's pair as `_block_accumulated` takes it) as vectors of terms: per
+    pair (counted minimum, d, minimum factor, d_x, s_x), None where the format has none."""
+    counted, d, factor, x_scale, x_shift = (list(column) for column in zip(*terms))
+    x_scales = _gathered(builder, x_scale)
+    steps = builder.fmul(_gathered(builder, d), x_scales)
+    if kind in _COUNTED:
+        return steps, (_gathered(builder, counted), builder.fmul(_gathered(builder, factor), x_scales))
+    if kind in _DIRECT:
+        return steps, (_gathered(builder, factor), _gathered(builder, x_shift))
+    return steps, None
+
+
+def _block_activations(builder, kind: int, b, first, quants, scales, counts, shifts) -> tuple:
+    """What block b's dots read of a row of Q8 activations (pointers to the row's quants, scales,
+    counts and shifts; b and its first value `first` i64 values): (its quants' pointer, its
+    scale d_x, its counts' pointer, its Q8_1 s_x or None)."""
+    x_quants = _at(builder, quants, first)
+    x_scale = builder.load(_at(builder, scales, b))
+    if kind in K_BLOCK_BYTES:
+        return x_quants, x_scale, _at(builder, counts, builder.mul(b, ir.Constant(_I64, 16))), None
+    shift = builder.load(_at(builder, shifts, b)) if kind in _DIRECT else None
+    return x_quants, x_scale, _at(builder, counts, b), shift
+
+
+def _summed_over(builder, count, initial, body):
+    """The sum a loop over `count` (an i64) blocks makes from `initial` (zeros), body(index,
+    value) giving the next value: the even blocks into one value, the odd into another, the two
+    added at the end (`_block_accumulated`'s order; two chains of fused multiply-adds, and a
+    result LLVM does not merge with the loop's registers). Values are phis, never memory."""
+    before = builder.block
+    header, step, tail, last, after = (builder.append_basic_block(f"sums.{part}")
+                                       for part in ("header", "step", "tail", "last", "after"))
+    pairs = builder.sdiv(count, ir.Constant(_I64, 2))
+    builder.branch(header)
+    builder.position_at_end(header)
+    index, even, odd = builder.phi(_I64), builder.phi(initial.type), builder.phi(initial.type)
+    for phi, value in ((index, ir.Constant(_I64, 0)), (even, initial), (odd, initial)):
+        phi.add_incoming(value, before)
+    builder.cbranch(builder.icmp_signed("<", index, pairs), step, tail)
+    builder.position_at_end(step)
+    first = builder.mul(index, ir.Constant(_I64, 2))
+    next_even = body(first, even)
+    next_odd = body(builder.add(first, ir.Constant(_I64, 1)), odd)
+    for phi, value in ((index, builder.add(index, ir.Constant(_I64, 1))), (even, next_even), (odd, next_odd)):
+        phi.add_incoming(value, builder.block)
+    builder.branch(header)
+    builder.position_at_end(tail)
+    builder.cbranch(builder.icmp_signed("<", builder.mul(pairs, ir.Constant(_I64, 2)), count), last, after)
+    builder.position_at_end(last)
+    with_last = body(builder.sub(count, ir.Constant(_I64, 1)), even)
+    last_end = builder.block
+    builder.branch(after)
+    builder.position_at_end(after)
+    total = builder.phi(initial.type)
+    total.add_incoming(even, tail)
+    total.add_incoming(with_last, last_end)
+    return builder.fadd(total, odd)
 
 
 def _pair_rows_codegen(kind: int):
     """Codegen of four rows' dots with one row of Q8 activations on 512-bit vectors (`WIDE`):
-    rows two by two (`_add_block_pair`, `_pair_k_block`), each row's float32 what
-    `_rows_codegen`'s give (the tiles read those)."""
-    size, group = (K_BLOCK_BYTES[kind], 256) if kind in K_BLOCK_BYTES else (LAYOUTS[kind][0], 32)
+    rows two by two (`_pair_block`), each block into the four sums as `_block_accumulated` adds
+    it (the same float32 as `_rows_codegen`'s); the rows' float16 factors gathered as one vector
+    and widened at once (`_factors_read`)."""
+    size = K_BLOCK_BYTES[kind] if kind in K_BLOCK_BYTES else LAYOUTS[kind][0]
+    group = ir.Constant(_I64, 256 if kind in K_BLOCK_BYTES else 32)
 
     def codegen(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[5:9], args[5:9])]
-        quants, scales, counts, shifts = (array.data for array in arrays)
+        activations = tuple(array.data for array in arrays)
         rows = _row_pointers(context, builder, signature.args[0], args[0], args[1:5])
-        wide = ir.VectorType(_F32, 16)
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(wide, [0.0] * 16)) for _ in range(2)]
-        extras = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows]
-        with cgutils.for_range(builder, builder.extract_value(arrays[1].shape, 0)) as loop:
-            b = loop.index
-            first = builder.mul(b, ir.Constant(_I64, group))
-            x_quants, x_scale, x_counts, activations = _block_activations(
-                builder, kind, b, first, quants, scales, counts, shifts)
-            blocks = [_at(builder, row, builder.mul(b, ir.Constant(_I64, size))) for row in rows]
+        def block(b, acc):
+            x = _block_activations(builder, kind, b, builder.mul(b, group), *activations)
+            blocks_at = [_at(builder, row, builder.mul(b, ir.Constant(_I64, size))) for row in rows]
+            vectors, losses, counted = [], [], []
             for pair in range(2):
-                two, extra = blocks[2 * pair: 2 * pair + 2], extras[2 * pair: 2 * pair + 2]
-                if kind in K_BLOCK_BYTES:
-                    _pair_k_block(builder, kind, two, x_quants, x_scale, x_counts, sums[pair], extra)
-                else:
-                    _add_block_pair(builder, kind, two, activations, sums[pair], extra)
-        halves = (range(8), range(8, 16))  # each row's lanes in its pair's vector
-        found = [_lanes_summed(builder, builder.load(sums[r // 2]), halves[r % 2], extra)
-                 for r, extra in enumerate(extras)]
-        return context.make_tuple(builder, signature.return_type, found)
+                dots, pair_losses = _pair_block(builder, kind, blocks_at[2 * pair: 2 * pair + 2], x)
+                vectors.append(dots)
+                losses += [loss for loss, _ in pair_losses]
+                counted += [total for _, total in pair_losses]
+            steps, minimum = _factors_read(builder, kind, blocks_at, x, counted)
+            sums = _block_sums(builder, vectors, 2, losses)
+            return _block_accumulated(builder, kind, sums, steps, minimum, acc)
+
+        zeros = ir.Constant(ir.VectorType(_F32, 4), [0.0] * 4)
+        found = _summed_over(builder, builder.extract_value(arrays[1].shape, 0), zeros, block)
+        values = [builder.extract_element(found, _const(r, kind=_I32)) for r in range(4)]
+        return context.make_tuple(builder, signature.return_type, values)
 
     return codegen
 
 
+def _factor_bytes(kind: int) -> tuple:
+    """Where a block of `kind` keeps its d and its minimum (dmin, or m; None where it has none)
+    as float16, as `_block_factors` reads them."""
+    if kind in _SIXTEENS:
+        return _SIXTEENS[kind][0], 82 if kind == _Q2_K else None
+    if kind in K_BLOCK_BYTES:
+        return 0, 2
+    return 0, LAYOUTS[kind][2] if LAYOUTS[kind][2] >= 0 else None
+
+
+def _factors_read(builder, kind: int, blocks, x, counted) -> tuple:
+    """(d·d_x, the minimum's pair as `_block_accumulated` takes it) of four rows' blocks and the
+    activations x, as `_gathered_terms` makes them: each factor's four float16 gathered into one
+    vector and widened once."""
+    halves = []
+    for offset in _factor_bytes(kind):
+        if offset is not None:
+            bits = _gathered(builder, [_load(builder, _at(builder, block, offset), ir.IntType(16))
+                                       for block in blocks])
+            half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), 4))
+            halves.append(builder.fpext(half, ir.VectorType(_F32, 4)))
+    x_scale = _splat(builder, x[1], 4)
+    steps = builder.fmul(halves[0], x_scale)
+    if kind in _COUNTED:
+        return steps, (_gathered(builder, counted), builder.fmul(builder.fneg(halves[1]), x_scale))
+    if kind in _DIRECT:
+        return steps, (halves[1], _splat(builder, x[3], 4))
+    return steps, None
+
+
 def _rows_codegen(kind: int, tile: bool = False):
     """Codegen of four rows' dots with one row of Q8 activations: the 32-value formats a block
-    of 32 a step (`_add_block`), the K-quants a block of 256 (`_q45_k_block`, `_sixteens_block`), the
-    rows' values unpacked from their blocks. With `tile`, the rows' values are read from (4, in)
-    uint8 values `_unpack_codegen` wrote (the same integers), the activations are (N, ...) arrays
-    and a last argument n: rows n..n + 3 of them, each pair of rows dotted in the same operations
-    as one row is (16 results, activation row major)."""
+    of 32 a step, the K-quants a block of 256 (`_row_block`), the rows' values unpacked from
+    their blocks, each block into the sums as `_block_accumulated` adds it. With `tile`, the
+    rows' values are read from (4, in) uint8 values `_unpack_codegen` wrote (the same integers),
+    the activations are (N, ...) arrays and a last argument n: rows n..n + 3 of them (16
+    results, activation row major, each what that row alone gives)."""
     size, group = (K_BLOCK_BYTES[kind], 256) if kind in K_BLOCK_BYTES else (LAYOUTS[kind][0], 32)
 
     def codegen(context, builder, signature, args):
@@ -576,21 +707,29 @@ def _rows_codegen(kind: int, tile: bool = False):
         else:
             x_rows = [tuple(array.data for array in (quants, scales, counts, shifts))]
         rows = _row_pointers(context, builder, signature.args[0], args[0], args[1:5])
-        sums = [[cgutils.alloca_once_value(builder, ir.Constant(_LANES, [0.0] * _LANES.count)) for _ in rows]
-                for _ in x_rows]
-        extras = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in rows] for _ in x_rows]
+        count = 4 * len(x_rows)
         blocks = builder.extract_value(scales.shape, 1 if tile else 0)  # ((N, blocks), or 1-D)
-        with cgutils.for_range(builder, blocks) as loop:
-            b = loop.index
+
+        def block(b, acc):
             first = builder.mul(b, ir.Constant(_I64, group))  # the block's first value
             xs = [_block_activations(builder, kind, b, first, *x_row) for x_row in x_rows]
-            for r, row in enumerate(rows):
-                block = _at(builder, row, builder.mul(b, ir.Constant(_I64, size)))
-                values_of = _values_of(builder, kind, block, values, r, first)
-                for t, x in enumerate(xs):
-                    _block_into(builder, kind, block, values_of, x, sums[t][r], extras[t][r])
-        found = [value for t in range(len(x_rows)) for value in _reduced(builder, sums[t], extras[t])]
-        return context.make_tuple(builder, signature.return_type, found)
+            row_blocks = [_at(builder, row, builder.mul(b, ir.Constant(_I64, size))) for row in rows]
+            factors = [_block_factors(builder, kind, block) for block in row_blocks]
+            vectors, losses, terms = [], [], []
+            for x in xs:
+                for r, block in enumerate(row_blocks):
+                    dots, loss, counted = _row_block(builder, kind, block,
+                                                     _values_of(builder, kind, block, values, r, first), x)
+                    vectors.append(dots)
+                    losses.append(loss)
+                    terms.append((counted, *factors[r], x[1], x[3]))
+            steps, minimum = _gathered_terms(builder, kind, terms)
+            sums = _block_sums(builder, vectors, 1, losses)
+            return _block_accumulated(builder, kind, sums, steps, minimum, acc)
+
+        found = _summed_over(builder, blocks, ir.Constant(ir.VectorType(_F32, count), [0.0] * count), block)
+        results = [builder.extract_element(found, _const(at, kind=_I32)) for at in range(count)]
+        return context.make_tuple(builder, signature.return_type, results)
 
     return codegen
 
@@ -598,36 +737,6 @@ def _rows_codegen(kind: int, tile: bool = False):
 def _row_of(builder, array, n):
     """A pointer to row n (an i64) of a C-contiguous 2-D array's data."""
     return builder.gep(array.data, [builder.mul(n, builder.extract_value(array.shape, 1))])
-
-
-def _block_activations(builder, kind: int, b, first, quants, scales, counts, shifts) -> tuple:
-    """What block b's dots read of a row of Q8 activations (pointers to the row's quants, scales,
-    counts and shifts; b and its first value `first` i64 values): (its quants' pointer, its
-    scale, its counts' pointer, and for a 32-value format `_add_block`'s four activations, else
-    None)."""
-    x_quants = _at(builder, quants, first)
-    x_scale = builder.load(_at(builder, scales, b))
-    activations = None
-    if kind not in K_BLOCK_BYTES:
-        count = builder.load(_at(builder, counts, b))
-        activations = (
-            _load(builder, x_quants, _I8, 32), x_scale,
-            builder.fmul(count, ir.Constant(_F32, -LAYOUTS[kind][4]), flags=_FAST),
-            builder.load(_at(builder, shifts, b)),
-        )
-    return x_quants, x_scale, _at(builder, counts, builder.mul(b, ir.Constant(_I64, 16))), activations
-
-
-def _block_into(builder, kind: int, block, values_of, x: tuple, sums, extra) -> None:
-    """One block of one row (its values `values_of`) dotted with x (`_block_activations`) into
-    the row's sums and extra, as its format's dots do."""
-    x_quants, x_scale, x_counts, activations = x
-    if kind in _SIXTEENS:
-        _sixteens_block(builder, kind, block, values_of, x_quants, x_scale, x_counts, sums, extra)
-    elif kind in K_BLOCK_BYTES:
-        _q45_k_block(builder, kind, block, values_of, x_quants, x_scale, x_counts, sums, extra)
-    else:
-        _add_block(builder, kind, block, values_of, activations, sums, extra)
 
 
 def _row_pointers(context, builder, weight_type, weight, indices) -> list:
@@ -674,20 +783,6 @@ def _unpack_codegen(kind: int):
         return context.get_dummy_value()
 
     return codegen
-
-
-def _reduced(builder, sums, extras) -> list:
-    """Each row's float lanes summed, plus its extra: four float32."""
-    return [_lanes_summed(builder, builder.load(row_sums), range(_LANES.count), extra)
-            for row_sums, extra in zip(sums, extras)]
-
-
-def _lanes_summed(builder, lanes, picked: range, extra):
-    """*extra plus the lanes `picked` of a float vector, added in order (one row's result)."""
-    result = builder.load(extra)
-    for lane in picked:
-        result = builder.fadd(result, builder.extract_element(lanes, ir.Constant(_I32, lane)), flags=_FAST)
-    return result
 
 
 def _rows_intrinsic(kind: int):
