@@ -44,7 +44,7 @@ from kvcache.backends.cpu.numba_values import FLAGS
 
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 # the tile instructions are inline assembly, which LLVM reads with the host's assembly parser:
-# every kernel that can call `tiles_product` needs it to compile, on a CPU with AMX or without
+# every kernel that can call `tiles_product` needs it to compile (`compiled_here`)
 binding.initialize_native_asmparser()
 #: the formats whose scales step every 16 values (the others' every 32)
 _SIXTEENS = (Q6_K, Q3_K, Q2_K)
@@ -52,13 +52,20 @@ _I64, _I32, _F32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
 
 
 @functools.cache
-def usable() -> bool:
-    """Whether this process may run the tile products: an x86-64 Linux CPU with AMX's tiles and
-    8-bit dots, the tiles' state granted by the kernel (asked once here)."""
+def compiled_here() -> bool:
+    """Whether kernels here carry the tile products: an x86-64 Linux CPU with AMX's tiles and
+    8-bit dots (their inline assembly is x86's; elsewhere the kernels leave them out)."""
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return False
     features = binding.get_host_cpu_features()
-    if not (features.get("amx-tile") and features.get("amx-int8")):
+    return bool(features.get("amx-tile") and features.get("amx-int8"))
+
+
+@functools.cache
+def usable() -> bool:
+    """Whether this process may run the tile products: `compiled_here`, and the tiles' state
+    granted by the kernel (asked once here)."""
+    if not compiled_here():
         return False
     syscall = ctypes.CDLL(None, use_errno=True).syscall
     syscall.restype = ctypes.c_long

@@ -24,7 +24,7 @@ from numba.extending import overload
 # needs a change here (or the `__pycache__` cleared) for a checkout to recompile them
 # (numba_blocks.py needs one for numba_q8 too; the last such change:
 # numba_blocks, numba_q8 and numba_amx: one fused multiply-add a block)
-from kvcache.backends.cpu.numba_amx import tiles_product
+from kvcache.backends.cpu.numba_amx import compiled_here, tiles_product
 from kvcache.backends.cpu.numba_blocks import Q8_READS, TILE_READS, blocks_product
 from kvcache.backends.cpu.numba_rows import accumulated, scored, stored
 from kvcache.backends.cpu.numba_values import (  # noqa: F401 (NONE, BFLOAT16, FLOAT16: read from here too)
@@ -98,6 +98,10 @@ TILE_ROWS = 8
 
 @overload(part_product, inline="always", jit_options=_PARALLEL_INLINE)
 def _part_product(part, x, start, out):  # pragma: no cover (compiled)
+    if isinstance(part, types.BaseTuple) and not compiled_here():
+        def blocks_only(part, x, start, out):  # (no tiles on this CPU: no part is coded for them)
+            blocks_product(part[0], part[1], x, start, out)
+        return blocks_only
     if isinstance(part, types.BaseTuple):
         def blocks(part, x, start, out):
             code = part[1]
