@@ -124,6 +124,26 @@ def _write_all(descriptor: int, data: bytes) -> None:
         view = view[os.write(descriptor, view) :]
 
 
+def write_replacing(folder: int, name: str, data: bytes) -> None:
+    """Write `data` as file `name` of the folder open as `folder`: to a temporary name with 16
+    random hex digits and `.tmp`, created exclusively (0600) and never through a link, then
+    renamed into place (whole or not at all; a link at the name is replaced, never followed).
+    On failure the temporary file is removed where it can be and the error raised."""
+    temporary = f"{name}.{secrets.token_hex(8)}.tmp"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600, dir_fd=folder)
+    try:
+        try:
+            os.fchmod(descriptor, 0o600)
+            _write_all(descriptor, data)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=folder)
+        raise
+
+
 def _open_folder(folder: Path) -> int:
     """A descriptor of `folder`, made 0700 (whatever the umask) when absent."""
     try:
@@ -446,9 +466,7 @@ class DiskBlockStore(BlockStore):
         return written
 
     def _write_file(self, space: str, name: str, value: bytes) -> None:
-        """Write `value` as block file `name` of namespace `space`: to a temporary name with 16
-        random hex digits, created exclusively (0600) and never through a link, then renamed into
-        place (whole or not at all; a link at the name is replaced, never followed)."""
+        """Write `value` as block file `name` of namespace `space` (`write_replacing`)."""
         with self._folder() as root:
             try:
                 os.mkdir(space, 0o700, dir_fd=root)
@@ -458,19 +476,7 @@ class DiskBlockStore(BlockStore):
         with self._in_space(space) as folder:
             if created:
                 os.fchmod(folder, 0o700)  # whatever the umask
-            temporary = f"{name}.{secrets.token_hex(8)}.tmp"
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600,
-                                 dir_fd=folder)
-            try:
-                try:
-                    os.fchmod(descriptor, 0o600)
-                    _write_all(descriptor, value)
-                finally:
-                    os.close(descriptor)
-                os.replace(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)
-            except BaseException:
-                self._remove(folder, temporary)
-                raise
+            write_replacing(folder, name, value)
 
     def failure_count(self) -> int:
         """Failed writes since start: only those lose blocks the tier took (a read that timed out

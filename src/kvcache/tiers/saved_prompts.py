@@ -23,10 +23,11 @@ import errno
 import json
 import os
 import re
-import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+
+from kvcache.tiers.disk_store import write_replacing
 
 FOLDER = "slots"  # inside the disk tier's folder (not a namespace's name: the block index skips it)
 SUFFIX = ".json"
@@ -96,22 +97,7 @@ class SavedPrompts:
         data = json.dumps(saved, separators=(",", ":")).encode()
         file = check_name(name) + SUFFIX
         with self._slots() as slots:
-            temporary = f".{file}.{secrets.token_hex(8)}.tmp"
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600,
-                                 dir_fd=slots)
-            try:
-                try:
-                    os.fchmod(descriptor, 0o600)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(descriptor, view):]
-                finally:
-                    os.close(descriptor)
-                os.replace(temporary, file, src_dir_fd=slots, dst_dir_fd=slots)  # (a link there: replaced)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary, dir_fd=slots)
-                raise
+            write_replacing(slots, file, data)  # (a link there: replaced, never followed)
         return len(data)
 
     def read(self, name: str) -> dict | None:
