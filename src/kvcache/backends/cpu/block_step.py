@@ -139,7 +139,11 @@ class BlockBackend(CpuBackend):
         )
 
     def _linear(self, x: np.ndarray, parts: tuple, bias: np.ndarray | None) -> np.ndarray:
-        """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels."""
+        """x (B, in) float32 through a product's parts -> (B, out) float32, on the kernels: a
+        long step's on the tiles' own kernel (`on_tiles`; the same sums as the layer kernels'),
+        not through a product kernel per parts' type, each of which would load a copy of them."""
+        if self.on_tiles:
+            return numba_products.tiles_product(x, parts, bias)
         return numba_products.product(x, parts, bias)
 
     def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
