@@ -39,7 +39,7 @@ from kvcache.backends.cpu.numba_blocks import (
     two_bit_scale_min,
     unpack_rows_of_kind,
 )
-from kvcache.backends.cpu.numba_q8 import VALUE_OFFSETS
+from kvcache.backends.cpu.numba_q8 import D_BYTES, MINIMUM_BYTES, VALUE_OFFSETS
 from kvcache.backends.cpu.numba_values import FLAGS
 
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
@@ -263,17 +263,15 @@ def weight_factors(w, kind, i, r, sub_scales, sub_minimums, d, m):  # pragma: no
     size = BLOCK_BYTES[kind]
     for b in range(d.shape[1]):
         at = b * size
-        if kind < Q4_K:
-            d[r, b] = half_at(w, i, at)
-            m[r, b] = half_at(w, i, at + 2) if kind == Q4_1 or kind == Q5_1 else np.float32(0.0)
-        elif kind == Q4_K or kind == Q5_K:
-            d[r, b], m[r, b] = half_at(w, i, at), -half_at(w, i, at + 2)
+        d[r, b] = half_at(w, i, at + D_BYTES[kind])
+        m[r, b] = np.float32(0.0) if MINIMUM_BYTES[kind] < 0 else half_at(w, i, at + MINIMUM_BYTES[kind])
+        if kind in _COUNTED:
+            m[r, b] = -m[r, b]
+        if kind == Q4_K or kind == Q5_K:
             for s in range(8):
                 scale, low = k_scale_min(w, i, at + 4, s)
                 sub_scales[r, 8 * b + s], sub_minimums[r, 8 * b + s] = np.int32(scale), np.int32(low)
-        else:
-            d[r, b] = half_at(w, i, at + (208 if kind == Q6_K else 108 if kind == Q3_K else 80))
-            m[r, b] = -half_at(w, i, at + 82) if kind == Q2_K else np.float32(0.0)
+        elif kind in _SIXTEENS:
             for j in range(16):
                 sub_scales[r, 16 * b + j], sub_minimums[r, 16 * b + j] = sixteen_factors(w, kind, i, at, j)
 

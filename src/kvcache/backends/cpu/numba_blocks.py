@@ -17,7 +17,7 @@ from numba import prange
 
 # numba's disk cache keys a kernel on its own file only: the kernels here carry compiled copies of
 # `numba_q8`'s dots, so a change there needs a change here (and in numba_kernels.py) for a
-# checkout to recompile them (the last such change: one fused multiply-add a block)
+# checkout to recompile them (the last such change: one K-quant integer sum for one row or two)
 from kvcache.backends.cpu.numba_q8 import (
     q2_k_rows,
     q2_k_tile,

@@ -23,7 +23,7 @@ from numba.extending import overload
 # copies of `numba_blocks` (and its `numba_q8`), `numba_amx` and `numba_rows`: a change there
 # needs a change here (or the `__pycache__` cleared) for a checkout to recompile them
 # (numba_blocks.py needs one for numba_q8 too; the last such change:
-# numba_blocks, numba_q8 and numba_amx: one fused multiply-add a block)
+# numba_blocks, numba_q8 and numba_amx: one K-quant integer sum for one row or two)
 from kvcache.backends.cpu.numba_amx import compiled_here, tiles_product
 from kvcache.backends.cpu.numba_blocks import Q8_READS, TILE_READS, blocks_product
 from kvcache.backends.cpu.numba_rows import accumulated, scored, stored

@@ -417,46 +417,6 @@ _COUNTED = (_Q4_K, _Q5_K, _Q2_K)
 _DIRECT = tuple(code for code, layout in LAYOUTS.items() if layout[2] >= 0)
 
 
-def _block_factors(builder, kind: int, block) -> tuple:
-    """A block's (d as float32, what its minimum term is scaled by or None): -dmin for Q4_K,
-    Q5_K and Q2_K, m for Q4_1 and Q5_1."""
-    if kind in _SIXTEENS:
-        d = _half(builder, _at(builder, block, _SIXTEENS[kind][0]))
-        return d, builder.fneg(_half(builder, _at(builder, block, 82))) if kind == _Q2_K else None
-    if kind in K_BLOCK_BYTES:
-        return _half(builder, block), builder.fneg(_half(builder, _at(builder, block, 2)))
-    minimum = LAYOUTS[kind][2]
-    return _half(builder, block), _half(builder, _at(builder, block, minimum)) if minimum >= 0 else None
-
-
-def _k_integers(builder, kind: int, dots_of, scales_of, counts) -> tuple:
-    """A K-quant block's (integer lanes Σ_g scale_g·dots_g, what the sums lose to the offset or
-    None, its minimum Σ min·Σq_x or None) from each 32-value group's dots `dots_of(g)` and
-    `scales_of(g)` (`_k_scale_min` or `_sixteen_scales` of the block), the block's counts of 16."""
-    integers, counted = None, _const(0, kind=_I32)
-    for g in range(8):
-        dots = dots_of(g)
-        lanes = dots.type.count
-        if kind in _SIXTEENS:
-            (first, second), factors = scales_of(g)
-            halves = [j // (lanes // 2) % 2 * lanes + j for j in range(lanes)]  # (each 16 values' lanes)
-            scale = builder.shuffle_vector(_splat(builder, first, lanes), _splat(builder, second, lanes),
-                                           ir.Constant(ir.VectorType(_I32, lanes), halves))
-            for j, factor in enumerate(factors):
-                count = _count(builder, _at(builder, counts, 2 * g + j))
-                counted = builder.add(counted, builder.mul(factor, count))
-        else:
-            first, minimum = scales_of(g)
-            scale = _splat(builder, first, lanes)
-            count = builder.add(*(_count(builder, _at(builder, counts, 2 * g + j)) for j in (0, 1)))
-            counted = builder.add(counted, builder.mul(minimum, count))
-        scaled = builder.mul(dots, scale)
-        integers = scaled if integers is None else builder.add(integers, scaled)
-    if kind in _COUNTED:
-        return integers, None, counted
-    return integers, builder.mul(counted, _const(_SIXTEENS[kind][1], kind=_I32)), None
-
-
 def _row_block(builder, kind: int, block, values_of, x) -> tuple:
     """One row's block dotted with one activation row x (`_block_activations`): (integer lanes,
     what its sum loses to the offset its values carry or None, its counted minimum or None)."""
@@ -466,9 +426,8 @@ def _row_block(builder, kind: int, block, values_of, x) -> tuple:
             quants = _load(builder, _at(builder, x_quants, g * 32), _I8, 32)
             return _integer_sums(builder, values_of(g), quants)
 
-        scales_of = (lambda g: _sixteen_scales(builder, kind, block, g)) if kind in _SIXTEENS else (
-            lambda g: _k_scale_min(builder, block, g))
-        return _k_integers(builder, kind, dots_of, scales_of, x_counts)
+        dots, [(loss, counted)] = _k_integers(builder, kind, dots_of, [block], x_counts)
+        return dots, loss, counted
     dots = _integer_sums(builder, values_of(0), _load(builder, x_quants, _I8, 32))
     offset = LAYOUTS[kind][4]
     return dots, builder.mul(_count(builder, x_counts), _const(offset, kind=_I32)) if offset else None, None
@@ -490,25 +449,31 @@ def _pair_block(builder, kind: int, blocks, x) -> tuple:
         values = _joined(builder, *(_group_values(builder, kind, block, g) for block in blocks))
         return _wide_sums(builder, values, _joined(builder, quants, quants))
 
-    return _pair_k_integers(builder, kind, dots_of, blocks, x_counts)
+    return _k_integers(builder, kind, dots_of, blocks, x_counts)
 
 
-def _pair_k_integers(builder, kind: int, dots_of, blocks, counts) -> tuple:
-    """`_k_integers` for two rows' blocks, their dots in one <16 x i32> a group."""
-    integers, counted = None, [_const(0, kind=_I32)] * 2
+def _k_integers(builder, kind: int, dots_of, blocks, counts) -> tuple:
+    """A K-quant block of each of `blocks` (one row's, or two rows' whose dots share a vector,
+    the first row's lanes first): (integer lanes Σ_g scale_g·dots_g, [(what the row's sum
+    loses to the offset its values carry or None, its counted minimum Σ min·Σq_x or None)] a
+    row), from each 32-value group's dots `dots_of(g)` (`_integer_sums` or `_wide_sums`), the
+    scales of `_k_scale_min` or `_sixteen_scales` (each 16 values' lanes their own scale) and
+    the block's counts of 16."""
+    integers, counted = None, [_const(0, kind=_I32)] * len(blocks)
     for g in range(8):
         dots = dots_of(g)
+        lanes = dots.type.count // len(blocks)  # (a row's)
         scales = []
         for r, block in enumerate(blocks):
             if kind in _SIXTEENS:
                 row_scales, factors = _sixteen_scales(builder, kind, block, g)
-                scales += [row_scales[j // 4] for j in range(8)]  # (each 16 values' 4 lanes)
+                scales += [row_scales[2 * j // lanes] for j in range(lanes)]  # (each 16 values' lanes)
                 for j, factor in enumerate(factors):
                     count = _count(builder, _at(builder, counts, 2 * g + j))
                     counted[r] = builder.add(counted[r], builder.mul(factor, count))
             else:
                 scale, minimum = _k_scale_min(builder, block, g)
-                scales += [scale] * 8
+                scales += [scale] * lanes
                 count = builder.add(*(_count(builder, _at(builder, counts, 2 * g + j)) for j in (0, 1)))
                 counted[r] = builder.add(counted[r], builder.mul(minimum, count))
         scaled = builder.mul(dots, _gathered(builder, scales))
@@ -561,19 +526,6 @@ def _block_accumulated(builder, kind: int, sums, steps, minimum, acc):
     elif kind in _DIRECT:
         total = _fma(builder, minimum[0], minimum[1], total)
     return total
-
-
-def _gathered_terms(builder, kind: int, terms) -> tuple:
-    """(d·d_x, the minimum's pair as `_block_accumulated` takes it) as vectors of terms: per
-    pair (counted minimum, d, minimum factor, d_x, s_x), None where the format has none."""
-    counted, d, factor, x_scale, x_shift = (list(column) for column in zip(*terms))
-    x_scales = _gathered(builder, x_scale)
-    steps = builder.fmul(_gathered(builder, d), x_scales)
-    if kind in _COUNTED:
-        return steps, (_gathered(builder, counted), builder.fmul(_gathered(builder, factor), x_scales))
-    if kind in _DIRECT:
-        return steps, (_gathered(builder, factor), _gathered(builder, x_shift))
-    return steps, None
 
 
 def _block_activations(builder, kind: int, b, first, quants, scales, counts, shifts) -> tuple:
@@ -656,9 +608,23 @@ def _pair_rows_codegen(kind: int):
     return codegen
 
 
+def _joined_factors(builder, parts) -> tuple:
+    """`_factors_read`'s (steps, minimum) of several activation rows as one, the first row's
+    lanes first."""
+    def joined(vectors):
+        while len(vectors) > 1:
+            vectors = [_joined(builder, vectors[at], vectors[at + 1]) for at in range(0, len(vectors), 2)]
+        return vectors[0]
+
+    steps = joined([step for step, _ in parts])
+    if parts[0][1] is None:
+        return steps, None
+    return steps, tuple(joined([minimum[k] for _, minimum in parts]) for k in (0, 1))
+
+
 def _factor_bytes(kind: int) -> tuple:
     """Where a block of `kind` keeps its d and its minimum (dmin, or m; None where it has none)
-    as float16, as `_block_factors` reads them."""
+    as float16."""
     if kind in _SIXTEENS:
         return _SIXTEENS[kind][0], 82 if kind == _Q2_K else None
     if kind in K_BLOCK_BYTES:
@@ -666,10 +632,16 @@ def _factor_bytes(kind: int) -> tuple:
     return 0, LAYOUTS[kind][2] if LAYOUTS[kind][2] >= 0 else None
 
 
+#: by code: where a block keeps its d and its minimum (dmin, or Q4_1's and Q5_1's m; -1: none) as
+#: float16 (`_factor_bytes`), for the matrix unit's kernels (`numba_amx.weight_factors`)
+D_BYTES, MINIMUM_BYTES = (tuple(-1 if at is None else at for at in column)
+                          for column in zip(*(_factor_bytes(code) for code in range(len(STORED_KINDS)))))
+
+
 def _factors_read(builder, kind: int, blocks, x, counted) -> tuple:
     """(d·d_x, the minimum's pair as `_block_accumulated` takes it) of four rows' blocks and the
-    activations x, as `_gathered_terms` makes them: each factor's four float16 gathered into one
-    vector and widened once."""
+    activations x (`_block_activations`; counted: the rows' counted minimums or Nones): each
+    factor's four float16 gathered into one vector and widened once."""
     halves = []
     for offset in _factor_bytes(kind):
         if offset is not None:
@@ -714,16 +686,17 @@ def _rows_codegen(kind: int, tile: bool = False):
             first = builder.mul(b, ir.Constant(_I64, group))  # the block's first value
             xs = [_block_activations(builder, kind, b, first, *x_row) for x_row in x_rows]
             row_blocks = [_at(builder, row, builder.mul(b, ir.Constant(_I64, size))) for row in rows]
-            factors = [_block_factors(builder, kind, block) for block in row_blocks]
-            vectors, losses, terms = [], [], []
+            vectors, losses, parts = [], [], []
             for x in xs:
+                counted = []
                 for r, block in enumerate(row_blocks):
-                    dots, loss, counted = _row_block(builder, kind, block,
+                    dots, loss, minimum = _row_block(builder, kind, block,
                                                      _values_of(builder, kind, block, values, r, first), x)
                     vectors.append(dots)
                     losses.append(loss)
-                    terms.append((counted, *factors[r], x[1], x[3]))
-            steps, minimum = _gathered_terms(builder, kind, terms)
+                    counted.append(minimum)
+                parts.append(_factors_read(builder, kind, row_blocks, x, counted))
+            steps, minimum = _joined_factors(builder, parts)
             sums = _block_sums(builder, vectors, 1, losses)
             return _block_accumulated(builder, kind, sums, steps, minimum, acc)
 
