@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvcache.blocks.allocator import ROOT_HASH, common_prefix, prefix_digests
 
@@ -65,7 +65,7 @@ class _Seen:
     tokens: list[int]
     digests: list[bytes]
     root: bytes
-    segments: tuple[Segment, ...]
+    segments: Iterable[Segment]  # a tuple, or read as far as needed (ChatSegments)
 
 
 class PrefixExplainer:
@@ -89,18 +89,37 @@ class PrefixExplainer:
         return len(self._seen)
 
     def record(self, tokens: Sequence[int], root: bytes = ROOT_HASH,
-               segments: Sequence[Segment] = ()) -> None:
-        """Remember a prompt the server ran (the oldest is forgotten past `capacity`)."""
+               segments: Iterable[Segment] = ()) -> None:
+        """Remember a prompt the server ran (the oldest is forgotten past `capacity`). segments: a
+        list or tuple (copied), or an iterable read again at each later explanation that needs it
+        (a lazy one, kvcache.server.why.ChatSegments)."""
         ids = [int(t) for t in tokens]
-        self._seen.append(_Seen(ids, prefix_digests(ids, self.block_size, root), root, tuple(segments)))
+        self._remember(ids, prefix_digests(ids, self.block_size, root), root, segments)
 
-    def explain(self, tokens: Sequence[int], root: bytes = ROOT_HASH, segments: Sequence[Segment] = (),
+    def explain(self, tokens: Sequence[int], root: bytes = ROOT_HASH, segments: Iterable[Segment] = (),
                 held: Callable[[bytes], bool] | None = None, tiers: str = "memory") -> Explanation:
         """Why `tokens` (under salt `root`) did or did not match what the server holds. held(digest):
         whether some tier still holds that block (None: everything seen is held); tiers: the tiers
-        `held` asks, named in an 'evicted' answer."""
+        `held` asks, named in an 'evicted' answer. segments: read only as far as the index named."""
+        ids = [int(t) for t in tokens]
+        return self._explain(ids, prefix_digests(ids, self.block_size, root), segments, held, tiers)
+
+    def observe(self, tokens: Sequence[int], root: bytes = ROOT_HASH, segments: Iterable[Segment] = (),
+                held: Callable[[bytes], bool] | None = None, tiers: str = "memory") -> Explanation:
+        """`explain`, then `record` the prompt (its block hashes computed once)."""
         ids = [int(t) for t in tokens]
         digests = prefix_digests(ids, self.block_size, root)
+        answer = self._explain(ids, digests, segments, held, tiers)
+        self._remember(ids, digests, root, segments)
+        return answer
+
+    def _remember(self, ids: list[int], digests: list[bytes], root: bytes,
+                  segments: Iterable[Segment]) -> None:
+        kept = tuple(segments) if isinstance(segments, (list, tuple)) else segments
+        self._seen.append(_Seen(ids, digests, root, kept))
+
+    def _explain(self, ids: list[int], digests: list[bytes], segments: Iterable[Segment],
+                 held: Callable[[bytes], bool] | None, tiers: str) -> Explanation:
         if not digests:
             return Explanation(0, None, _segment_at(segments, 0), "shorter_than_block")
         reusable = len(ids) - 1  # the last token is always run, for its logits
@@ -141,7 +160,7 @@ class PrefixExplainer:
                 best, blocks, most = seen, shared, tokens
         return best, blocks, most
 
-    def _unmatched(self, ids: list[int], segments: Sequence[Segment]) -> Explanation:
+    def _unmatched(self, ids: list[int], segments: Iterable[Segment]) -> Explanation:
         """No block of `ids` under its root was seen: another salt's prompt with its tokens, or none."""
         limit = self.block_size * ((len(ids) - 1) // self.block_size)
         for seen in reversed(self._seen):
@@ -150,7 +169,7 @@ class PrefixExplainer:
                 return Explanation(0, 0, _segment_at(segments, 0), "cache_salt")
         return Explanation(0, 0, _segment_at(segments, 0), "never_seen")
 
-    def _cause(self, ids: list[int], closest: _Seen, index: int, segments: Sequence[Segment]) -> str:
+    def _cause(self, ids: list[int], closest: _Seen, index: int, segments: Iterable[Segment]) -> str:
         """The cause of a divergence at `index` against `closest`, from the segment and the text."""
         mine = _segment_of(segments, index)
         theirs = _segment_of(closest.segments, index)
@@ -173,11 +192,11 @@ class PrefixExplainer:
         return "edited"
 
 
-def _segment_of(segments: Sequence[Segment], index: int) -> Segment | None:
+def _segment_of(segments: Iterable[Segment], index: int) -> Segment | None:
     return next((segment for segment in segments if segment.start <= index < segment.end), None)
 
 
-def _segment_at(segments: Sequence[Segment], index: int) -> str:
+def _segment_at(segments: Iterable[Segment], index: int) -> str:
     found = _segment_of(segments, index)
     return "prompt" if found is None else found.name
 

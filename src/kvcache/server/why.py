@@ -9,6 +9,7 @@ import collections
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 
 from kvcache.blocks import salt_root
 from kvcache.blocks.allocator import common_prefix
@@ -36,33 +37,28 @@ class RequestExplainer:
                 template_kwargs: dict | None = None) -> Explanation:
         """The explanation of `ids` (rendered from `prompt` with the chat template's further variables
         `template_kwargs`: the tools offered, chat_template_kwargs) under `cache_salt`; then remembers it."""
-        segments = self.segments(prompt, len(ids), template_kwargs)
+        segments = self.lazy_segments(prompt, len(ids), template_kwargs)
         root = salt_root(cache_salt)
         held = None  # (replicas: each holds its own pool, not asked here; what was seen counts as held)
         if isinstance(self.engine, Engine):
             allocator = self.engine.pool.cache.allocator
             held = lambda digest: allocator.attachable([digest]) == 1  # noqa: E731
-        with self._lock:
-            answer = self.explainer.explain(ids, root, segments, held=held)
-            self.explainer.record(ids, root, segments)
-        return answer
+        with self._lock:  # (segments are read here only, a remembered prompt's too: under the lock)
+            return self.explainer.observe(ids, root, segments, held=held)
 
     def segments(self, prompt, length: int, template_kwargs: dict | None = None) -> list[Segment]:
         """Token ranges of a chat prompt's messages (each rendered prefix's length, with the tools and
         template variables the prompt had), the tools the template wrote into the first message, the
         rest the generation prompt; none for a text or token prompt."""
+        return list(self.lazy_segments(prompt, length, template_kwargs))
+
+    def lazy_segments(self, prompt, length: int, template_kwargs: dict | None = None):
+        """`segments`, found as they are read (`ChatSegments`): the explainer reads them only as far
+        as the index it names, so a prompt renders only the message prefixes before that index."""
         chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
         if not chat or self.tokenizer is None:
-            return []
-        kwargs = template_kwargs or {}
-        found, start = [], 0
-        for index, end in enumerate(self.renders.lengths(prompt, kwargs)):
-            end = min(max(end, start), length)
-            name = "system" if prompt[index].get("role") in ("system", "developer") else f"message {index}"
-            found.append(Segment(name, start, end))
-            start = end
-        found.append(Segment("generation prompt", start, length))
-        return tools_segment(found, *self.renders.tools(prompt[0], kwargs))
+            return ()
+        return ChatSegments(self.renders, prompt, length, template_kwargs or {})
 
     def keep(self, rid: str, answer: Explanation, ids: list[int]) -> None:
         """Remember `answer` for response `rid` (the oldest forgotten past capacity)."""
@@ -103,12 +99,15 @@ class PrefixRenders:
 
     def lengths(self, messages: list[dict], kwargs: dict) -> list[int]:
         """The token length of each prefix messages[:k+1] rendered without a generation prompt."""
-        key, found = _keyed(b"lengths", kwargs), []
+        return list(self.each_length(messages, kwargs))
+
+    def each_length(self, messages: list[dict], kwargs: dict) -> Iterator[int]:
+        """`lengths`, one prefix at a time: a prefix is rendered (or looked up) only when read."""
+        key = _keyed(b"lengths", kwargs)
         for index, message in enumerate(messages):
             key.update(_content(message))
-            found.append(self._remembered(key.digest(), lambda end=index + 1: len(
-                self.tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **kwargs))))
-        return found
+            yield self._remembered(key.digest(), lambda end=index + 1: len(
+                self.tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **kwargs)))
 
     def tools(self, first: dict, kwargs: dict) -> tuple[list[int], list[int]]:
         """The first message rendered with kwargs' tools and without them (both empty when none)."""
@@ -149,18 +148,67 @@ def tools_segment(segments: list[Segment], offered: list[int], bare: list[int]) 
     those of `offered` (the render with the tools) between its common prefix and common suffix with
     `bare` (the render without), cut out of the segment that held them. Unchanged when the template
     renders no tools."""
+    cut = tools_cut(offered, bare)
+    return [part for segment in segments for part in split_tools(segment, cut)]
+
+
+def tools_cut(offered: list[int], bare: list[int]) -> tuple[int, int] | None:
+    """The token range [start, end) the tools add to `offered` (the first message's render with
+    them) against `bare` (without): after their common prefix, before their common suffix; None when
+    they add none."""
     head = common_prefix(offered, bare)
     tail = common_prefix(offered[head:][::-1], bare[head:][::-1])
     end = len(offered) - tail
-    if end <= head:
-        return segments
-    found = []
-    for segment in segments:
-        if segment.start <= head < segment.end:
-            cut = min(end, segment.end)
-            parts = (Segment(segment.name, segment.start, head), Segment("tools", head, cut),
-                     Segment(segment.name, cut, segment.end))
-            found += [part for part in parts if part.end > part.start]
+    return (head, end) if end > head else None
+
+
+def split_tools(segment: Segment, cut: tuple[int, int] | None) -> list[Segment]:
+    """`segment`, or its parts before, inside ('tools') and after the range `cut` (`tools_cut`) when
+    the range starts inside it."""
+    if cut is None or not segment.start <= cut[0] < segment.end:
+        return [segment]
+    head, end = cut[0], min(cut[1], segment.end)
+    parts = (Segment(segment.name, segment.start, head), Segment("tools", head, end),
+             Segment(segment.name, end, segment.end))
+    return [part for part in parts if part.end > part.start]
+
+
+class ChatSegments:
+    """A chat prompt's segments (`RequestExplainer.segments`), found as they are read: iterating
+    renders (or looks up) the message prefixes only as far as the reader goes, and remembers what
+    it found, so a remembered prompt's segments cost nothing until a later explanation reads them.
+    Iterated under RequestExplainer's lock."""
+
+    def __init__(self, renders: PrefixRenders, messages: list[dict], length: int, kwargs: dict) -> None:
+        self._messages, self._length, self._kwargs = messages, length, kwargs
+        self._renders = renders
+        self._found: list[Segment] = []
+        self._lengths: Iterator[int] | None = None
+        self._index = self._start = 0
+        self._cut: tuple[int, int] | None = None
+        self._ended = False
+
+    def __iter__(self) -> Iterator[Segment]:
+        read = 0
+        while True:
+            while read >= len(self._found) and not self._ended:
+                self._extend()
+            if read >= len(self._found):
+                return
+            yield self._found[read]
+            read += 1
+
+    def _extend(self) -> None:
+        """The next message's segment (or, after the last, the generation prompt's) found."""
+        if self._lengths is None:
+            self._lengths = self._renders.each_length(self._messages, self._kwargs)
+            self._cut = tools_cut(*self._renders.tools(self._messages[0], self._kwargs))
+        end = next(self._lengths, None)
+        if end is None:
+            found, self._ended = Segment("generation prompt", self._start, self._length), True
         else:
-            found.append(segment)
-    return found
+            end = min(max(end, self._start), self._length)
+            role = self._messages[self._index].get("role")
+            name = "system" if role in ("system", "developer") else f"message {self._index}"
+            found, self._index, self._start = Segment(name, self._start, end), self._index + 1, end
+        self._found += split_tools(found, self._cut)
