@@ -19,10 +19,11 @@ class Backend:
 
     #: the name a summary prints ("torch", "float32", "half", "blocks")
     name: str = ""
-    #: a step of up to this many tokens gives each token the logits it gets run alone, to the
-    #: bit (chunk-invariant arithmetic: what a speculative step's verification needs to be exact);
-    #: 1 where the products or the attention sum in another order for more rows
-    exact_rows: int = 1
+    #: whether a step of any size gives each token the logits it gets run alone, to the bit
+    #: (chunk-invariant arithmetic: what a speculative step's verification needs to be exact, and
+    #: what makes a cached prefix's answer the uncached one's whatever the chunks it ran in);
+    #: False where the products or the attention sum in another order for more rows
+    chunk_invariant: bool = False
 
     def step(self, model, batch) -> torch.Tensor:
         """(wanted tokens, vocab) float32 logits of one step over `batch` (a `PagedBatch`: rows of

@@ -34,7 +34,7 @@ from kvcache.generation.paged_steps import PagedSteps, RecomputedSteps, rows_tok
 from kvcache.generation.penalties import SeenTokens
 from kvcache.generation.sampling import choose_tokens
 from kvcache.generation.settings import GenerationSettings
-from kvcache.generation.speculative import SpeculativeSteps
+from kvcache.generation.speculative import DRAFT_TOKENS, SpeculativeSteps
 from kvcache.generation.stops import Stops
 from kvcache.generation.structured import GrammarState, TokenTable, allowed_rows, packed_masks
 from kvcache.text.eos import default_eos
@@ -311,20 +311,16 @@ def _draft_tokens(model, backend: Backend, batch: int, options: GenerationSettin
     ValueError where speculation would not give the tokens plain decoding gives."""
     if batch != 1:
         raise ValueError(f"speculate drafts for one row; input_ids has {batch}")
-    if backend.exact_rows < 2:
+    if not backend.chunk_invariant:
         raise ValueError(
-            f"speculate needs a backend whose step gives a token the logits it gets alone (exact_rows > 1); "
+            f"speculate needs a backend whose step gives a token the logits it gets alone (chunk_invariant); "
             f"backend {backend.name!r} sums a step of several tokens in another order, so a verified draft "
             "could change a token (a GGUF loaded with q8 activations, the default, runs on 'blocks', which "
             "does)")
     if any(window is not None for window in model.config.layer_windows):
         raise ValueError("speculate does not roll back a sliding-window layer's blocks yet: this model has "
                          "windowed layers")
-    most = backend.exact_rows - 1
-    if options.draft_tokens is not None and options.draft_tokens > most:
-        raise ValueError(f"draft_tokens must be <= {most} on backend {backend.name!r} (a step of more tokens "
-                         f"is not chunk-invariant there), got {options.draft_tokens}")
-    return options.draft_tokens or most
+    return options.draft_tokens or DRAFT_TOKENS
 
 
 def _choose(logits, sampling, generator, seen: list[SeenTokens] | None, stops: Stops) -> torch.Tensor:

@@ -29,8 +29,7 @@ class GenerationSettings:
     speculate: None, or "ngram": decode steps verify prompt-lookup drafts (`speculative`); the
         tokens are the same as without, sampled ones too (one row, a paged cache, a backend whose
         steps are chunk-invariant).
-    draft_tokens: the most tokens one draft holds (None: what the backend verifies exactly in one
-        step, less the row's own token).
+    draft_tokens: the most tokens one draft holds (None: `speculative.DRAFT_TOKENS`).
     """
 
     max_new_tokens: int = 32

@@ -9,12 +9,12 @@ the first draft token's check, and so on. While the chosen tokens equal the draf
 are already there; at the first that differs the draft's rest is trimmed from the cache
 (`PagedCache.truncate_rows`) and the next step drafts again.
 
-Greedy tokens are the tokens of decoding one at a time, to the bit, because a backend whose
-steps are chunk-invariant (`Backend.exact_rows`: a token's logits the same whether it runs
-alone or beside others of its row) verifies at most that many tokens a step; a backend without
-that property is refused. The draft length adapts to what drafts give and what a longer step
-costs (`DraftLength`): where drafts are seldom taken it drafts nothing, so text that never
-repeats itself runs as plain decoding does.
+Greedy tokens are the tokens of decoding one at a time, to the bit, because the backend's
+steps are chunk-invariant (`Backend.chunk_invariant`: a token's logits the same whether it runs
+alone or beside others of its row); a backend without that property is refused. The draft
+length adapts to what drafts give and what a longer step costs (`DraftLength`): where drafts
+are seldom taken it drafts nothing, so text that never repeats itself runs as plain decoding
+does.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from collections.abc import Sequence
 import torch
 
 from kvcache.generation.paged_steps import PagedSteps
+
+#: the most tokens a draft holds unless the caller says: its verify step (16 tokens) still runs
+#: on the layer kernels (`CpuBackend.kernel_rows`)
+DRAFT_TOKENS = 15
 
 
 class NgramDrafts:

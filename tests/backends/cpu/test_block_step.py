@@ -341,8 +341,10 @@ def test_a_prompts_chunks_run_on_the_matrix_unit_where_there_is_one_and_give_one
     block_files, kind
 ):
     """With q8 activations and AMX tiles (`on_tiles`: the parts coded for them), a prompt fed in
-    chunks of 16 tokens (its products on the tiles) gives the logits, to the bit, of the same
-    prompt fed a token at a time (the one-row dots): one arithmetic whatever the step's size."""
+    chunks of 16 tokens (the layer kernels, their products on the tiles), of 24 and whole (long
+    steps: products outside the layer calls, the kernels' norms and attention per token) gives
+    the logits, to the bit, of the same prompt fed a token at a time (the one-row dots): one
+    arithmetic whatever the step's size."""
     from kvcache.backends.cpu.numba_blocks import TILE_READS
 
     model = load_model(block_files[kind], activations="q8")
@@ -352,6 +354,8 @@ def test_a_prompts_chunks_run_on_the_matrix_unit_where_there_is_one_and_give_one
     assert all((code >= TILE_READS) == backend.on_tiles for code in codes)
     prompt = torch.randint(0, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(5))
     tokens = torch.randint(0, model.config.vocab_size, (1, 3), generator=torch.Generator().manual_seed(6))
-    chunked = paged_logits(model, backend, prompt, tokens, chunk_size=16)
+    assert backend.chunk_invariant
     single = paged_logits(model, backend, prompt, tokens, chunk_size=1)
-    assert all(torch.equal(a, b) for a, b in zip(chunked, single))
+    for chunk_size in (16, 24, None):
+        chunked = paged_logits(model, backend, prompt, tokens, chunk_size=chunk_size)
+        assert all(torch.equal(a, b) for a, b in zip(chunked, single)), chunk_size

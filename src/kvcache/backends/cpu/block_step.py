@@ -75,8 +75,9 @@ def _reads_q8_everywhere(model) -> bool:
     """Whether every product of the step reads blocks with 8-bit activations: their kernels give
     a row the same sums alone or beside others, on the one-row dots, their 4x4 tiles or the
     matrix unit's (each row's activations quantized on their own, every block added in one
-    arithmetic: `tests/backends/cpu/test_block_step.py`, `test_numba_amx.py`), so a step of up to
-    `kernel_rows` tokens is chunk-invariant; a float32 part's product is not."""
+    arithmetic: `tests/backends/cpu/test_block_step.py`, `test_numba_amx.py`), so a
+    step of any size is chunk-invariant (`paged_step._per_token` past `kernel_rows` tokens); a
+    float32 part's product is not."""
     linears = [one for layer in model.model.layers for _, fused in fused_products(layer) for one in fused]
     return all(isinstance(linear, QuantizedLinear) and linear.weight_blocks.activations == "q8"
                for linear in (*linears, model.lm_head))
@@ -93,15 +94,16 @@ class BlockBackend(CpuBackend):
 
     name = "blocks"
     #: a step of more tokens (a prompt chunk) runs the same kernels' products outside the layer
-    #: calls (`_linear`), so each chunk attends on torch's fused attention, its keys read once for
-    #: all its queries (docs/backends.md, block_step.py)
+    #: calls (`_linear`); with q8 activations (`chunk_invariant`) its norms and attention on the
+    #: kernels' per-token functions, else each chunk on torch's fused attention, its keys read
+    #: once for all its queries (docs/backends.md, block_step.py)
     kernel_rows = 16
 
     def __init__(self, model) -> None:
         require_supported(model)
         super().__init__(model)
         q8 = _reads_q8_everywhere(model)
-        self.exact_rows = self.kernel_rows if q8 else 1
+        self.chunk_invariant = q8
         #: every product reads Q8 activations and the CPU has a matrix unit: products of
         #: `numba_kernels.TILE_ROWS` rows or more run on its tiles (the same sums to the bit)
         self.on_tiles = q8 and numba_products.matrix_unit() is not None

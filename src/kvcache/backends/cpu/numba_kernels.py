@@ -23,7 +23,8 @@ from numba.extending import overload
 # copies of `numba_blocks` (and its `numba_q8`), `numba_amx` and `numba_rows`: a change there
 # needs a change here (or the `__pycache__` cleared) for a checkout to recompile them
 # (numba_blocks.py needs one for numba_q8 too; the last such change:
-# numba_blocks, numba_q8 and numba_amx: one K-quant integer sum for one row or two)
+# numba_blocks, numba_q8 and numba_amx: one K-quant integer sum for one row or two; then here:
+# one SwiGLU, `swiglu_row`, in the layer kernel and a long step's)
 from kvcache.backends.cpu.numba_amx import compiled_here, tiles_product
 from kvcache.backends.cpu.numba_blocks import Q8_READS, TILE_READS, blocks_product
 from kvcache.backends.cpu.numba_rows import accumulated, scored, stored
@@ -400,18 +401,32 @@ def exp_below(x):  # pragma: no cover (compiled)
     return p * power if x >= _LOWEST else np.float32(0.0)
 
 
+@numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
+def swiglu_row(gate_up, out):  # pragma: no cover (compiled)
+    """out (inner,) = silu(gate)·up of one row gate_up (2·inner,) (gate's outputs, then up's);
+    the sigmoid from `exp_below` of -|gate| (vectorized, within an ulp or so of libm's)."""
+    inner = out.shape[0]
+    for i in range(inner):
+        gate = gate_up[i]
+        e = exp_below(-abs(gate))
+        sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if gate >= 0 else e / (np.float32(1.0) + e)
+        out[i] = gate * sigmoid * gate_up[inner + i]
+
+
 @numba.njit(**KERNEL)
 def swiglu_rows(gate_up, out):  # pragma: no cover (compiled)
-    """out (N, inner) = silu(gate)·up of gate_up (N, 2·inner) (gate's outputs, then up's), the
-    rows split between the threads; the sigmoid from `exp_below` of -|gate| (vectorized, within
-    an ulp or so of libm's): a step's products past the layer calls."""
-    inner = out.shape[1]
+    """out (N, inner) = `swiglu_row` of each row of gate_up (N, 2·inner), the rows split between
+    the threads: a long step's, whose products run outside the layer calls."""
     for n in prange(gate_up.shape[0]):
-        for i in range(inner):
-            gate = gate_up[n, i]
-            e = exp_below(-abs(gate))
-            sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if gate >= 0 else e / (np.float32(1.0) + e)
-            out[n, i] = gate * sigmoid * gate_up[n, inner + i]
+        swiglu_row(gate_up[n], out[n])
+
+
+@numba.njit(**KERNEL)
+def normed_rows(x, weight, eps, out):  # pragma: no cover (compiled)
+    """out (N, n) = `rms_normed` of x (N, n), the rows split between the threads: a long step's
+    norms, in the layer kernels' arithmetic."""
+    for row in prange(x.shape[0]):
+        rms_normed(x[row:row + 1], weight, eps, out[row:row + 1])
 
 
 @numba.njit(inline="always", fastmath=FLAGS, error_model="numpy")
@@ -468,12 +483,9 @@ def layer_output(
         inner += part_rows(part)
     both = np.empty((tokens, inner), np.float32)
     product(gate_up, normed, gate_up_bias, rounding, both)
-    inner //= 2
-    act = np.empty((tokens, inner), np.float32)
+    act = np.empty((tokens, inner // 2), np.float32)
     for n in range(tokens):
-        for i in range(inner):
-            gate = both[n, i]
-            act[n, i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[n, inner + i]
+        swiglu_row(both[n], act[n])
     product(down, act, down_bias, rounding, projected)
     x += projected
 

@@ -88,7 +88,7 @@ def run(step, batch) -> torch.Tensor:
         numba_products.set_threads(threads)
         x = step.embed_rows(rows.ids)  # (N, hidden)
         cos, signed_sin = step.rope_rows(rows.positions)  # (N, D) each
-        layers = _on_kernels if on_kernels else _with_products
+        layers = _on_kernels if on_kernels else _per_token if step.chunk_invariant else _with_products
         layers(step, x, cos, signed_sin, rows, storages, layouts, groups, recent)
         return torch.from_numpy(_logits(step, x[rows.last]))
 
@@ -185,6 +185,43 @@ def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts,
         attended = _attention(step, qkv, rows, storage, tables, layout, recent.read(index))
         x += linear(attended, w.o, w.o_bias)
         gate_up = linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)
+        x += linear(_swiglu(gate_up), w.down, w.down_bias)
+
+
+#: tokens `_per_token` attends to at once: its scratch grows with tokens × keys
+ATTENDED_AT_ONCE = 32
+
+
+def _per_token(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups, recent) -> None:
+    """`_with_products`, every token's arithmetic the layer kernels' (`chunk_invariant`): the
+    products' sums are theirs already; the norms (`normed_rows`), the SwiGLU and each token's
+    attention (`attention`, ATTENDED_AT_ONCE tokens a call) are their own functions, so a token
+    gets the logits it gets in a step of any size, to the bit. x in place."""
+    kernels = numba_products.kernels()
+    heads, kv_heads, dim, eps = step.heads, step.kv_heads, step.head_dim, step.eps
+    kernel_layers, _, _ = step.row_layers
+    layers, _, linear = step.products(len(x))
+    normed = np.empty_like(x)
+    attended = np.empty((len(x), heads * dim), np.float32)
+    for index, (w, norms, storage, layout, (tables, slots)) in enumerate(zip(
+        layers, kernel_layers, storages, layouts, groups
+    )):
+        kernels.normed_rows(x, w.norm1, eps, normed)
+        qkv = linear(normed, w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
+        kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
+        kernels.store(qkv, heads, kv_heads, slots, *storage[:2])
+        recent.keep(index, qkv, heads, kv_heads)
+        window = recent.read(index)
+        for at in range(0, len(x), ATTENDED_AT_ONCE):
+            these = slice(at, at + ATTENDED_AT_ONCE)
+            kernels.attention(
+                qkv[these], heads, kv_heads, storage[0], storage[1], tables, rows.table_row[these],
+                rows.lengths[these], layout, _NO_MASK, storage[3],
+                window if not len(window[2]) else (*window[:2], window[2][these]), attended[these],
+            )
+        x += linear(attended, w.o, w.o_bias)
+        kernels.normed_rows(x, w.norm2, eps, normed)
+        gate_up = linear(normed, w.gate_up, w.gate_up_bias)
         x += linear(_swiglu(gate_up), w.down, w.down_bias)
 
 
@@ -286,7 +323,7 @@ def _logits(step, x: np.ndarray) -> np.ndarray:
     """(S, vocab) logits of the wanted tokens' hidden states x (S, hidden)."""
     if len(x) == 0:
         return np.empty((0, step.vocab), np.float32)
-    if len(x) <= step.kernel_rows:
+    if len(x) <= step.kernel_rows or step.chunk_invariant:
         _, (head_parts, head_bias), rounding = step.row_layers
         logits = np.empty((len(x), numba_products.outputs(head_parts)), np.float32)
         numba_products.kernels().normed_product(x, step.final_norm, step.eps, head_parts, head_bias,
