@@ -210,3 +210,21 @@ def test_the_turn_after_a_perturbed_one_is_compared_with_the_prompt_it_continues
     new, segments = render([*TURN, ("user", "Another, please")])
     answer = explain.explain(new, segments=segments)
     assert (answer.cause, answer.first_divergent_token, answer.matched_tokens) == ("hit", None, len(old))
+
+
+def test_a_remembered_reply_is_the_closest_only_where_the_history_holds_its_start():
+    """What the server holds after a reply (prompt and reply tokens) is compared with a next turn
+    that sends the reply back, changed partway (named there, in the reply's message); a history
+    whose message holds none of the reply continues the prompt alone, a hit as before."""
+    asked, asked_segments = render(TURN[:2])
+    reply = [ord(c) for c in "Blocks kept warm in memory<|end|>"]
+    changed, changed_segments = render(TURN[:2] + [("assistant", "Blocks kept cold in memory"),
+                                                   ("user", "Another")])
+    explain = explainer()
+    explain.observe(asked, segments=asked_segments)
+    explain.record_reply(asked, reply, segments=asked_segments)
+    found = explain.explain(changed, segments=changed_segments)
+    at = len(asked) + len("Blocks kept ")
+    assert (found.cause, found.first_divergent_token, found.segment) == ("edited", at, "message 2")
+    other, other_segments = render(TURN[:2] + [("assistant", "Nothing alike"), ("user", "Another")])
+    assert explain.explain(other, segments=other_segments).cause == "hit"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvcache.blocks.allocator import ROOT_HASH, common_prefix, prefix_digests
 
@@ -66,6 +66,7 @@ class _Seen:
     digests: list[bytes]
     root: bytes
     segments: Iterable[Segment]  # a tuple, or read as far as needed (ChatSegments)
+    reply: bool = False  # a prompt and the reply generated to it (what the server holds after it)
 
 
 class PrefixExplainer:
@@ -113,10 +114,21 @@ class PrefixExplainer:
         self._remember(ids, digests, root, segments)
         return answer
 
-    def _remember(self, ids: list[int], digests: list[bytes], root: bytes,
-                  segments: Iterable[Segment]) -> None:
+    def record_reply(self, prompt: Sequence[int], reply: Sequence[int], root: bytes = ROOT_HASH,
+                     segments: Iterable[Segment] = ()) -> None:
+        """Remember what the server holds after generating `reply` to `prompt` (recorded before, with
+        its `segments`): the prompt's tokens and the reply's, the reply a segment 'reply'. A next turn
+        that sends the reply back is compared with it where it shares more tokens than with the
+        prompt alone (at least the reply's first)."""
+        ids = [int(t) for t in prompt] + [int(t) for t in reply]
         kept = tuple(segments) if isinstance(segments, (list, tuple)) else segments
-        self._seen.append(_Seen(ids, digests, root, kept))
+        followed = _Followed(kept, Segment("reply", len(prompt), len(ids)))
+        self._remember(ids, prefix_digests(ids, self.block_size, root), root, followed, reply=True)
+
+    def _remember(self, ids: list[int], digests: list[bytes], root: bytes,
+                  segments: Iterable[Segment], reply: bool = False) -> None:
+        kept = tuple(segments) if isinstance(segments, (list, tuple)) else segments
+        self._seen.append(_Seen(ids, digests, root, kept, reply))
 
     def _explain(self, ids: list[int], digests: list[bytes], segments: Iterable[Segment],
                  held: Callable[[bytes], bool] | None, tiers: str) -> Explanation:
@@ -147,8 +159,9 @@ class PrefixExplainer:
         part, whose whole blocks hash to `digests`) among those sharing a whole block with it, the
         newest of equals; with the whole blocks and the tokens it shares. After the shared blocks,
         tokens are compared one by one: in the first differing block or the last partial one, so
-        never more than a block of them."""
-        best, blocks, most = None, 0, 0
+        never more than a block of them. A prompt with its reply is the closest only where it shares
+        more tokens than any prompt (a history that holds none of the reply continues the prompt)."""
+        best, blocks, most = None, 0, (0, False)
         for seen in reversed(self._seen):
             shared = common_prefix(digests, seen.digests)
             if not shared:
@@ -156,9 +169,9 @@ class PrefixExplainer:
             start = shared * self.block_size
             end = start + self.block_size
             tokens = start + common_prefix(ids[start:end], seen.tokens[start:end])
-            if tokens > most:
-                best, blocks, most = seen, shared, tokens
-        return best, blocks, most
+            if (tokens, not seen.reply) > most:
+                best, blocks, most = seen, shared, (tokens, not seen.reply)
+        return best, blocks, most[0]
 
     def _unmatched(self, ids: list[int], segments: Iterable[Segment]) -> Explanation:
         """No block of `ids` under its root was seen: another salt's prompt with its tokens, or none."""
@@ -190,6 +203,17 @@ class PrefixExplainer:
         if mine is not None and mine.name == "system" and _volatile(new_text, old_text):
             return "volatile_system_field"
         return "edited"
+
+
+class _Followed:
+    """A prompt's segments (re-iterable, perhaps read lazily) and then one more (its reply's)."""
+
+    def __init__(self, segments: Iterable[Segment], last: Segment) -> None:
+        self.segments, self.last = segments, last
+
+    def __iter__(self) -> Iterator[Segment]:
+        yield from self.segments
+        yield self.last
 
 
 def _segment_of(segments: Iterable[Segment], index: int) -> Segment | None:

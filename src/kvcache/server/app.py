@@ -366,7 +366,7 @@ class _Server:
             logged = _stream_logger(request, started)
 
             def finished(completion: Completion | None) -> None:
-                self._remember(call, choices)
+                self._remember(call, ids, choices)
                 logged(completion)
 
             return StreamingResponse(
@@ -375,7 +375,7 @@ class _Server:
                 headers={"Cache-Control": "no-cache"},
             )
         response = await self._whole(request, call, choices, rid, why)
-        self._remember(call, choices)
+        self._remember(call, ids, choices)
         path, status = request.url.path, response.status_code
         log_request(peer_of(request), path, status, started, completion=choices.handles[0].result())
         return response
@@ -397,13 +397,17 @@ class _Server:
         return JSONResponse(response_object(call, rid, self.settings.model_name, answers,
                                             _usage(completions, why), _drift(completions[0])))
 
-    def _remember(self, call: Call, choices: Choices) -> None:
-        """With --restore-reasoning, each finished choice's reasoning kept for the next turn."""
-        if self.own is None or call.kind != "chat":
-            return
+    def _remember(self, call: Call, ids: list[int], choices: Choices) -> None:
+        """Each finished choice's reply told to the explainer (what the server holds after it:
+        prompt `ids` and the reply's tokens) and, with --restore-reasoning, its reasoning kept for
+        the next turn."""
         for handle in choices.handles:
             completion = handle.result() if handle.done else None
             if completion is None or completion.finish_reason in ("error", "cancelled"):
+                continue
+            self.why.reply(call.prompt, ids, completion.tokens, call.params.cache_salt,
+                           call.template_variables())
+            if self.own is None or call.kind != "chat":
                 continue
             content = read_reply(call, completion.text or "")[1]
             self.own.remember(call.prompt, call.template_variables(), completion.text or "",

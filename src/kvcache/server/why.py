@@ -46,6 +46,14 @@ class RequestExplainer:
         with self._lock:  # (segments are read here only, a remembered prompt's too: under the lock)
             return self.explainer.observe(ids, root, segments, held=held)
 
+    def reply(self, prompt, ids: list[int], reply: list[int], cache_salt: str | None,
+              template_kwargs: dict | None = None) -> None:
+        """Remember what the server holds after answering `ids` (rendered from `prompt`, explained
+        before) with the tokens `reply`: a next turn that sends the reply back is compared with it."""
+        segments = self.lazy_segments(prompt, len(ids), template_kwargs)
+        with self._lock:
+            self.explainer.record_reply(ids, reply, salt_root(cache_salt), segments)
+
     def segments(self, prompt, length: int, template_kwargs: dict | None = None) -> list[Segment]:
         """Token ranges of a chat prompt's messages (each rendered prefix's length, with the tools and
         template variables the prompt had), the tools the template wrote into the first message, the
