@@ -105,6 +105,19 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "(default off)",
     )
     parser.add_argument(
+        "--canonical-history", action="store_true",
+        help="render a chat message that differs from one rendered before (after the same history) only "
+        "in whitespace or letter case, and tools sent in another order, in the form first rendered, so a "
+        "client's cosmetic changes still match the prefix cache; a history sent as first rendered is "
+        "never changed (default off)",
+    )
+    parser.add_argument(
+        "--prerender-next-turn", action="store_true",
+        help="when a chat reply ends, render the next turn's prefix (the history and the reply as a client "
+        "sends it back) and run it as a one-token request in the background, so its blocks are in the "
+        "prefix cache when the next turn comes (default off)",
+    )
+    parser.add_argument(
         "--served-model-name", help="the model id clients ask for (default: the folder's name)"
     )
     parser.add_argument(
@@ -540,7 +553,8 @@ def _settings(args: argparse.Namespace, context: int, keys=None, context_source:
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting, context=context,
         api_keys=keys, require_cache_salt=args.require_cache_salt, context_source=context_source,
-        restore_reasoning=args.restore_reasoning,
+        restore_reasoning=args.restore_reasoning, canonical_history=args.canonical_history,
+        prerender_next_turn=args.prerender_next_turn,
     )
 
 

@@ -41,8 +41,10 @@ from starlette.routing import Route
 from kvcache.engine import Completion, RequestError
 from kvcache.engine.prompts import prompt_ids
 from kvcache.engine.sessions import read_kv_hints
+from kvcache.generation.params import SamplingParams
 from kvcache.reuse.explain import Explanation
 from kvcache.server.access_log import log_request, peer_of
+from kvcache.server.canonical_history import CanonicalHistory
 from kvcache.server.choices import END, Choices, ChoiceStream, read_reply
 from kvcache.server.fields import refused_field
 from kvcache.server.metrics import ServerMetrics
@@ -60,7 +62,7 @@ from kvcache.server.openai_api import (
     response_object,
     usage_object,
 )
-from kvcache.server.own_replies import OwnReplies
+from kvcache.server.own_replies import REASONING_FIELDS, OwnReplies
 from kvcache.server.reasoning import opens_in_reasoning, reasoning_format
 from kvcache.server.slots import Slots, check_empty, disk_tier, read_action, read_slot_id
 from kvcache.server.tenants import ApiKeys, Tenant
@@ -86,7 +88,11 @@ class ServerSettings:
     a request with no tenant must send a cache_salt (400 otherwise). context_source: why the
     context is what it is (e.g. what --kv-budget holds), said in the errors that cite it; empty:
     the model's own. restore_reasoning: put a reply's reasoning back into a chat history sent
-    without it (`kvcache.server.own_replies`; off by default)."""
+    without it (`kvcache.server.own_replies`; off by default). canonical_history: render a chat
+    message or tool set that differs from one rendered before only in whitespace, letter case or
+    the tools' order in its first form (`kvcache.server.canonical_history`; off by default).
+    prerender_next_turn: when a chat reply ends, run the next turn's prefix (the history and the
+    reply as a client sends it back) as a one-token request in the background (off by default)."""
 
     model_name: str = "kvcache"
     api_key: str | None = None
@@ -100,6 +106,8 @@ class ServerSettings:
     require_cache_salt: bool = False
     context_source: str = ""
     restore_reasoning: bool = False
+    canonical_history: bool = False
+    prerender_next_turn: bool = False
 
 
 def build_app(engine, tokenizer, settings: ServerSettings) -> Starlette:
@@ -155,6 +163,7 @@ class _Server:
         self.metrics = ServerMetrics(engine, self.context)
         self.why = RequestExplainer(engine, tokenizer)  # usage.kvcache_prefix: why a prompt missed
         self.own = OwnReplies() if settings.restore_reasoning else None  # replies' reasoning, to put back
+        self.canonical = CanonicalHistory() if settings.canonical_history else None  # first forms rendered
         engine.on_finish = self.metrics.finished
         self.preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="kvcache-prepare")
         self._preparing, self._preparing_lock = 0, threading.Lock()  # requests on or for its threads
@@ -407,11 +416,36 @@ class _Server:
                 continue
             self.why.reply(call.prompt, ids, completion.tokens, call.params.cache_salt,
                            call.template_variables())
+            if self.settings.prerender_next_turn and call.kind == "chat" and handle is choices.handles[0]:
+                message = self._choice(call, 0, completion)["message"]
+                self.preparing.submit(self._prerender, call, message)
             if self.own is None or call.kind != "chat":
                 continue
             content = read_reply(call, completion.text or "")[1]
             self.own.remember(call.prompt, call.template_variables(), completion.text or "",
                               bool(call.reasoning), content)
+
+    def _prerender(self, call: Call, message: dict) -> None:
+        """--prerender-next-turn (on a preparing thread): the history and `message` (the reply as the
+        client was sent it, without its reasoning field) rendered as the next turn's prefix, through
+        the repairs a next turn goes through, and run as a one-token request whose handle is left to
+        finish, so the prefix's blocks are in the cache when the next turn comes. A prefix the
+        engine or the context refuses is not run."""
+        sent = {name: value for name, value in message.items() if name not in REASONING_FIELDS}
+        history = [*call.prompt, {**sent, "content": sent.get("content") or ""}]
+        variables = call.template_variables()
+        if self.own is not None:
+            history = self.own.restore(history, variables)
+        if self.canonical is not None:
+            history = self.canonical.messages(history)
+        params = SamplingParams(max_tokens=1, temperature=0.0, cache_salt=call.params.cache_salt)
+        try:
+            text = self._render(history, False, variables)  # (as _prompt_ids renders a prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            check_prompt_length(len(ids), 1, self.limits, self.context)
+            self.engine.submit(ids, params)
+        except (ApiError, RequestError):
+            return
 
     def _choice(self, call: Call, index: int, completion: Completion) -> dict:
         """Choice `index` of a whole answer: its reasoning, content and tool calls read from its text."""
@@ -529,6 +563,8 @@ class _Server:
         self._check_model(call.model)
         if self.own is not None and call.kind == "chat":
             call = dataclasses.replace(call, prompt=self.own.restore(call.prompt, call.template_variables()))
+        if self.canonical is not None and call.kind == "chat":
+            call = self._canonical(call)
         ids, text = self._prompt_ids(call)
         check_prompt_length(len(ids), call.params.max_tokens, self.limits, self.context)
         if call.tools is not None and tool_format(self._template()) is not None:
@@ -537,6 +573,13 @@ class _Server:
             call = dataclasses.replace(call, reasoning=opens_in_reasoning(text))
         why = self.why.explain(call.prompt, ids, call.params.cache_salt, call.template_variables())
         return call, ids, why
+
+    def _canonical(self, call: Call) -> Call:
+        """`call` with its messages and tools in the forms first rendered (--canonical-history)."""
+        tools = call.tools
+        if tools is not None:
+            tools = dataclasses.replace(tools, tools=self.canonical.tools(tools.tools))
+        return dataclasses.replace(call, prompt=self.canonical.messages(call.prompt), tools=tools)
 
     def _in_tool_family(self, call: Call) -> Call:
         """`call` with its tools read and forced in the family the chat template writes calls in."""
