@@ -51,7 +51,7 @@ def test_a_reply_sent_back_whole_is_a_hit_whose_matched_tokens_cover_the_reply(r
     assert found["cause"] == "hit" and found["first_divergent_token"] is None
     # (against the first prompt alone the match would stop at its end)
     assert found["matched_tokens"] > first.usage.prompt_tokens + first.usage.completion_tokens // 2
-    assert found["matched_tokens"] <= second.usage.prompt_tokens_details.cached_tokens + 8
+    assert found["matched_tokens"] <= second.usage.prompt_tokens_details.cached_tokens  # (held: not the last)
 
 
 def test_a_reply_changed_partway_is_named_inside_its_message(running, tokenizer):

@@ -117,10 +117,11 @@ class PrefixExplainer:
     def record_reply(self, prompt: Sequence[int], reply: Sequence[int], root: bytes = ROOT_HASH,
                      segments: Iterable[Segment] = ()) -> None:
         """Remember what the server holds after generating `reply` to `prompt` (recorded before, with
-        its `segments`): the prompt's tokens and the reply's, the reply a segment 'reply'. A next turn
-        that sends the reply back is compared with it where it shares more tokens than with the
-        prompt alone (at least the reply's first)."""
-        ids = [int(t) for t in prompt] + [int(t) for t in reply]
+        its `segments`): the prompt's tokens and the reply's but its last (sampled, never run: no
+        keys or values of it are held), the reply a segment 'reply'. A next turn that sends the
+        reply back is compared with it where it shares more tokens than with the prompt alone (at
+        least the reply's first)."""
+        ids = [int(t) for t in prompt] + [int(t) for t in reply][:-1]
         kept = tuple(segments) if isinstance(segments, (list, tuple)) else segments
         followed = _Followed(kept, Segment("reply", len(prompt), len(ids)))
         self._remember(ids, prefix_digests(ids, self.block_size, root), root, followed, reply=True)
