@@ -16,7 +16,7 @@ from kvcache.blocks.allocator import common_prefix
 from kvcache.engine import Engine
 from kvcache.reuse.explain import CONTEXT_TOKENS, Explanation, PrefixExplainer, Segment
 
-REMEMBERED = 256  # prompts (and explanations by id) kept
+REMEMBERED = 256  # prompts (with their replies) and explanations by id kept
 
 
 class RequestExplainer:
@@ -27,7 +27,8 @@ class RequestExplainer:
     def __init__(self, engine, tokenizer, capacity: int = REMEMBERED) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         decode = None if tokenizer is None else tokenizer.decode
-        self.explainer = PrefixExplainer(engine.limits.block_size, capacity, decode=decode)
+        # (each prompt and, once it is answered, the prompt with its reply)
+        self.explainer = PrefixExplainer(engine.limits.block_size, 2 * capacity, decode=decode)
         self._lock = threading.Lock()
         self._by_id: collections.OrderedDict[str, tuple[Explanation, list[int]]] = collections.OrderedDict()
         self._capacity = capacity
