@@ -49,22 +49,15 @@ MODEL_NAME = "bench"
 
 
 class Served:
-    """A server on a free loopback port for `engine`; explain_s: the explainer's time per request."""
+    """A server on a free loopback port for `engine`; explain_s: the explainer's time per request
+    before it is submitted, reply_s: its time per request after the reply (remembering it)."""
 
     def __init__(self, engine: Engine, tokenizer) -> None:
         app = build_app(engine, tokenizer, ServerSettings(model_name=MODEL_NAME, max_body_bytes=1 << 20))
         self.explain_s: list[float] = []
+        self.reply_s: list[float] = []
         why = app.state.server.why
-        plain = why.explain
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return plain(*args, **kwargs)
-            finally:
-                self.explain_s.append(time.perf_counter() - started)
-
-        why.explain = timed
+        why.explain, why.reply = timed(why.explain, self.explain_s), timed(why.reply, self.reply_s)
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
@@ -80,6 +73,19 @@ class Served:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+def timed(method, times: list[float]):
+    """`method`, each call's time appended to `times`."""
+
+    def wrapped(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - started)
+
+    return wrapped
 
 
 def system_prompt(session: int, minute: int) -> str:
@@ -136,7 +142,8 @@ def send(client: httpx.Client, served: Served, route: str, body: dict, max_token
     """One streamed request: its usage (with kvcache_prefix), time to first token, explainer time."""
     body = {**body, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    before, started, first, usage = len(served.explain_s), time.perf_counter(), None, None
+    before, replied = len(served.explain_s), len(served.reply_s)
+    started, first, usage = time.perf_counter(), None, None
     with client.stream("POST", f"{served.url}/{route}", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{route} answered {response.status_code}: {response.read()[:300]!r}")
@@ -150,7 +157,12 @@ def send(client: httpx.Client, served: Served, route: str, body: dict, max_token
                 first = time.perf_counter() - started
             usage = chunk.get("usage") or usage
     explained = served.explain_s[before:]
-    return {"usage": usage, "ttft_s": first, "explain_s": explained[-1] if explained else None}
+    deadline = time.monotonic() + 30  # (the reply is remembered as the server's stream ends)
+    while len(served.reply_s) == replied and time.monotonic() < deadline:
+        time.sleep(0.001)
+    remembered = served.reply_s[replied:]
+    return {"usage": usage, "ttft_s": first, "explain_s": explained[-1] if explained else None,
+            "reply_s": remembered[-1] if remembered else None}
 
 
 def record(rows: list, kind: str, answer: dict, **where) -> None:
@@ -162,7 +174,7 @@ def record(rows: list, kind: str, answer: dict, **where) -> None:
                  "matched_tokens": prefix["matched_tokens"],
                  "cached_tokens": answer["usage"]["prompt_tokens_details"]["cached_tokens"],
                  "prompt_tokens": answer["usage"]["prompt_tokens"],
-                 "ttft_s": answer["ttft_s"], "explain_s": answer["explain_s"]})
+                 "ttft_s": answer["ttft_s"], "explain_s": answer["explain_s"], "reply_s": answer["reply_s"]})
 
 
 def replay(client, served, shape: dict, rows: list) -> None:
@@ -240,8 +252,12 @@ def run(engine: Engine, tokenizer, sessions: int, turns: int, max_tokens: int) -
 
 
 def summary(rows: list, shape: dict) -> dict:
+    """Accuracy, confusion, and the explainer's cost: its time before the request is submitted
+    over the time to first token, and with its time after the reply added (off that path)."""
     costs = [row["explain_s"] / row["ttft_s"] for row in rows
              if row["ttft_s"] and row["explain_s"] is not None]
+    with_reply = [(row["explain_s"] + (row["reply_s"] or 0.0)) / row["ttft_s"] for row in rows
+                  if row["ttft_s"] and row["explain_s"] is not None]
     return {
         "attribution_accuracy": round(sum(row["correct"] for row in rows) / len(rows), 4),
         "attribution_requests": len(rows),
@@ -249,7 +265,9 @@ def summary(rows: list, shape: dict) -> dict:
         "attribution_confusion": confusion(rows),
         "explainer_cost_over_ttft": round(statistics.median(costs), 5),
         "explainer_cost_over_ttft_max": round(max(costs), 5),
+        "explainer_cost_with_reply_over_ttft": round(statistics.median(with_reply), 5),
         "explain_s_median": round(statistics.median(row["explain_s"] for row in rows), 6),
+        "reply_s_median": round(statistics.median(row["reply_s"] or 0.0 for row in rows), 6),
         "ttft_s_median": round(statistics.median(row["ttft_s"] for row in rows if row["ttft_s"]), 4),
         "attribution_rows": rows,
     }
