@@ -50,14 +50,17 @@ MODEL_NAME = "bench"
 
 class Served:
     """A server on a free loopback port for `engine`; explain_s: the explainer's time per request
-    before it is submitted, reply_s: its time per request after the reply (remembering it)."""
+    before it is submitted; reply_s, warm_s: its times after the reply (remembering it; a chat's
+    history rendered for the next turn, on a preparing thread)."""
 
     def __init__(self, engine: Engine, tokenizer) -> None:
         app = build_app(engine, tokenizer, ServerSettings(model_name=MODEL_NAME, max_body_bytes=1 << 20))
         self.explain_s: list[float] = []
         self.reply_s: list[float] = []
+        self.warm_s: list[float] = []
         why = app.state.server.why
         why.explain, why.reply = timed(why.explain, self.explain_s), timed(why.reply, self.reply_s)
+        why.warm = timed(why.warm, self.warm_s)
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
@@ -142,7 +145,7 @@ def send(client: httpx.Client, served: Served, route: str, body: dict, max_token
     """One streamed request: its usage (with kvcache_prefix), time to first token, explainer time."""
     body = {**body, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    before, replied = len(served.explain_s), len(served.reply_s)
+    before, replied, warmed = len(served.explain_s), len(served.reply_s), len(served.warm_s)
     started, first, usage = time.perf_counter(), None, None
     with client.stream("POST", f"{served.url}/{route}", json=body) as response:
         if response.status_code != 200:
@@ -158,11 +161,12 @@ def send(client: httpx.Client, served: Served, route: str, body: dict, max_token
             usage = chunk.get("usage") or usage
     explained = served.explain_s[before:]
     deadline = time.monotonic() + 30  # (the reply is remembered as the server's stream ends)
-    while len(served.reply_s) == replied and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (len(served.reply_s) == replied or (
+            route == "chat/completions" and len(served.warm_s) == warmed)):
         time.sleep(0.001)
-    remembered = served.reply_s[replied:]
+    after = served.reply_s[replied:][-1:] + served.warm_s[warmed:][-1:]
     return {"usage": usage, "ttft_s": first, "explain_s": explained[-1] if explained else None,
-            "reply_s": remembered[-1] if remembered else None}
+            "reply_s": sum(after) if after else None}
 
 
 def record(rows: list, kind: str, answer: dict, **where) -> None:

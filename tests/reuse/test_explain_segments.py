@@ -4,9 +4,10 @@ another order are named as such), and the renders of a conversation's message pr
 remembered, so its next turn renders only its new messages. A toy template, one token a character."""
 
 import json
+from types import SimpleNamespace
 
 from kvcache.reuse.explain import PrefixExplainer, Segment
-from kvcache.server.why import PrefixRenders, tools_segment
+from kvcache.server.why import PrefixRenders, RequestExplainer, tools_segment
 
 BLOCK = 4
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
@@ -92,3 +93,19 @@ def test_the_record_of_renders_is_bounded():
     for index in range(10):
         renders.lengths([{"role": "user", "content": f"message {index}"}], {})
     assert len(renders) == 3
+
+
+def test_a_history_rendered_after_its_reply_leaves_the_next_turn_one_render():
+    """RequestExplainer.warm (run after a reply) renders the whole history, so the next turn's hit,
+    named in the message after it, renders only the prefix that ends that message."""
+    tokenizer = ToyTokenizer()
+    why = RequestExplainer(SimpleNamespace(limits=SimpleNamespace(block_size=BLOCK)), tokenizer)
+    kwargs = {"tools": TOOLS}
+    why.explain(CHAT, tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, **kwargs), None, kwargs)
+    why.warm(CHAT, kwargs)
+    turn = CHAT + [{"role": "assistant", "content": "Reading it."}, {"role": "user", "content": "Go on."}]
+    ids = tokenizer.apply_chat_template(turn, add_generation_prompt=True, **kwargs)
+    before = tokenizer.renders
+    found = why.explain(turn, ids, None, kwargs)
+    assert (found.cause, found.segment) == ("hit", "message 2")
+    assert tokenizer.renders - before == 1

@@ -408,14 +408,16 @@ class _Server:
 
     def _remember(self, call: Call, ids: list[int], choices: Choices) -> None:
         """Each finished choice's reply told to the explainer (what the server holds after it:
-        prompt `ids` and the reply's tokens) and, with --restore-reasoning, its reasoning kept for
-        the next turn."""
+        prompt `ids` and the reply's tokens; the history rendered for the next turn's explanation,
+        on a preparing thread) and, with --restore-reasoning, its reasoning kept for the next turn."""
         for handle in choices.handles:
             completion = handle.result() if handle.done else None
             if completion is None or completion.finish_reason in ("error", "cancelled"):
                 continue
             self.why.reply(call.prompt, ids, completion.tokens, call.params.cache_salt,
                            call.template_variables())
+            if handle is choices.handles[0]:
+                self.preparing.submit(self.why.warm, call.prompt, call.template_variables())
             if self.settings.prerender_next_turn and call.kind == "chat" and handle is choices.handles[0]:
                 message = self._choice(call, 0, completion)["message"]
                 self.preparing.submit(self._prerender, call, message)

@@ -55,6 +55,14 @@ class RequestExplainer:
         with self._lock:
             self.explainer.record_reply(ids, reply, salt_root(cache_salt), segments)
 
+    def warm(self, prompt, template_kwargs: dict | None = None) -> None:
+        """Render a chat's whole history (without a generation prompt) and keep its length: the
+        next turn's explanation reads the segment after it. For after a reply, off the event loop
+        (on a preparing thread): the render is then not on the next turn's way to its first token."""
+        chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+        if chat and self.tokenizer is not None:
+            self.renders.whole_length(prompt, template_kwargs or {})
+
     def segments(self, prompt, length: int, template_kwargs: dict | None = None) -> list[Segment]:
         """Token ranges of a chat prompt's messages (each rendered prefix's length, with the tools and
         template variables the prompt had), the tools the template wrote into the first message, the
@@ -117,6 +125,14 @@ class PrefixRenders:
             key.update(_content(message))
             yield self._remembered(key.digest(), lambda end=index + 1: len(
                 self.tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **kwargs)))
+
+    def whole_length(self, messages: list[dict], kwargs: dict) -> int:
+        """`lengths`' last: all of `messages` rendered without a generation prompt (remembered)."""
+        key = _keyed(b"lengths", kwargs)
+        for message in messages:
+            key.update(_content(message))
+        return self._remembered(key.digest(), lambda: len(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)))
 
     def tools(self, first: dict, kwargs: dict) -> tuple[list[int], list[int]]:
         """The first message rendered with kwargs' tools and without them (both empty when none)."""
