@@ -11,6 +11,11 @@ which must be a `hit`) and then once more with ONE injected perturbation of a kn
     whitespace          the last tool result's double space sent as one
     cache_salt          the control again under another cache_salt
 
+The server's replies are the transcript's: each chat request's reply is held by a grammar to the
+text the model writes for the agent's next step (the template's render of that assistant message),
+so the history a later turn sends holds the server's own earlier reply, as an agent's does, and the
+explainer compares it with what the server holds after that reply (cut at max_tokens, as a reply is).
+
 Besides: each session's first turn (never seen), two completions shorter than a block, and, after
 filler prompts that oversubscribe the KV pool, each session's last turn again (evicted from the
 memory tier: the server runs no lower tier). Each answer's `usage.kvcache_prefix.cause` is
@@ -20,6 +25,7 @@ wrapping it) is set against the request's time to first token (streamed, measure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -30,6 +36,7 @@ import httpx
 import uvicorn
 
 from kvcache.engine import Engine
+from kvcache.generation.structured import StructuredOutput
 from kvcache.server import ServerSettings, bind, build_app
 
 EXPECTED = {"first_turn": "never_seen", "control": "hit", "reasoning_dropped": "reasoning_rerendered",
@@ -55,12 +62,23 @@ class Served:
 
     def __init__(self, engine: Engine, tokenizer) -> None:
         app = build_app(engine, tokenizer, ServerSettings(model_name=MODEL_NAME, max_body_bytes=1 << 20))
+        self.tokenizer = tokenizer
         self.explain_s: list[float] = []
         self.reply_s: list[float] = []
         self.warm_s: list[float] = []
         why = app.state.server.why
         why.explain, why.reply = timed(why.explain, self.explain_s), timed(why.reply, self.reply_s)
         why.warm = timed(why.warm, self.warm_s)
+        self.forced: str | None = None  # the text the next chat reply is held to (None: the model's own)
+        submit = engine.submit
+
+        def forced(prompt, params, **options):
+            if self.forced is None:
+                return submit(prompt, params, **options)
+            grammar = StructuredOutput("grammar", f"start: {json.dumps(self.forced)}\n", "bench")
+            return submit(prompt, dataclasses.replace(params, structured=grammar), **options)
+
+        engine.submit = forced
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
@@ -118,6 +136,25 @@ def tool_result(session: int, step: int, strip: bool, tools: bool) -> dict:
     if not tools:
         return {"role": "user", "content": f"Tool result:\n{text}"}
     return {"role": "tool", "tool_call_id": f"call-{session}-{step}", "content": text}
+
+
+def reply_text(tokenizer, body: dict, message: dict) -> str | None:
+    """The text the model writes as `message` in answer to `body`'s chat: the template's render of the
+    history with it, after the render with the generation prompt, up to the end-of-turn marker (what
+    follows a one-letter reply's text); None where the template renders the two otherwise."""
+    variables = {"tools": body["tools"]} if "tools" in body else {}
+    messages = body["messages"]
+
+    def render(history: list, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(history, add_generation_prompt=prompt, tokenize=False,
+                                             **variables)
+
+    head, whole = render(messages, True), render(messages + [message], False)
+    probe = render(messages + [{"role": "assistant", "content": "Q"}], False)
+    marker = probe[len(head) + 1:] if probe.startswith(head + "Q") else ""
+    if not whole.startswith(head) or not marker or not whole.endswith(marker):
+        return None
+    return whole[len(head): len(whole) - len(marker)]
 
 
 def turn_request(session: int, turn: int, perturbation: str | None = None, tools: bool = True) -> dict:
@@ -191,8 +228,10 @@ def replay(client, served, shape: dict, rows: list) -> None:
         for session in range(shape["sessions"]):
             def ask(kind: str, perturbation: str | None = None, session: int = session,
                     turn: int = turn) -> None:
-                answer = send(client, served, "chat/completions",
-                              turn_request(session, turn, perturbation, tools), max_tokens)
+                body = turn_request(session, turn, perturbation, tools)
+                served.forced = reply_text(served.tokenizer, body, assistant(session, turn, "kept", tools))
+                answer = send(client, served, "chat/completions", body, max_tokens)
+                served.forced = None
                 record(rows, kind, answer, session=session, turn=turn)
 
             if turn == 0:
