@@ -72,15 +72,41 @@ class StructuredOutput:
 
 class TokenTable:
     """A tokenizer's vocabulary as llguidance reads it (its tokenizer.json, `vocab_size` rows: the
-    model's logits), with `eos_ids` the ids that end a reply."""
+    model's logits), with `eos_ids` the ids that end a reply. Added tokens that are not special
+    (Qwen2.5's `<tool_call>`: text its template writes) are text here: llguidance reads every added
+    token of a tokenizer.json as special, yet tokenizes a grammar's forced text into them, so its
+    mask would allow a token it then refuses to follow."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         import llguidance
 
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words of one packed mask
-        self.llg = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
-                                          eos_token=list(eos_ids))
+        source = tokenizer.backend.to_str()
+        self.llg = llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=list(eos_ids))
+        added = json.loads(source).get("added_tokens") or []
+        if any(not token.get("special", True) for token in added):
+            texts = _AddedAsText(tokenizer.backend, self.llg, vocab_size, eos_ids,
+                                 [token["id"] for token in added if token.get("special", True)])
+            self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(texts), n_vocab=vocab_size,
+                                              eos_token=list(eos_ids))
+
+
+class _AddedAsText:
+    """What llguidance's TokenizerWrapper reads: each token's bytes (as `llg`, a table built from the
+    tokenizer.json, decodes them), the special ids (the added tokens marked special), and the
+    tokenizer's own encoding of a text (added tokens that are text included)."""
+
+    def __init__(self, backend, llg, vocab_size: int, eos_ids: tuple[int, ...], special: list[int]) -> None:
+        self.backend = backend
+        self.eos_token_id, self.bos_token_id = eos_ids[0], None
+        self.tokens = [llg.decode_bytes([token]) for token in range(vocab_size)]
+        self.special_token_ids = special
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (llguidance then hands over text, splitting bytes itself)
+            raise TypeError("the tokenizer encodes text, not bytes")
+        return self.backend.encode(text, add_special_tokens=False).ids
 
 
 class GrammarState:
