@@ -11,7 +11,8 @@ Settings: `lru` (the pool alone, no hints), `lru_disk` (a disk tier below it, no
 `sessions` (the disk tier, every turn hinted with its session id and demote to disk, the last
 turn release: kvcache.engine.sessions).
 
-    .venv/bin/python benchmarks/bench_sessions.py [--sessions 6 --turns 4 --pool-blocks 36]
+    .venv/bin/python benchmarks/bench_sessions.py --model qwen2.5-coder-0.5b [--sessions 6 --turns 4
+        --pool-blocks 36]
 
 Then the prefix-miss explainer's attribution (`sessions_attribution.py`: agent transcripts with
 tool pauses replayed through a server on loopback, one injected perturbation of a known cause a
@@ -20,8 +21,9 @@ runs that part alone and keeps the file's other keys (each part names its model)
 
     .venv/bin/python benchmarks/bench_sessions.py --attribution-only --model qwen2.5-coder-0.5b
 
-On the bundled tiny model by default (`--model NAME` for another of `kvcache.load_model`'s).
-Results: benchmarks/results/sessions.json. Not a test.
+On the bundled tiny model by default (`--model NAME` for another of `kvcache.load_model`'s;
+results/sessions.json holds Qwen2.5-Coder-0.5B's, both parts). Results:
+benchmarks/results/sessions.json. Not a test.
 """
 
 from __future__ import annotations
