@@ -228,3 +228,21 @@ def test_a_remembered_reply_is_the_closest_only_where_the_history_holds_its_star
     assert (found.cause, found.first_divergent_token, found.segment) == ("edited", at, "message 2")
     other, other_segments = render(TURN[:2] + [("assistant", "Nothing alike"), ("user", "Another")])
     assert explain.explain(other, segments=other_segments).cause == "hit"
+
+
+def test_a_reply_that_opened_with_reasoning_sent_back_without_it_is_reasoning_rerendered():
+    """A history whose message holds none of the server's reply (not its first token) continues the
+    prompt; where the reply opened with a <think> block the message lacks (a client that drops
+    reasoning, a template that renders nothing in its place), that is named at the reply's start."""
+    asked, asked_segments = render(TURN[:2])
+    explain = explainer()
+    explain.observe(asked, segments=asked_segments)
+    explain.record_reply(asked, [ord(c) for c in "<think>count</think>Blocks kept warm<|end|>"],
+                         segments=asked_segments)
+    dropped, dropped_segments = render(TURN[:2] + [("assistant", "Blocks kept warm"), ("user", "More")])
+    found = explain.explain(dropped, segments=dropped_segments)
+    assert (found.cause, found.first_divergent_token, found.segment) == (
+        "reasoning_rerendered", len(asked), "message 2")
+    kept, kept_segments = render(TURN[:2] + [("assistant", "<think>count</think>Blocks kept warm"),
+                                              ("user", "More")])
+    assert explain.explain(kept, segments=kept_segments).cause == "hit"

@@ -66,3 +66,19 @@ def test_a_reply_changed_partway_is_named_inside_its_message(running, tokenizer)
          {"role": "assistant", "content": changed}, {"role": "user", "content": "Show an example."}],
         add_generation_prompt=True)
     assert tokenizer.decode(prompt[at:]).lstrip().startswith("sometimes drops")
+
+
+def test_a_reply_sent_back_without_the_reasoning_it_opened_with_is_named_at_the_reply(running):
+    """The bundled template renders a history's assistant text as it is: a client that drops the
+    reply's <think> block sends none of the reply's tokens, and is told so where the reply began."""
+    running.reply = "<think>\nRecall the protocol first.\n</think>\n\n" + REPLY
+    try:
+        history = [{"role": "user", "content": "What does the with statement guarantee?"}]
+        first = ask(running, history)
+        history += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "Show an example."}]
+        second = ask(running, history)
+    finally:
+        running.reply = REPLY
+    found = prefix_of(second)
+    assert (found["cause"], found["segment"]) == ("reasoning_rerendered", "message 1")
+    assert found["first_divergent_token"] == found["matched_tokens"] == first.usage.prompt_tokens

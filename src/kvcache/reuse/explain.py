@@ -136,7 +136,7 @@ class PrefixExplainer:
         if not digests:
             return Explanation(0, None, _segment_at(segments, 0), "shorter_than_block")
         reusable = len(ids) - 1  # the last token is always run, for its logits
-        closest, blocks, matched = self._closest(ids[:reusable], digests)
+        closest, blocks, matched, rival = self._closest(ids[:reusable], digests)
         if closest is None:
             return self._unmatched(ids, segments)
         # nothing diverged where every token the two have in common matched: a repeat, or a prompt
@@ -150,19 +150,24 @@ class PrefixExplainer:
             return Explanation(matched, first, _segment_at(segments, first), "evicted", tiers)
         if self.window is not None and matched > self.window:
             return Explanation(matched, self.window, _segment_at(segments, self.window), "window")
+        if not diverged and rival is not None and self._reasoning_dropped(ids, rival, matched, segments):
+            return Explanation(matched, matched, _segment_at(segments, matched), "reasoning_rerendered")
         if not diverged:
             return Explanation(matched, None, _segment_at(segments, matched), "hit")
         return Explanation(matched, matched, _segment_at(segments, matched),
                            self._cause(ids, closest, matched, segments))
 
-    def _closest(self, ids: list[int], digests: list[bytes]) -> tuple[_Seen | None, int, int]:
+    def _closest(self, ids: list[int], digests: list[bytes]) -> tuple[_Seen | None, int, int, _Seen | None]:
         """The remembered prompt sharing the most leading tokens with `ids` (a prompt's reusable
         part, whose whole blocks hash to `digests`) among those sharing a whole block with it, the
         newest of equals; with the whole blocks and the tokens it shares. After the shared blocks,
         tokens are compared one by one: in the first differing block or the last partial one, so
         never more than a block of them. A prompt with its reply is the closest only where it shares
-        more tokens than any prompt (a history that holds none of the reply continues the prompt)."""
+        more tokens than any prompt (a history that holds none of the reply continues the prompt).
+        Last: where a prompt is chosen, the newest prompt with its reply sharing as many tokens
+        (None if none), whose reply `_reasoning_dropped` reads."""
         best, blocks, most = None, 0, (0, False)
+        rival, rival_tokens = None, 0
         for seen in reversed(self._seen):
             shared = common_prefix(digests, seen.digests)
             if not shared:
@@ -172,7 +177,22 @@ class PrefixExplainer:
             tokens = start + common_prefix(ids[start:end], seen.tokens[start:end])
             if (tokens, not seen.reply) > most:
                 best, blocks, most = seen, shared, (tokens, not seen.reply)
-        return best, blocks, most[0]
+            if seen.reply and tokens > rival_tokens:
+                rival, rival_tokens = seen, tokens
+        tied = best is not None and not best.reply and rival_tokens == most[0]
+        return best, blocks, most[0], rival if tied else None
+
+    def _reasoning_dropped(self, ids: list[int], rival: _Seen, index: int,
+                           segments: Iterable[Segment]) -> bool:
+        """Whether the server's reply in `rival` (a prompt and its reply, sharing `index` tokens with
+        `ids`) goes on at `index` with a reasoning block where the new prompt's segment there has
+        none: a client that dropped the reasoning the reply opened with, under a template that
+        renders nothing in its place."""
+        if self.decode is None or index >= min(len(ids) - 1, len(rival.tokens)):
+            return False
+        mine = _segment_of(segments, index)
+        new_text = self.decode(ids[index: mine.end] if mine else ids[index:])
+        return self.decode(rival.tokens[index:]).lstrip().startswith("<think>") and not THINK.search(new_text)
 
     def _unmatched(self, ids: list[int], segments: Iterable[Segment]) -> Explanation:
         """No block of `ids` under its root was seen: another salt's prompt with its tokens, or none."""
