@@ -1,8 +1,9 @@
-"""Why a prompt missed the prefix cache: a bounded record of the prompts a server has seen (their
-tokens and chained block hashes) and, for a new prompt, the closest earlier one (longest common
-block-hash prefix, then tokens inside the first differing or the last partial block), where the two
-part (token index, the chat segment holding it) and the cause, told apart from what the server
-sees. Pure: it never touches a prompt's tokens, only reads them."""
+"""Why a prompt missed the prefix cache: a bounded record of the prompts a server has seen and of
+what it held after each reply (their tokens and chained block hashes) and, for a new prompt, the
+closest earlier one (longest common block-hash prefix, then tokens inside the first differing or
+the last partial block), where the two part (token index, the chat segment holding it) and the
+cause, told apart from what the server sees. Pure: it never touches a prompt's tokens, only reads
+them."""
 
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ class _Seen:
 
 
 class PrefixExplainer:
-    """Remembers the last `capacity` prompts (tokens, block hashes, salt root, segments) and explains a
-    new prompt against them. block_size: the pool's; window: the tokens a hit may reuse at most (a
-    sliding-window retention boundary; None: no bound); decode: token ids -> text, for the causes
-    told apart by text (None: those become 'edited')."""
+    """Remembers the last `capacity` prompts and prompts with their replies (tokens, block hashes,
+    salt root, segments) and explains a new prompt against them. block_size: the pool's; window:
+    the tokens a hit may reuse at most (a sliding-window retention boundary; None: no bound);
+    decode: token ids -> text, for the causes told apart by text (None: those become 'edited')."""
 
     def __init__(self, block_size: int, capacity: int = 256, window: int | None = None,
                  decode: Callable[[list[int]], str] | None = None) -> None:
