@@ -23,7 +23,9 @@ set, the largest over rounds) and `rss_budget_mb`: the file + its KV cache (floa
 tokens) + the process's own baseline + 64 MB, the baseline being the peak resident set of the same
 `generate` on the bundled 3.2M-parameter model (libraries imported, kernels compiled, its weights
 and cache a few MB). Every command and every round is written to benchmarks/results/models.json.
-The served ratios (`ratio_serve_1`, `ratio_serve_16`) come from bench_serve_gguf.py. Not a test.
+With `--llama-server PATH`, also the served ratios `ratio_serve_1` and `ratio_serve_16`:
+bench_serve_gguf.py's rounds (`kvcache serve` against `llama-server` on the same file, 1 and 16
+streaming clients, `--serve-rounds` each), their runs kept beside the key. Not a test.
 """
 
 from __future__ import annotations
@@ -153,6 +155,21 @@ def kv_mb(gguf: str, tokens: int) -> float:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * tokens * head_dim * 4 / 1e6
 
 
+def served_ratios(gguf: str, args) -> dict:
+    """`ratio_serve_1` and `ratio_serve_16` (bench_serve_gguf.py's medians over its rounds) and
+    their runs (`served`)."""
+    from bench_serve_gguf import run as serve_rounds
+
+    found, served = {}, {}
+    for clients in (1, 16):
+        print(f"{Path(gguf).name}: served, {clients} client(s)…", file=sys.stderr, flush=True)
+        options = argparse.Namespace(llama_server=args.llama_server, threads=args.threads, new_tokens=64,
+                                     prompt_words=120, clients=clients, rounds=args.serve_rounds)
+        served[clients] = serve_rounds(options, gguf)
+        found[f"ratio_serve_{clients}"] = served[clients]["ratio_vs_llama_server"]
+    return {**found, "served": served}
+
+
 def measure_model(model: str, args, baseline_mb: float) -> dict:
     from kvcache.defaults import resolve_model_dir
 
@@ -171,6 +188,8 @@ def measure_model(model: str, args, baseline_mb: float) -> dict:
     tokens = rounds[0]["measures"]["decode"]["kvcache"]["prompt_tokens"] + args.new_tokens
     file_mb = Path(gguf).stat().st_size / 1e6
     budget = file_mb + kv_mb(gguf, tokens) + baseline_mb + 64
+    if args.llama_server:
+        result.update(served_ratios(gguf, args))
     print(f"{model}: a first run's compile (empty numba cache)…", file=sys.stderr, flush=True)
     result.update(first_run_compile_s=first_run_compile_s(model), peak_rss_mb=peak, rss_budget_mb=budget,
                   file_mb=file_mb, baseline_rss_mb=baseline_mb, gguf=Path(gguf).name, rounds=rounds)
@@ -185,6 +204,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: also the served ratios")
+    parser.add_argument("--serve-rounds", type=int, default=3, help="rounds a served measure (default 3)")
     parser.add_argument("--out", type=Path, default=RESULTS / "models.json")
     args = parser.parse_args()
     models = args.model or ["smollm2", "qwen2.5-coder-0.5b"]

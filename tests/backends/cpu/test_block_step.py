@@ -359,3 +359,8 @@ def test_a_prompts_chunks_run_on_the_matrix_unit_where_there_is_one_and_give_one
     for chunk_size in (16, 24, None):
         chunked = paged_logits(model, backend, prompt, tokens, chunk_size=chunk_size)
         assert all(torch.equal(a, b) for a, b in zip(chunked, single)), chunk_size
+    order_free = BlockBackend(model, exact_prompts=False)  # (named: a long step on torch's attention)
+    assert not order_free.chunk_invariant
+    whole = paged_logits(model, order_free, prompt, tokens)
+    for mine, exact in zip(whole, single):
+        torch.testing.assert_close(mine, exact, atol=2e-4, rtol=1e-4)

@@ -99,11 +99,16 @@ class BlockBackend(CpuBackend):
     #: once for all its queries (docs/backends.md, block_step.py)
     kernel_rows = 16
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, exact_prompts: bool = True) -> None:
+        """exact_prompts: with q8 activations, a step of more than `kernel_rows` tokens runs each
+        token's norms and attention in the layer kernels' arithmetic (chunk-invariant: the
+        default; each query's keys scored one query at a time, which costs more the longer the
+        prompt); False: torch's fused attention over a chunk's keys, order-free (its logits may
+        part from a token-at-a-time run's in the last bits), for long prompts' speed."""
         require_supported(model)
         super().__init__(model)
         q8 = _reads_q8_everywhere(model)
-        self.chunk_invariant = q8
+        self.chunk_invariant = q8 and exact_prompts
         #: every product reads Q8 activations and the CPU has a matrix unit: products of
         #: `numba_kernels.TILE_ROWS` rows or more run on its tiles (the same sums to the bit)
         self.on_tiles = q8 and numba_products.matrix_unit() is not None
