@@ -76,7 +76,7 @@ def _reads_q8_everywhere(model) -> bool:
     a row the same sums alone or beside others, on the one-row dots, their 4x4 tiles or the
     matrix unit's (each row's activations quantized on their own, every block added in one
     arithmetic: `tests/backends/cpu/test_block_step.py`, `test_numba_amx.py`), so a
-    step of any size is chunk-invariant (`paged_step._per_token` past `kernel_rows` tokens); a
+    step of any size is chunk-invariant (`paged_step._each_token_attention` past `kernel_rows` tokens); a
     float32 part's product is not."""
     linears = [one for layer in model.model.layers for _, fused in fused_products(layer) for one in fused]
     return all(isinstance(linear, QuantizedLinear) and linear.weight_blocks.activations == "q8"

@@ -109,7 +109,7 @@ class CpuBackend(Backend):
 
     def rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(cos, signed_sin), each (N, D) float32, of positions (N,): the model's RotaryEmbedding
-        table, which every CPU step turns its queries and keys by (`rows.rotate`, the kernels'
+        table, which every CPU step turns its queries and keys by (the kernels'
         `turned`)."""
         needed = int(positions.max()) + 1
         if needed > len(self._cos):

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.backends.cpu import numba_products
-from kvcache.backends.cpu.rows import rms_norm
 from kvcache.backends.cpu.threads import torch_threads
 from kvcache.cache.arrays import array_of, tensor_of
 from kvcache.cache.masks import visible_keys
@@ -88,7 +87,7 @@ def run(step, batch) -> torch.Tensor:
         numba_products.set_threads(threads)
         x = step.embed_rows(rows.ids)  # (N, hidden)
         cos, signed_sin = step.rope_rows(rows.positions)  # (N, D) each
-        layers = _on_kernels if on_kernels else _per_token if step.chunk_invariant else _with_products
+        layers = _on_kernels if on_kernels else _with_products
         layers(step, x, cos, signed_sin, rows, storages, layouts, groups, recent)
         return torch.from_numpy(_logits(step, x[rows.last]))
 
@@ -170,59 +169,52 @@ def _on_kernels(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, gr
 
 def _with_products(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups, recent) -> None:
     """Every layer's products on the backend's products for many rows, the kernels between them
-    (`rope`, `store`, `attention`), x in place."""
+    (`normed_rows`, `rope`, `store`, the SwiGLU, attention), x in place. Each token's norms and
+    SwiGLU are the layer kernels' functions; its attention too where the step is
+    chunk-invariant (`_each_token_attention`), else a prompt chunk's on torch (`_attention`)."""
     kernels = numba_products.kernels()
     heads, kv_heads, eps = step.heads, step.kv_heads, step.eps
     kernel_layers, _, _ = step.row_layers
     layers, _, linear = step.products(len(x))
+    attention = _each_token_attention if step.chunk_invariant else _attention
     for index, (w, norms, storage, layout, (tables, slots)) in enumerate(zip(
         layers, kernel_layers, storages, layouts, groups
     )):
-        qkv = linear(rms_norm(x, w.norm1, eps), w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
+        qkv = linear(_normed(x, w.norm1, eps), w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
         kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
         kernels.store(qkv, heads, kv_heads, slots, *storage[:2])
         recent.keep(index, qkv, heads, kv_heads)
-        attended = _attention(step, qkv, rows, storage, tables, layout, recent.read(index))
+        attended = attention(step, qkv, rows, storage, tables, layout, recent.read(index))
         x += linear(attended, w.o, w.o_bias)
-        gate_up = linear(rms_norm(x, w.norm2, eps), w.gate_up, w.gate_up_bias)
+        gate_up = linear(_normed(x, w.norm2, eps), w.gate_up, w.gate_up_bias)
         x += linear(_swiglu(gate_up), w.down, w.down_bias)
 
 
-#: tokens `_per_token` attends to at once: its scratch grows with tokens × keys
+def _normed(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (N, n) / rms(x) · weight (n,) per row, on the kernels (`normed_rows`: the layer kernels'
+    arithmetic); a new array."""
+    out = np.empty_like(x)
+    numba_products.kernels().normed_rows(x, weight, eps, out)
+    return out
+
+
+#: tokens `_each_token_attention` attends to a call: the kernel's scratch grows with tokens × keys
 ATTENDED_AT_ONCE = 32
 
 
-def _per_token(step, x, cos, signed_sin, rows: TokenRows, storages, layouts, groups, recent) -> None:
-    """`_with_products`, every token's arithmetic the layer kernels' (`chunk_invariant`): the
-    products' sums are theirs already; the norms (`normed_rows`), the SwiGLU and each token's
-    attention (`attention`, ATTENDED_AT_ONCE tokens a call) are their own functions, so a token
-    gets the logits it gets in a step of any size, to the bit. x in place."""
-    kernels = numba_products.kernels()
-    heads, kv_heads, dim, eps = step.heads, step.kv_heads, step.head_dim, step.eps
-    kernel_layers, _, _ = step.row_layers
-    layers, _, linear = step.products(len(x))
-    normed = np.empty_like(x)
-    attended = np.empty((len(x), heads * dim), np.float32)
-    for index, (w, norms, storage, layout, (tables, slots)) in enumerate(zip(
-        layers, kernel_layers, storages, layouts, groups
-    )):
-        kernels.normed_rows(x, w.norm1, eps, normed)
-        qkv = linear(normed, w.qkv, w.qkv_bias)  # (N, (H + 2·H_kv)·D)
-        kernels.rope(qkv, cos, signed_sin, norms.q_norm, norms.k_norm, eps, step.scale, heads, kv_heads)
-        kernels.store(qkv, heads, kv_heads, slots, *storage[:2])
-        recent.keep(index, qkv, heads, kv_heads)
-        window = recent.read(index)
-        for at in range(0, len(x), ATTENDED_AT_ONCE):
-            these = slice(at, at + ATTENDED_AT_ONCE)
-            kernels.attention(
-                qkv[these], heads, kv_heads, storage[0], storage[1], tables, rows.table_row[these],
-                rows.lengths[these], layout, _NO_MASK, storage[3],
-                window if not len(window[2]) else (*window[:2], window[2][these]), attended[these],
-            )
-        x += linear(attended, w.o, w.o_bias)
-        kernels.normed_rows(x, w.norm2, eps, normed)
-        gate_up = linear(normed, w.gate_up, w.gate_up_bias)
-        x += linear(_swiglu(gate_up), w.down, w.down_bias)
+def _each_token_attention(step, qkv, rows: TokenRows, storage, tables, layout, recent: tuple) -> np.ndarray:
+    """(N, H·D) attention of every token of a step on the kernels' attention, each query over its
+    own keys in the order a one-token step scores them, ATTENDED_AT_ONCE tokens a call.
+    storage: `_kernel_storage`'s; recent: the kernels' argument."""
+    attended = np.empty((len(qkv), step.heads * step.head_dim), np.float32)
+    for at in range(0, len(qkv), ATTENDED_AT_ONCE):
+        these = slice(at, at + ATTENDED_AT_ONCE)
+        numba_products.kernels().attention(
+            qkv[these], step.heads, step.kv_heads, storage[0], storage[1], tables, rows.table_row[these],
+            rows.lengths[these], layout, _NO_MASK, storage[3],
+            recent if not len(recent[2]) else (*recent[:2], recent[2][these]), attended[these],
+        )
+    return attended
 
 
 def _swiglu(gate_up: np.ndarray) -> np.ndarray:
@@ -330,4 +322,4 @@ def _logits(step, x: np.ndarray) -> np.ndarray:
                                                 rounding, logits)
         return logits
     _, lm_head, linear = step.products(len(x))
-    return linear(rms_norm(x, step.final_norm, step.eps), lm_head, None)
+    return linear(_normed(x, step.final_norm, step.eps), lm_head, None)
