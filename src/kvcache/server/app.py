@@ -417,15 +417,22 @@ class _Server:
             self.why.reply(call.prompt, ids, completion.tokens, call.params.cache_salt,
                            call.template_variables())
             if handle is choices.handles[0]:
-                self.preparing.submit(self.why.warm, call.prompt, call.template_variables())
+                self._in_background(self.why.warm, call.prompt, call.template_variables())
             if self.settings.prerender_next_turn and call.kind == "chat" and handle is choices.handles[0]:
                 message = self._choice(call, 0, completion)["message"]
-                self.preparing.submit(self._prerender, call, message)
+                self._in_background(self._prerender, call, message)
             if self.own is None or call.kind != "chat":
                 continue
             content = read_reply(call, completion.text or "")[1]
             self.own.remember(call.prompt, call.template_variables(), completion.text or "",
                               bool(call.reasoning), content)
+
+    def _in_background(self, work, *args) -> None:
+        """`work(*args)` on a preparing thread; not once the server has shut them down (stopping)."""
+        try:
+            self.preparing.submit(work, *args)
+        except RuntimeError:  # (cannot schedule new futures after shutdown: the server is stopping)
+            return
 
     def _prerender(self, call: Call, message: dict) -> None:
         """--prerender-next-turn (on a preparing thread): the history and `message` (the reply as the
