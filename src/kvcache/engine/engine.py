@@ -39,6 +39,7 @@ from kvcache.engine.request import Completion, Request, RequestHandle, notify_al
 from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
 from kvcache.engine.sessions import KVHints, Sessions
+from kvcache.engine.speculation import RowDrafts, choose_in_rounds, engine_mode, request_mode
 from kvcache.engine.step_costs import StepCosts
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
@@ -83,6 +84,11 @@ class Engine:
             a full-precision shadow pool of a quarter of the pool's bytes, measuring at each of
             their positions how far the stored blocks moved the next-token distribution
             (`drift_probe`; each Completion's `kv_drift`, `stats()["kv_drift"]`); 0: no probe.
+        speculate: the requests' default for speculative decoding (`speculation`): None (off:
+            only a request whose params say speculate="ngram" drafts) or "ngram" (every request
+            drafts by prompt lookup unless its params say speculate="off"). Refused
+            (RequestError) on a backend whose steps are not chunk-invariant, with sliding-window
+            layers, a kv_dtype or a kv_window, where drafts could change a token.
     """
 
     def __init__(
@@ -95,6 +101,7 @@ class Engine:
         scheduler: SchedulerConfig | None = None,
         kv_events=None,
         kv_drift_sample: float = 0.0,
+        speculate: str | None = None,
         **settings,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -111,6 +118,7 @@ class Engine:
             self.kv_events.attach(self.pool.cache.allocator, self.pool.connector)  # (full layers, or window)
         self.backend = choose_backend(model, backend)
         self.runner = Runner(model, self.backend)
+        self.speculate = engine_mode(speculate, self.backend, model, pool)
         self.drift_probe = self._drift_probe(kv_drift_sample, pool.kv_dtype)
         # bounds what a prompt adds to a step while rows decode (a factor of None: only the budget)
         self.step_costs = StepCosts(scheduler.prefill_slowdown, maximum=scheduler.token_budget)
@@ -211,11 +219,14 @@ class Engine:
             raise RequestError("stop strings need the engine's tokenizer to read the generated text")
         rule = StopRule((*eos, *params.stop_token_ids), params.stop, self.tokenizer, text=True)
         grammar = None if params.structured is None else self._grammar(params.structured)
+        mode = request_mode(params.speculate, self.speculate, self.backend, self.model, self.pool_config)
+        drafts = RowDrafts() if mode is not None and grammar is None else None  # (a grammar: none)
         with self._lock:
             request_id = self._ids
             self._ids += 1
             handle = RequestHandle(request_id, self)
-            request = Request(request_id, ids, params, rule, handle, arrival=request_id, grammar=grammar)
+            request = Request(request_id, ids, params, rule, handle, arrival=request_id, grammar=grammar,
+                              speculation=drafts)
             if hints is not None:
                 self.sessions.submitted(request_id, hints, request.root)
             self.pool.prefetch([request], self.wake)  # its blocks in the KV store, read off the step
@@ -285,6 +296,8 @@ class Engine:
             "submitted": m.submitted,
             "finished": dict(m.finished),
             "generated_tokens": m.generated_tokens,
+            "drafted_tokens": m.drafted_tokens,
+            "accepted_tokens": m.accepted_tokens,
             "kv_store": None if self.store_tier is None else self.store_tier.store.stats(),
             "kv_drift": None if self.drift_probe is None else self.drift_probe.stats(),
         }
@@ -327,6 +340,7 @@ class Engine:
         if not self.running and not admissible:  # only store reads on their way: wait for one
             self.pool.wait_for_tiers(self.waiting[0], 0.05)
             return True
+        self._propose_drafts()
         running, waiting, free = self.pool.snapshot(admissible, self.limits.max_running)
         decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
         batch = min(self.limits.max_running, len(running) + len(waiting))
@@ -349,6 +363,15 @@ class Engine:
         self._retire([r for r in self.running if r.finish is not None], None)
         return True
 
+    def _propose_drafts(self) -> None:
+        """Each decoding request that speculates proposes its draft for this step (the scheduler
+        grants what fits); no draft runs past the tokens its max_tokens leaves after the next."""
+        for request in self.running:
+            if request.speculation is not None:
+                decoding = len(request.tokens) - request.cached == 1
+                room = request.params.max_tokens - len(request.generated) - 1
+                request.speculation.propose(request.tokens, room if decoding else 0)
+
     def _preempt(self, victims: list[Request]) -> None:
         self.pool.release(victims)
         for observer in self.observers:
@@ -366,8 +389,9 @@ class Engine:
         chosen, declared to the pool and streamed; a failed forward fails the step's requests
         (the others go on), a row whose sampling fails fails alone."""
         batch = work.batch
-        decoding = sum(1 for tokens in batch.tokens if len(tokens) == 1)
-        prompt_tokens = sum(map(len, batch.tokens)) - decoding
+        decoding = sum(1 for request, tokens in zip(work.requests, batch.tokens)
+                       if len(tokens) == 1 + len(work.drafts.get(request.id, ())))
+        prompt_tokens = sum(map(len, batch.tokens)) - decoding - sum(map(len, work.drafts.values()))
         sampling = [work.requests[index] for index in batch.sampled]
         masks = self.runner.masks_ahead(sampling)  # grammars' masks, computed while the forward runs
         started = self.clock()
@@ -383,16 +407,35 @@ class Engine:
         self.pool.commit(work)
         for observer in self.observers:
             observer.forwarded(work, logits)
-        chosen, failed = self.runner.choose(logits, sampling, masks)
+        known = {request.id: len(request.tokens) for request in sampling}
+        now = self.clock()
+
+        def take(request: Request, token: int, logprobs) -> None:
+            request.deliver(token, request.append(token, now, logprobs))
+
+        failed = choose_in_rounds(self.runner.choose, logits, work, masks, take)
         for request, message in failed:
             request.finish = ("error", message)
-        now = self.clock()
-        for request, token, logprobs in chosen:
-            piece = request.append(token, now, logprobs)
-            self.pool.declare(request, token)
-            request.deliver(token, piece)
+        self.pool.settle(work, known)  # (a refused draft trimmed before any token is declared)
+        self._count_drafts(work, known)
         for observer in self.observers:
-            observer.delivered(len(chosen))
+            observer.delivered(sum(len(request.tokens) - known[request.id] for request in sampling))
+
+    def _count_drafts(self, work: StepWork, known: dict[int, int]) -> None:
+        """Each decoding row that speculates: its draft's verdict (drafted, accepted) to its
+        draft length and its usage."""
+        for request, tokens in zip(work.requests, work.batch.tokens):
+            drafts = request.speculation
+            if drafts is None or len(tokens) != 1 + len(work.drafts.get(request.id, ())):
+                continue
+            draft = work.drafts.get(request.id, [])
+            chosen = request.tokens[known.get(request.id, len(request.tokens)) :]
+            accepted = 0
+            while accepted < min(len(draft), len(chosen)) and draft[accepted] == chosen[accepted]:
+                accepted += 1
+            drafts.verified(len(draft), accepted)
+            request.usage.drafted_tokens += len(draft)
+            request.usage.accepted_tokens += accepted
 
     def _retire(self, requests: list[Request], reason: str | None, error: str | None = None) -> None:
         """Finish these requests (reason and error, or each one's own) and free their rows."""

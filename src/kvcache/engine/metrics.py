@@ -19,6 +19,8 @@ class EngineMetrics(StepObserver):
     prompt_tokens: int = 0  # of requests admitted
     cached_prompt_tokens: int = 0  # of those, attached from the prefix cache
     generated_tokens: int = 0
+    drafted_tokens: int = 0  # draft tokens verified for the requests that ended (speculation)
+    accepted_tokens: int = 0  # of those, the ones taken
     prefill_tokens: int = 0  # run through prefill forwards (recomputations included)
     decode_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -83,6 +85,8 @@ class EngineMetrics(StepObserver):
     def completed(self, completions: list) -> None:
         for completion in completions:
             self.finished[completion.finish_reason] = self.finished.get(completion.finish_reason, 0) + 1
+            self.drafted_tokens += completion.usage.drafted_tokens
+            self.accepted_tokens += completion.usage.accepted_tokens
 
     def restarted(self) -> None:
         """Every counter back to zero (in place: the engine's observer list holds this object)."""

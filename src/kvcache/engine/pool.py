@@ -17,7 +17,7 @@ of its own, nor does a `Request`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcache.cache import CacheConfigError, OutOfBlocksError, PagedBatch, PagedCache
 from kvcache.cache.paged.recent import checked_window
@@ -47,6 +47,8 @@ class StepWork:
     requests: list[Request]
     attached: dict[int, int]  # request id -> prompt tokens its prefix attached (admitted ones)
     loaded: dict[int, int]  # request id -> prompt tokens loaded from the KV store this step
+    # request id -> the draft tokens its row runs after its newest token (speculative decoding)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class KVPool:
@@ -100,6 +102,7 @@ class KVPool:
                 request.cached,
                 0 if full is None else len(full.sequence(seq).table),
                 0 if full is None else full.unshared_blocks(seq),
+                0 if request.speculation is None else len(request.speculation.draft),
             )
             for request, seq in zip(self.running, self.cache.rows)
         ]
@@ -183,7 +186,7 @@ class KVPool:
         work = [(rows[seq_id], 1) for seq_id in plan.decode] + [
             (rows[seq_id], count) for seq_id, count in plan.prefill
         ]
-        batch_rows, tokens, ends = [], [], []
+        batch_rows, tokens, sample, drafts = [], [], [], {}
         for row, count in work:
             request = self.running[row]
             end = request.cached + count  # the plan counted from what the row held then
@@ -195,16 +198,23 @@ class KVPool:
                 if loaded[request.id] and end < len(request.tokens):  # (the next chunk's blocks
                     end = max(request.cached, end // self.block_size * self.block_size)  # aligned)
             if request.cached < end:
+                run = request.tokens[request.cached : end]
+                wanted = int(end == len(request.tokens))
+                granted = plan.drafts.get(request.id, 0)
+                if granted:  # its draft's slots follow its newest token's; their logits wanted too
+                    drafts[request.id] = request.speculation.draft[:granted]
+                    run = run + drafts[request.id]
+                    wanted += granted
                 batch_rows.append(row)
-                tokens.append(request.tokens[request.cached : end])
-                ends.append(end)
+                tokens.append(run)
+                sample.append(wanted)
         try:
-            self.cache.reserve(batch_rows, ends)
+            self.cache.reserve(batch_rows, [self.running[row].cached + len(run)
+                                            for row, run in zip(batch_rows, tokens)])
         except OutOfBlocksError as error:  # the scheduler counted these blocks: a bug, not a load
             raise RuntimeError(f"the step's plan does not fit the pool it was made for: {error}") from None
-        sample = [end == len(self.running[row].tokens) for row, end in zip(batch_rows, ends)]
         batch = PagedBatch(self.cache, batch_rows, tokens, sample)
-        return StepWork(batch, [self.running[row] for row in batch_rows], attached, loaded)
+        return StepWork(batch, [self.running[row] for row in batch_rows], attached, loaded, drafts)
 
     def commit(self, work: StepWork) -> None:
         """Record what the step's forward wrote: each row now holds its chunk's tokens (full
@@ -213,9 +223,23 @@ class KVPool:
         for request, total in zip(work.requests, work.batch.totals):
             request.cached = total
 
-    def declare(self, request: Request, token: int) -> None:
-        """A new token of `request` (its next position's id), so its full blocks become findable."""
-        self.cache.declare_tokens(self.running.index(request), [token])
+    def settle(self, work: StepWork, known: dict[int, int]) -> None:
+        """After the step's tokens were chosen: each draft row trimmed to what plain decoding
+        leaves (its newest token and the chosen tokens but the last; the refused draft's blocks
+        freed), then every sampling row's new tokens declared (its tokens past `known[request
+        id]`), so its full blocks become findable: a draft token's block never was."""
+        if work.drafts:
+            lengths = self.cache.row_lengths
+            for index, request in enumerate(work.requests):
+                if request.id in work.drafts and request in self.running:
+                    start = work.batch.starts[index]  # (its newest token's position)
+                    keep = start + max(len(request.tokens) - known[request.id], 1)
+                    lengths[self.running.index(request)] = keep
+                    request.cached = keep
+            self.cache.truncate_rows(lengths)
+        for request in work.requests:
+            if request.id in known and len(request.tokens) > known[request.id]:
+                self.cache.declare_tokens(self.running.index(request), request.tokens[known[request.id] :])
 
 
 def _connector(store, model, cache: PagedCache):

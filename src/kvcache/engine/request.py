@@ -24,11 +24,14 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 @dataclass
 class Usage:
     """Tokens of one request: its prompt, how many of those came from the prefix cache (attached,
-    not recomputed) when it was first admitted, and the tokens it made."""
+    not recomputed) when it was first admitted, and the tokens it made; with speculative
+    decoding, the draft tokens its steps verified and how many of those were taken."""
 
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -193,6 +196,7 @@ class Request:
         handle: RequestHandle,
         arrival: int,
         grammar=None,
+        speculation=None,
     ) -> None:
         self.id = request_id
         self.prompt = prompt
@@ -202,6 +206,7 @@ class Request:
         self.seen = SeenTokens(self.tokens, len(prompt)) if params.penalizes else None
         self.stop_rule = stop_rule
         self.grammar = grammar  # its `structured.GrammarState` when its output follows a grammar
+        self.speculation = speculation  # its `speculation.RowDrafts` when it drafts
         self._handle = weakref.ref(handle)  # a handle its submitter dropped cancels the request
         self.cancel_requested = False
         self.arrival = arrival

@@ -8,6 +8,9 @@ in the batched decode step); one lacking more is prefilling, in chunks. Each ste
 1. every decoding sequence gets its token; when their new blocks do not fit, the newest running
    sequences are preempted (their blocks freed, the requests sent back to the front of the queue
    to be recomputed; their full blocks stay cached, so the recompute finds them);
+   a decoding sequence that drafts (speculative decoding, `speculation`) then gets room for
+   its draft, oldest first, as far as the token budget and the free blocks left allow (less of
+   it, or none: a draft never preempts anything);
 2. the token budget left (while sequences decode, at most the step's prefill cap) goes to
    prefill chunks: first of running sequences still prefilling (oldest first), then of waiting
    requests admitted in arrival order while the running cap and the free blocks allow (first
@@ -29,6 +32,7 @@ class RunningSeq:
     cached: int  # of them, in the cache
     blocks: int  # blocks its table holds
     freeable: int  # blocks that preempting it returns (the ones no other sequence shares)
+    draft: int = 0  # draft tokens it would verify beside its next token when it decodes
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,11 @@ class Plan:
     prefill: list[tuple[int, int]] = field(default_factory=list)  # (seq id, tokens to run)
     admit: list[int] = field(default_factory=list)  # waiting seq ids that take a row now
     preempt: list[int] = field(default_factory=list)  # running seq ids whose rows are freed
+    drafts: dict[int, int] = field(default_factory=dict)  # decoding seq id -> draft tokens it runs
 
     @property
     def tokens(self) -> int:
-        return len(self.decode) + sum(count for _, count in self.prefill)
+        return len(self.decode) + sum(self.drafts.values()) + sum(count for _, count in self.prefill)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -84,7 +89,8 @@ def schedule(
     size = limits.block_size
     active = sorted(running, key=lambda seq: seq.arrival)
     free_blocks = _decode(plan, active, free_blocks, size)
-    budget = limits.token_budget - len(plan.decode)
+    free_blocks = _drafts(plan, active, free_blocks, limits.token_budget - len(plan.decode), size)
+    budget = limits.token_budget - len(plan.decode) - sum(plan.drafts.values())
     if plan.decode and prefill_cap is not None:
         budget = min(budget, prefill_cap)
     for seq in active:
@@ -138,6 +144,22 @@ def _decode(plan: Plan, active: list[RunningSeq], free_blocks: int, size: int) -
         raise RuntimeError("the pool cannot hold one running sequence's next token")
     plan.decode = [seq.seq_id for seq in active if seq.seq_id in need]
     return free_blocks - sum(need.values())
+
+
+def _drafts(plan: Plan, active: list[RunningSeq], free_blocks: int, budget: int, size: int) -> int:
+    """Give the decoding sequences that draft (oldest first) as much of their drafts as `budget`
+    tokens and the free blocks allow, after their next tokens; the free blocks left."""
+    decoding = set(plan.decode)
+    for seq in active:
+        if seq.seq_id not in decoding or seq.draft <= 0 or budget <= 0:
+            continue
+        held = max(seq.blocks, blocks_for(seq.cached + 1, size))  # (the next token's counted)
+        count = _fits(seq.cached + 1, min(seq.draft, budget), held, free_blocks, size)
+        if count:
+            plan.drafts[seq.seq_id] = count
+            free_blocks -= blocks_for(seq.cached + 1 + count, size) - held
+            budget -= count
+    return free_blocks
 
 
 def _fits(cached: int, wanted: int, blocks: int, free_blocks: int, size: int) -> int:

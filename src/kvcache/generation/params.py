@@ -10,6 +10,8 @@ from dataclasses import dataclass
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias lies in [-100, 100]
 PENALTY_LIMIT = 2.0  # OpenAI's: presence and frequency penalties lie in [-2, 2]
+#: what a request's `speculate` may name: "ngram" (prompt lookup drafts) or "off"
+SPECULATE_MODES = ("ngram", "off")
 
 
 class RequestError(ValueError):
@@ -41,6 +43,9 @@ class SamplingParams:
     JSON object, a grammar, a regex): tokens outside it are masked before the bias and penalties.
     logprobs: None, or how many of the likeliest tokens' log-probabilities to give beside each
     chosen token's own (0 to 20; `kvcache.generation.logprobs` says which distribution).
+    speculate (the engine's): None follows the engine's default (`Engine(speculate=...)`, off
+    unless given); "ngram" drafts by prompt lookup and verifies the drafts in the decode steps
+    (the same tokens, `kvcache.engine.speculation`); "off" never drafts, whatever the default.
     Raises RequestError naming the first field out of range.
     """
 
@@ -60,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     structured: object | None = None  # a structured.StructuredOutput (checked when it is made)
     logprobs: int | None = None
+    speculate: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +100,8 @@ class SamplingParams:
                                      and encodes_as_utf8(salt)):
             raise RequestError(f"cache_salt must be a string of 1 to 256 characters (UTF-8: no lone "
                                f"surrogate), got {salt!r:.80}")
+        if self.speculate is not None and self.speculate not in SPECULATE_MODES:
+            raise RequestError(f"speculate must be None or one of {SPECULATE_MODES}, got {self.speculate!r}")
         self._check_logit_changes()
 
     def _check_logit_changes(self) -> None:
