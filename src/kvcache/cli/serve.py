@@ -141,6 +141,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "kvcache_kv_drift_* (default 0: off)",
     )
     engine.add_argument(
+        "--speculate", choices=["ngram"], default=None,
+        help="speculative decoding for every request that does not send \"speculate\": \"off\": ngram drafts "
+        "by prompt lookup over the request's own tokens, verified in the batched decode steps (the same "
+        "tokens; needs a GGUF with q8 activations, the 'blocks' backend); drafted and accepted tokens in "
+        "/metrics as kvcache_spec_* (default: off; a request may still send \"speculate\": \"ngram\")",
+    )
+    engine.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)"
     )
     engine.add_argument(
@@ -434,7 +441,7 @@ def _engine_arguments(args: argparse.Namespace, kv_store) -> dict:
     scheduler = SchedulerConfig(max_running=args.max_running, token_budget=args.token_budget,
                                 prefill_slowdown=args.prefill_slowdown or None)
     return {"backend": args.backend, "pool": pool, "scheduler": scheduler,
-            "kv_drift_sample": args.kv_drift_sample}
+            "kv_drift_sample": args.kv_drift_sample, "speculate": args.speculate}
 
 
 def with_chat_template(tokenizer, path: str | None):

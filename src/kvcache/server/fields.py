@@ -25,6 +25,8 @@ _SAMPLING = frozenset({
     "response_format",
     # choices per request (kvcache.server.choices: the prompt's blocks shared)
     "n",
+    # speculative decoding, or not ("ngram", "off"; null: the server's --speculate)
+    "speculate",
 })
 READ: dict[str, frozenset[str]] = {
     "chat": _SAMPLING | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice",

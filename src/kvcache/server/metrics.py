@@ -43,6 +43,11 @@ class ServerMetrics:
             "kvcache_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=registry
         )
         self.generated = Counter("kvcache_generated_tokens", "Tokens generated", registry=registry)
+        self.drafted = Counter("kvcache_spec_drafted_tokens",
+                               "Draft tokens verified by speculative decoding (finished requests)",
+                               registry=registry)
+        self.accepted = Counter("kvcache_spec_accepted_tokens",
+                                "Of the draft tokens verified, the ones taken", registry=registry)
         self.prefix_causes = Counter("kvcache_prefix_explained",
                                      "Requests by why their prompt did or did not match an earlier one "
                                      "(usage.kvcache_prefix.cause)", ["cause"], registry=registry)
@@ -90,6 +95,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_tokens.inc(usage.cached_tokens)
         self.generated.inc(len(completion.tokens))
+        self.drafted.inc(usage.drafted_tokens)
+        self.accepted.inc(usage.accepted_tokens)
         if completion.time_to_first_token_s is not None:
             self.ttft.observe(completion.time_to_first_token_s)
         times = completion.token_times_s

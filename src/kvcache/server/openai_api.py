@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvcache.engine import SamplingParams
-from kvcache.generation.params import RequestError, encodes_as_utf8
+from kvcache.generation.params import SPECULATE_MODES, RequestError, encodes_as_utf8
 from kvcache.generation.structured import StructuredOutput
 from kvcache.server.fields import refused_field
 from kvcache.server.tools import ToolFieldError, ToolRequest, history_tool_calls, read_tools
@@ -135,6 +135,7 @@ def read_call(kind: str, body: object, limits: Limits) -> Call:
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),  # vLLM's
         structured=_structured_output(body, tools),
         logprobs=_logprobs(kind, body),
+        speculate=_speculate(body.get("speculate")),
         **_logit_changes(body),
     )
     model = body.get("model")
@@ -592,6 +593,15 @@ def _top_k(value: object) -> int | None:
         return None  # vLLM's "off"
     _integer("top_k", value, 1, 1 << 31, "a sane bound")
     return int(value)  # type: ignore[arg-type]
+
+
+def _speculate(value: object) -> str | None:
+    """`speculate`: "ngram" (prompt lookup drafts), "off" (none, whatever the server's default),
+    or null (the server's `--speculate`)."""
+    if value is not None and value not in SPECULATE_MODES:
+        raise ApiError(400, f"speculate must be null or one of {list(SPECULATE_MODES)}, got {value!r:.80}",
+                       param="speculate")
+    return value
 
 
 def _seed(value: object) -> int | None:
