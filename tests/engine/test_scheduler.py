@@ -23,7 +23,8 @@ def states(draw):
         tokens = draw(st.integers(1, 40))
         cached = draw(st.sampled_from([tokens - 1, max(0, tokens - draw(st.integers(2, 40)))]))
         blocks = blocks_for(cached, SIZE)
-        running.append(RunningSeq(index, index, tokens, max(cached, 0), blocks, draw(st.integers(0, blocks))))
+        running.append(RunningSeq(index, index, tokens, max(cached, 0), blocks, draw(st.integers(0, blocks)),
+                                  draw(st.integers(0, 8))))  # (a draft it would verify when decoding)
     waiting = []
     for index in range(draw(st.integers(0, 6))):
         tokens = draw(st.integers(1, 40))
@@ -53,8 +54,12 @@ def test_every_plan_keeps_the_rules(state):
     by_id = {s.seq_id: s for s in running}
     waits = {w.seq_id: w for w in waiting}
     assert plan.tokens <= limits.token_budget
-    if plan.decode and cap is not None:  # beside decoding rows a step carries at most the cap
-        assert plan.tokens - len(plan.decode) <= cap
+    if plan.decode and cap is not None:  # beside decoding rows (and drafts) at most the cap
+        assert plan.tokens - len(plan.decode) - sum(plan.drafts.values()) <= cap
+    # drafts: only decoding sequences', at most what each would draft, never at a preemption's cost
+    assert set(plan.drafts) <= set(plan.decode)
+    assert all(0 < count <= by_id[i].draft for i, count in plan.drafts.items())
+    assert not (plan.preempt and plan.drafts)
     assert len(running) - len(plan.preempt) + len(plan.admit) <= limits.max_running
     kept = [s for s in running if s.seq_id not in plan.preempt]
     # every decoding sequence that was not preempted decodes, exactly once
@@ -65,7 +70,7 @@ def test_every_plan_keeps_the_rules(state):
         assert not plan.admit
     # blocks: what the plan takes fits in what was free plus what preempting gave back
     given_back = sum(by_id[i].freeable for i in plan.preempt)
-    taken = sum(_new_blocks(by_id[i].cached, by_id[i].blocks, 1) for i in plan.decode)
+    taken = sum(_new_blocks(by_id[i].cached, by_id[i].blocks, 1 + plan.drafts.get(i, 0)) for i in plan.decode)
     for seq_id, count in plan.prefill:
         if seq_id in by_id:
             seq = by_id[seq_id]
@@ -100,6 +105,20 @@ def test_when_decode_blocks_run_out_the_newest_is_preempted():
     assert plan.preempt == [2, 1] and plan.decode == [0]
     with pytest.raises(RuntimeError, match="one running sequence"):
         schedule(running[:1], [], free_blocks=0, limits=limits)
+
+
+def test_a_draft_gets_what_the_budget_and_the_free_blocks_leave_after_every_next_token():
+    limits = Limits(SIZE, max_running=4, token_budget=12)
+    running = [RunningSeq(0, 0, 9, 8, 3, 3, draft=6), RunningSeq(1, 1, 9, 8, 3, 3, draft=6)]
+    plan = schedule(running, [], free_blocks=1, limits=limits)  # one block more: the oldest's draft
+    assert plan.decode == [0, 1] and plan.drafts == {0: 6, 1: 3}  # (the newest's fills its 3rd block)
+    plan = schedule(running, [], free_blocks=10, limits=limits)  # the budget: 12 - 2 next tokens
+    assert plan.drafts == {0: 6, 1: 4} and plan.tokens == 12
+    full = [RunningSeq(0, 0, 12, 11, 3, 3, draft=6), RunningSeq(1, 1, 9, 8, 2, 2, draft=6)]
+    plan = schedule(full, [], free_blocks=1, limits=limits)  # the newest's next token takes the block
+    assert plan.decode == [0, 1] and plan.drafts == {1: 3} and not plan.preempt  # (none for a full one)
+    plan = schedule(full, [], free_blocks=0, limits=limits)  # short: a preemption, and no draft
+    assert plan.preempt == [1] and plan.decode == [0] and plan.drafts == {}
 
 
 def test_a_prefix_hit_costs_only_its_idle_blocks():

@@ -10,7 +10,7 @@ in the batched decode step); one lacking more is prefilling, in chunks. Each ste
    to be recomputed; their full blocks stay cached, so the recompute finds them);
    a decoding sequence that drafts (speculative decoding, `speculation`) then gets room for
    its draft, oldest first, as far as the token budget and the free blocks left allow (less of
-   it, or none: a draft never preempts anything);
+   it, or none: a draft never preempts anything, and no draft runs in a step that preempts);
 2. the token budget left (while sequences decode, at most the step's prefill cap) goes to
    prefill chunks: first of running sequences still prefilling (oldest first), then of waiting
    requests admitted in arrival order while the running cap and the free blocks allow (first
@@ -89,7 +89,8 @@ def schedule(
     size = limits.block_size
     active = sorted(running, key=lambda seq: seq.arrival)
     free_blocks = _decode(plan, active, free_blocks, size)
-    free_blocks = _drafts(plan, active, free_blocks, limits.token_budget - len(plan.decode), size)
+    if not plan.preempt:  # (memory is short: no draft takes what a preemption gave back)
+        free_blocks = _drafts(plan, active, free_blocks, limits.token_budget - len(plan.decode), size)
     budget = limits.token_budget - len(plan.decode) - sum(plan.drafts.values())
     if plan.decode and prefill_cap is not None:
         budget = min(budget, prefill_cap)
