@@ -39,7 +39,14 @@ from kvcache.engine.request import Completion, Request, RequestHandle, notify_al
 from kvcache.engine.runner import Runner
 from kvcache.engine.scheduler import Limits, blocks_for, schedule
 from kvcache.engine.sessions import KVHints, Sessions
-from kvcache.engine.speculation import RowDrafts, choose_in_rounds, engine_mode, request_mode
+from kvcache.engine.speculation import (
+    RowDrafts,
+    choose_in_rounds,
+    count_drafts,
+    engine_mode,
+    propose_drafts,
+    request_mode,
+)
 from kvcache.engine.step_costs import StepCosts
 from kvcache.generation.params import RequestError, SamplingParams
 from kvcache.generation.stops import StopRule
@@ -340,7 +347,7 @@ class Engine:
         if not self.running and not admissible:  # only store reads on their way: wait for one
             self.pool.wait_for_tiers(self.waiting[0], 0.05)
             return True
-        self._propose_drafts()
+        propose_drafts(self.running)  # (what each speculating row would draft; the plan grants it)
         running, waiting, free = self.pool.snapshot(admissible, self.limits.max_running)
         decoding = sum(1 for seq in running if seq.tokens - seq.cached == 1)
         batch = min(self.limits.max_running, len(running) + len(waiting))
@@ -362,15 +369,6 @@ class Engine:
             observer.stepped(self.pool.cache)
         self._retire([r for r in self.running if r.finish is not None], None)
         return True
-
-    def _propose_drafts(self) -> None:
-        """Each decoding request that speculates proposes its draft for this step (the scheduler
-        grants what fits); no draft runs past the tokens its max_tokens leaves after the next."""
-        for request in self.running:
-            if request.speculation is not None:
-                decoding = len(request.tokens) - request.cached == 1
-                room = request.params.max_tokens - len(request.generated) - 1
-                request.speculation.propose(request.tokens, room if decoding else 0)
 
     def _preempt(self, victims: list[Request]) -> None:
         self.pool.release(victims)
@@ -417,25 +415,9 @@ class Engine:
         for request, message in failed:
             request.finish = ("error", message)
         self.pool.settle(work, known)  # (a refused draft trimmed before any token is declared)
-        self._count_drafts(work, known)
+        count_drafts(work, known)
         for observer in self.observers:
             observer.delivered(sum(len(request.tokens) - known[request.id] for request in sampling))
-
-    def _count_drafts(self, work: StepWork, known: dict[int, int]) -> None:
-        """Each decoding row that speculates: its draft's verdict (drafted, accepted) to its
-        draft length and its usage."""
-        for request, tokens in zip(work.requests, work.batch.tokens):
-            drafts = request.speculation
-            if drafts is None or len(tokens) != 1 + len(work.drafts.get(request.id, ())):
-                continue
-            draft = work.drafts.get(request.id, [])
-            chosen = request.tokens[known.get(request.id, len(request.tokens)) :]
-            accepted = 0
-            while accepted < min(len(draft), len(chosen)) and draft[accepted] == chosen[accepted]:
-                accepted += 1
-            drafts.verified(len(draft), accepted)
-            request.usage.drafted_tokens += len(draft)
-            request.usage.accepted_tokens += accepted
 
     def _retire(self, requests: list[Request], reason: str | None, error: str | None = None) -> None:
         """Finish these requests (reason and error, or each one's own) and free their rows."""

@@ -119,3 +119,32 @@ def choose_in_rounds(choose: Callable, logits, work, masks, take: Callable) -> l
                 going.append(i)
         live, depth = sorted(going), depth + 1
     return failures
+
+
+def propose_drafts(running: list) -> None:
+    """Each decoding request of `running` that speculates proposes its draft for this step (the
+    scheduler grants what fits); no draft runs past the tokens its max_tokens leaves after the
+    next one, and a request that is not decoding proposes none."""
+    for request in running:
+        if request.speculation is not None:
+            decoding = len(request.tokens) - request.cached == 1
+            room = request.params.max_tokens - len(request.generated) - 1
+            request.speculation.propose(request.tokens, room if decoding else 0)
+
+
+def count_drafts(work, known: dict[int, int]) -> None:
+    """After the step's tokens were chosen: each decoding row that speculates gives its draft's
+    verdict (drafted, accepted: the leading draft tokens equal to the chosen ones) to its draft
+    length and its usage. known: each sampling request's token count before the step."""
+    for request, tokens in zip(work.requests, work.batch.tokens):
+        drafts = request.speculation
+        if drafts is None or len(tokens) != 1 + len(work.drafts.get(request.id, ())):
+            continue
+        draft = work.drafts.get(request.id, [])
+        chosen = request.tokens[known.get(request.id, len(request.tokens)) :]
+        accepted = 0
+        while accepted < min(len(draft), len(chosen)) and draft[accepted] == chosen[accepted]:
+            accepted += 1
+        drafts.verified(len(draft), accepted)
+        request.usage.drafted_tokens += len(draft)
+        request.usage.accepted_tokens += accepted
