@@ -151,9 +151,11 @@ def _mask(logits: torch.Tensor, allowed: list) -> None:
     """Set to -inf, in place, the tokens of logits (R, vocab) float32 that allowed[r] (vocab,)
     bool does not allow (rows whose allowed is None are not touched)."""
     masked = [row for row, mask in enumerate(allowed) if mask is not None]
-    if masked:
-        keep = torch.from_numpy(np.stack([allowed[row] for row in masked]))  # (M, vocab) bool
-        logits[masked] = logits[masked].masked_fill(~keep, float("-inf"))
+    if masked and len(masked) == len(allowed):  # (in place: no gathered copy of the rows to write back)
+        logits.masked_fill_(~torch.from_numpy(np.stack(allowed)), float("-inf"))  # (R, vocab) bool
+        return
+    for row in masked:
+        logits[row].masked_fill_(~torch.from_numpy(allowed[row]), float("-inf"))
 
 
 def _processed(logits: torch.Tensor, params: list[SamplingParams], seen: list) -> torch.Tensor:
