@@ -4,13 +4,19 @@ tokens counted in /metrics."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
+import httpx
 import pytest
+from conftest import API_KEY, start_server
+from gguf_files import write_gguf
 
+from kvcache import load_model
 from kvcache.cli import build_parser, main
 from kvcache.engine import Completion
 from kvcache.engine.request import Usage
+from kvcache.server import ServerSettings
 from kvcache.server.metrics import ServerMetrics
 from kvcache.server.openai_api import ApiError, Limits, read_call
 
@@ -51,3 +57,32 @@ def test_drafted_and_accepted_tokens_are_counted_in_the_metrics():
         metrics.finished(Completion(0, [1, 2], [3, 4, 5], "length", usage))
     assert metrics.registry.get_sample_value("kvcache_spec_drafted_tokens_total") == 9
     assert metrics.registry.get_sample_value("kvcache_spec_accepted_tokens_total") == 7
+
+
+@pytest.mark.kernels
+@pytest.mark.processes
+def test_a_served_request_drafts_by_the_servers_default_or_opts_out(checkpoints, tokenizer, tmp_path,
+                                                                     one_thread):
+    """A server with --speculate's default on a tiny GGUF read with q8 activations: the same tokens
+    with and without drafts, the drafts in the request's usage and in /metrics."""
+    model = load_model(write_gguf(checkpoints["qwen2"][0], tmp_path / "q8.gguf", tensor_type="Q8_0"),
+                       activations="q8")
+    pick = random.Random(1)
+    span = [pick.randrange(3, 200) for _ in range(6)]
+    prompt = span + [7, 9] + span + [7] + span  # (its last n-gram occurred before: a draft is found)
+    settings = ServerSettings(model_name="m", api_key=API_KEY)
+    running = start_server(model, tokenizer, settings, speculate="ngram")
+    try:
+        with httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+            replies = [client.post(f"{running.url}/completions", json={
+                "model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                **extra}).json() for extra in ({}, {"speculate": "off"})]
+            scraped = client.get(f"{running.base}/metrics").text
+    finally:
+        running.stop()
+    drafting, plain = replies
+    assert drafting["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert drafting["usage"]["kvcache_speculation"]["drafted_tokens"] > 0
+    assert "kvcache_speculation" not in plain["usage"]
+    drafted = drafting["usage"]["kvcache_speculation"]["drafted_tokens"]
+    assert f"kvcache_spec_drafted_tokens_total {float(drafted)}" in scraped

@@ -747,12 +747,17 @@ def _usage(completions: list[Completion], why: Explanation) -> dict:
     """The usage object of a request's choices (the prompt counted once, as its first choice found it
     cached; each choice's tokens), with `kvcache_prefix`: why the prompt did or did not match
     (docs/why-miss.md); with several choices, `kvcache_cached_tokens_by_choice`: the prompt tokens
-    each found cached (the later ones, the first's blocks)."""
+    each found cached (the later ones, the first's blocks); where drafts ran (speculative decoding),
+    `kvcache_speculation`: the draft tokens verified and accepted, over its choices."""
     first = completions[0].usage
     made = sum(len(completion.tokens) for completion in completions)
     usage = {**usage_object(first.prompt_tokens, first.cached_tokens, made), "kvcache_prefix": why.as_dict()}
     if len(completions) > 1:
         usage["kvcache_cached_tokens_by_choice"] = [done.usage.cached_tokens for done in completions]
+    drafted = sum(done.usage.drafted_tokens for done in completions)
+    if drafted:
+        accepted = sum(done.usage.accepted_tokens for done in completions)
+        usage["kvcache_speculation"] = {"drafted_tokens": drafted, "accepted_tokens": accepted}
     return usage
 
 
