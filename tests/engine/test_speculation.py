@@ -232,6 +232,23 @@ def test_the_engine_default_speculates_and_a_request_opts_out(q8_model, solo):
     assert plain.submit(prompt, max_tokens=20, ignore_eos=True).result().usage.drafted_tokens == 0
 
 
+def test_a_row_decoding_alone_times_its_steps_for_its_draft_length(q8_model, monkeypatch):
+    """Alone in its steps, a row's draft length learns what a further token costs from their
+    seconds (one-token steps and longer ones); beside other rows it does not."""
+    timed: list[int] = []
+    original = DraftLength.timed
+    monkeypatch.setattr(DraftLength, "timed", lambda self, tokens, seconds: (
+        timed.append(tokens), original(self, tokens, seconds))[1])
+    prompt = _prompt(q8_model.config.vocab_size, 1, True)
+    engine = Engine(q8_model, backend="auto", block_size=4, speculate="ngram")
+    done = engine.submit(prompt, max_tokens=20, ignore_eos=True).result()
+    assert done.usage.drafted_tokens > 0 and 1 in timed and max(timed) > 1
+    timed.clear()
+    handles = [engine.submit(prompt, max_tokens=8, ignore_eos=True) for _ in range(2)]
+    assert [handle.result().tokens for handle in handles] == [done.tokens[:8]] * 2
+    assert len(timed) <= 2  # (only steps where one row is left decoding)
+
+
 def test_speculation_is_refused_where_it_could_change_a_token(q8_model, checkpoints):
     with pytest.raises(RequestError, match="speculate must be None or one of"):
         SamplingParams(speculate="eagle")

@@ -415,7 +415,7 @@ class Engine:
         for request, message in failed:
             request.finish = ("error", message)
         self.pool.settle(work, known)  # (a refused draft trimmed before any token is declared)
-        count_drafts(work, known)
+        count_drafts(work, known, seconds)
         for observer in self.observers:
             observer.delivered(sum(len(request.tokens) - known[request.id] for request in sampling))
 

@@ -132,10 +132,13 @@ def propose_drafts(running: list) -> None:
             request.speculation.propose(request.tokens, room if decoding else 0)
 
 
-def count_drafts(work, known: dict[int, int]) -> None:
+def count_drafts(work, known: dict[int, int], seconds: float) -> None:
     """After the step's tokens were chosen: each decoding row that speculates gives its draft's
     verdict (drafted, accepted: the leading draft tokens equal to the chosen ones) to its draft
-    length and its usage. known: each sampling request's token count before the step."""
+    length and its usage; a row that ran alone also the step's `seconds` (`DraftLength.timed`:
+    what a further token of its step costs). known: each sampling request's token count before
+    the step."""
+    alone = len(work.requests) == 1
     for request, tokens in zip(work.requests, work.batch.tokens):
         drafts = request.speculation
         if drafts is None or len(tokens) != 1 + len(work.drafts.get(request.id, ())):
@@ -146,5 +149,7 @@ def count_drafts(work, known: dict[int, int]) -> None:
         while accepted < min(len(draft), len(chosen)) and draft[accepted] == chosen[accepted]:
             accepted += 1
         drafts.verified(len(draft), accepted)
+        if alone:
+            drafts.length.timed(len(tokens), seconds)
         request.usage.drafted_tokens += len(draft)
         request.usage.accepted_tokens += accepted
