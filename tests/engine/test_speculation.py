@@ -170,26 +170,31 @@ def test_a_pool_too_small_for_every_row_preempts_rows_mid_draft_and_their_tokens
         assert done.tokens == solo(prompt, 20)
 
 
-def test_a_request_sharing_a_prefix_with_a_speculating_one_reads_only_accepted_blocks(q8_model, solo):
-    """Two requests on one prefix, one drafting; then a third whose prompt is the first's prompt
-    and reply finds the same cached tokens with and without speculation."""
-    vocab = q8_model.config.vocab_size
-    prefix = _prompt(vocab, 3, True)
-    prompts = [prefix + [1, 2], prefix + [1, 2, 3]]
+def test_a_request_sharing_a_prefix_with_a_speculating_one_reads_only_accepted_blocks(q8_model, solo,
+                                                                                      monkeypatch):
+    """A request arrives while another drafts, its prompt the other's prompt and the tokens it has
+    taken so far: it attaches the speculating row's blocks and gets its solo tokens; a third whose
+    prompt is the first's whole reply finds the same cached tokens with and without speculation."""
+    monkeypatch.setattr(DraftLength, "next", lambda self: 5)
+    prompt = _prompt(q8_model.config.vocab_size, 3, True)
+    _oracle(monkeypatch, solo, [prompt], 24, random.Random(8))
+    found = {}
     for speculate in ("ngram", "off"):
         engine = Engine(q8_model, backend="auto", block_size=4, max_running=4, token_budget=64)
-        handles = [engine.submit(prompts[0], max_tokens=16, ignore_eos=True, speculate=speculate),
-                   engine.submit(prompts[1], max_tokens=16, ignore_eos=True)]
-        first, second = (handle.result() for handle in handles)
-        assert first.tokens == solo(prompts[0], 16) and second.tokens == solo(prompts[1], 16)
-        follow = engine.submit(prompts[0] + first.tokens + [5], max_tokens=4, ignore_eos=True).result()
-        assert follow.tokens == solo(prompts[0] + first.tokens + [5], 4)
-        cached = follow.usage.cached_tokens
-        if speculate == "ngram":
-            assert first.usage.drafted_tokens > 0
-            spec_cached = cached
+        handle = engine.submit(prompt, max_tokens=24, ignore_eos=True, speculate=speculate)
+        while not engine.running or len(engine.running[0].generated) < 9:
+            engine.step()
+        taken = engine.running[0].generated
+        sharing = prompt + taken[:9] + [5]
+        second = engine.submit(sharing, max_tokens=12, ignore_eos=True).result()
+        first = handle.result()
+        assert first.tokens == solo(prompt, 24) and second.tokens == solo(sharing, 12)
+        assert second.usage.cached_tokens >= (len(prompt) + 8) // 4 * 4  # (the first's blocks)
+        follow = engine.submit(prompt + first.tokens + [5], max_tokens=4, ignore_eos=True).result()
+        assert follow.tokens == solo(prompt + first.tokens + [5], 4)
+        found[speculate] = (follow.usage.cached_tokens, first.usage.accepted_tokens)
         engine.pool.cache.allocator.check_invariants()
-    assert spec_cached == cached
+    assert found["ngram"][0] == found["off"][0] and found["ngram"][1] > 0
 
 
 def test_a_seeded_sampled_request_gets_the_same_tokens_with_drafts(q8_model):
