@@ -197,16 +197,21 @@ def test_a_request_sharing_a_prefix_with_a_speculating_one_reads_only_accepted_b
     assert found["ngram"][0] == found["off"][0] and found["ngram"][1] > 0
 
 
-def test_a_seeded_sampled_request_gets_the_same_tokens_with_drafts(q8_model):
+def test_a_seeded_sampled_request_gets_the_same_tokens_and_logprobs_with_drafts(q8_model, solo, monkeypatch):
+    """Seeded sampling with a repetition penalty and log-probs asked: each position's token drawn
+    from the request's own generator as plain decoding draws it, its penalties counting the
+    tokens taken before it in the same step."""
     vocab = q8_model.config.vocab_size
     prompts = [_prompt(vocab, seed, True) for seed in range(4)]
+    _oracle(monkeypatch, solo, prompts, 16, random.Random(3))
     runs = []
     for speculate in ("ngram", "off"):
-        params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.3, seed=seed,
-                                 speculate=speculate) for seed in range(len(prompts))]
+        params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.05, seed=seed, logprobs=2,
+                                 repetition_penalty=1.1, speculate=speculate) for seed in range(len(prompts))]
         runs.append(_run(q8_model, prompts, params, max_running=4)[0])
     assert [done.tokens for done in runs[0]] == [done.tokens for done in runs[1]]
-    assert sum(done.usage.drafted_tokens for done in runs[0]) > 0
+    assert [done.logprobs for done in runs[0]] == [done.logprobs for done in runs[1]]
+    assert sum(done.usage.accepted_tokens for done in runs[0]) > 0
 
 
 def test_stops_inside_an_accepted_draft_emit_nothing_past_them(q8_model, solo, monkeypatch):
