@@ -80,7 +80,8 @@ def refusal(backend, model, pool_config) -> str | None:
     if not backend.chunk_invariant:
         return (f"the engine's backend {backend.name!r} sums a step of several tokens in another order "
                 "than one token's (it is not chunk_invariant), so a verified draft could change a token; "
-                "a GGUF loaded with q8 activations runs on 'blocks', which is")
+                "a GGUF loaded with activations='q8' (kvcache serve --activations q8) runs on 'blocks', "
+                "which is")
     if any(window is not None for window in model.config.layer_windows):
         return "drafts are not rolled back from a sliding-window layer's blocks yet: this model has some"
     if pool_config.kv_dtype is not None or pool_config.kv_window:
