@@ -46,3 +46,15 @@ def force_replies(running, reply: str | None = None):
 
     running.engine.submit = forced
     return running
+
+
+def recording_prompts(running):
+    """`running` whose engine keeps every prompt it is given (`running.prompts`, token ids)."""
+    running.prompts, submit = [], running.engine.submit
+
+    def recorded(prompt, params, **options):
+        running.prompts.append(list(prompt))
+        return submit(prompt, params, **options)
+
+    running.engine.submit = recorded
+    return running

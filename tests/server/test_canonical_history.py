@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 from conftest import API_KEY, start_server
-from forced_replies import force_replies
+from forced_replies import force_replies, recording_prompts
 
 from kvcache.server import ServerSettings
 from kvcache.server.canonical_history import CanonicalHistory
@@ -57,15 +57,7 @@ def servers(model, tokenizer):
     for name, canonical in (("off", False), ("on", True)):
         settings = ServerSettings(model_name="kvcache-test", api_key=API_KEY, canonical_history=canonical)
         started = start_server(model, tokenizer, settings, max_running=4, token_budget=128)
-        running = force_replies(started, REPLY)
-        running.prompts, submit = [], running.engine.submit
-
-        def recorded(prompt, params, running=running, submit=submit, **options):
-            running.prompts.append(list(prompt))
-            return submit(prompt, params, **options)
-
-        running.engine.submit = recorded
-        found[name] = running
+        found[name] = recording_prompts(force_replies(started, REPLY))
     yield found
     for running in found.values():
         running.stop()
