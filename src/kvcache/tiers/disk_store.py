@@ -455,7 +455,9 @@ class DiskBlockStore(BlockStore):
         written = 0
         for key, value in batch:
             place = _place(key)
-            if place is None:
+            with self._index_lock:  # (put before its old file turned out undeletable: never written over)
+                bad = key in self._bad
+            if place is None or bad:
                 continue
             self._write_file(*place, value)
             with self._index_lock:
