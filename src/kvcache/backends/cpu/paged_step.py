@@ -209,12 +209,22 @@ def _each_token_attention(step, qkv, rows: TokenRows, storage, tables, layout, r
     attended = np.empty((len(qkv), step.heads * step.head_dim), np.float32)
     for at in range(0, len(qkv), ATTENDED_AT_ONCE):
         these = slice(at, at + ATTENDED_AT_ONCE)
-        numba_products.kernels().attention(
-            qkv[these], step.heads, step.kv_heads, storage[0], storage[1], tables, rows.table_row[these],
-            rows.lengths[these], layout, _NO_MASK, storage[3],
-            recent if not len(recent[2]) else (*recent[:2], recent[2][these]), attended[these],
-        )
+        attended[these] = _on_kernel_attention(step, qkv, rows, these, storage, tables, layout, recent)
     return attended
+
+
+def _on_kernel_attention(
+    step, qkv, rows: TokenRows, these, storage, tables, layout, recent: tuple
+) -> np.ndarray:
+    """(n, H·D) attention of the tokens `these` (a slice or indices) on the kernels' `attention`,
+    in place through the block tables."""
+    out = np.empty((len(rows.ids[these]), step.heads * step.head_dim), np.float32)
+    numba_products.kernels().attention(
+        qkv[these], step.heads, step.kv_heads, storage[0], storage[1], tables, rows.table_row[these],
+        rows.lengths[these], layout, _NO_MASK, storage[3],
+        recent if not len(recent[2]) else (*recent[:2], recent[2][these]), out,
+    )
+    return out
 
 
 def _swiglu(gate_up: np.ndarray) -> np.ndarray:
@@ -232,17 +242,10 @@ def _attention(step, qkv, rows: TokenRows, storage, tables, layout, recent: tupl
     of them where the kernels would read them once per query), its full-precision window's
     positions from there. storage: `_kernel_storage`'s; recent: the kernels' argument."""
     heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
-    keys, values, _, key_rounding, _ = storage
     attended = np.empty((len(qkv), heads * dim), np.float32)
     singles = rows.singles
     if len(singles):
-        out = np.empty((len(singles), heads * dim), np.float32)
-        numba_products.kernels().attention(
-            qkv[singles], heads, kv_heads, keys, values, tables, rows.table_row[singles],
-            rows.lengths[singles], layout, _NO_MASK, key_rounding,
-            recent if not len(recent[2]) else (*recent[:2], recent[2][singles]), out,
-        )
-        attended[singles] = out
+        attended[singles] = _on_kernel_attention(step, qkv, rows, singles, storage, tables, layout, recent)
     size = layout[numba_products.kernels().BLOCK]
     window = int(layout[numba_products.kernels().WINDOW])
     for row in np.flatnonzero(rows.counts > 1):
